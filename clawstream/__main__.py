@@ -1,0 +1,5 @@
+"""`python -m clawstream` = the `clawstream` CLI."""
+
+from clawstream.cli import main
+
+main()

@@ -1,0 +1,139 @@
+"""The ``clawstream`` command line: one entry point for every service and tool.
+
+Run ``clawstream --help`` (or ``python -m clawstream --help``) for the list of commands.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from clawstream import __version__
+from clawstream.errors import ClawstreamError
+
+
+class _Group(click.Group):
+    """Click group that prints our own errors as one clean line instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except ClawstreamError as exc:
+            click.secho(f"error: {exc}", fg="red", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="clawstream")
+def main() -> None:
+    """clawstream: RL of an LLM policy through real agent harnesses, over Apache Kafka."""
+
+
+# ---- kafka -------------------------------------------------------------------------------------------------------
+@main.group(cls=_Group)
+def kafka() -> None:
+    """Run a local single-node Apache Kafka 4.x (KRaft) for development, tests and the demo."""
+
+
+def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
+    from clawstream.kafka_local import LocalKafka
+
+    return LocalKafka(home=home)
+
+
+_home_option = click.option(
+    "--home", type=click.Path(path_type=Path), default=None,
+    help="Broker state directory (default: $CLAWSTREAM_HOME/kafka, i.e. ~/.cache/clawstream/kafka).",
+)  # fmt: skip
+
+
+@kafka.command("up")
+@click.option("--port", type=int, default=None, help="Broker port on 127.0.0.1 (default: previous or a free one).")
+@click.option("--timeout", type=float, default=90.0, show_default=True, help="Seconds to wait for readiness.")
+@_home_option
+def kafka_up(port: int | None, timeout: float, home: Path | None) -> None:
+    """Provision the jars (once), format storage (once), start the broker; print its bootstrap address."""
+    started = time.monotonic()
+    state = _local(home).up(port, timeout=timeout)
+    click.echo(state.bootstrap)
+    click.echo(f"ready in {time.monotonic() - started:.1f}s (pid {state.pid})", err=True)
+
+
+@kafka.command("down")
+@_home_option
+def kafka_down(home: Path | None) -> None:
+    """Stop the local broker (SIGTERM, then SIGKILL after 30 s). Data is kept."""
+    click.echo("stopped" if _local(home).down() else "not running")
+
+
+@kafka.command("status")
+@_home_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def kafka_status(home: Path | None, as_json: bool) -> None:
+    """Whether the local broker runs, where, and where its data and logs are."""
+    status = _local(home).status()
+    if as_json:
+        click.echo(json.dumps(status, indent=2))
+        return
+    for key, value in status.items():
+        click.echo(f"{key:10} {value}")
+    if not status["running"]:
+        sys.exit(3)
+
+
+@kafka.command("logs")
+@_home_option
+@click.option("-n", "--lines", type=int, default=50, show_default=True, help="How many lines from the end.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
+def kafka_logs(home: Path | None, lines: int, follow: bool) -> None:
+    """Print the broker's log."""
+    local = _local(home)
+    click.echo(local.tail(lines))
+    if follow:
+        with open(local.log_file, "rb") as handle:
+            handle.seek(0, 2)
+            try:
+                while True:
+                    chunk = handle.read()
+                    if chunk:
+                        click.echo(chunk.decode(errors="replace"), nl=False)
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                pass
+
+
+# ---- topics ------------------------------------------------------------------------------------------------------
+@main.group(cls=_Group)
+def topics() -> None:
+    """Create and inspect the topics of the catalog (schemas/topics.py)."""
+
+
+@topics.command("create")
+@click.option("--prefix", default=None, help="Topic name prefix for an isolated run (else CLAWSTREAM_KAFKA_TOPIC_PREFIX).")
+@click.option("--bootstrap", default=None, help="host:port (else CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else local broker).")
+def topics_create(prefix: str | None, bootstrap: str | None) -> None:
+    """Create every catalog topic that does not exist yet (idempotent)."""
+    from clawstream.kafka_clients import create_topics
+    from clawstream.settings import KafkaSettings, load_settings
+
+    overrides = {k: v for k, v in {"topic_prefix": prefix, "bootstrap_servers": bootstrap}.items() if v is not None}
+    settings = load_settings(KafkaSettings, **overrides)
+    for name, outcome in create_topics(settings).items():
+        click.echo(f"{outcome:8} {name}")
+
+
+@topics.command("list")
+def topics_list() -> None:
+    """Print the catalog: topic, partitions, key, value schema, producer → consumer."""
+    from schemas.topics import CATALOG
+
+    for spec in CATALOG:
+        click.echo(f"{spec.name:30} {spec.partitions:3}  key={spec.key:12} {spec.value_schema:15} {spec.description}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Kafka client plumbing shared by every service: producer/consumer/admin configs and topic creation.
+
+Producers are idempotent with ``acks=all`` and zstd; consumers read large records; sizes match the broker recipe.
+Consumers log positions as ``topic[partition]@offset`` (see :func:`where`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from clawstream.errors import TopicError
+from clawstream.settings import MAX_MESSAGE_BYTES, KafkaSettings
+from schemas.topics import CATALOG, TopicSpec, co_partition_groups
+
+log = logging.getLogger(__name__)
+
+
+def where(msg: Message) -> str:
+    """``topic[partition]@offset`` of a consumed message, for logs and dead letters."""
+    return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+
+
+def producer_config(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:
+    conf = settings.client_config()
+    conf.update({
+        "enable.idempotence": True,
+        "acks": "all",
+        "compression.type": "zstd",
+        "linger.ms": 5,
+        "message.max.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
+    })  # fmt: skip
+    conf.update(overrides)
+    return conf
+
+
+def consumer_config(settings: KafkaSettings, group_id: str, **overrides: Any) -> dict[str, Any]:
+    conf = settings.client_config()
+    conf.update({
+        "group.id": group_id,
+        "auto.offset.reset": "earliest",
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES,
+        "max.partition.fetch.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
+    })  # fmt: skip
+    conf.update(overrides)
+    return conf
+
+
+def make_producer(settings: KafkaSettings, **overrides: Any) -> Producer:
+    return Producer(producer_config(settings, **overrides))
+
+
+def make_consumer(settings: KafkaSettings, group_id: str, **overrides: Any) -> Consumer:
+    return Consumer(consumer_config(settings, group_id, **overrides))
+
+
+def make_admin(settings: KafkaSettings) -> AdminClient:
+    return AdminClient(settings.client_config())
+
+
+def create_topics(
+    settings: KafkaSettings,
+    catalog: Iterable[TopicSpec] = CATALOG,
+    *,
+    partitions: dict[str, int] | None = None,
+    timeout: float = 30.0,
+) -> dict[str, str]:
+    """Create the catalog's topics (with ``settings.topic_prefix``) that do not exist yet. Idempotent.
+
+    Returns ``{full topic name: "created" | "exists"}``. Raises :class:`TopicError` when an existing topic's
+    partition count breaks a co-partitioned group, or when the broker refuses a creation.
+    """
+    specs = list(catalog)
+    partitions = partitions or {}
+    admin = make_admin(settings)
+    try:
+        existing = admin.list_topics(timeout=timeout).topics
+    except KafkaException as exc:
+        raise TopicError(f"cannot list topics on {settings.resolved_bootstrap()}: {exc}") from exc
+    wanted = {settings.topic(s.name): s for s in specs}
+    new = [
+        NewTopic(full, num_partitions=partitions.get(s.name, s.partitions), replication_factor=-1, config=s.configs)
+        for full, s in wanted.items()
+        if full not in existing
+    ]
+    result = {full: "exists" for full in wanted if full in existing}
+    if new:
+        futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
+        for full, future in futures.items():
+            try:
+                future.result()
+                result[full] = "created"
+            except KafkaException as exc:
+                err = exc.args[0]
+                if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    result[full] = "exists"  # another process won the race: still idempotent
+                else:
+                    raise TopicError(f"creating {full} failed: {exc}") from exc
+    _check_co_partitioning(admin, settings, specs, timeout)
+    return result
+
+
+def _check_co_partitioning(admin: AdminClient, settings: KafkaSettings, specs: list[TopicSpec], timeout: float) -> None:
+    topics = admin.list_topics(timeout=timeout).topics
+    for group, members in co_partition_groups(tuple(specs)).items():
+        counts = {settings.topic(s.name): len(topics[settings.topic(s.name)].partitions) for s in members}
+        if len(set(counts.values())) > 1:
+            detail = ", ".join(f"{t}={n}" for t, n in counts.items())
+            raise TopicError(
+                f"co-partitioned group '{group}' has different partition counts ({detail}); joins by rollout id "
+                "need equal counts: recreate the odd topic or use a fresh --prefix"
+            )

@@ -1,0 +1,1 @@
+"""consumers stage package (see README file map)."""

@@ -1,0 +1,1 @@
+"""learner stage package (see README file map)."""

@@ -1,0 +1,1 @@
+"""producers stage package (see README file map)."""

@@ -1,0 +1,142 @@
+"""Avro single-object encoding of clawstream events, with writer schemas resolved by fingerprint.
+
+Wire format (Avro spec, "Single-object encoding"): ``C3 01`` marker, the 8-byte little-endian CRC-64-AVRO
+fingerprint of the writer schema's parsing canonical form, then the Avro binary body. Any Avro implementation
+can decode a record with the ``.avsc`` files alone; no registry server is involved.
+
+The current schemas are ``schemas/*.avsc``; older versions in ``schemas/history/`` are known as writer schemas
+only, so a record written with an old version is read with the new one (defaults fill added fields).
+Pure: no Kafka import.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro.schema import fingerprint as avro_fingerprint
+from fastavro.schema import to_parsing_canonical_form
+from fastavro.validation import validate
+
+from clawstream.errors import CodecError, CorruptRecordError, UnknownSchemaError
+
+SCHEMA_DIR = Path(__file__).resolve().parent
+MARKER = b"\xc3\x01"
+HEADER_LEN = len(MARKER) + 8
+
+
+@dataclass(frozen=True)
+class SchemaEntry:
+    """One parsed schema: its full name, fingerprint and fastavro form."""
+
+    name: str  # full name, e.g. "io.clawstream.CallEvent"
+    fingerprint: bytes  # 8 bytes, little-endian CRC-64-AVRO, as written after the marker
+    parsed: Any
+    path: Path
+
+
+def schema_fingerprint(schema: dict[str, Any]) -> bytes:
+    """CRC-64-AVRO fingerprint of a schema's parsing canonical form, as the 8 bytes single-object encoding writes."""
+    canonical = to_parsing_canonical_form(parse_schema(schema, _write_hint=False))
+    # fastavro returns the digest bytes in hex, already in little-endian (wire) order.
+    return bytes.fromhex(avro_fingerprint(canonical, "CRC-64-AVRO"))
+
+
+def _load(path: Path) -> SchemaEntry:
+    try:
+        raw = json.loads(path.read_text())
+        parsed = parse_schema(raw, _write_hint=False)
+    except (OSError, ValueError, Exception) as exc:  # fastavro raises SchemaParseException and friends
+        raise CodecError(f"cannot load Avro schema {path}: {exc}") from exc
+    name = f"{raw['namespace']}.{raw['name']}" if "namespace" in raw and "." not in raw["name"] else raw["name"]
+    return SchemaEntry(name=name, fingerprint=schema_fingerprint(raw), parsed=parsed, path=path)
+
+
+class AvroCodec:
+    """Encode and decode events by schema name ("CallEvent" or "io.clawstream.CallEvent")."""
+
+    def __init__(self, schema_dir: Path = SCHEMA_DIR) -> None:
+        self._current: dict[str, SchemaEntry] = {}
+        self._writers: dict[bytes, SchemaEntry] = {}
+        for path in sorted(schema_dir.glob("*.avsc")):
+            entry = _load(path)
+            self._current[entry.name] = entry
+            self._writers[entry.fingerprint] = entry
+        for path in sorted((schema_dir / "history").glob("*.avsc")):
+            entry = _load(path)
+            self._writers.setdefault(entry.fingerprint, entry)
+        if not self._current:
+            raise CodecError(f"no .avsc files found in {schema_dir}")
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._current)
+
+    def entry(self, name: str) -> SchemaEntry:
+        full = name if "." in name else f"io.clawstream.{name}"
+        try:
+            return self._current[full]
+        except KeyError:
+            raise UnknownSchemaError(f"no schema named {name!r}; known: {', '.join(self.names)}") from None
+
+    def encode(self, name: str, record: dict[str, Any]) -> bytes:
+        """Single-object-encode ``record`` with the current schema ``name``."""
+        entry = self.entry(name)
+        buf = io.BytesIO()
+        buf.write(MARKER)
+        buf.write(entry.fingerprint)
+        try:
+            schemaless_writer(buf, entry.parsed, record)
+        except Exception as exc:  # fastavro raises ValueError/TypeError/KeyError/AttributeError on bad records
+            # Validation pinpoints the field; only run it on the error path, it is slow on big token arrays.
+            try:
+                validate(record, entry.parsed, raise_errors=True)
+            except Exception as detail:  # noqa: BLE001 - fastavro.ValidationError carries the field path
+                raise CodecError(f"record does not match {entry.name}: {detail}") from exc
+            raise CodecError(f"record does not match {entry.name}: {exc!r}") from exc
+        return buf.getvalue()
+
+    def writer_of(self, data: bytes) -> SchemaEntry:
+        """The writer schema named by a record's header; typed errors for garbage or unknown fingerprints."""
+        if len(data) < HEADER_LEN or data[:2] != MARKER:
+            raise CorruptRecordError(
+                f"not Avro single-object encoding: expected marker C3 01 and 8-byte fingerprint, got {data[:10].hex()}"
+            )
+        fp = bytes(data[2:HEADER_LEN])
+        entry = self._writers.get(fp)
+        if entry is None:
+            raise UnknownSchemaError(f"unknown writer schema fingerprint {fp.hex()} (a newer producer? stale schemas/)")
+        return entry
+
+    def decode(self, data: bytes, expected: str | None = None) -> tuple[str, dict[str, Any]]:
+        """Decode to ``(schema full name, record)``, read with the *current* schema of the writer's name."""
+        writer = self.writer_of(data)
+        reader = self._current.get(writer.name)
+        if reader is None:
+            raise UnknownSchemaError(f"writer schema {writer.name} has no current version in schemas/")
+        if expected is not None and self.entry(expected).name != writer.name:
+            raise CorruptRecordError(f"expected a {self.entry(expected).name} record, got {writer.name}")
+        body = io.BytesIO(memoryview(data)[HEADER_LEN:])
+        try:
+            if writer is reader:
+                record = schemaless_reader(body, writer.parsed, None)
+            else:
+                record = schemaless_reader(body, writer.parsed, reader.parsed)
+        except Exception as exc:  # EOFError, UnicodeDecodeError, IndexError, SchemaResolutionError, ...
+            raise CorruptRecordError(f"corrupt {writer.name} body: {exc!r}") from exc
+        if body.tell() != len(data) - HEADER_LEN:
+            raise CorruptRecordError(
+                f"corrupt {writer.name} body: {len(data) - HEADER_LEN - body.tell()} trailing bytes after the record"
+            )
+        return writer.name, record
+
+
+@lru_cache(maxsize=1)
+def default_codec() -> AvroCodec:
+    """The process-wide codec over the packaged schemas (parsing them once)."""
+    return AvroCodec()

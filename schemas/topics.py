@@ -1,0 +1,73 @@
+"""The topic catalog: every clawstream topic, its key, value schema, partition count and configs.
+
+``calls``, ``rollout.events`` and ``rewards`` are co-partitioned (same partition count, all keyed by rollout id)
+so the Faust assembler can join them per partition. Pure: creation lives in ``clawstream.kafka_clients``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from clawstream.settings import MAX_MESSAGE_BYTES
+
+# Partitions of the rollout-keyed topics: enough to spread a few hundred concurrent rollouts over several
+# stream workers. Changing it after topics exist breaks co-partitioning; `topics create` refuses mismatches.
+ROLLOUT_PARTITIONS = 8
+
+_BIG = {"max.message.bytes": str(MAX_MESSAGE_BYTES + 1024 * 1024)}
+_WEEK_MS = str(7 * 24 * 3600 * 1000)
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic of the catalog (``name`` without prefix)."""
+
+    name: str
+    key: str
+    value_schema: str
+    partitions: int
+    configs: dict[str, str] = field(default_factory=dict)
+    co_partition_group: str | None = None
+    description: str = ""
+
+
+ROLLOUT_REQUESTS = "clawstream.rollout.requests"
+ROLLOUT_EVENTS = "clawstream.rollout.events"
+CALLS = "clawstream.calls"
+REWARDS = "clawstream.rewards"
+TRAJECTORIES = "clawstream.trajectories"
+BATCHES = "clawstream.batches"
+WEIGHTS = "clawstream.weights"
+METRICS = "clawstream.metrics"
+DEADLETTER = "clawstream.deadletter"
+
+CATALOG: tuple[TopicSpec, ...] = (
+    TopicSpec(ROLLOUT_REQUESTS, "rollout_id", "RolloutRequest", ROLLOUT_PARTITIONS,
+              {"retention.ms": _WEEK_MS}, description="scheduler → sandbox workers"),
+    TopicSpec(ROLLOUT_EVENTS, "rollout_id", "RolloutEvent", ROLLOUT_PARTITIONS,
+              {"retention.ms": _WEEK_MS}, "rollout", "sandbox worker → streams (lifecycle)"),
+    TopicSpec(CALLS, "rollout_id", "CallEvent", ROLLOUT_PARTITIONS,
+              {**_BIG, "retention.ms": _WEEK_MS}, "rollout", "proxy → streams (one model call)"),
+    TopicSpec(REWARDS, "rollout_id", "RewardEvent", ROLLOUT_PARTITIONS,
+              {"retention.ms": _WEEK_MS}, "rollout", "sandbox worker / judges → streams"),
+    TopicSpec(TRAJECTORIES, "rollout_id", "Trajectory", ROLLOUT_PARTITIONS,
+              {**_BIG, "retention.ms": _WEEK_MS}, description="streams → grouper, analytics, replay"),
+    # One partition: a batch's records and its seal stay in order, and the learner reads batches in order.
+    TopicSpec(BATCHES, "batch_id", "BatchRecord", 1, {**_BIG, "retention.ms": _WEEK_MS},
+              description="streams → learner"),
+    TopicSpec(WEIGHTS, "model_name", "WeightVersion", 1, {"retention.ms": "-1"},
+              description="learner → inference workers, scheduler (full history kept)"),
+    TopicSpec(METRICS, "source", "Metric", 1, {"retention.ms": _WEEK_MS}, description="all → analytics"),
+    TopicSpec(DEADLETTER, "original key", "DeadLetter", 1, {**_BIG, "retention.ms": "-1"},
+              description="any → operators (rejected records + reason)"),
+)  # fmt: skip
+
+BY_NAME: dict[str, TopicSpec] = {spec.name: spec for spec in CATALOG}
+
+
+def co_partition_groups(catalog: tuple[TopicSpec, ...] = CATALOG) -> dict[str, list[TopicSpec]]:
+    groups: dict[str, list[TopicSpec]] = {}
+    for spec in catalog:
+        if spec.co_partition_group:
+            groups.setdefault(spec.co_partition_group, []).append(spec)
+    return groups

@@ -1,0 +1,1 @@
+"""streams stage package (see README file map)."""
