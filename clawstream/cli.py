@@ -113,8 +113,12 @@ def topics() -> None:
 
 
 @topics.command("create")
-@click.option("--prefix", default=None, help="Topic name prefix for an isolated run (else CLAWSTREAM_KAFKA_TOPIC_PREFIX).")
-@click.option("--bootstrap", default=None, help="host:port (else CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else local broker).")
+@click.option(
+    "--prefix", default=None, help="Topic name prefix for an isolated run (else CLAWSTREAM_KAFKA_TOPIC_PREFIX)."
+)
+@click.option(
+    "--bootstrap", default=None, help="host:port (else CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else local broker)."
+)
 def topics_create(prefix: str | None, bootstrap: str | None) -> None:
     """Create every catalog topic that does not exist yet (idempotent)."""
     from clawstream.kafka_clients import create_topics

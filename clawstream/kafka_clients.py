@@ -7,6 +7,7 @@ Consumers log positions as ``topic[partition]@offset`` (see :func:`where`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -107,7 +108,16 @@ def create_topics(
 
 
 def _check_co_partitioning(admin: AdminClient, settings: KafkaSettings, specs: list[TopicSpec], timeout: float) -> None:
+    # Creation returns before every broker's metadata cache knows the topic: wait until all are visible.
+    names = {settings.topic(s.name) for s in specs}
+    deadline = time.monotonic() + timeout
     topics = admin.list_topics(timeout=timeout).topics
+    while not names <= set(topics) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        topics = admin.list_topics(timeout=timeout).topics
+    missing = names - set(topics)
+    if missing:
+        raise TopicError(f"topics still invisible {timeout:.0f}s after creation: {', '.join(sorted(missing))}")
     for group, members in co_partition_groups(tuple(specs)).items():
         counts = {settings.topic(s.name): len(topics[settings.topic(s.name)].partitions) for s in members}
         if len(set(counts.values())) > 1:

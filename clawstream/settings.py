@@ -24,7 +24,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def clawstream_home() -> Path:
-    """Directory for local state (broker data, jar cache, weight store): ``$CLAWSTREAM_HOME`` or ``~/.cache/clawstream``."""
+    """Local state directory (broker data, jar cache, weight store): ``$CLAWSTREAM_HOME`` or ``~/.cache/clawstream``."""
     return Path(os.environ.get("CLAWSTREAM_HOME") or Path.home() / ".cache" / "clawstream")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro.read import SchemaResolutionError
 from fastavro.schema import fingerprint as avro_fingerprint
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.validation import validate
@@ -127,7 +128,11 @@ class AvroCodec:
                 record = schemaless_reader(body, writer.parsed, None)
             else:
                 record = schemaless_reader(body, writer.parsed, reader.parsed)
-        except Exception as exc:  # EOFError, UnicodeDecodeError, IndexError, SchemaResolutionError, ...
+        except SchemaResolutionError as exc:
+            raise CodecError(
+                f"cannot read {writer.name} written with {writer.path.name} using the current schema: {exc}"
+            ) from exc
+        except Exception as exc:  # EOFError, UnicodeDecodeError, IndexError, ...
             raise CorruptRecordError(f"corrupt {writer.name} body: {exc!r}") from exc
         if body.tell() != len(data) - HEADER_LEN:
             raise CorruptRecordError(

@@ -36,6 +36,7 @@ def transition(current: RolloutState | None, new: RolloutState) -> RolloutState:
     """Return ``new`` if the move is allowed, else raise :class:`LifecycleError` naming both states."""
     if not can_transition(current, new):
         allowed = ", ".join(sorted(s.value for s in ALLOWED[current])) or "nothing (terminal)"
-        raise LifecycleError(f"rollout cannot go from {current.value if current else 'start'} to {new.value}; "
-                             f"allowed: {allowed}")
+        raise LifecycleError(
+            f"rollout cannot go from {current.value if current else 'start'} to {new.value}; allowed: {allowed}"
+        )
     return new

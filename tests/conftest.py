@@ -1,0 +1,6 @@
+"""Shared test configuration: offline Hugging Face, quiet tokenizers."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
