@@ -1,0 +1,787 @@
+"""Build the project's tiny Qwen3-architecture policy model, with its own BPE tokenizer and chat template.
+
+No model hub is reachable from the development machines, so CPU runs use a model this module creates from
+nothing: a synthetic corpus that looks like agent traffic (prose about files and tasks, JSON tool calls, file
+names, digits, code, chat markup) trains a byte-level BPE tokenizer; a Qwen3-style chat template with tool calls
+is attached; a randomly initialised ``Qwen3ForCausalLM`` is saved next to it in Hugging Face format. The output
+directory loads through ``AutoTokenizer`` / ``AutoModelForCausalLM`` exactly like a real Qwen3 checkpoint, so
+every other stage (CPU engine, proxy, learner) takes the same code path for the tiny model and a real one.
+No SFT happens here; the warm start is a separate step.
+
+Run::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m learner.model_init --out models/tiny [--seed 0]
+
+Everything is deterministic in ``seed``: two builds with the same seed write an identical ``tokenizer.json`` and
+identical weights.
+
+Chat template contract (what the serving proxy relies on for token-in-token-out)
+--------------------------------------------------------------------------------
+* A turn is ``<|im_start|>{role}\\n{body}<|im_end|>\\n``. The generation prompt is ``<|im_start|>assistant\\n``
+  (``GENERATION_PROMPT``); after the assistant's body the template puts exactly ``<|im_end|>`` + ``\\n``
+  (``ASSISTANT_TURN_SUFFIX``), i.e. the token ids ``[id(<|im_end|>), id("\\n")]`` (``assistant_turn_suffix_ids``).
+  ``<|im_end|>`` is the eos, so a turn that finished with ``stop`` already ends with it among the generated ids
+  and the proxy appends only the ``\\n`` id; a turn cut off by the length limit needs both.
+* Prefix stability: for a conversation whose message k is an assistant turn, the rendering of messages[:k] with
+  ``add_generation_prompt=True`` is a string prefix of the rendering of messages[:k+1] (and of any longer
+  conversation). Unlike Qwen3's own template, reasoning of earlier turns is never dropped and no empty
+  ``<think></think>`` block is injected into history, so this holds for every assistant turn, not just the last.
+  It is also a token prefix, because ``<|im_start|>`` splits the text and the trailing ``\\n`` is its own
+  pre-token, except when the assistant body starts with whitespace containing a line break (``"\\n..."``,
+  ``"  \\n..."``): the pre-tokenizer then merges that run with the prompt's ``\\n`` (the Qwen2 regex has
+  ``\\s*[\\r\\n]+``). TITO never re-encodes generated text, so this only matters to code that re-tokenizes.
+* The same holds at user/system/tool boundaries (render(messages[:k]) is a prefix of render(messages[:k+1])),
+  except between two consecutive ``tool`` messages: they are grouped into one user turn, as in Qwen3.
+* ``enable_thinking=False`` appends ``<think>\\n\\n</think>\\n\\n`` to the generation prompt (Qwen3's switch); those
+  tokens are then part of the prompt, not of the assistant message, so that mode is outside the prefix contract.
+* The assistant body is wrapped in ``{% generation %}`` so ``return_assistant_tokens_mask=True`` marks exactly
+  the tokens the model produced (reasoning, content, tool calls, ``<|im_end|>``), which SFT uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from clawstream.errors import ClawstreamError
+
+# Everything here is built from local files; never let transformers try to reach the (unreachable) hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class ModelInitError(ClawstreamError):
+    """The tiny model could not be built (bad settings, or the ML stack is missing or misbehaves)."""
+
+
+# --- tokens ---------------------------------------------------------------------------------------------------
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+TOOL_RESPONSE_START = "<tool_response>"
+TOOL_RESPONSE_END = "</tool_response>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+# Qwen3 marks only the chat-control tokens ``special`` (skipped by ``decode(skip_special_tokens=True)``); the
+# tool-call / tool-response / think markers are added tokens with special=false, so they survive decoding and a
+# harness-side parser still sees them in the text.
+SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
+MARKUP_TOKENS: tuple[str, ...] = (
+    TOOL_CALL_START,
+    TOOL_CALL_END,
+    TOOL_RESPONSE_START,
+    TOOL_RESPONSE_END,
+    THINK_START,
+    THINK_END,
+)
+ADDED_TOKENS: tuple[str, ...] = SPECIAL_TOKENS + MARKUP_TOKENS
+
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+ASSISTANT_TURN_SUFFIX = f"{IM_END}\n"
+
+# Qwen2/Qwen3's pre-tokenizer split: letters keep one leading non-letter (so `"name` and ` name` differ), digits
+# are single tokens, newline runs group together. Copied so the tiny model tokenizes like the real family.
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+# --- chat template ----------------------------------------------------------------------------------------------
+
+# Rendered by transformers' sandboxed Jinja environment (trim_blocks, lstrip_blocks, a json.dumps-based `tojson`
+# with ensure_ascii=False, and the `{% generation %}` extension). Modelled on Qwen3's template; the differences
+# (reasoning always kept, content rendered verbatim, list-of-parts content, empty-message guard) make it
+# prefix-stable, see the module docstring.
+CHAT_TEMPLATE = r"""{%- macro render_text(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for part in content -%}
+            {%- if part is string -%}
+                {{- part -}}
+            {%- elif part.type == 'text' -%}
+                {{- part.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- render_text(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        + "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        + "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+        + "\"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + render_text(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'user' or message.role == 'system' %}
+        {{- '<|im_start|>' + message.role + '\n' + render_text(message.content) + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- generation %}
+        {%- if message.reasoning_content is string and message.reasoning_content %}
+            {{- '<think>\n' + message.reasoning_content.strip('\n') + '\n</think>\n\n' }}
+        {%- endif %}
+        {%- set content = render_text(message.content) %}
+        {{- content }}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>' }}
+        {%- endgeneration %}
+        {{- '\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + render_text(message.content) + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unknown message role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
+def render_chat(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    add_generation_prompt: bool = False,
+    **kwargs: Any,
+) -> str:
+    """Render ``messages`` with ``CHAT_TEMPLATE`` through transformers' own Jinja environment (no tokenizer needed).
+
+    Used to build the tokenizer's training corpus before any tokenizer exists; the result is identical to
+    ``tokenizer.apply_chat_template(..., tokenize=False)`` on the saved tokenizer.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages],
+        tools=tools,
+        chat_template=CHAT_TEMPLATE,
+        add_generation_prompt=add_generation_prompt,
+        **kwargs,
+    )
+    return rendered[0]
+
+
+def assistant_turn_suffix_ids(tokenizer: Any) -> list[int]:
+    """Token ids the template puts after an assistant turn's body: ``<|im_end|>`` then ``\\n``."""
+    return [tokenizer.convert_tokens_to_ids(IM_END), *tokenizer.encode("\n", add_special_tokens=False)]
+
+
+# --- synthetic corpus -----------------------------------------------------------------------------------------
+
+_NOUNS = (
+    "file files folder directory workspace task tasks report line lines word words number numbers total value "
+    "values name names list table column row rows entry entries record records log logs config result results "
+    "summary answer output input data note notes item items key keys error errors test tests function script "
+    "module project user users date dates price prices count size status message messages title header path "
+    "paths command commands version order orders invoice budget score scores city cities email todo todos "
+    "event events day week month year amount balance customer product products category label tag tags"
+).split()
+_VERBS = (
+    "read write create delete rename move copy list count find search replace sort merge split append update "
+    "check run open save print return compute extract parse summarize fix add remove insert filter group "
+    "convert format compare verify load store clean"
+).split()
+_ADJS = (
+    "first last new old empty large small hidden main final current next previous total missing sorted unique "
+    "daily weekly monthly raw clean short long red blue green open closed active pending done"
+).split()
+_EXTS = "txt md json csv py js ts yaml yml toml log sh html css sql ini cfg xml".split()
+_DIRS = "src tests docs data logs config scripts lib app build out notes reports tmp input output assets".split()
+_PEOPLE = "alice bob carol dave erin frank grace heidi ivan judy mallory oscar peggy trent victor walter".split()
+_FILLER = (
+    "the a an of to in on for with from into by and or but then so if when that this these those it its is are "
+    "was were be has have had do does not no all each every some any more less than as at per"
+).split()
+
+# (name, description, {param: (json type, description)}) -- names of the tools real harnesses expose, so their
+# schemas and calls are cheap to tokenize.
+_TOOLS: tuple[tuple[str, str, dict[str, tuple[str, str]]], ...] = (
+    ("read_file", "Read a file from the workspace.", {"path": ("string", "Path of the file to read.")}),
+    (
+        "write_file",
+        "Write content to a file, replacing it.",
+        {"path": ("string", "Path of the file."), "content": ("string", "Text to write.")},
+    ),
+    ("list_dir", "List the entries of a directory.", {"path": ("string", "Directory to list.")}),
+    ("run_command", "Run a shell command in the workspace.", {"command": ("string", "The command line.")}),
+    (
+        "edit_file",
+        "Replace text in a file.",
+        {
+            "path": ("string", "Path of the file."),
+            "old": ("string", "Text to find."),
+            "new": ("string", "Replacement text."),
+        },
+    ),
+    (
+        "search_files",
+        "Search files for a pattern.",
+        {"pattern": ("string", "Regular expression."), "path": ("string", "Where to search.")},
+    ),
+    ("Read", "Reads a file from the local filesystem.", {"file_path": ("string", "The absolute path to read.")}),
+    (
+        "Write",
+        "Writes a file to the local filesystem.",
+        {"file_path": ("string", "The absolute path."), "content": ("string", "The content to write.")},
+    ),
+    (
+        "Edit",
+        "Performs exact string replacements in files.",
+        {
+            "file_path": ("string", "The absolute path."),
+            "old_string": ("string", "The text to replace."),
+            "new_string": ("string", "The replacement text."),
+        },
+    ),
+    (
+        "Bash",
+        "Executes a bash command.",
+        {"command": ("string", "The command to execute."), "description": ("string", "What it does.")},
+    ),
+    ("Glob", "Fast file pattern matching.", {"pattern": ("string", "The glob pattern.")}),
+    (
+        "Grep",
+        "Search file contents with a regex.",
+        {"pattern": ("string", "The regex."), "path": ("string", "Directory to search.")},
+    ),
+    ("exec", "Execute a shell command.", {"command": ("string", "Shell command to run.")}),
+    ("read", "Read a file.", {"path": ("string", "File path.")}),
+    ("write", "Write a file.", {"path": ("string", "File path."), "content": ("string", "File content.")}),
+    ("shell", "Runs a shell command and returns its output.", {"command": ("array", "The command and arguments.")}),
+    ("apply_patch", "Apply a patch to files.", {"input": ("string", "The patch text.")}),
+    (
+        "count_lines",
+        "Count the lines of a file.",
+        {"path": ("string", "Path of the file."), "max": ("integer", "Stop after this many lines.")},
+    ),
+)
+
+
+def _tool_schema(tool: tuple[str, str, dict[str, tuple[str, str]]]) -> dict[str, Any]:
+    name, description, params = tool
+    properties: dict[str, Any] = {}
+    for pname, (ptype, pdesc) in params.items():
+        prop: dict[str, Any] = {"type": ptype, "description": pdesc}
+        if ptype == "array":
+            prop["items"] = {"type": "string"}
+        properties[pname] = prop
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(params)},
+        },
+    }
+
+
+class _CorpusWriter:
+    """Deterministic generator of agent-traffic-looking text; all randomness comes from one seeded ``Random``."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def word(self) -> str:
+        return self.rng.choice(_NOUNS)
+
+    def number(self) -> str:
+        r = self.rng
+        kind = r.randrange(7)
+        if kind == 0:
+            return str(r.randrange(10))
+        if kind == 1:
+            return str(r.randrange(1000))
+        if kind == 2:
+            return str(r.randrange(10**7))
+        if kind == 3:
+            return f"{r.uniform(0, 1000):.{r.randrange(1, 4)}f}"
+        if kind == 4:
+            return f"{r.randrange(1990, 2031)}-{r.randrange(1, 13):02d}-{r.randrange(1, 29):02d}"
+        if kind == 5:
+            return f"{r.randrange(24):02d}:{r.randrange(60):02d}:{r.randrange(60):02d}"
+        return f"-{r.randrange(100)}"
+
+    def identifier(self) -> str:
+        r = self.rng
+        parts = [r.choice(_ADJS + _VERBS), self.word()]
+        if r.random() < 0.3:
+            parts.append(str(r.randrange(10)))
+        style = r.randrange(3)
+        if style == 0:
+            return "_".join(parts)
+        if style == 1:
+            return "-".join(parts)
+        return parts[0] + "".join(p.capitalize() for p in parts[1:])
+
+    def filename(self) -> str:
+        r = self.rng
+        name = self.identifier() if r.random() < 0.6 else self.word()
+        base = f"{name}.{r.choice(_EXTS)}"
+        depth = r.choice((0, 0, 1, 1, 2))
+        prefix = "/".join(r.choice(_DIRS) for _ in range(depth))
+        path = f"{prefix}/{base}" if prefix else base
+        if r.random() < 0.15:
+            path = r.choice(("/root/.openclaw/workspace/", "/workspace/", "./", "/tmp/", "~/")) + path
+        return path
+
+    def sentence(self) -> str:
+        r = self.rng
+        templates = (
+            "{V} the {a} {n} in `{f}` and {v} the {n2}.",
+            '{V} "{f}" and write the {n} to "{f2}".',
+            "The {n} in {f} has {d} {n2}.",
+            "Please {v} every {n} that is {a}, then {v2} the {n2} into {f}.",
+            "I {vd} {f} and found {d} {n2}.",
+            "There are {d} {n} in the {a} {n2}; the {n3} is {d2}.",
+            "{V} all {a} {n} from {f} and save them as {f2}.",
+            "Done. The {n} is {d}.",
+            "Let me {v} the {n} first.",
+            "The task asks to {v} the {n} of `{f}`.",
+            "Create a file named {q}{f}{q} containing {q}{w}{q}.",
+            "Count the {n} in {q}{f}{q} and report the {a} {n2}.",
+            "Error: {n} not found: {f}",
+            "{P} wants the {a} {n} by {date}.",
+            "Now I will {v} {f} with the {n}.",
+        )
+        tmpl = r.choice(templates)
+        verb = r.choice(_VERBS)
+        text = tmpl.format(
+            V=verb.capitalize(),
+            v=r.choice(_VERBS),
+            v2=r.choice(_VERBS),
+            vd=r.choice(("read", "checked", "opened", "parsed", "listed")),
+            a=r.choice(_ADJS),
+            n=self.word(),
+            n2=self.word(),
+            n3=self.word(),
+            f=self.filename(),
+            f2=self.filename(),
+            d=self.number(),
+            d2=self.number(),
+            q=r.choice(('"', '"', "'", "`")),
+            w=self.word(),
+            P=r.choice(_PEOPLE).capitalize(),
+            date=f"{r.randrange(2020, 2031)}-{r.randrange(1, 13):02d}-{r.randrange(1, 29):02d}",
+        )
+        if r.random() < 0.3:
+            text += " " + " ".join(r.choice(_FILLER + _NOUNS) for _ in range(r.randrange(3, 10))) + "."
+        return text
+
+    def paragraph(self) -> str:
+        return " ".join(self.sentence() for _ in range(self.rng.randrange(1, 5)))
+
+    def arguments(self, params: dict[str, tuple[str, str]]) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        for pname, (ptype, _) in params.items():
+            if ptype == "integer":
+                args[pname] = self.rng.randrange(100)
+            elif ptype == "array":
+                args[pname] = ["bash", "-lc", self.shell()]
+            elif "path" in pname:
+                args[pname] = self.filename()
+            elif pname in ("command",):
+                args[pname] = self.shell()
+            elif pname == "pattern":
+                args[pname] = self.rng.choice(("*.py", "**/*.md", "TODO", r"def \w+", self.word(), "*.json"))
+            else:
+                args[pname] = self.file_content() if self.rng.random() < 0.5 else self.sentence()
+        return args
+
+    def shell(self) -> str:
+        r = self.rng
+        f = self.filename()
+        options = (
+            f"cat {f}",
+            f"ls -la {r.choice(_DIRS)}",
+            f"wc -l {f}",
+            f"grep -n {self.word()} {f}",
+            f"python3 {self.filename()}",
+            f"head -n {r.randrange(1, 50)} {f}",
+            f"mkdir -p {r.choice(_DIRS)}/{self.word()}",
+            f"echo '{self.word()}' > {f}",
+            f"sort {f} | uniq -c | sort -rn",
+            f"find . -name '*.{r.choice(_EXTS)}'",
+            f"cp {f} {self.filename()}",
+            "pytest -q",
+            f"sed -i 's/{self.word()}/{self.word()}/g' {f}",
+        )
+        return r.choice(options)
+
+    def file_content(self) -> str:
+        r = self.rng
+        kind = r.randrange(6)
+        if kind == 0:
+            return "\n".join(self.sentence() for _ in range(r.randrange(1, 6)))
+        if kind == 1:
+            header = ",".join(r.sample(_NOUNS, 3))
+            rows = [",".join((r.choice(_PEOPLE), self.number(), self.word())) for _ in range(r.randrange(1, 6))]
+            return "\n".join([header, *rows])
+        if kind == 2:
+            obj = {self.word(): self.number() for _ in range(r.randrange(1, 4))}
+            obj[self.word()] = [self.word() for _ in range(r.randrange(0, 4))]
+            return json.dumps(obj, indent=r.choice((None, 2)))
+        if kind == 3:
+            return "\n".join(f"- {self.sentence()}" for _ in range(r.randrange(1, 5)))
+        if kind == 4:
+            return self.code()
+        return "\n".join(f"{r.choice(_DIRS)}/{self.filename().rsplit('/', 1)[-1]}" for _ in range(r.randrange(1, 6)))
+
+    def code(self) -> str:
+        r = self.rng
+        fn, var, n = self.identifier().replace("-", "_"), self.word(), self.number()
+        snippets = (
+            f"def {fn}({var}):\n    return len({var})\n",
+            f"def {fn}(path: str) -> int:\n    with open(path) as f:\n        return sum(1 for _ in f)\n",
+            f"for {var} in {self.word()}s:\n    if {var} > {n}:\n        print({var})\n",
+            f"import json\n\ndata = json.load(open('{self.filename()}'))\nprint(data['{self.word()}'])\n",
+            f"{var} = [{', '.join(self.number() for _ in range(r.randrange(1, 5)))}]\n",
+            f"const {var} = require('./{self.word()}');\nmodule.exports = {{ {fn} }};\n",
+            f"#!/bin/bash\nset -e\n{self.shell()}\n",
+            f"class {fn.capitalize()}:\n    def __init__(self, {var}):\n        self.{var} = {var}\n",
+            f"--- a/{self.filename()}\n+++ b/{self.filename()}\n@@ -1,2 +1,2 @@\n"
+            f"-{self.sentence()}\n+{self.sentence()}\n",
+            f'if __name__ == "__main__":\n    {fn}({n})\n',
+            f"SELECT {self.word()}, COUNT(*) FROM {self.word()}s WHERE {self.word()} > {n} GROUP BY 1;\n",
+        )
+        return r.choice(snippets)
+
+    def tool_call(self, tool: tuple[str, str, dict[str, tuple[str, str]]]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": tool[0], "arguments": self.arguments(tool[2])}}
+
+    def tool_result(self) -> str:
+        r = self.rng
+        kind = r.randrange(5)
+        if kind == 0:
+            return self.file_content()
+        if kind == 1:
+            return r.choice(("ok", "OK", "done", "File written.", "Success", "(no output)", "exit code 0"))
+        if kind == 2:
+            reason = r.choice(("No such file or directory", "permission denied", "timeout"))
+            return f"Error: {reason}: {self.filename()}"
+        if kind == 3:
+            return self.number()
+        return json.dumps({"ok": r.random() < 0.8, "result": self.sentence()})
+
+    def conversation(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        r = self.rng
+        tools = [_tool_schema(t) for t in r.sample(_TOOLS, r.randrange(1, 6))] if r.random() < 0.8 else None
+        tool_defs = [t for t in _TOOLS if tools and any(s["function"]["name"] == t[0] for s in tools)]
+        messages: list[dict[str, Any]] = []
+        if r.random() < 0.7:
+            messages.append({"role": "system", "content": r.choice(_SYSTEM_PROMPTS)})
+        messages.append({"role": "user", "content": self.paragraph()})
+        for _ in range(r.randrange(0, 4) if tool_defs else 0):
+            calls = [self.tool_call(r.choice(tool_defs)) for _ in range(r.randrange(1, 3))]
+            message: dict[str, Any] = {"role": "assistant", "content": self.sentence() if r.random() < 0.4 else ""}
+            message["tool_calls"] = calls
+            if r.random() < 0.2:
+                message["reasoning_content"] = self.paragraph()
+            messages.append(message)
+            messages.extend({"role": "tool", "content": self.tool_result()} for _ in calls)
+        messages.append({"role": "assistant", "content": self.paragraph()})
+        if r.random() < 0.2:
+            messages.append({"role": "user", "content": self.sentence()})
+        return messages, tools
+
+    def document(self) -> str:
+        """One training document; chat markup is produced by the real template."""
+        r = self.rng
+        kind = r.random()
+        if kind < 0.45:
+            messages, tools = self.conversation()
+            return render_chat(messages, tools, add_generation_prompt=messages[-1]["role"] == "user")
+        if kind < 0.60:
+            return self.paragraph()
+        if kind < 0.75:
+            tool = r.choice(_TOOLS)
+            call = {"name": tool[0], "arguments": self.arguments(tool[2])}
+            return json.dumps(call, separators=r.choice(((", ", ": "), (",", ":"))), ensure_ascii=False)
+        if kind < 0.90:
+            return self.code()
+        return self.file_content()
+
+
+_SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a coding agent working in a sandboxed workspace. Use the tools to inspect and change files.",
+    "You are Claude Code, an interactive CLI tool that helps users with software engineering tasks.",
+    "You are a personal assistant running inside OpenClaw. Your workspace is /root/.openclaw/workspace.",
+    "You are Codex, a coding agent. Be concise. Use the shell tool to run commands.",
+    "Answer with the exact value only.",
+)
+
+_ADDED_TOKEN_RE = re.compile("|".join(re.escape(t) for t in ADDED_TOKENS))
+
+
+def iter_corpus(seed: int, num_documents: int) -> Iterator[str]:
+    """Yield the tokenizer's training text: ``num_documents`` documents, each cut at the added tokens.
+
+    Added tokens are split out of the text before pre-tokenization at encode time, so the BPE trainer must not
+    see them either (it would waste merges on spelling ``<|im_start|>`` out of bytes).
+    """
+    writer = _CorpusWriter(seed)
+    for _ in range(num_documents):
+        for piece in _ADDED_TOKEN_RE.split(writer.document()):
+            if piece:
+                yield piece
+
+
+# --- build ------------------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(seed: int, vocab_size: int, num_documents: int) -> Any:
+    """Train the byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast`` with the chat template.
+
+    The ``len(ADDED_TOKENS)`` added tokens take the last ids, after the BPE vocabulary, as in Qwen3.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe_size = vocab_size - len(ADDED_TOKENS)
+    if bpe_size < 256 + 16:
+        raise ModelInitError(f"vocab_size={vocab_size} is too small: need room for 256 bytes, merges and added tokens")
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    # No normalizer: Qwen2 applies NFC, but that would break the exact byte round trip TITO depends on.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=bpe_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tok.train_from_iterator(iter_corpus(seed, num_documents), trainer=trainer)
+    learned = tok.get_vocab_size()
+    if learned < bpe_size:
+        # The corpus ran out of pairs with count >= 2; the gap would leave the added tokens at unexpected ids.
+        raise ModelInitError(f"BPE learned only {learned} of {bpe_size} tokens; raise num_documents")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+        split_special_tokens=False,
+    )
+
+
+def _config_kwargs(
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_position_embeddings: int,
+    rope_theta: float,
+) -> dict[str, Any]:
+    from transformers import Qwen3Config
+
+    kwargs: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "attention_bias": False,
+    }
+    # transformers 5 moved rope settings into `rope_parameters`; 4.x takes `rope_theta`.
+    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta}
+    else:
+        kwargs["rope_theta"] = rope_theta
+    return kwargs
+
+
+def init_tiny_model(
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    hidden_size: int = 256,
+    intermediate_size: int = 768,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 32768,
+    rope_theta: float = 1_000_000.0,
+    num_documents: int = 6000,
+    progress: Callable[[str], None] | None = print,
+) -> Path:
+    """Build tokenizer + randomly initialised Qwen3 model into ``out_dir`` and return it.
+
+    ``num_documents`` sizes the synthetic tokenizer corpus (it must yield at least ``vocab_size`` - 9 BPE tokens).
+    ``progress`` receives one line per stage (``None`` silences it).
+    """
+    say = progress or (lambda _line: None)
+    t0 = time.perf_counter()
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ModelInitError(
+            f"hidden_size={hidden_size} must divide by num_heads={num_heads}, "
+            f"and num_heads by num_kv_heads={num_kv_heads}"
+        )
+    head_dim = head_dim or hidden_size // num_heads
+    try:
+        import torch
+        from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    except ImportError as exc:  # the `ml` extra is optional for the rest of the project
+        raise ModelInitError("the ML stack is missing: pip install 'clawstream[ml]'") from exc
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    say(f"[model-init] training byte-level BPE tokenizer (vocab {vocab_size}, {num_documents} documents, seed {seed})")
+    tokenizer = build_tokenizer(seed, vocab_size, num_documents)
+    tokenizer.save_pretrained(out_dir)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ADDED_TOKENS}
+    elapsed = time.perf_counter() - t0
+    say(f"[model-init] tokenizer: {len(tokenizer)} tokens, eos {IM_END}={ids[IM_END]} ({elapsed:.1f}s)")
+
+    config = Qwen3Config(
+        **_config_kwargs(
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            max_position_embeddings,
+            rope_theta,
+        ),
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    # Seeded init on CPU in float32 is bit-reproducible; fork_rng keeps the caller's global RNG state untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.eval()
+    # Sampling defaults for RL: the rollout log-probs must be those of the untruncated distribution, so top_k and
+    # top_p are disabled explicitly (transformers would otherwise apply its own top_k=50 default).
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+    )
+    save_kwargs: dict[str, Any] = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        save_kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
+    model.save_pretrained(out_dir, **save_kwargs)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(
+        f"[model-init] Qwen3ForCausalLM: {n_params / 1e6:.2f}M parameters, {num_layers} layers, hidden {hidden_size} "
+        f"({time.perf_counter() - t0:.1f}s)"
+    )
+
+    # Deterministic (no timings) so two builds with one seed produce identical directories.
+    info = {
+        "builder": "learner.model_init.init_tiny_model",
+        "seed": seed,
+        "num_documents": num_documents,
+        "num_parameters": n_params,
+        "added_token_ids": ids,
+        "generation_prompt": GENERATION_PROMPT,
+        "assistant_turn_suffix": ASSISTANT_TURN_SUFFIX,
+        "assistant_turn_suffix_ids": assistant_turn_suffix_ids(tokenizer),
+        "chat_template_sha256": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest(),
+    }
+    (out_dir / "clawstream_model.json").write_text(json.dumps(info, indent=2) + "\n")
+    say(f"[model-init] wrote {out_dir} in {time.perf_counter() - t0:.1f}s")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m learner.model_init", description="Build the tiny Qwen3-architecture model for CPU runs."
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output directory (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the corpus, tokenizer and weights")
+    args = parser.parse_args(argv)
+    try:
+        init_tiny_model(args.out, seed=args.seed)
+    except ModelInitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
