@@ -139,5 +139,33 @@ def topics_list() -> None:
         click.echo(f"{spec.name:30} {spec.partitions:3}  key={spec.key:12} {spec.value_schema:15} {spec.description}")
 
 
+# ---- model -------------------------------------------------------------------------------------------------------
+@main.group(cls=_Group)
+def model() -> None:
+    """Build and inspect policy models."""
+
+
+@model.command("init")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory (HF format).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for corpus, tokenizer and weights.")
+def model_init(out: Path, seed: int) -> None:
+    """Build the tiny Qwen3-architecture model with its own BPE tokenizer and chat template (CPU runs)."""
+    from learner.model_init import init_tiny_model
+
+    init_tiny_model(out, seed=seed)
+    click.echo(str(out))
+
+
+# ---- demo --------------------------------------------------------------------------------------------------------
+@main.command("demo")
+@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
+              help="Where the tiny model lives (default: $CLAWSTREAM_HOME/models/tiny-qwen3).")  # fmt: skip
+def demo(model_dir: Path | None) -> None:
+    """CPU quickstart on a local broker: everything that runs end to end today."""
+    from clawstream.demo import run_demo
+
+    run_demo(model_dir)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,41 @@
+# Set-up targets for a fresh machine (Python 3.11+, Java 17+, Maven; see README).
+#   make demo   the main job: CPU quickstart on a locally started Apache Kafka broker
+#   make test   the whole test suite (starts its own broker)
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test unit integration lint bench install clean kafka-down
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[ml,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/clawstream demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+unit: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+integration: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) bench/codec.py
+
+kafka-down: $(STAMP)
+	$(VENV)/bin/clawstream kafka down
+
+clean:
+	rm -rf $(VENV) build *.egg-info
