@@ -1,0 +1,402 @@
+"""Tree packing: one rollout's prefix tree of token segments -> one packed sequence with a tree attention mask.
+
+The streams stage emits each rollout as a list of token *segments* in topological order (``parent < index``); the
+concatenation of the segments on a root-to-node path is the context the model saw at that node. Every shared prefix
+is stored once, so a tree with many branches is much shorter than the sum of its root-to-leaf paths. Packing runs the
+whole tree in ONE forward pass:
+
+- tokens: the segments concatenated in list order (so every ancestor's tokens come before a node's tokens);
+- attention: token ``i`` attends to token ``j`` iff ``j`` lies on ``i``'s root path at or before ``i`` — the earlier
+  tokens of its own segment and every token of its ancestor segments, never a sibling branch;
+- position ids: a token's depth on its root path (the number of tokens before it on that path), so RoPE sees exactly
+  the positions the plain root-to-leaf sequence would give it;
+- predictor: the index of the token whose logits predict this one (the previous token on its root path: for the
+  first token of a segment, the last token of the nearest non-empty ancestor). A root's first token has none.
+
+With that, ``log_softmax(logits[predictor[t]])[token[t]]`` equals the logprob that running the root-to-leaf path as a
+plain causal sequence would give (checked to 1e-5 in fp32 by tests/unit/test_pack.py).
+
+Several trees go into one micro-batch (one row) with a block-diagonal mask; ``pack_trees`` fills micro-batches up to
+a token budget by first-fit decreasing. A micro-batch row is never padded.
+
+Attention implementation (checked against transformers 5.24 source, ``masking_utils._preprocess_mask_arguments``):
+a 4D ``attention_mask`` tensor of shape (B, 1, T, T) is returned as-is by the mask builders, so the model uses ours.
+``eager`` ADDS the mask to the attention scores (a boolean mask would be added as 0/1 — wrong), and ``sdpa`` passes it
+to ``scaled_dot_product_attention`` as ``attn_mask`` (bool or additive float both work there). We therefore build an
+additive float mask in the model's dtype — 0 where allowed, ``finfo(dtype).min`` where not — which both ``eager`` and
+``sdpa`` honor. Flash-attention kernels ignore dense masks, so other implementations are refused. ``finfo.min`` rather
+than ``-inf``: every row keeps at least its own token, but a finite value also keeps a fully masked row from turning
+into NaN should one ever appear.
+
+Memory: the dense mask is (T, T) per micro-batch (T = token budget): 8k tokens need 256 MiB in fp32, 128 MiB in bf16.
+Trees of tens of thousands of tokens need a block-sparse mask (flex attention) instead — the packing metadata here
+(segment ids, ancestor matrix, predictor) is what such a mask would be built from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from clawstream.errors import ClawstreamError
+
+__all__ = [
+    "MicroBatch",
+    "PackError",
+    "PackedTree",
+    "SegmentLike",
+    "additive_mask",
+    "gather_token_logprobs",
+    "pack_tree",
+    "pack_trees",
+    "packed_forward",
+    "packed_logprobs",
+]
+
+# The attention implementations whose transformers code path applies a custom dense 4D mask as given.
+SUPPORTED_ATTN_IMPLEMENTATIONS: frozenset[str] = frozenset({"eager", "sdpa"})
+
+
+class PackError(ClawstreamError):
+    """A tree cannot be packed: malformed segments, or a tree larger than the micro-batch token budget."""
+
+
+@runtime_checkable
+class SegmentLike(Protocol):
+    """What packing reads from a segment (``streams.tree.Segment`` satisfies it; ``index`` is checked if present)."""
+
+    @property
+    def parent(self) -> int: ...
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    @property
+    def trainable(self) -> bool: ...
+
+    @property
+    def logprobs(self) -> Sequence[float]: ...
+
+
+# A tree is its list of segments, or any object carrying that list as ``.segments`` (e.g. a Trajectory-like record).
+TreeLike = Sequence[SegmentLike] | Any
+
+
+def _segments_of(tree: TreeLike) -> Sequence[SegmentLike]:
+    segments = getattr(tree, "segments", tree)
+    if not isinstance(segments, Sequence):
+        raise PackError(f"a tree must be a sequence of segments or have .segments, got {type(tree).__name__}")
+    return segments
+
+
+@dataclass(frozen=True)
+class PackedTree:
+    """One tree flattened to L tokens, plus what is needed to build its attention mask.
+
+    ``segment_ancestors[a, b]`` is True iff segment ``b`` is ``a`` or an ancestor of ``a``; with segments concatenated
+    in topological order this (plus causality inside a segment) is the whole tree mask, stored in O(S^2) not O(L^2).
+    """
+
+    input_ids: torch.Tensor  # (L,) long
+    position_ids: torch.Tensor  # (L,) long: depth on the token's root path
+    predictor: torch.Tensor  # (L,) long: index (in this tree) of the token whose logits predict it, -1 for none
+    loss_mask: torch.Tensor  # (L,) bool: trainable token with a predictor
+    rollout_logprobs: torch.Tensor  # (L,) float32: inference-engine logprobs, 0.0 where not trainable
+    segment_ids: torch.Tensor  # (L,) long: segment of each token
+    segment_ancestors: torch.Tensor  # (S, S) bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.segment_ancestors.shape[0])
+
+    def attention_allowed(self) -> torch.Tensor:
+        """(L, L) bool: True where token i may attend to token j."""
+        return _tree_allowed(self.segment_ids, self.segment_ancestors)
+
+
+def _tree_allowed(segment_ids: torch.Tensor, segment_ancestors: torch.Tensor) -> torch.Tensor:
+    # segment_ids: (L,), segment_ancestors: (S, S) -> (L, L). Ancestor segments precede in the packed order, so the
+    # causal term only matters inside a token's own segment (it cuts off the segment's later tokens).
+    n = segment_ids.numel()
+    same_path = segment_ancestors[segment_ids][:, segment_ids]  # (L, L)
+    causal = torch.ones(n, n, dtype=torch.bool, device=segment_ids.device).tril_()  # (L, L)
+    return same_path & causal
+
+
+def pack_tree(tree: TreeLike) -> PackedTree:
+    """Flatten one tree (segments in topological order) into a packed sequence; see the module docstring."""
+    segments = _segments_of(tree)
+    num_segments = len(segments)
+    ids: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    predictors: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    seg_ids: list[torch.Tensor] = []
+    # Per segment: depth after its last token, and the packed index of the last token on its root path (-1: none yet).
+    end_depth = [0] * num_segments
+    last_token = [-1] * num_segments
+    ancestors = torch.zeros(num_segments, num_segments, dtype=torch.bool)  # (S, S)
+    offset = 0
+    for i, seg in enumerate(segments):
+        declared = getattr(seg, "index", i)
+        if declared != i:
+            raise PackError(f"segment at position {i} says index={declared}; segments must be listed by index")
+        parent = int(seg.parent)
+        if not -1 <= parent < i:
+            raise PackError(
+                f"segment {i} has parent {parent}; parents must come first (topological order, -1 for a root)"
+            )
+        if isinstance(seg.tokens, bytes | bytearray | memoryview):
+            # The Avro record packs tokens as int32 bytes; list(bytes) would silently yield byte values instead.
+            raise PackError(f"segment {i} tokens are raw bytes; decode the packed int32 token ids first")
+        tokens = torch.as_tensor(list(seg.tokens), dtype=torch.long)  # (n,)
+        n = int(tokens.numel())
+        base_depth = end_depth[parent] if parent >= 0 else 0
+        before = last_token[parent] if parent >= 0 else -1
+        if parent >= 0:
+            ancestors[i] = ancestors[parent]
+        ancestors[i, i] = True
+
+        local = torch.arange(n, dtype=torch.long)  # (n,)
+        predictor = offset + local - 1  # (n,): the previous packed token for all but the first
+        if n:
+            predictor[0] = before
+        if seg.trainable:
+            lp = list(seg.logprobs)
+            if len(lp) != n:
+                raise PackError(f"trainable segment {i} has {n} tokens but {len(lp)} logprobs")
+            seg_lp = torch.as_tensor(lp, dtype=torch.float32)  # (n,)
+            # A root's first token has no predictor: nothing to train on, whatever the segment says.
+            seg_mask = predictor >= 0  # (n,)
+        else:
+            seg_lp = torch.zeros(n, dtype=torch.float32)
+            seg_mask = torch.zeros(n, dtype=torch.bool)
+
+        ids.append(tokens)
+        positions.append(base_depth + local)
+        predictors.append(predictor)
+        masks.append(seg_mask)
+        logprobs.append(seg_lp)
+        seg_ids.append(torch.full((n,), i, dtype=torch.long))
+        end_depth[i] = base_depth + n
+        # An empty segment passes its parent's last token on, so its children are predicted from the right place.
+        last_token[i] = offset + n - 1 if n else before
+        offset += n
+
+    def cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+    return PackedTree(
+        input_ids=cat(ids, torch.long),
+        position_ids=cat(positions, torch.long),
+        predictor=cat(predictors, torch.long),
+        loss_mask=cat(masks, torch.bool),
+        rollout_logprobs=cat(logprobs, torch.float32),
+        segment_ids=cat(seg_ids, torch.long),
+        segment_ancestors=ancestors,
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Several packed trees in one row of T tokens; trees only see themselves (block-diagonal mask).
+
+    ``rollout_index[t]`` is the position, in the sequence given to ``pack_trees``, of the tree token ``t`` belongs
+    to: it indexes per-rollout advantages / returns in ``learner.losses``. A tree is never split across micro-batches,
+    so every per-rollout quantity (e.g. a rollout's token count) is complete within one micro-batch.
+    """
+
+    input_ids: torch.Tensor  # (T,) long
+    position_ids: torch.Tensor  # (T,) long
+    predictor: torch.Tensor  # (T,) long: index within this micro-batch, -1 for none
+    loss_mask: torch.Tensor  # (T,) bool
+    rollout_logprobs: torch.Tensor  # (T,) float32
+    rollout_index: torch.Tensor  # (T,) long
+    segment_ids: torch.Tensor  # (T,) long: segment ids made unique across the trees of the row
+    segment_ancestors: torch.Tensor  # (S_total, S_total) bool, block-diagonal over trees
+    tree_indices: tuple[int, ...]  # the trees in this row, in row order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @classmethod
+    def from_trees(cls, trees: Sequence[PackedTree], tree_indices: Sequence[int]) -> MicroBatch:
+        """Concatenate packed trees into one row; ``tree_indices[k]`` is the rollout index of ``trees[k]``."""
+        if len(trees) != len(tree_indices):
+            raise PackError(f"{len(trees)} trees but {len(tree_indices)} tree indices")
+        token_offset = 0
+        segment_offset = 0
+        predictors: list[torch.Tensor] = []
+        seg_ids: list[torch.Tensor] = []
+        rollout: list[torch.Tensor] = []
+        for tree, index in zip(trees, tree_indices, strict=True):
+            predictors.append(torch.where(tree.predictor >= 0, tree.predictor + token_offset, tree.predictor))
+            seg_ids.append(tree.segment_ids + segment_offset)
+            rollout.append(torch.full((tree.num_tokens,), int(index), dtype=torch.long))
+            token_offset += tree.num_tokens
+            segment_offset += tree.num_segments
+        ancestors = torch.zeros(segment_offset, segment_offset, dtype=torch.bool)  # (S_total, S_total)
+        start = 0
+        for tree in trees:
+            s = tree.num_segments
+            ancestors[start : start + s, start : start + s] = tree.segment_ancestors
+            start += s
+
+        def cat(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+        return cls(
+            input_ids=cat([t.input_ids for t in trees], torch.long),
+            position_ids=cat([t.position_ids for t in trees], torch.long),
+            predictor=cat(predictors, torch.long),
+            loss_mask=cat([t.loss_mask for t in trees], torch.bool),
+            rollout_logprobs=cat([t.rollout_logprobs for t in trees], torch.float32),
+            rollout_index=cat(rollout, torch.long),
+            segment_ids=cat(seg_ids, torch.long),
+            segment_ancestors=ancestors,
+            tree_indices=tuple(int(i) for i in tree_indices),
+        )
+
+    def attention_allowed(self) -> torch.Tensor:
+        """(T, T) bool: True where token i may attend to token j (tree mask, block-diagonal over trees)."""
+        return _tree_allowed(self.segment_ids, self.segment_ancestors)
+
+    def attention_mask(
+        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """(1, 1, T, T) additive float mask for a HF causal LM: 0 allowed, ``finfo(dtype).min`` disallowed."""
+        return additive_mask(self.attention_allowed(), dtype=dtype, device=device)[None, None]
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device``."""
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in (
+                "input_ids",
+                "position_ids",
+                "predictor",
+                "loss_mask",
+                "rollout_logprobs",
+                "rollout_index",
+                "segment_ids",
+                "segment_ancestors",
+            )
+        }
+        return MicroBatch(**moved, tree_indices=self.tree_indices)
+
+
+def additive_mask(
+    allowed: torch.Tensor, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool mask (..., T, T) -> additive float mask of the same shape: 0 where allowed, finfo(dtype).min elsewhere."""
+    allowed = allowed.to(device) if device is not None else allowed
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def pack_trees(trees: Sequence[TreeLike], token_budget: int) -> list[MicroBatch]:
+    """Pack trees into micro-batches of at most ``token_budget`` tokens each, by first-fit decreasing.
+
+    Trees are taken longest first (ties by input order, so the result is deterministic) and each goes into the first
+    micro-batch with room, else a new one. A tree longer than the budget cannot be split (its branches share
+    attention), so it is an error, not silently dropped.
+    """
+    if token_budget <= 0:
+        raise PackError(f"token_budget must be positive, got {token_budget}")
+    packed = [pack_tree(t) for t in trees]
+    order = sorted(range(len(packed)), key=lambda i: (-packed[i].num_tokens, i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        n = packed[i].num_tokens
+        if n > token_budget:
+            raise PackError(
+                f"tree {i} has {n} unique tokens, more than the micro-batch token budget of {token_budget}: "
+                "raise the budget (learner token budget setting) or cap rollout length upstream"
+            )
+        for b, load in enumerate(loads):
+            if load + n <= token_budget:
+                bins[b].append(i)
+                loads[b] += n
+                break
+        else:
+            bins.append([i])
+            loads.append(n)
+    return [MicroBatch.from_trees([packed[i] for i in b], b) for b in bins]
+
+
+def _model_dtype_device(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    param = next(model.parameters())
+    return param.dtype, param.device
+
+
+def packed_forward(model: torch.nn.Module, batch: MicroBatch, **model_kwargs: Any) -> Any:
+    """Run a HF causal LM on one micro-batch with the tree mask and depth position ids; returns the model output.
+
+    ``model_kwargs`` go to the model (e.g. ``output_hidden_states=True`` for a value head). The batch is moved to the
+    model's device; the mask is built in the model's dtype, which ``sdpa`` requires of a float mask.
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
+        raise PackError(
+            f"attention implementation {impl!r} does not apply a custom 4D mask; load the model with "
+            f"attn_implementation in {sorted(SUPPORTED_ATTN_IMPLEMENTATIONS)}"
+        )
+    dtype, device = _model_dtype_device(model)
+    mask = batch.attention_mask(dtype=dtype, device=device)  # (1, 1, T, T)
+    return model(
+        input_ids=batch.input_ids.to(device)[None],  # (1, T)
+        attention_mask=mask,
+        position_ids=batch.position_ids.to(device)[None],  # (1, T)
+        use_cache=False,
+        **model_kwargs,
+    )
+
+
+def gather_token_logprobs(
+    logits: torch.Tensor, batch: MicroBatch, *, temperature: float = 1.0, only_trainable: bool = False
+) -> torch.Tensor:
+    """Per-token logprobs from a micro-batch's logits: ``log_softmax(logits[predictor[t]] / temperature)[token[t]]``.
+
+    logits: (T, V) or (1, T, V). Returns (T,) in float32, 0.0 where a token has no predictor (or is not trainable
+    when ``only_trainable``); only the needed rows are normalised, in fp32, to bound memory at large vocabularies.
+    ``temperature`` must be the sampling temperature the rollout logprobs were computed at.
+    """
+    if logits.dim() == 3:
+        logits = logits[0]
+    device = logits.device
+    predictor = batch.predictor.to(device)  # (T,)
+    wanted = predictor >= 0  # (T,)
+    if only_trainable:
+        wanted &= batch.loss_mask.to(device)
+    rows = wanted.nonzero(as_tuple=True)[0]  # (K,)
+    picked = logits[predictor[rows]].float()  # (K, V)
+    if temperature != 1.0:
+        picked = picked / temperature
+    targets = batch.input_ids.to(device)[rows]  # (K,)
+    token_lp = picked.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)  # (K,)
+    out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)  # (T,)
+    return out.index_put((rows,), token_lp)
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: MicroBatch,
+    *,
+    temperature: float = 1.0,
+    only_trainable: bool = False,
+) -> torch.Tensor:
+    """Logprob of every token of ``batch`` under ``model`` (one forward pass; differentiable). Returns (T,) float32."""
+    if batch.num_tokens == 0:
+        return torch.zeros(0, dtype=torch.float32, device=_model_dtype_device(model)[1])
+    out = packed_forward(model, batch)
+    return gather_token_logprobs(out.logits, batch, temperature=temperature, only_trainable=only_trainable)
