@@ -1,0 +1,79 @@
+"""Learner configuration: hyperparameters (one dataclass, a help text per field) and service settings (pydantic).
+
+Hyperparameters change what is learned; settings change where the learner reads, writes and logs. Both are printed
+by ``clawstream learner --help``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from learner.losses import LossConfig
+
+
+def _hp(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in the table below
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """What the learner optimises and how. Defaults suit the tiny CPU model; the paper's values are noted."""
+
+    algorithm: Literal["grpo"] = _hp("grpo", "Policy-gradient loss. PPO's value head is not wired into the loop yet.")
+    lr: float = _hp(1e-5, "AdamW learning rate (constant).")
+    betas: tuple[float, float] = _hp((0.9, 0.999), "AdamW betas.")
+    weight_decay: float = _hp(0.0, "AdamW weight decay.")
+    max_grad_norm: float = _hp(1.0, "Gradient clipping by global norm; <= 0 disables it.")
+    token_budget: int = _hp(4096, "Tokens per micro-batch row (trees are packed whole, first-fit decreasing).")
+    mini_batches: int = _hp(1, "Optimizer steps per training batch (the batch is split into this many parts).")
+    eps_low: float = _hp(0.2, "Lower clip of the ratio (1 - eps_low) for negative advantages.")
+    eps_high: float = _hp(0.28, "Upper clip of the ratio (1 + eps_high) for positive advantages (clip-higher).")
+    is_mode: Literal["tis", "masked", "none"] = _hp(
+        "tis", "Off-policy correction: truncated IS min(pi_old/pi_rollout, c), masked IS (drop outside [1/c, c]), none."
+    )
+    is_cap: float = _hp(2.0, "c in TIS / masked IS (the paper leaves it configurable; peers default to 2).")
+    aggregation: Literal["token_mean", "seq_mean_token_mean"] = _hp(
+        "token_mean", "Loss aggregation; a shared prefix counts once per rollout either way (trees store it once)."
+    )
+    kl_coef: float = _hp(0.0, "k3 KL to the reference (initial) policy; 0 = off, as in the paper.")
+    temperature: float = _hp(1.0, "Sampling temperature of the rollouts (logprobs are recomputed at it).")
+    seed: int = _hp(0, "Seed for torch.")
+
+    def loss_config(self) -> LossConfig:
+        return LossConfig(
+            eps_low=self.eps_low, eps_high=self.eps_high, is_mode=self.is_mode, is_cap=self.is_cap,
+            aggregation=self.aggregation, kl_coef=self.kl_coef,
+        )  # fmt: skip
+
+    @classmethod
+    def help_table(cls) -> str:
+        return "\n".join(f"  {f.name:14} {f.default!s:14} {f.metadata['help']}" for f in fields(cls))
+
+
+class LearnerSettings(BaseSettings):
+    """Where the learner reads batches, keeps weights and writes logs (env prefix ``CLAWSTREAM_LEARNER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_LEARNER_", frozen=True, extra="forbid")
+
+    model_dir: Path = Field(description="Initial policy in HF format (e.g. from `clawstream model init`).")
+    weight_store: Path = Field(description="Directory where every published version's safetensors file is kept.")
+    model_name: str = Field(default="policy", description="Served model name; key of clawstream.weights records.")
+    group_id: str = Field(default="", description="Consumer group for batches (default: clawstream-learner-<model>).")
+    transactional_id: str = Field(
+        default="", description="Kafka transactional.id (default: clawstream-learner-<model>); fences zombie learners."
+    )
+    tensorboard_dir: Path | None = Field(default=None, description="Write TensorBoard scalars here; unset = off.")
+    device: str = Field(default="auto", description="'cpu', 'cuda' or 'auto' (cuda when available).")
+    max_steps: int | None = Field(default=None, description="Stop after this many steps (None = run forever).")
+    idle_exit_s: float | None = Field(default=None, description="Exit after this long without a batch (None = never).")
+
+    def resolved_group_id(self) -> str:
+        return self.group_id or f"clawstream-learner-{self.model_name}"
+
+    def resolved_transactional_id(self) -> str:
+        return self.transactional_id or f"clawstream-learner-{self.model_name}"

@@ -1,0 +1,135 @@
+"""One training step on one batch of scored rollout trees: pack → π_old logprobs → loss → optimizer step(s).
+
+Pure torch (no Kafka): the train loop hands it decoded trajectories and advantages. A step:
+
+1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget;
+2. recomputes π_old logprobs for all rows with the current weights, before any update (no grad);
+3. for each of ``mini_batches`` parts (whole trees), accumulates gradients of the GRPO loss over its rows
+   (normalised by the part's trainable-token and rollout counts, so the accumulated gradient equals the gradient of
+   the whole part's loss) and takes one clipped AdamW step.
+
+With ``mini_batches == 1`` the ratio π_new/π_old is 1 at the step, so the clipped surrogate reduces to the plain
+policy gradient scaled by the TIS weight min(π_old/π_rollout, c) — the paper's off-policy correction.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from learner.config import LearnerConfig
+from learner.losses import grpo_loss
+from learner.pack import MicroBatch, pack_trees, packed_logprobs
+
+
+@dataclass
+class ScoredTree:
+    """A rollout tree with its GRPO advantage (from a batch record)."""
+
+    segments: Sequence  # TreeSegment-like: parent, tokens, trainable, logprobs
+    advantage: float
+    reward: float | None
+    harness: str
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    # CUDA: bf16 compute with fp32 master weights. CPU: plain fp32 (autocast disabled).
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trees: Sequence[ScoredTree],
+    config: LearnerConfig,
+) -> dict[str, float]:
+    """Train on one batch; returns scalar metrics (loss, clip fractions, IS weight stats, reward per harness, ...)."""
+    started = time.perf_counter()
+    device = next(model.parameters()).device
+    # Mini-batches are sets of whole trees; each is packed into rows (a tree never spans two rows).
+    parts = [list(trees[i :: config.mini_batches]) for i in range(config.mini_batches)]
+    parts = [p for p in parts if p]
+    rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget)] for part in parts]
+
+    model.eval()  # π_old: the current weights, before this step's updates
+    with torch.no_grad(), _autocast(device):
+        old = [
+            [packed_logprobs(model, r, temperature=config.temperature, only_trainable=True) for r in rs] for rs in rows
+        ]
+
+    model.train()
+    sums: dict[str, float] = defaultdict(float)
+    steps = 0
+    for part, part_rows, part_old in zip(parts, rows, old, strict=True):
+        n_tokens = int(sum(int(r.loss_mask.sum()) for r in part_rows))
+        if n_tokens == 0:
+            continue
+        advantages = torch.tensor([t.advantage for t in part], dtype=torch.float32, device=device)  # (R_part,)
+        optimizer.zero_grad(set_to_none=True)
+        for row, logp_old in zip(part_rows, part_old, strict=True):
+            stats = _row_backward(model, row, logp_old, advantages, config, n_tokens, len(part))
+            weight = float(row.loss_mask.sum()) / n_tokens
+            for key, value in stats.items():
+                sums[key] += value * weight  # token-weighted average over rows
+        sums["grad_norm"] += _clip(model, config.max_grad_norm)
+        optimizer.step()
+        steps += 1
+
+    metrics = {key: value / max(steps, 1) for key, value in sums.items()}
+    tokens = sum(r.num_tokens for rs in rows for r in rs)
+    trainable = sum(int(r.loss_mask.sum()) for rs in rows for r in rs)
+    elapsed = time.perf_counter() - started
+    metrics.update({
+        "optimizer_steps": float(steps), "rollouts": float(len(trees)), "micro_batches": float(sum(map(len, rows))),
+        "tokens": float(tokens), "trainable_tokens": float(trainable), "tokens_per_s": tokens / elapsed,
+        "step_seconds": elapsed,
+    })  # fmt: skip
+    metrics.update(_reward_metrics(trees))
+    return metrics
+
+
+def _row_backward(
+    model: torch.nn.Module,
+    row: MicroBatch,
+    logp_old: torch.Tensor,  # (T,)
+    advantages: torch.Tensor,  # (R,)
+    config: LearnerConfig,
+    n_tokens: int,
+    n_rollouts: int,
+) -> dict[str, float]:
+    device = logp_old.device
+    with _autocast(device):
+        logp_new = packed_logprobs(model, row, temperature=config.temperature, only_trainable=True)  # (T,)
+    loss, stats = grpo_loss(
+        logp_new, logp_old, row.rollout_logprobs, advantages, row.rollout_index, row.loss_mask,
+        config.loss_config(), num_tokens=n_tokens, num_rollouts=n_rollouts,
+    )  # fmt: skip
+    loss.backward()
+    return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+
+
+def _clip(model: torch.nn.Module, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+
+
+def _reward_metrics(trees: Sequence[ScoredTree]) -> dict[str, float]:
+    by_harness: dict[str, list[float]] = defaultdict(list)
+    for tree in trees:
+        if tree.reward is not None:
+            by_harness[tree.harness].append(tree.reward)
+    out = {f"reward/{h}": sum(v) / len(v) for h, v in by_harness.items()}
+    out.update({f"rollouts/{h}": float(len(v)) for h, v in by_harness.items()})
+    everything = [r for v in by_harness.values() for r in v]
+    if everything:
+        out["reward/mean"] = sum(everything) / len(everything)
+    return out

@@ -1,0 +1,330 @@
+"""Learner service: sealed training batches in → one optimizer step each → a new weight version out, exactly once.
+
+Topics: ``clawstream.batches`` (read_committed, manual offsets) → ``clawstream.weights`` + ``clawstream.metrics``
+(and ``clawstream.deadletter`` for batches that cannot be trained). The weight version and the batch's input
+offsets are committed in ONE Kafka transaction: a crash after the weights are saved but before the commit leaves
+no published version and no committed offset, so the restarted learner trains that batch again from the last
+published weights and overwrites the unpublished file. Versions are contiguous; no batch is trained twice.
+
+Resume: the newest published ``WeightVersion`` of this model is read back from ``clawstream.weights`` and its file
+loaded (sha256 verified); committed offsets say where the batches continue.
+
+Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
+Fault injection for tests: ``CLAWSTREAM_LEARNER_FAULT=after_save`` exits right after saving weights, before the
+transaction commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from clawstream.errors import ClawstreamError
+from clawstream.kafka_clients import make_consumer, make_producer, where
+from clawstream.settings import KafkaSettings
+from learner.config import LearnerConfig, LearnerSettings
+from learner.step import ScoredTree, train_step
+from learner.weights import apply_state, load_verified, save_weights
+from schemas.events import BatchRecord, BatchRecordKind, DeadLetter, Metric, Trajectory, WeightVersion, now_ms
+from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
+
+log = logging.getLogger("clawstream.learner")
+
+
+@dataclass
+class PendingBatch:
+    first_offset: int
+    records: list[BatchRecord] = field(default_factory=list)
+
+
+@dataclass
+class SealedBatch:
+    batch_id: str
+    step: int
+    records: list[BatchRecord]
+    seal: BatchRecord
+    commit_offset: int  # next offset to read once this batch is done (never past an unfinished batch)
+
+
+class BatchCollector:
+    """Groups batch records by batch id until the SEAL record arrives (pure: offsets in, sealed batches out)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, PendingBatch] = {}
+
+    def add(self, offset: int, record: BatchRecord) -> SealedBatch | None:
+        pending = self.pending.setdefault(record.batch_id, PendingBatch(first_offset=offset))
+        if record.kind is BatchRecordKind.TRAJECTORY:
+            pending.records.append(record)
+            return None
+        del self.pending[record.batch_id]
+        # Commit up to the earliest record of a batch still open (batches could interleave on the partition).
+        commit = min([p.first_offset for p in self.pending.values()] + [offset + 1])
+        return SealedBatch(record.batch_id, record.step, pending.records, record, commit)
+
+
+class Learner:
+    """Owns the model, optimizer and Kafka clients; ``run`` is the top loop."""
+
+    def __init__(self, settings: LearnerSettings, config: LearnerConfig, kafka: KafkaSettings) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.settings, self.config, self.kafka = settings, config, kafka
+        torch.manual_seed(config.seed)
+        want_cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda" if want_cuda else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, attn_implementation="sdpa")
+        self.model.to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.version = 0
+        self.producer: Producer = make_producer(kafka, **{"transactional.id": settings.resolved_transactional_id()})
+        self.consumer: Consumer = make_consumer(kafka, settings.resolved_group_id())
+        self.writer = _tensorboard(settings)
+
+    # ---- the top loop: poll batch → logprobs → loss → step → publish -----------------------------------------------
+    def run(self) -> int:
+        self.producer.init_transactions(60)
+        self._resume()
+        self.consumer.subscribe([self.kafka.topic(BATCHES)])
+        steps = 0
+        for batch in self._sealed_batches():
+            trees, problem = self._decode(batch)
+            self.producer.begin_transaction()
+            if problem:
+                self._dead_letter(batch, problem)
+            else:
+                metrics = train_step(self.model, self.optimizer, trees, self.config)
+                self._publish_version(batch, metrics)
+            self._commit_offsets(batch)
+            self.producer.commit_transaction(60)
+            steps += 1
+            if self.settings.max_steps is not None and steps >= self.settings.max_steps:
+                break
+        self.consumer.close()
+        return steps
+
+    # ---- pieces ----------------------------------------------------------------------------------------------------
+    def _sealed_batches(self) -> Iterator[SealedBatch]:
+        collector = BatchCollector()
+        last_seen = time.monotonic()
+        while True:
+            msg = self.consumer.poll(0.5)
+            if msg is None:
+                idle = self.settings.idle_exit_s
+                if idle is not None and time.monotonic() - last_seen > idle:
+                    log.info("no batch for %.0fs: exiting", idle)
+                    return
+                continue
+            if msg.error():
+                log.warning("consumer error: %s", msg.error())
+                continue
+            last_seen = time.monotonic()
+            try:
+                record = BatchRecord.from_bytes(msg.value())
+            except ClawstreamError as exc:
+                log.error("%s: undecodable batch record (%s); dead-lettered", where(msg), exc)
+                self._dead_letter_raw(msg, exc)
+                continue
+            sealed = collector.add(msg.offset(), record)
+            if sealed is not None:
+                log.info("%s: batch %s sealed (%d trajectories)", where(msg), sealed.batch_id, len(sealed.records))
+                yield sealed
+
+    def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], str | None]:
+        if batch.seal.index != len(batch.records):
+            return [], f"seal says {batch.seal.index} trajectories, {len(batch.records)} arrived"
+        trees = []
+        for rec in batch.records:
+            if rec.trajectory is None:
+                return [], f"trajectory record {rec.index} of {batch.batch_id} carries no trajectory"
+            traj = Trajectory.from_bytes(rec.trajectory)
+            trees.append(ScoredTree(traj.segments, rec.advantage, rec.reward, rec.harness or traj.harness))
+        if not trees:
+            return [], "empty batch"
+        return trees, None
+
+    def _publish_version(self, batch: SealedBatch, metrics: dict[str, float]) -> None:
+        version = self.version + 1
+        saved = save_weights(self.model, self.settings.weight_store, self.settings.model_name, version)
+        if os.environ.get("CLAWSTREAM_LEARNER_FAULT") == "after_save":
+            log.error("fault injection: exiting after saving v%d, before the transaction commits", version)
+            os._exit(17)
+        event = WeightVersion(
+            policy_version=version, timestamp_ms=now_ms(), model_name=self.settings.model_name, step=batch.step,
+            uri=saved.uri, sha256=saved.sha256, size_bytes=saved.size_bytes, batch_id=batch.batch_id,
+            metrics={k: v for k, v in metrics.items() if not k.startswith("rollouts/")},
+        )  # fmt: skip
+        self._produce(WEIGHTS, self.settings.model_name, event.to_bytes())
+        metric = Metric(policy_version=version, timestamp_ms=now_ms(), source="learner", name="train_step",
+                        step=batch.step, values=metrics, labels={"model": self.settings.model_name})  # fmt: skip
+        self._produce(METRICS, "learner", metric.to_bytes())
+        self.version = version
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, batch.step)
+            self.writer.flush()
+        log.info("step %d → v%d: loss %.4f, %s", batch.step, version, metrics.get("loss", float("nan")),
+                 {k: round(v, 3) for k, v in metrics.items() if k.startswith("reward/")})  # fmt: skip
+
+    def _commit_offsets(self, batch: SealedBatch) -> None:
+        offsets = [TopicPartition(self.kafka.topic(BATCHES), 0, batch.commit_offset)]
+        self.producer.send_offsets_to_transaction(offsets, self.consumer.consumer_group_metadata(), 60)
+
+    def _produce(self, topic: str, key: str, value: bytes) -> None:
+        while True:
+            try:
+                self.producer.produce(self.kafka.topic(topic), key=key.encode(), value=value)
+                return
+            except BufferError:  # queue full: wait for deliveries, never drop
+                self.producer.poll(0.5)
+
+    def _dead_letter(self, batch: SealedBatch, reason: str) -> None:
+        log.error("batch %s not trainable: %s; dead-lettered", batch.batch_id, reason)
+        letter = DeadLetter(timestamp_ms=now_ms(), source="learner", reason=reason, error_type="UntrainableBatch",
+                            original_topic=self.kafka.topic(BATCHES), policy_version=self.version,
+                            original_value=batch.seal.to_bytes())  # fmt: skip
+        self._produce(DEADLETTER, batch.batch_id, letter.to_bytes())
+
+    def _dead_letter_raw(self, msg, exc: Exception) -> None:  # noqa: ANN001 - confluent_kafka.Message
+        # Its own small transaction (a transactional producer cannot write outside one). The record's offset is
+        # committed with the next sealed batch; a crash before that dead-letters it again (at-least-once is fine here).
+        letter = DeadLetter(
+            timestamp_ms=now_ms(), source="learner", reason=str(exc), error_type=type(exc).__name__,
+            original_topic=msg.topic(), original_partition=msg.partition(), original_offset=msg.offset(),
+            original_key=msg.key(), original_value=msg.value(),
+        )  # fmt: skip
+        self.producer.begin_transaction()
+        self.producer.produce(self.kafka.topic(DEADLETTER), key=msg.key(), value=letter.to_bytes())
+        self.producer.commit_transaction(60)
+
+    def _resume(self) -> None:
+        """Load the newest published version of this model (read_committed), if any."""
+        latest = latest_weight_version(self.kafka, self.settings.model_name)
+        if latest is None:
+            log.info("no published version of %s: starting from %s as v0", self.settings.model_name,
+                     self.settings.model_dir)  # fmt: skip
+            return
+        apply_state(self.model, load_verified(latest.uri, latest.sha256))
+        self.version = latest.policy_version
+        log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, latest.uri)
+
+
+def latest_weight_version(kafka: KafkaSettings, model_name: str, timeout: float = 30.0) -> WeightVersion | None:
+    """Scan ``clawstream.weights`` (read_committed) to its end and return the newest version of ``model_name``."""
+    consumer = make_consumer(kafka, f"clawstream-scan-{os.getpid()}-{time.monotonic_ns()}")
+    topic = kafka.topic(WEIGHTS)
+    try:
+        partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
+        latest: WeightVersion | None = None
+        for p in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition(topic, p, low)])
+            latest = _scan(consumer, TopicPartition(topic, p), high, model_name, latest, timeout)
+        return latest
+    except KafkaException as exc:
+        raise ClawstreamError(f"cannot read {topic}: {exc}") from exc
+    finally:
+        consumer.close()
+
+
+def _scan(
+    consumer: Consumer, tp: TopicPartition, high: int, model_name: str, latest: WeightVersion | None, timeout: float
+) -> WeightVersion | None:
+    """Read one partition up to ``high``. Under read_committed the last offsets may be transaction markers, which
+    are never delivered: once only a marker can remain (the last record seen is at high-2, or the position passed
+    high-1) and nothing arrives for a second, the scan is complete."""
+    last = -1
+    idle_since: float | None = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = consumer.poll(0.2)
+        if msg is not None and not msg.error():
+            event = WeightVersion.from_bytes(msg.value())
+            if event.model_name == model_name and (latest is None or event.policy_version >= latest.policy_version):
+                latest = event
+            last, idle_since = msg.offset(), None
+            if last >= high - 1:
+                break
+            continue
+        position = consumer.position([tp])[0].offset
+        if position >= high:
+            break
+        if last >= high - 2 or position >= high - 1:
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > 1.0:
+                break
+    return latest
+
+
+def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | None
+    if settings.tensorboard_dir is None:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.warning("tensorboard is not installed; scalars go to clawstream.metrics only")
+        return None
+    return SummaryWriter(str(settings.tensorboard_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from clawstream.settings import load_settings
+
+    parser = argparse.ArgumentParser(prog="python -m learner.train", description=__doc__.splitlines()[0],
+                                     epilog="hyperparameters (--hp NAME=VALUE):\n" + LearnerConfig.help_table(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--weight-store", required=True)
+    parser.add_argument("--model-name", default="policy")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
+    parser.add_argument("--tensorboard-dir", default=None)
+    parser.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = load_settings(LearnerSettings, model_dir=args.model_dir, weight_store=args.weight_store,
+                             model_name=args.model_name, max_steps=args.max_steps, idle_exit_s=args.idle_exit,
+                             tensorboard_dir=args.tensorboard_dir)  # fmt: skip
+    config = parse_hparams(args.hp)
+    steps = Learner(settings, config, load_settings(KafkaSettings)).run()
+    log.info("trained %d batches", steps)
+    return 0
+
+
+def parse_hparams(pairs: list[str]) -> LearnerConfig:
+    """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
+    import dataclasses
+
+    from clawstream.errors import ConfigError
+
+    known = {f.name: f for f in dataclasses.fields(LearnerConfig)}
+    values = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or name not in known:
+            raise ConfigError(f"--hp {pair!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
+        default = known[name].default
+        try:
+            if isinstance(default, tuple):
+                values[name] = tuple(float(x) for x in raw.split(","))
+            else:
+                values[name] = type(default)(raw)
+        except ValueError as exc:
+            raise ConfigError(f"--hp {name}: {raw!r} is not a valid {type(default).__name__}") from exc
+    return LearnerConfig(**values)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Learner pieces without Kafka: batch collection, the weight store, and one real training step on a tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from learner.config import LearnerConfig
+from learner.pack import pack_trees, packed_logprobs
+from learner.step import ScoredTree, train_step
+from learner.train import BatchCollector, parse_hparams
+from learner.weights import WeightStoreError, apply_state, load_verified, save_weights
+from schemas.events import Trajectory
+from tests.support.learner_data import batch_records, branching_trajectory, small_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _load(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+
+
+def test_batch_collector_seals_and_never_commits_past_an_open_batch() -> None:
+    a, b = batch_records("A", 1, 2, seed=0), batch_records("B", 2, 2, seed=1)
+    collector = BatchCollector()
+    # A0 B0 A1 B1 A-seal B-seal, at offsets 10..15
+    order = [a[0], b[0], a[1], b[1], a[2], b[2]]
+    sealed = [collector.add(10 + i, rec) for i, rec in enumerate(order)]
+    assert sealed[:4] == [None] * 4
+    first, second = sealed[4], sealed[5]
+    assert first.batch_id == "A" and len(first.records) == 2 and first.commit_offset == 11  # B still open at 11
+    assert second.batch_id == "B" and second.commit_offset == 16 and not collector.pending
+
+
+def test_weight_store_round_trip_and_rejections(model_dir: Path, tmp_path: Path) -> None:
+    model = _load(model_dir)
+    saved = save_weights(model, tmp_path / "store", "policy", 3)
+    assert saved.path.name == "v000003.safetensors" and len(saved.sha256) == 64
+    other = _load(model_dir)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    apply_state(other, load_verified(saved.uri, saved.sha256))
+    for (name, p), q in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    with pytest.raises(WeightStoreError, match="sha256 mismatch"):
+        load_verified(saved.uri, "0" * 64)
+    with pytest.raises(WeightStoreError, match="does not exist"):
+        load_verified((tmp_path / "nope.safetensors").as_uri(), saved.sha256)
+    state = load_verified(saved.uri, saved.sha256)
+    name = next(iter(state))
+    state[name] = torch.zeros(3, 3)
+    with pytest.raises(WeightStoreError, match="shape mismatch"):
+        apply_state(other, state)
+
+
+def test_train_step_moves_logprobs_with_the_advantage(model_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = _load(model_dir)
+    rng = np.random.default_rng(0)
+    good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)
+    # Rollout logprobs = the current policy's, so TIS weights are 1 and only the advantage sign matters.
+    for traj in (good, bad):
+        [row] = pack_trees([traj.segments], 4096)
+        with torch.no_grad():
+            lp = packed_logprobs(model, row, only_trainable=True)
+        offset = 0
+        for seg in traj.segments:
+            n = len(seg.tokens)
+            if seg.trainable:
+                seg.logprobs = lp[offset : offset + n].numpy().astype("<f4")
+            offset += n
+    trees = [ScoredTree(good.segments, 1.0, 1.0, "agentloop"), ScoredTree(bad.segments, -1.0, 0.0, "other")]
+
+    def mean_lp(traj: Trajectory) -> float:
+        [row] = pack_trees([traj.segments], 4096)
+        with torch.no_grad():
+            lp = packed_logprobs(model, row, only_trainable=True)
+        return float(lp[row.loss_mask].mean())
+
+    before = mean_lp(good), mean_lp(bad)
+    config = LearnerConfig(lr=3e-3, mini_batches=2)
+    metrics = train_step(model, torch.optim.AdamW(model.parameters(), lr=config.lr), trees, config)
+    after = mean_lp(good), mean_lp(bad)
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics["optimizer_steps"] == 2 and metrics["rollouts"] == 2
+    assert metrics["reward/agentloop"] == 1.0 and metrics["reward/other"] == 0.0
+    assert metrics["trainable_tokens"] == 2 * 18 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+
+
+def test_hparams_parse_and_name_the_field() -> None:
+    config = parse_hparams(["lr=0.5", "is_mode=masked", "betas=0.8,0.9", "mini_batches=3"])
+    assert config.lr == 0.5 and config.is_mode == "masked" and config.betas == (0.8, 0.9) and config.mini_batches == 3
+    from clawstream.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="NAME one of"):
+        parse_hparams(["learning_rate=1"])
+    with pytest.raises(ConfigError, match="mini_batches"):
+        parse_hparams(["mini_batches=x"])
