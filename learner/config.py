@@ -63,17 +63,20 @@ class LearnerSettings(BaseSettings):
     model_dir: Path = Field(description="Initial policy in HF format (e.g. from `clawstream model init`).")
     weight_store: Path = Field(description="Directory where every published version's safetensors file is kept.")
     model_name: str = Field(default="policy", description="Served model name; key of clawstream.weights records.")
-    group_id: str = Field(default="", description="Consumer group for batches (default: clawstream-learner-<model>).")
+    group_id: str = Field(
+        default="", description="Consumer group for batches (default: <topic prefix>clawstream-learner-<model>)."
+    )
     transactional_id: str = Field(
-        default="", description="Kafka transactional.id (default: clawstream-learner-<model>); fences zombie learners."
+        default="", description="Kafka transactional.id (default: <prefix>clawstream-learner-<model>); fences zombies."
     )
     tensorboard_dir: Path | None = Field(default=None, description="Write TensorBoard scalars here; unset = off.")
     device: str = Field(default="auto", description="'cpu', 'cuda' or 'auto' (cuda when available).")
     max_steps: int | None = Field(default=None, description="Stop after this many steps (None = run forever).")
     idle_exit_s: float | None = Field(default=None, description="Exit after this long without a batch (None = never).")
 
-    def resolved_group_id(self) -> str:
-        return self.group_id or f"clawstream-learner-{self.model_name}"
+    # Defaults carry the topic prefix so isolated runs (tests, experiments) on one cluster never share a group.
+    def resolved_group_id(self, topic_prefix: str = "") -> str:
+        return self.group_id or f"{topic_prefix}clawstream-learner-{self.model_name}"
 
-    def resolved_transactional_id(self) -> str:
-        return self.transactional_id or f"clawstream-learner-{self.model_name}"
+    def resolved_transactional_id(self, topic_prefix: str = "") -> str:
+        return self.transactional_id or f"{topic_prefix}clawstream-learner-{self.model_name}"

@@ -10,8 +10,8 @@ Resume: the newest published ``WeightVersion`` of this model is read back from `
 loaded (sha256 verified); committed offsets say where the batches continue.
 
 Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
-Fault injection for tests: ``CLAWSTREAM_LEARNER_FAULT=after_save`` exits right after saving weights, before the
-transaction commits.
+Fault injection for tests: ``CLAWSTREAM_LEARNER_FAULT=after_save`` (or ``after_save:N`` for version N only) exits
+right after saving weights, before the transaction commits.
 """
 
 from __future__ import annotations
@@ -85,8 +85,13 @@ class Learner:
             self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
         self.version = 0
-        self.producer: Producer = make_producer(kafka, **{"transactional.id": settings.resolved_transactional_id()})
-        self.consumer: Consumer = make_consumer(kafka, settings.resolved_group_id())
+        txn_id = settings.resolved_transactional_id(kafka.topic_prefix)
+        self.producer: Producer = make_producer(kafka, **{"transactional.id": txn_id})
+        # Static membership: a restarted learner takes over its old member's partitions at once instead of waiting
+        # for the crashed member's session to expire.
+        self.consumer: Consumer = make_consumer(
+            kafka, settings.resolved_group_id(kafka.topic_prefix), **{"group.instance.id": txn_id}
+        )
         self.writer = _tensorboard(settings)
 
     # ---- the top loop: poll batch → logprobs → loss → step → publish -----------------------------------------------
@@ -154,7 +159,7 @@ class Learner:
     def _publish_version(self, batch: SealedBatch, metrics: dict[str, float]) -> None:
         version = self.version + 1
         saved = save_weights(self.model, self.settings.weight_store, self.settings.model_name, version)
-        if os.environ.get("CLAWSTREAM_LEARNER_FAULT") == "after_save":
+        if os.environ.get("CLAWSTREAM_LEARNER_FAULT") in ("after_save", f"after_save:{version}"):
             log.error("fault injection: exiting after saving v%d, before the transaction commits", version)
             os._exit(17)
         event = WeightVersion(

@@ -1,0 +1,106 @@
+"""The learner on the real broker: sealed batches → contiguous weight versions, exactly once across a crash."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from confluent_kafka import TopicPartition
+
+from clawstream.kafka_clients import make_consumer, make_producer
+from clawstream.settings import KafkaSettings
+from learner.weights import load_verified, sha256_file
+from schemas.events import WeightVersion
+from schemas.topics import BATCHES, WEIGHTS
+from tests.support.learner_data import batch_records, small_model
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_model(tmp_path_factory.mktemp("tiny"))
+
+
+def _produce_batches(settings: KafkaSettings, specs: list[tuple[str, int]]) -> int:
+    producer = make_producer(settings)
+    n = 0
+    for batch_id, step in specs:
+        for rec in batch_records(batch_id, step, 4, seed=step):
+            producer.produce(settings.topic(BATCHES), key=batch_id.encode(), value=rec.to_bytes())
+            n += 1
+    assert producer.flush(30) == 0
+    return n
+
+
+def _run_learner(settings: KafkaSettings, model_dir: Path, store: Path, *, fault: str | None = None,
+                 max_steps: int = 2) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=settings.resolved_bootstrap(),
+               CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix, PYTHONPATH=str(ROOT))  # fmt: skip
+    env.pop("CLAWSTREAM_LEARNER_FAULT", None)
+    if fault:
+        env["CLAWSTREAM_LEARNER_FAULT"] = fault
+    cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(store),
+           "--max-steps", str(max_steps), "--idle-exit", "20", "--hp", "lr=1e-3"]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def _versions(settings: KafkaSettings, group: str) -> list[WeightVersion]:
+    consumer = make_consumer(settings, group)  # read_committed
+    consumer.subscribe([settings.topic(WEIGHTS)])
+    out: list[WeightVersion] = []
+    deadline = time.monotonic() + 8
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                out.append(WeightVersion.from_bytes(msg.value()))
+    finally:
+        consumer.close()
+    return out
+
+
+def test_two_batches_give_two_versions(kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path) -> None:
+    _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
+    result = _run_learner(kafka_settings, model_dir, tmp_path / "store")
+    assert result.returncode == 0, result.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-1")
+    assert [(v.policy_version, v.step, v.batch_id) for v in versions] == [(1, 1, "b-1"), (2, 2, "b-2")]
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    for v in versions:
+        state = load_verified(v.uri, v.sha256)
+        assert v.metrics["trainable_tokens"] == 4 * 18 and v.metrics["reward/agentloop"] == 1.0
+        changed = [name for name, t in state.items() if not torch.equal(t, base[name])]
+        assert changed, f"v{v.policy_version} did not change any parameter"
+
+
+def test_crash_between_save_and_commit_trains_the_batch_once(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    records = _produce_batches(kafka_settings, [("c-1", 1), ("c-2", 2)])
+    store = tmp_path / "store"
+    crashed = _run_learner(kafka_settings, model_dir, store, fault="after_save:2")
+    assert crashed.returncode == 17, crashed.stderr[-3000:]
+    assert (store / "policy" / "v000002.safetensors").exists()  # saved, never published
+    assert [v.policy_version for v in _versions(kafka_settings, "check-a")] == [1]
+
+    resumed = _run_learner(kafka_settings, model_dir, store, max_steps=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed policy at v1" in resumed.stderr
+    versions = _versions(kafka_settings, "check-b")
+    got = [(v.policy_version, v.batch_id) for v in versions]
+    assert got == [(1, "c-1"), (2, "c-2")], resumed.stderr[-4000:]  # contiguous, once each
+    assert versions[1].sha256 == sha256_file(store / "policy" / "v000002.safetensors")
+
+    consumer = make_consumer(kafka_settings, f"{kafka_settings.topic_prefix}clawstream-learner-policy")
+    committed = consumer.committed([TopicPartition(kafka_settings.topic(BATCHES), 0)], timeout=10)[0].offset
+    consumer.close()
+    assert committed == records  # every batch record (and seal) consumed, nothing left to train again
