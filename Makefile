@@ -33,7 +33,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(PY) bench/codec.py
+	$(PY) -m bench.codec
+	$(PY) -m bench.learner
 
 kafka-down: $(STAMP)
 	$(VENV)/bin/clawstream kafka down

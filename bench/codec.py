@@ -6,7 +6,7 @@ The variant with arrays is derived from ``schemas/call_event.avsc`` by swapping 
 Both round trips go through the project's single-object codec path (marker + fingerprint + fastavro body) and end
 with numpy arrays, which is what the proxy and the stream processors hold.
 
-Run: ``.venv/bin/python bench/codec.py [--prompt-tokens 32768] [--rounds 15]``; writes ``bench/results/codec.md``.
+Run: ``.venv/bin/python -m bench.codec [--prompt-tokens 32768] [--rounds 15]``; writes ``bench/results/codec.md``.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
         "",
         f"Call event with {args.prompt_tokens} prompt tokens, {args.generated_tokens} generated tokens + logprobs; "
         f"encode + decode to numpy, median of {args.rounds} interleaved rounds; {platform.processor() or 'cpu'}, "
-        f"Python {platform.python_version()}. Run: `.venv/bin/python bench/codec.py`.",
+        f"Python {platform.python_version()}. Run: `.venv/bin/python -m bench.codec`.",
         "",
         "| encoding | encode+decode (ms) | size (bytes) | size after zstd-3 (bytes) |",
         "|---|---:|---:|---:|",

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the serving proxy (one registry per proxy instance, so tests can run several).
+
+Exposed at ``GET /metrics``: calls by dialect and kind, errors by dialect and status, request latency, render time,
+and tokens by dialect and type (prompt, new = not shared with the parent call, generated, rendered = produced by
+the template + tokenizer for this call, the proxy's CPU-cost driver).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls = Counter("clawstream_proxy_calls", "Model calls served and recorded.", ["dialect", "kind"],
+                             registry=r)  # fmt: skip
+        self.errors = Counter("clawstream_proxy_errors", "Calls answered with an error.", ["dialect", "status"],
+                              registry=r)  # fmt: skip
+        self.latency = Histogram("clawstream_proxy_request_seconds", "Request arrival to response.", ["dialect"],
+                                 buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.render_time = Histogram("clawstream_proxy_render_seconds", "Conversation → prompt ids.", registry=r,
+                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))  # fmt: skip
+        self.tokens = Counter("clawstream_proxy_tokens", "Tokens by type.", ["dialect", "type"], registry=r)
+        self.rollouts = Gauge("clawstream_proxy_rollouts", "Registered rollouts.", registry=r)
+
+    def record_call(
+        self, dialect: str, kind: str, prompt: int, new: int, generated: int, rendered: int, render_s: float
+    ) -> None:
+        self.calls.labels(dialect, kind).inc()
+        self.render_time.observe(render_s)
+        for name, value in (("prompt", prompt), ("new", new), ("generated", generated), ("rendered", rendered)):
+            self.tokens.labels(dialect, name).inc(value)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

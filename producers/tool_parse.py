@@ -1,0 +1,97 @@
+"""Parse a finished assistant turn (decoded text) into reasoning, text and tool calls (Qwen3 markup).
+
+The model writes ``<think>...</think>`` reasoning (optional, first) and any number of
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks. A block whose body is not a JSON object
+with a string ``name`` and object (or JSON-string) ``arguments`` is *malformed*: it stays in the text verbatim,
+so the harness sees exactly what the model wrote, and the call is flagged ``malformed_tool_json``.
+An unterminated ``<tool_call>`` (cut off by the length limit) is malformed too.
+
+Pure: standard library only. Used once per call on the whole turn (pseudo-streaming: never on partial text).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
+MALFORMED_TOOL_JSON = "malformed_tool_json"
+
+_BLOCK = re.compile(re.escape(TOOL_START) + r"(.*?)" + re.escape(TOOL_END), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ParsedToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass
+class ParsedTurn:
+    text: str
+    reasoning: str = ""
+    tool_calls: list[ParsedToolCall] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
+
+
+def _parse_block(body: str) -> ParsedToolCall | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedToolCall(obj["name"], args)
+
+
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, rest). Reasoning is the body of a leading ``<think>`` block (or text before a lone ``</think>``)."""
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_START):
+        end = stripped.find(THINK_END)
+        if end < 0:  # cut off while thinking: everything is reasoning
+            return stripped[len(THINK_START) :].strip("\n"), ""
+        return stripped[len(THINK_START) : end].strip("\n"), stripped[end + len(THINK_END) :]
+    end = text.find(THINK_END)
+    if end >= 0 and TOOL_START not in text[:end]:  # template put <think> in the prompt
+        return text[:end].strip("\n"), text[end + len(THINK_END) :]
+    return "", text
+
+
+def parse_turn(text: str) -> ParsedTurn:
+    """Split the generated text into reasoning, visible text and tool calls."""
+    reasoning, rest = split_reasoning(text)
+    calls: list[ParsedToolCall] = []
+    kept: list[str] = []
+    flags: list[str] = []
+    pos = 0
+    for m in _BLOCK.finditer(rest):
+        kept.append(rest[pos : m.start()])
+        call = _parse_block(m.group(1).strip())
+        if call is None:
+            kept.append(m.group(0))
+            if MALFORMED_TOOL_JSON not in flags:
+                flags.append(MALFORMED_TOOL_JSON)
+        else:
+            calls.append(call)
+        pos = m.end()
+    tail = rest[pos:]
+    if TOOL_START in tail and MALFORMED_TOOL_JSON not in flags:
+        flags.append(MALFORMED_TOOL_JSON)  # an unterminated block
+    kept.append(tail)
+    return ParsedTurn(text="".join(kept).strip(), reasoning=reasoning, tool_calls=calls, flags=flags)

@@ -1,0 +1,268 @@
+"""Serving proxy end to end: real Kafka broker, real proxy HTTP server, scripted engine, harness-shaped requests.
+
+Each dialect runs a 2-call tool-use episode streaming and non-streaming; the call events on the broker must show
+call 2's prompt = call 1's prompt + call 1's generated ids + turn suffix + new ids (rebuilt with
+``streams.tree.rebuild_prompts``), and equal what the engine received. Every bad-input row answers in the
+caller's dialect and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from clawstream.kafka_clients import make_consumer
+from clawstream.settings import KafkaSettings
+from producers.proxy import Proxy, ProxySettings
+from producers.publisher import KafkaPublisher
+from schemas.events import CallEvent, CallKind
+from schemas.topics import CALLS
+from streams.tree import TreeCall, rebuild_prompts
+from tests.support import proxy_helpers as H
+from tests.support.scripted_engine import ScriptedEngine, tool_call_text
+
+pytestmark = pytest.mark.integration
+
+DONE = "Done: hello.txt contains hi."
+PATHS = {"anthropic": "/v1/messages?beta=true", "chat": "/v1/chat/completions", "responses": "/responses"}
+TOOL_TEXT = {
+    "anthropic": tool_call_text("Write", {"file_path": "/w/hello.txt", "content": "hi"}),
+    "chat": tool_call_text("write_file", {"file_path": "hello.txt", "content": "hi"}),
+    "responses": tool_call_text("exec_command", {"cmd": "printf hi > hello.txt"}),
+}
+
+
+@asynccontextmanager
+async def running_proxy(kafka: KafkaSettings, engine_url: str, **overrides: Any) -> AsyncIterator[tuple[Proxy, str]]:
+    settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine_url, port=0, admin_token="admin",
+                             **{"keepalive_s": 0.2, "publish_timeout_s": 15, **overrides})  # fmt: skip
+    publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
+    proxy = Proxy(settings, publisher, kafka.topic(CALLS), tokenizer=H.tiny_tokenizer())
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    proxy.public_url = url
+    try:
+        yield proxy, url
+    finally:
+        await runner.cleanup()
+        publisher.close()
+
+
+async def register(http: aiohttp.ClientSession, url: str, **body: Any) -> dict[str, Any]:
+    async with http.post(f"{url}/admin/rollouts", json=body, headers={"Authorization": "Bearer admin"}) as r:
+        assert r.status == 201, await r.text()
+        return await r.json()
+
+
+async def seal(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, Any]:
+    async with http.post(f"{url}/admin/rollouts/{rid}/seal", headers={"Authorization": "Bearer admin"}) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+def auth(dialect: str, secret: str) -> dict[str, str]:
+    return {"x-api-key": secret} if dialect == "anthropic" else {"Authorization": f"Bearer {secret}"}
+
+
+def consume_calls(kafka: KafkaSettings, rollout_ids: set[str], n: int, timeout: float = 20.0) -> list[CallEvent]:
+    consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:8]}")
+    consumer.subscribe([kafka.topic(CALLS)])
+    out: list[CallEvent] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and len(out) < n:
+            msg = consumer.poll(0.3)
+            if msg is None or msg.error():
+                continue
+            event = CallEvent.from_bytes(msg.value())
+            assert msg.key().decode() == event.rollout_id
+            if event.rollout_id in rollout_ids:
+                out.append(event)
+    finally:
+        consumer.close()
+    return sorted(out, key=lambda e: e.seq)
+
+
+def request_body(dialect: str, history: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+    build = {"anthropic": H.claude_request, "chat": H.qwen_request, "responses": H.codex_request}[dialect]
+    if dialect == "anthropic":
+        return build([H.claude_first_user(), *history], stream)
+    return build(history, stream)
+
+
+def followup(dialect: str, answer: dict[str, Any]) -> list[dict[str, Any]]:
+    fn = {"anthropic": H.claude_followup, "chat": H.qwen_followup, "responses": H.codex_followup}[dialect]
+    return fn(answer, "wrote hello.txt")
+
+
+def check_stream_shape(dialect: str, raw: bytes) -> int:
+    """Assert the dialect's SSE event order; return the number of keep-alives (Anthropic pings, SSE comments)."""
+    events, comments = H.read_sse(raw)
+    if dialect == "anthropic":
+        names = [n for n, _ in events if n != "ping"]
+        assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+        assert all(n == d["type"] for n, d in events)
+        assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(names)
+        return sum(1 for n, _ in events if n == "ping")
+    elif dialect == "chat":
+        assert events[0][1]["choices"][0]["delta"]["role"] == "assistant" and events[-1][1] == "[DONE]"
+        assert events[-2][1]["choices"] == [] and events[-2][1]["usage"]["total_tokens"] > 0
+        assert events[-3][1]["choices"][0]["finish_reason"] in ("tool_calls", "stop")
+    else:
+        names = [n for n, _ in events]
+        assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+        assert "response.output_item.added" in names and "response.output_item.done" in names
+    return comments
+
+
+async def call(http, url: str, rid: str, secret: str, dialect: str, body: Any, raw: bytes | None = None):
+    data = raw if raw is not None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **auth(dialect, secret)}
+    async with http.post(f"{url}/r/{rid}{PATHS[dialect]}", data=data, headers=headers) as r:
+        return r.status, await r.read()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
+async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings, dialect, stream) -> None:
+    tok = H.tiny_tokenizer()
+    async with (
+        ScriptedEngine(tok, [TOOL_TEXT[dialect], DONE], delay_s=0.5 if stream else 0) as engine,
+        running_proxy(kafka_settings, engine.url) as (proxy, url),
+        aiohttp.ClientSession() as http,
+    ):  # fmt: skip
+        reg = await register(http, url, rollout_id=f"r-{dialect}-{stream}", temperature=0.9, max_tokens=512)
+        rid, secret = reg["rollout_id"], reg["secret"]
+        assert reg["base_url"] == f"{url}/r/{rid}"
+        async with http.head(reg["base_url"]) as r:
+            assert r.status == 200
+        history: list[dict[str, Any]] = []
+        answers = []
+        for _ in range(2):
+            status, raw = await call(http, url, rid, secret, dialect, request_body(dialect, history, stream))
+            assert status == 200, raw
+            if stream:
+                assert check_stream_shape(dialect, raw) >= 1  # keep-alives while the engine worked
+                answer = H.answer_from_sse(dialect, raw)
+            else:
+                answer = json.loads(raw)
+            answers.append(answer)
+            history = history + followup(dialect, answer)
+        sealed = await seal(http, url, rid)
+        assert sealed["calls_served"] == 2 and sealed["status"] == "ok"
+        status, raw = await call(http, url, rid, secret, dialect, request_body(dialect, history, stream))
+        assert status == 401  # sealed: the secret is revoked
+    if dialect == "anthropic":
+        assert answers[0]["stop_reason"] == "tool_use" and answers[1]["stop_reason"] == "end_turn"
+        assert answers[0]["content"][0]["input"] == {"file_path": "/w/hello.txt", "content": "hi"}
+    elif dialect == "chat":
+        assert answers[0]["choices"][0]["finish_reason"] == "tool_calls"
+        assert answers[1]["choices"][0]["message"]["content"] == DONE
+    else:
+        assert answers[0]["output"][0]["type"] == "function_call" and answers[0]["output"][0]["name"] == "exec_command"
+        assert answers[1]["output"][0]["content"][0]["text"] == DONE
+    events = consume_calls(kafka_settings, {rid}, 2)
+    assert [e.seq for e in events] == [0, 1]
+    calls = [TreeCall(e.call_id, e.seq, e.parent_call_id, e.shared_prefix_len, e.new_tokens.tolist(),
+                      e.generated_tokens.tolist(), e.logprobs.tolist(), e.call_kind.value.lower(), e.policy_version,
+                      e.finish_reason) for e in events]  # fmt: skip
+    prompts = rebuild_prompts(calls)
+    p1, p2 = prompts[events[0].call_id], prompts[events[1].call_id]
+    g1 = events[0].generated_tokens.tolist()
+    suffix = proxy.template.turn_suffix(g1)
+    assert events[1].parent_call_id == events[0].call_id and events[1].shared_prefix_len == len(p1) + len(g1)
+    assert p2[: len(p1) + len(g1) + len(suffix)] == p1 + g1 + suffix
+    assert [p1, p2] == [r.prompt_ids for r in engine.requests]  # what the engine saw is what was recorded
+    for e in events:
+        assert e.call_kind == CallKind.MAIN and e.policy_version == 7 and e.flags == []
+        assert len(e.logprobs) == len(e.generated_tokens) > 0 and e.prompt_len == len(prompts[e.call_id])
+        assert e.requested_model == "policy" and e.engine_ms > 0 and e.total_ms >= e.engine_ms
+    assert [e.finish_reason for e in events] == ["tool_calls", "stop"]
+    assert engine.requests[0].body["temperature"] == 0.9 and engine.requests[0].body["max_tokens"] == 512
+
+
+@pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
+async def test_bad_inputs_answer_in_dialect_and_publish_nothing(kafka_settings, dialect) -> None:
+    tok = H.tiny_tokenizer()
+    async with (
+        ScriptedEngine(tok, ["ok"] * 10) as engine,
+        running_proxy(kafka_settings, engine.url, max_request_bytes=200_000) as (_proxy, url),
+        aiohttp.ClientSession() as http,
+    ):
+        a = await register(http, url, rollout_id=f"a-{dialect}")
+        b = await register(http, url, rollout_id=f"b-{dialect}")
+        sealed = await register(http, url, rollout_id=f"s-{dialect}")
+        expired = await register(http, url, rollout_id=f"e-{dialect}", ttl_s=0.001)
+        await seal(http, url, sealed["rollout_id"])
+        await asyncio.sleep(0.05)  # let the 1 ms ttl run out
+        good = request_body(dialect, [], False)
+        rid, sec = a["rollout_id"], a["secret"]
+        rows = [
+            ("missing key", rid, "", good, None, 401),
+            ("wrong key", rid, "nope", good, None, 401),
+            ("other rollout's key", rid, b["secret"], good, None, 401),
+            ("sealed", sealed["rollout_id"], sealed["secret"], good, None, 401),
+            ("expired", expired["rollout_id"], expired["secret"], good, None, 401),
+            ("too large", rid, sec, {**good, "pad": "x" * 300_000}, None, 413),
+            ("invalid json", rid, sec, None, b'{"model": ', 400),
+            ("bad schema", rid, sec, {"model": "policy", "messages": 5, "input": 5}, None, 400),
+        ]
+        for name, r, s, body, raw, want in rows:
+            status, out = await call(http, url, r, s, dialect, body, raw)
+            assert status == want, (name, out)
+            err = json.loads(out)
+            if dialect == "anthropic":
+                assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, name
+            else:
+                assert set(err["error"]) == {"message", "type", "param", "code"}, name
+        assert engine.requests == []  # nothing reached the engine either
+        # one good call, the marker: it must be the only event of these rollouts on the broker
+        status, _ = await call(http, url, rid, sec, dialect, good)
+        assert status == 200
+        metrics = await (await http.get(f"{url}/metrics")).text()
+        assert "clawstream_proxy_calls_total" in metrics and 'status="401"' in metrics and 'status="413"' in metrics
+    ids = {a["rollout_id"], b["rollout_id"], sealed["rollout_id"], expired["rollout_id"]}
+    events = consume_calls(kafka_settings, ids, 2, timeout=8)
+    assert [(e.rollout_id, e.seq) for e in events] == [(rid, 0)]
+
+
+@pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_engine_down_is_502_in_dialect(kafka_settings, dialect, stream) -> None:
+    async with running_proxy(kafka_settings, "http://127.0.0.1:9") as (_proxy, url), aiohttp.ClientSession() as http:
+        a = await register(http, url, rollout_id=f"d-{dialect}-{stream}")
+        status, out = await call(http, url, a["rollout_id"], a["secret"], dialect, request_body(dialect, [], stream))
+        assert status == 502
+        err = json.loads(out)
+        if dialect == "anthropic":
+            assert err["error"]["type"] == "api_error"
+        else:
+            assert err["error"]["code"] == "engine_unavailable"
+    assert consume_calls(kafka_settings, {a["rollout_id"]}, 1, timeout=5) == []
+
+
+async def test_kafka_unreachable_is_503_and_flags_the_rollout(kafka_settings) -> None:
+    dead = KafkaSettings(bootstrap_servers="127.0.0.1:1", topic_prefix=kafka_settings.topic_prefix)
+    async with (
+        ScriptedEngine(H.tiny_tokenizer(), ["ok"]) as engine,
+        running_proxy(dead, engine.url, publish_timeout_s=1.5) as (_proxy, url),
+        aiohttp.ClientSession() as http,
+    ):
+        a = await register(http, url, rollout_id="k-1")
+        status, out = await call(http, url, "k-1", a["secret"], "chat", request_body("chat", [], False))
+        assert status == 503 and json.loads(out)["error"]["code"] == "service_unavailable"
+        sealed = await seal(http, url, "k-1")
+        assert sealed["status"] == "infra_failure" and "not confirmed" in sealed["infra_failure"]
+        assert sealed["calls_served"] == 0
