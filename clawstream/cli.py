@@ -156,6 +156,56 @@ def model_init(out: Path, seed: int) -> None:
     click.echo(str(out))
 
 
+# ---- services (their own argument parsers; `clawstream NAME --help` shows them) --------------------------------------
+_PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@main.command("proxy", context_settings=_PASSTHROUGH)
+@click.pass_context
+def proxy(ctx: click.Context) -> None:
+    """Serving proxy: harness API dialects in, engine calls out, call events to Kafka (producers/proxy.py)."""
+    from producers.proxy import main as run
+
+    sys.exit(run(ctx.args))
+
+
+@main.command("learner", context_settings=_PASSTHROUGH)
+@click.pass_context
+def learner(ctx: click.Context) -> None:
+    """Learner: sealed batches in, GRPO + TIS step, weight versions out, exactly once (learner/train.py)."""
+    from learner.train import main as run
+
+    sys.exit(run(ctx.args))
+
+
+# ---- harnesses ---------------------------------------------------------------------------------------------------
+@main.group(cls=_Group)
+def harness() -> None:
+    """Real agent harnesses from the npm registry (Claude Code, Codex, Qwen Code, opencode, OpenClaw)."""
+
+
+@harness.command("list")
+def harness_list() -> None:
+    """Known harnesses, their npm packages and whether each is installed in the cache."""
+    from producers.harness_install import HARNESSES, MARKER, harness_root
+
+    for name, pkg in HARNESSES.items():
+        installed = (harness_root() / name / MARKER).exists()
+        node = " (Node 24)" if pkg.needs_node24 else ""
+        click.echo(f"{name:12} {pkg.package + node:34} {'installed' if installed else 'not installed'}")
+
+
+@harness.command("install")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds per npm install.")
+def harness_install(names: tuple[str, ...], timeout: float) -> None:
+    """Install harnesses into $CLAWSTREAM_HOME/harnesses (once; cached)."""
+    from producers.harness_install import install_harness
+
+    for name in names:
+        click.echo(f"{name}: {install_harness(name, timeout=timeout)}")
+
+
 # ---- demo --------------------------------------------------------------------------------------------------------
 @main.command("demo")
 @click.option("--model-dir", type=click.Path(path_type=Path), default=None,
