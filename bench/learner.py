@@ -74,31 +74,49 @@ def _per_path_time(model: torch.nn.Module, segments: list[list[Segment]]) -> flo
             lps = torch.tensor([lp for i in path if tree[i].trainable for lp in tree[i].logprobs])
             jobs.append((tokens, mask, lps))
     n_tokens = sum(int(m.sum()) for _, m, _ in jobs)
+    device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
+    _sync(device)
     started = time.perf_counter()
     for k, (tokens, mask, lps) in enumerate(jobs):
-        logits = model(input_ids=tokens[None], use_cache=False).logits[0, :-1]  # (L-1, V)
+        tokens, mask, lps = tokens.to(device), mask.to(device), lps.to(device)
+        with _autocast(device):
+            logits = model(input_ids=tokens[None], use_cache=False).logits[0, :-1]  # (L-1, V)
         logp_all = torch.log_softmax(logits.float(), -1).gather(-1, tokens[1:, None])[:, 0]  # (L-1,)
-        logp = torch.cat([torch.zeros(1), logp_all])  # (L,) aligned with tokens
-        rollout_lp = torch.zeros(len(tokens))
+        logp = torch.cat([torch.zeros(1, device=device), logp_all])  # (L,) aligned with tokens
+        rollout_lp = torch.zeros(len(tokens), device=device)
         rollout_lp[mask] = lps
-        loss, _ = grpo_loss(logp, None, rollout_lp, torch.ones(len(jobs)), torch.full((len(tokens),), k), mask,
-                            num_tokens=n_tokens, num_rollouts=len(jobs))  # fmt: skip
+        ones, index = torch.ones(len(jobs), device=device), torch.full((len(tokens),), k, device=device)
+        loss, _ = grpo_loss(logp, None, rollout_lp, ones, index, mask, num_tokens=n_tokens, num_rollouts=len(jobs))
         loss.backward()
+    _sync(device)
     return time.perf_counter() - started
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def _packed_time(model: torch.nn.Module, trees: list[list[Segment]], budget: int) -> float:
-    rows = pack_trees(trees, budget)
-    adv = torch.ones(len(trees))
+    device = next(model.parameters()).device
+    rows = [r.to(device) for r in pack_trees(trees, budget)]
+    adv = torch.ones(len(trees), device=device)
     n_tokens = sum(int(r.loss_mask.sum()) for r in rows)
     model.zero_grad(set_to_none=True)
+    _sync(device)
     started = time.perf_counter()
     for row in rows:
-        logp = packed_logprobs(model, row, only_trainable=True)
+        with _autocast(device):
+            logp = packed_logprobs(model, row, only_trainable=True)
         loss, _ = grpo_loss(logp, None, row.rollout_logprobs, adv, row.rollout_index, row.loss_mask,
                             num_tokens=n_tokens, num_rollouts=len(trees))  # fmt: skip
         loss.backward()
+    _sync(device)
     return time.perf_counter() - started
 
 
@@ -107,6 +125,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=12, help="model calls per rollout")
     parser.add_argument("--rollouts", type=int, default=2, help="rollout trees per shape")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast on cuda)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size of the Qwen3 model (tiny default: 256)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -115,14 +137,18 @@ def main() -> None:
     from learner.model_init import init_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        init_tiny_model(Path(tmp), progress=None)
-        model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa")
+        init_tiny_model(Path(tmp), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                        num_layers=args.layers, progress=None)  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").to(args.device)
     model.train()
+    params = sum(p.numel() for p in model.parameters())
+    where = f"{torch.cuda.get_device_name()} (bf16 autocast)" if args.device == "cuda" else (
+        f"fp32 on {torch.get_num_threads()} CPU threads")  # fmt: skip
 
     lines = [
         "# Learner benchmark: tree-packed vs per-path training",
         "",
-        f"Tiny Qwen3 model (project builder defaults), fp32 on {torch.get_num_threads()} CPU threads; "
+        f"Qwen3-architecture model ({params / 1e6:.1f}M params, {args.layers} layers, hidden {args.hidden}), {where}; "
         f"{args.rollouts} rollouts x {args.calls} calls per shape; one forward+backward of the GRPO loss; median of "
         f"{args.rounds} interleaved rounds. Run: `.venv/bin/python -m bench.learner`.",
         "",
@@ -151,8 +177,8 @@ def main() -> None:
         "(and counts shared trainable tokens once per path). The speed-up tracks Σpath/unique, minus the cost of the "
         "dense tree mask (T×T) that grows with the packed length.",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

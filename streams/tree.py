@@ -392,16 +392,18 @@ def _emit(root: _Node, end_of: dict[int, list[str]]) -> tuple[list[Segment], dic
 
 
 def paths(segments: Sequence[Segment]) -> list[list[int]]:
-    """Every root-to-leaf path as segment indices (root first), one per leaf, in leaf index order."""
+    """Every root-to-leaf path as segment indices (root first), one per leaf, in leaf index order.
+
+    Works on any segment list with ``parent`` (the decoded Avro ``TreeSegment`` too): positions are list indices."""
     has_child = [False] * len(segments)
     for seg in segments:
         if seg.parent >= 0:
             has_child[seg.parent] = True
     result: list[list[int]] = []
-    for seg in segments:
-        if has_child[seg.index]:
+    for position in range(len(segments)):
+        if has_child[position]:
             continue
-        path, cursor = [], seg.index
+        path, cursor = [], position
         while cursor >= 0:
             path.append(cursor)
             cursor = segments[cursor].parent

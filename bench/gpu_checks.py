@@ -1,0 +1,161 @@
+"""GPU checks for the CUDA paths that the CPU test suite cannot reach (run on a machine with an NVIDIA GPU).
+
+1. Tree packing on CUDA: packed-tree logprobs vs every root-to-leaf path run as a plain causal sequence, in fp32
+   (must agree to 1e-4) and under bf16 autocast (the learner's CUDA path; the difference is reported).
+2. One learner step (``learner.step.train_step``) on CUDA with bf16 autocast: finite loss, and the logprobs of a
+   positively advantaged rollout go up while a negatively advantaged one's go down.
+3. GPU telemetry through nvidia-ml-py, if ``consumers.telemetry`` is present.
+
+Run: ``python -m bench.gpu_checks``; prints a report and writes ``bench/results/gpu_checks.md``; exits 1 on a failed
+check. Needs torch with CUDA and transformers; no Kafka.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_checks.md"
+DEVICE = "cuda"  # `--dry-run-cpu` switches to "cpu" to check this script itself without a GPU
+
+
+def _model(device: str, tmp: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from learner.model_init import init_tiny_model
+
+    init_tiny_model(tmp, hidden_size=256, intermediate_size=768, num_layers=4, num_documents=800, progress=None)
+    return AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").to(device)
+
+
+def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
+    from learner.pack import pack_trees, packed_logprobs
+    from streams.tree import path_tokens, paths
+    from tests.support.learner_data import branching_trajectory
+
+    rng = np.random.default_rng(0)
+    trees = [branching_trajectory(f"r{i}", rng).segments for i in range(4)]
+    [row] = pack_trees(trees, 10_000)
+    row = row.to(DEVICE)
+    ok = True
+    for label, autocast in (("fp32", False), ("bf16 autocast", True)):
+        with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            packed = packed_logprobs(model, row)  # (T,)
+            worst = 0.0
+            offset = 0
+            for k in row.tree_indices:  # trees sit in the row in packing order
+                tree = trees[k]
+                # token offsets of each segment inside this tree's packed block
+                starts, pos = [], offset
+                for seg in tree:
+                    starts.append(pos)
+                    pos += len(seg.tokens)
+                for path in paths(tree):
+                    tokens = torch.tensor(path_tokens(tree, path), device=DEVICE)
+                    logits = model(input_ids=tokens[None], use_cache=False).logits[0].float()
+                    ref = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0]  # (L-1,)
+                    idx = torch.tensor([starts[s] + k for s in path for k in range(len(tree[s].tokens))])[1:]
+                    worst = max(worst, float((packed[idx.to(DEVICE)] - ref).abs().max()))
+                offset = pos
+        limit = 1e-4 if not autocast else 0.25
+        passed = worst <= limit
+        ok &= passed
+        report.append(f"| packed vs per-path logprobs, {label} | max abs diff {worst:.2e} (limit {limit}) | "
+                      f"{'ok' if passed else 'FAIL'} |")  # fmt: skip
+    return ok
+
+
+def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
+    from learner.config import LearnerConfig
+    from learner.pack import pack_trees, packed_logprobs
+    from learner.step import ScoredTree, train_step
+    from tests.support.learner_data import branching_trajectory
+
+    rng = np.random.default_rng(1)
+    good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)
+
+    def mean_lp(segments) -> float:  # noqa: ANN001
+        [row] = pack_trees([segments], 10_000)
+        row = row.to(DEVICE)
+        with torch.no_grad():
+            lp = packed_logprobs(model, row, only_trainable=True)
+        return float(lp[row.loss_mask].mean())
+
+    for traj in (good, bad):  # rollout logprobs = current policy's, so TIS weights are ~1
+        [row] = pack_trees([traj.segments], 10_000)
+        with torch.no_grad():
+            lp = packed_logprobs(model, row.to(DEVICE), only_trainable=True).cpu()
+        offset = 0
+        for seg in traj.segments:
+            if seg.trainable:
+                seg.logprobs = lp[offset : offset + len(seg.tokens)].numpy().astype("<f4")
+            offset += len(seg.tokens)
+    before = mean_lp(good.segments), mean_lp(bad.segments)
+    config = LearnerConfig(lr=2e-3)
+    trees = [ScoredTree(good.segments, 1.0, 1.0, "a"), ScoredTree(bad.segments, -1.0, 0.0, "b")]
+    started = time.perf_counter()
+    metrics = train_step(model, torch.optim.AdamW(model.parameters(), lr=config.lr), trees, config)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    after = mean_lp(good.segments), mean_lp(bad.segments)
+    passed = np.isfinite(metrics["loss"]) and after[0] > before[0] and after[1] < before[1]
+    report.append(f"| learner train_step on CUDA (bf16 autocast) | loss {metrics['loss']:.4f}, good lp "
+                  f"{before[0]:.3f}→{after[0]:.3f}, bad lp {before[1]:.3f}→{after[1]:.3f}, {elapsed * 1000:.0f} ms | "
+                  f"{'ok' if passed else 'FAIL'} |")  # fmt: skip
+    return bool(passed)
+
+
+def check_telemetry(report: list[str]) -> bool:
+    try:
+        from consumers import telemetry
+    except ImportError as exc:
+        report.append(f"| GPU telemetry | consumers.telemetry not importable: {exc} | skipped |")
+        return True
+    reader = getattr(telemetry, "gpu_readings", None) or getattr(telemetry, "read_gpu", None)
+    if reader is None:
+        report.append(f"| GPU telemetry | no reader function in consumers.telemetry ({dir(telemetry)}) | skipped |")
+        return True
+    values = reader()
+    passed = bool(values)
+    report.append(f"| GPU telemetry (nvidia-ml-py) | {values} | {'ok' if passed else 'FAIL'} |")
+    return passed
+
+
+def main() -> int:
+    global DEVICE
+    if "--dry-run-cpu" in sys.argv:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (run this on a GPU machine)")
+        return 0
+    torch.manual_seed(0)
+    report = [
+        "# GPU checks",
+        "",
+        f"{torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU dry run'}, torch {torch.__version__}. "
+        "Run: `python -m bench.gpu_checks`.",
+        "",
+        "| check | result | status |",
+        "|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _model(DEVICE, Path(tmp))
+    ok = check_packing(model, report)
+    ok &= check_train_step(model, report)
+    ok &= check_telemetry(report)
+    text = "\n".join(report) + "\n"
+    if DEVICE == "cuda":
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(text)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
