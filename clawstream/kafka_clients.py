@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from clawstream.errors import TopicError
@@ -24,6 +24,16 @@ log = logging.getLogger(__name__)
 def where(msg: Message) -> str:
     """``topic[partition]@offset`` of a consumed message, for logs and dead letters."""
     return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+
+
+def partitions_at_end(consumer: Consumer, topic: str, ends: dict[int, int]) -> set[int]:
+    """Partitions of ``topic`` whose consumer position has reached ``ends[p]`` (high watermarks taken earlier).
+
+    Use this, not "last offset + 1 == end", to know a read is complete: the last offsets of a transactional topic
+    are commit/abort markers that are never delivered, but librdkafka moves the position past them.
+    """
+    positions = consumer.position([TopicPartition(topic, p) for p in ends])
+    return {tp.partition for tp in positions if tp.offset >= ends[tp.partition]}
 
 
 def producer_config(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import torch
 from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
 
 from clawstream.errors import ClawstreamError, CodecError
-from clawstream.kafka_clients import make_consumer, make_producer, where
+from clawstream.kafka_clients import make_consumer, make_producer, partitions_at_end, where
 from clawstream.settings import KafkaSettings
 from consumers.engine import Engine, SwapOutcome, WeightSwap
 from consumers.telemetry import gpu_readings
@@ -307,10 +307,10 @@ class WeightsFollower:
         candidates: list[tuple[Message, WeightVersion]] = []
         while pending and not self._stop.is_set():
             msg = consumer.poll(self.poll_timeout)
+            # Positions, not record offsets: a transactional producer (the learner) ends the topic with markers.
+            pending -= partitions_at_end(consumer, self.topic, {p: ends[p] for p in pending})
             if msg is None or msg.error() is not None:
                 continue
-            if msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                pending.discard(msg.partition())
             event = self._decode(msg, quiet=True)
             if event is not None:
                 candidates.append((msg, event))

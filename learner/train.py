@@ -26,7 +26,7 @@ import torch
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from clawstream.errors import ClawstreamError
-from clawstream.kafka_clients import make_consumer, make_producer, where
+from clawstream.kafka_clients import make_consumer, make_producer, partitions_at_end, where
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.step import ScoredTree, train_step
@@ -245,11 +245,7 @@ def latest_weight_version(kafka: KafkaSettings, model_name: str, timeout: float 
 def _scan(
     consumer: Consumer, tp: TopicPartition, high: int, model_name: str, latest: WeightVersion | None, timeout: float
 ) -> WeightVersion | None:
-    """Read one partition up to ``high``. Under read_committed the last offsets may be transaction markers, which
-    are never delivered: once only a marker can remain (the last record seen is at high-2, or the position passed
-    high-1) and nothing arrives for a second, the scan is complete."""
-    last = -1
-    idle_since: float | None = None
+    """Read one partition up to ``high`` (its end when the scan started) and keep the newest version seen."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         msg = consumer.poll(0.2)
@@ -257,18 +253,9 @@ def _scan(
             event = WeightVersion.from_bytes(msg.value())
             if event.model_name == model_name and (latest is None or event.policy_version >= latest.policy_version):
                 latest = event
-            last, idle_since = msg.offset(), None
-            if last >= high - 1:
-                break
-            continue
-        position = consumer.position([tp])[0].offset
-        if position >= high:
-            break
-        if last >= high - 2 or position >= high - 1:
-            idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since > 1.0:
-                break
-    return latest
+        if partitions_at_end(consumer, tp.topic, {tp.partition: high}):
+            return latest
+    raise ClawstreamError(f"reading {tp.topic}[{tp.partition}] to offset {high} took over {timeout:.0f}s")
 
 
 def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | None

@@ -1,11 +1,14 @@
-"""The learner on the real broker: sealed batches → contiguous weight versions, exactly once across a crash."""
+"""The learner on the real broker: sealed batches → contiguous weight versions that the inference worker applies,
+exactly once across a crash."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from clawstream.settings import KafkaSettings
 from learner.weights import load_verified, sha256_file
 from schemas.events import WeightVersion
 from schemas.topics import BATCHES, WEIGHTS
+from tests.support.inference import Worker
 from tests.support.learner_data import batch_records, small_model
 
 pytestmark = pytest.mark.integration
@@ -80,6 +84,24 @@ def test_two_batches_give_two_versions(kafka_settings: KafkaSettings, model_dir:
         assert v.metrics["trainable_tokens"] == 4 * 18 and v.metrics["reward/agentloop"] == 1.0
         changed = [name for name, t in state.items() if not torch.equal(t, base[name])]
         assert changed, f"v{v.policy_version} did not change any parameter"
+
+    # The inference worker follows clawstream.weights and serves the newest version the learner published.
+    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.resolved_bootstrap(),
+           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
+    worker = Worker(["--model", str(model_dir), "--served-model-name", "policy", "--metrics-interval-s", "0"], env)
+    try:
+        body = {"model": "policy", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        deadline = time.monotonic() + 60
+        served = -1
+        while time.monotonic() < deadline and served < 2:
+            with urllib.request.urlopen(urllib.request.Request(  # noqa: S310 - loopback test server
+                    f"{worker.url}/v1/completions", data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"})) as resp:  # fmt: skip
+                served = json.loads(resp.read())["policy_version"]
+            time.sleep(0.2)
+        assert served == 2, worker.log()[-3000:]
+    finally:
+        worker.stop()
 
 
 def test_crash_between_save_and_commit_trains_the_batch_once(
