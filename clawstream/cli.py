@@ -169,6 +169,15 @@ def proxy(ctx: click.Context) -> None:
     sys.exit(run(ctx.args))
 
 
+@main.command("infer", context_settings=_PASSTHROUGH)
+@click.pass_context
+def infer(ctx: click.Context) -> None:
+    """Inference engine: vLLM's completions protocol on CPU, weight versions applied live (consumers/)."""
+    from consumers.inference_worker import main as run
+
+    sys.exit(run(ctx.args))
+
+
 @main.command("learner", context_settings=_PASSTHROUGH)
 @click.pass_context
 def learner(ctx: click.Context) -> None:
