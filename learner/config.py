@@ -24,7 +24,9 @@ def _hp(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in th
 class LearnerConfig:
     """What the learner optimises and how. Defaults suit the tiny CPU model; the paper's values are noted."""
 
-    algorithm: Literal["grpo"] = _hp("grpo", "Policy-gradient loss. PPO's value head is not wired into the loop yet.")
+    algorithm: Literal["grpo", "ppo"] = _hp(
+        "grpo", "grpo: group-normalised advantage per rollout. ppo: A_t = R - V(s_t) with a value head (γ = λ = 1)."
+    )
     lr: float = _hp(1e-5, "AdamW learning rate (constant).")
     betas: tuple[float, float] = _hp((0.9, 0.999), "AdamW betas.")
     weight_decay: float = _hp(0.0, "AdamW weight decay.")
@@ -41,13 +43,16 @@ class LearnerConfig:
         "token_mean", "Loss aggregation; a shared prefix counts once per rollout either way (trees store it once)."
     )
     kl_coef: float = _hp(0.0, "k3 KL to the reference (initial) policy; 0 = off, as in the paper.")
+    vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
+    value_clip: float = _hp(0.0, "PPO: clip range of the value loss around the step's old values; 0 = plain MSE.")
     temperature: float = _hp(1.0, "Sampling temperature of the rollouts (logprobs are recomputed at it).")
     seed: int = _hp(0, "Seed for torch.")
 
     def loss_config(self) -> LossConfig:
         return LossConfig(
             eps_low=self.eps_low, eps_high=self.eps_high, is_mode=self.is_mode, is_cap=self.is_cap,
-            aggregation=self.aggregation, kl_coef=self.kl_coef,
+            aggregation=self.aggregation, kl_coef=self.kl_coef, vf_coef=self.vf_coef,
+            value_clip=self.value_clip or None,
         )  # fmt: skip
 
     @classmethod
@@ -70,6 +75,9 @@ class LearnerSettings(BaseSettings):
         default="", description="Kafka transactional.id (default: <prefix>clawstream-learner-<model>); fences zombies."
     )
     tensorboard_dir: Path | None = Field(default=None, description="Write TensorBoard scalars here; unset = off.")
+    value_head: Path | None = Field(
+        default=None, description="PPO: pretrained value head (`python -m learner.value`); unset = zero-initialised."
+    )
     device: str = Field(default="auto", description="'cpu', 'cuda' or 'auto' (cuda when available).")
     max_steps: int | None = Field(default=None, description="Stop after this many steps (None = run forever).")
     idle_exit_s: float | None = Field(default=None, description="Exit after this long without a batch (None = never).")

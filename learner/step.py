@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from learner.config import LearnerConfig
-from learner.losses import grpo_loss
+from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, pack_trees, packed_logprobs
+from learner.value import ValueHead, policy_and_values
 
 
 @dataclass
@@ -47,8 +48,13 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     trees: Sequence[ScoredTree],
     config: LearnerConfig,
+    value_head: ValueHead | None = None,
 ) -> dict[str, float]:
-    """Train on one batch; returns scalar metrics (loss, clip fractions, IS weight stats, reward per harness, ...)."""
+    """Train on one batch; returns scalar metrics (loss, clip fractions, IS weight stats, reward per harness, ...).
+
+    PPO (``config.algorithm == "ppo"``) needs ``value_head`` (its parameters must be in ``optimizer``)."""
+    if config.algorithm == "ppo" and value_head is None:
+        raise ValueError("PPO needs a value head")
     started = time.perf_counter()
     device = next(model.parameters()).device
     # Mini-batches are sets of whole trees; each is packed into rows (a tree never spans two rows).
@@ -56,11 +62,9 @@ def train_step(
     parts = [p for p in parts if p]
     rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget)] for part in parts]
 
-    model.eval()  # π_old: the current weights, before this step's updates
+    model.eval()  # π_old (and V_old for PPO): the current weights, before this step's updates
     with torch.no_grad(), _autocast(device):
-        old = [
-            [packed_logprobs(model, r, temperature=config.temperature, only_trainable=True) for r in rs] for rs in rows
-        ]
+        old = [[_forward(model, value_head, r, config) for r in rs] for rs in rows]
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -69,14 +73,17 @@ def train_step(
         n_tokens = int(sum(int(r.loss_mask.sum()) for r in part_rows))
         if n_tokens == 0:
             continue
-        advantages = torch.tensor([t.advantage for t in part], dtype=torch.float32, device=device)  # (R_part,)
+        if config.algorithm == "ppo":  # returns R (γ = λ = 1); the advantage R - V_old(s_t) is formed per token
+            advantages = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
+        else:
+            advantages = torch.tensor([t.advantage for t in part], dtype=torch.float32, device=device)  # (R_part,)
         optimizer.zero_grad(set_to_none=True)
-        for row, logp_old in zip(part_rows, part_old, strict=True):
-            stats = _row_backward(model, row, logp_old, advantages, config, n_tokens, len(part))
+        for row, row_old in zip(part_rows, part_old, strict=True):  # row_old: (logprobs, values | None)
+            stats = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part))
             weight = float(row.loss_mask.sum()) / n_tokens
             for key, value in stats.items():
                 sums[key] += value * weight  # token-weighted average over rows
-        sums["grad_norm"] += _clip(model, config.max_grad_norm)
+        sums["grad_norm"] += _clip(optimizer, config.max_grad_norm)
         optimizer.step()
         steps += 1
 
@@ -93,28 +100,54 @@ def train_step(
     return metrics
 
 
+def _forward(
+    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs (T,), values (T,) or None) of a row under the current weights."""
+    if config.algorithm == "ppo":
+        assert head is not None
+        return policy_and_values(model, head, row, temperature=config.temperature)
+    return packed_logprobs(model, row, temperature=config.temperature, only_trainable=True), None
+
+
+def _reward(tree: ScoredTree) -> float:
+    if tree.reward is None:
+        raise ValueError("PPO needs every trajectory's reward; got one without (ungraded rollouts must not be batched)")
+    return tree.reward
+
+
 def _row_backward(
     model: torch.nn.Module,
+    head: ValueHead | None,
     row: MicroBatch,
-    logp_old: torch.Tensor,  # (T,)
-    advantages: torch.Tensor,  # (R,)
+    old: tuple[torch.Tensor, torch.Tensor | None],  # logp_old (T,), V_old (T,) or None
+    targets: torch.Tensor,  # (R,) GRPO advantages, or PPO returns
     config: LearnerConfig,
     n_tokens: int,
     n_rollouts: int,
 ) -> dict[str, float]:
+    logp_old, values_old = old
     device = logp_old.device
     with _autocast(device):
-        logp_new = packed_logprobs(model, row, temperature=config.temperature, only_trainable=True)  # (T,)
-    loss, stats = grpo_loss(
-        logp_new, logp_old, row.rollout_logprobs, advantages, row.rollout_index, row.loss_mask,
-        config.loss_config(), num_tokens=n_tokens, num_rollouts=n_rollouts,
-    )  # fmt: skip
+        logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
+    common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts}
+    if config.algorithm == "ppo":
+        assert values is not None
+        loss, stats = ppo_loss(
+            logp_new, logp_old, row.rollout_logprobs, values, targets, row.rollout_index, row.loss_mask,
+            config.loss_config(), old_values=values_old, **common,
+        )  # fmt: skip
+    else:
+        loss, stats = grpo_loss(
+            logp_new, logp_old, row.rollout_logprobs, targets, row.rollout_index, row.loss_mask,
+            config.loss_config(), **common,
+        )  # fmt: skip
     loss.backward()
     return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}
 
 
-def _clip(model: torch.nn.Module, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
+def _clip(optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not params:
         return 0.0
     if max_norm > 0:

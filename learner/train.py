@@ -30,7 +30,8 @@ from clawstream.kafka_clients import make_consumer, make_producer, partitions_at
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.step import ScoredTree, train_step
-from learner.weights import apply_state, load_verified, save_weights
+from learner.value import ValueHead
+from learner.weights import apply_state, load_verified, save_weights, value_head_path
 from schemas.events import BatchRecord, BatchRecordKind, DeadLetter, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
@@ -81,9 +82,14 @@ class Learner:
         self.device = torch.device("cuda" if want_cuda else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, attn_implementation="sdpa")
         self.model.to(self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-        )
+        self.value_head: ValueHead | None = None
+        params = list(self.model.parameters())
+        if config.algorithm == "ppo":
+            self.value_head = ValueHead.for_model(self.model)
+            if settings.value_head is not None:
+                self.value_head.load(settings.value_head)
+            params += list(self.value_head.parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self.version = 0
         txn_id = settings.resolved_transactional_id(kafka.topic_prefix)
         self.producer: Producer = make_producer(kafka, **{"transactional.id": txn_id})
@@ -106,7 +112,7 @@ class Learner:
             if problem:
                 self._dead_letter(batch, problem)
             else:
-                metrics = train_step(self.model, self.optimizer, trees, self.config)
+                metrics = train_step(self.model, self.optimizer, trees, self.config, self.value_head)
                 self._publish_version(batch, metrics)
             self._commit_offsets(batch)
             self.producer.commit_transaction(60)
@@ -159,6 +165,8 @@ class Learner:
     def _publish_version(self, batch: SealedBatch, metrics: dict[str, float]) -> None:
         version = self.version + 1
         saved = save_weights(self.model, self.settings.weight_store, self.settings.model_name, version)
+        if self.value_head is not None:  # kept beside the weights for resuming; inference never needs it
+            self.value_head.save(value_head_path(self.settings.weight_store, self.settings.model_name, version))
         if os.environ.get("CLAWSTREAM_LEARNER_FAULT") in ("after_save", f"after_save:{version}"):
             log.error("fault injection: exiting after saving v%d, before the transaction commits", version)
             os._exit(17)
@@ -218,6 +226,9 @@ class Learner:
                      self.settings.model_dir)  # fmt: skip
             return
         apply_state(self.model, load_verified(latest.uri, latest.sha256))
+        head_file = value_head_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
+        if self.value_head is not None and head_file.exists():
+            self.value_head.load(head_file)
         self.version = latest.policy_version
         log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, latest.uri)
 
@@ -283,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     parser.add_argument("--tensorboard-dir", default=None)
+    parser.add_argument("--value-head", default=None, help="PPO: pretrained value head (python -m learner.value)")
     parser.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = load_settings(LearnerSettings, model_dir=args.model_dir, weight_store=args.weight_store,
                              model_name=args.model_name, max_steps=args.max_steps, idle_exit_s=args.idle_exit,
-                             tensorboard_dir=args.tensorboard_dir)  # fmt: skip
+                             tensorboard_dir=args.tensorboard_dir, value_head=args.value_head)  # fmt: skip
     config = parse_hparams(args.hp)
     steps = Learner(settings, config, load_settings(KafkaSettings)).run()
     log.info("trained %d batches", steps)

@@ -1,9 +1,10 @@
 """Weight store: save a policy version as one safetensors file with its sha256, load and verify it back.
 
 Weights never travel through Kafka; ``clawstream.weights`` carries only the file's URI and sha256. Pure (torch +
-safetensors, no Kafka). The layout is ``<store>/<model_name>/v<version:06d>.safetensors``; writes are atomic
-(temp file + rename) so a reader never sees half a file, and re-saving a version (after a learner crash before the
-version was published) overwrites the unpublished file.
+safetensors, no Kafka). The layout is ``<store>/<model_name>/v<version:06d>/model.safetensors`` — one directory per
+version, because vLLM's reload loads every ``*.safetensors`` of a directory (consumers/vllm_adapter.py); writes are
+atomic (temp file + rename) so a reader never sees half a file, and re-saving a version (after a learner crash
+before the version was published) overwrites the unpublished file.
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def version_path(store: Path, model_name: str, version: int) -> Path:
-    return store / model_name / f"v{version:06d}.safetensors"
+    return store / model_name / f"v{version:06d}" / "model.safetensors"
+
+
+def value_head_path(store: Path, model_name: str, version: int) -> Path:
+    """PPO's value head of a version: outside the version directory, so vLLM never tries to load it."""
+    return store / model_name / "value-heads" / f"v{version:06d}.safetensors"
 
 
 def save_weights(model: torch.nn.Module, store: Path, model_name: str, version: int) -> SavedWeights:

@@ -111,7 +111,7 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
     store = tmp_path / "store"
     crashed = _run_learner(kafka_settings, model_dir, store, fault="after_save:2")
     assert crashed.returncode == 17, crashed.stderr[-3000:]
-    assert (store / "policy" / "v000002.safetensors").exists()  # saved, never published
+    assert (store / "policy" / "v000002" / "model.safetensors").exists()  # saved, never published
     assert [v.policy_version for v in _versions(kafka_settings, "check-a")] == [1]
 
     resumed = _run_learner(kafka_settings, model_dir, store, max_steps=1)
@@ -120,7 +120,7 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
     versions = _versions(kafka_settings, "check-b")
     got = [(v.policy_version, v.batch_id) for v in versions]
     assert got == [(1, "c-1"), (2, "c-2")], resumed.stderr[-4000:]  # contiguous, once each
-    assert versions[1].sha256 == sha256_file(store / "policy" / "v000002.safetensors")
+    assert versions[1].sha256 == sha256_file(store / "policy" / "v000002" / "model.safetensors")
 
     consumer = make_consumer(kafka_settings, f"{kafka_settings.topic_prefix}clawstream-learner-policy")
     committed = consumer.committed([TopicPartition(kafka_settings.topic(BATCHES), 0)], timeout=10)[0].offset
