@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from consumers.weights import ApplyReport, WeightsRejected, verify_file
+from consumers.weights import ApplyReport
+from learner.weights import WeightsRejected, verify_file
 from schemas.events import WeightVersion
 
 log = logging.getLogger(__name__)

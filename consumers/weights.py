@@ -22,16 +22,12 @@ and apply (copy) time, plus GPU readings when NVML is present.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -42,19 +38,11 @@ from clawstream.kafka_clients import make_consumer, make_producer, partitions_at
 from clawstream.settings import KafkaSettings
 from consumers.engine import Engine, SwapOutcome, WeightSwap
 from consumers.telemetry import gpu_readings
+from learner.weights import WeightsRejected, copy_into, load_checked, verify_file
 from schemas.events import DeadLetter, Metric, WeightVersion, now_ms
 from schemas.topics import DEADLETTER, METRICS, WEIGHTS
 
 log = logging.getLogger(__name__)
-
-
-class WeightsRejected(ClawstreamError):
-    """A weight version that must not be applied; ``kind`` groups reasons (becomes ``DeadLetter.error_type``)."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -73,84 +61,6 @@ class WeightsTarget(Protocol):
     def prepare(self, event: WeightVersion) -> Any: ...
 
     def apply(self, prepared: Any, event: WeightVersion) -> ApplyReport: ...
-
-
-# ---- verification -------------------------------------------------------------------------------------------------
-def resolve_uri(uri: str) -> Path:
-    """``file:///abs/path`` (or a bare absolute path) → Path; other schemes are rejected."""
-    parsed = urllib.parse.urlparse(uri)
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise WeightsRejected("unsupported_uri", f"file URI with a remote host is not supported: {uri}")
-        return Path(urllib.request.url2pathname(parsed.path))
-    if parsed.scheme == "" and uri.startswith("/"):
-        return Path(uri)
-    raise WeightsRejected("unsupported_uri", f"unsupported weights URI scheme '{parsed.scheme}': {uri} (use file://)")
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_file(event: WeightVersion) -> Path:
-    """The weights file of ``event``, after checking it exists, its size (when given) and its sha256."""
-    path = resolve_uri(event.uri)
-    if not path.is_file():
-        raise WeightsRejected("missing_file", f"weights file not found: {path}")
-    size = path.stat().st_size
-    if event.size_bytes and size != event.size_bytes:
-        raise WeightsRejected("size_mismatch", f"{path} has {size} bytes, the event says {event.size_bytes}")
-    actual = sha256_file(path)
-    if actual != event.sha256.lower():
-        raise WeightsRejected("checksum_mismatch", f"sha256 of {path} is {actual}, the event says {event.sha256}")
-    return path
-
-
-def tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    """State-dict names grouped by shared storage (tied weights, e.g. embeddings = lm_head, form one group)."""
-    groups: dict[tuple[int, int], list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), []).append(name)
-    return list(groups.values())
-
-
-def load_checked(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Load a safetensors file and check it against ``model``: same names (a tied group once is enough), same
-    shapes; returns the tensors cast to the model's dtypes and device, ready to copy in."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise WeightsRejected("bad_file", f"{path} is not a readable safetensors file: {exc}") from exc
-    reference = model.state_dict()
-    unknown = sorted(set(tensors) - set(reference))
-    if unknown:
-        raise WeightsRejected("unexpected_tensor", f"{path} has tensors the model lacks: {', '.join(unknown[:5])}")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(reference[name].shape):
-            raise WeightsRejected("shape_mismatch", f"{name}: file has shape {tuple(tensor.shape)}, "
-                                  f"model has {tuple(reference[name].shape)}")  # fmt: skip
-    for group in tied_groups(model):
-        present = [n for n in group if n in tensors]
-        if not present:
-            raise WeightsRejected("missing_tensor", f"{path} lacks tensor {group[0]}")
-        if any(not torch.equal(tensors[present[0]], tensors[n]) for n in present[1:]):
-            raise WeightsRejected("tied_mismatch", f"tied tensors {', '.join(present)} differ in {path}")
-    return {n: t.to(dtype=reference[n].dtype, device=reference[n].device) for n, t in tensors.items()}
-
-
-def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy checked tensors into the model's parameters and buffers in place (no reallocation)."""
-    live = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            live[name].copy_(tensor)
 
 
 class EngineWeightsTarget:

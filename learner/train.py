@@ -31,7 +31,7 @@ from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
-from learner.weights import apply_state, load_verified, save_weights, value_head_path
+from learner.weights import copy_into, load_checked, save_weights, value_head_path, verify_file
 from schemas.events import BatchRecord, BatchRecordKind, DeadLetter, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
@@ -225,7 +225,7 @@ class Learner:
             log.info("no published version of %s: starting from %s as v0", self.settings.model_name,
                      self.settings.model_dir)  # fmt: skip
             return
-        apply_state(self.model, load_verified(latest.uri, latest.sha256))
+        copy_into(self.model, load_checked(verify_file(latest), self.model))
         head_file = value_head_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
         if self.value_head is not None and head_file.exists():
             self.value_head.load(head_file)

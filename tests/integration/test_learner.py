@@ -17,7 +17,7 @@ from confluent_kafka import TopicPartition
 
 from clawstream.kafka_clients import make_consumer, make_producer
 from clawstream.settings import KafkaSettings
-from learner.weights import load_verified, sha256_file
+from learner.weights import sha256_file, verify_file
 from schemas.events import WeightVersion
 from schemas.topics import BATCHES, WEIGHTS
 from tests.support.inference import Worker
@@ -80,7 +80,9 @@ def test_two_batches_give_two_versions(kafka_settings: KafkaSettings, model_dir:
 
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     for v in versions:
-        state = load_verified(v.uri, v.sha256)
+        from safetensors.torch import load_file
+
+        state = load_file(str(verify_file(v)))
         assert v.metrics["trainable_tokens"] == 4 * 18 and v.metrics["reward/agentloop"] == 1.0
         changed = [name for name, t in state.items() if not torch.equal(t, base[name])]
         assert changed, f"v{v.policy_version} did not change any parameter"

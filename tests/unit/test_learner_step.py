@@ -12,8 +12,8 @@ from learner.config import LearnerConfig
 from learner.pack import pack_trees, packed_logprobs
 from learner.step import ScoredTree, train_step
 from learner.train import BatchCollector, parse_hparams
-from learner.weights import WeightStoreError, apply_state, load_verified, save_weights
-from schemas.events import Trajectory
+from learner.weights import WeightsRejected, copy_into, load_checked, save_weights, verify_file
+from schemas.events import Trajectory, WeightVersion
 from tests.support.learner_data import batch_records, branching_trajectory, small_model
 
 
@@ -44,22 +44,25 @@ def test_weight_store_round_trip_and_rejections(model_dir: Path, tmp_path: Path)
     model = _load(model_dir)
     saved = save_weights(model, tmp_path / "store", "policy", 3)
     assert saved.path.parent.name == "v000003" and len(saved.sha256) == 64
+
+    def event(**kw: object) -> WeightVersion:
+        fields = {"policy_version": 3, "timestamp_ms": 0, "model_name": "policy", "step": 3, "uri": saved.uri,
+                  "sha256": saved.sha256, "size_bytes": saved.size_bytes, **kw}  # fmt: skip
+        return WeightVersion(**fields)  # type: ignore[arg-type]
+
     other = _load(model_dir)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(1.0)
-    apply_state(other, load_verified(saved.uri, saved.sha256))
+    copy_into(other, load_checked(verify_file(event()), other))
     for (name, p), q in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
-    with pytest.raises(WeightStoreError, match="sha256 mismatch"):
-        load_verified(saved.uri, "0" * 64)
-    with pytest.raises(WeightStoreError, match="does not exist"):
-        load_verified((tmp_path / "nope.safetensors").as_uri(), saved.sha256)
-    state = load_verified(saved.uri, saved.sha256)
-    name = next(iter(state))
-    state[name] = torch.zeros(3, 3)
-    with pytest.raises(WeightStoreError, match="shape mismatch"):
-        apply_state(other, state)
+    with pytest.raises(WeightsRejected, match="sha256") as info:
+        verify_file(event(sha256="0" * 64))
+    assert info.value.kind == "checksum_mismatch"
+    with pytest.raises(WeightsRejected) as info:
+        verify_file(event(uri=(tmp_path / "nope.safetensors").as_uri()))
+    assert info.value.kind == "missing_file"
 
 
 def test_train_step_moves_logprobs_with_the_advantage(model_dir: Path) -> None:

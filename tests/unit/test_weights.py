@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from consumers.engine import Engine, SamplingParams
 from consumers.telemetry import gpu_readings
 from consumers.vllm_adapter import VllmCall, VllmWeightsTarget, reload_calls
-from consumers.weights import EngineWeightsTarget, WeightsRejected, load_checked, resolve_uri, verify_file
+from consumers.weights import EngineWeightsTarget
+from learner.weights import WeightsRejected, load_checked, resolve_uri, verify_file
 from schemas.events import WeightVersion
 from tests.unit.tiny_lm import EOS, greedy_reference, tiny_lm
 
