@@ -187,6 +187,24 @@ def learner(ctx: click.Context) -> None:
     sys.exit(run(ctx.args))
 
 
+@main.command("sandbox-worker", context_settings=_PASSTHROUGH)
+@click.pass_context
+def sandbox_worker(ctx: click.Context) -> None:
+    """Sandbox worker: rollout requests in, harness runs in sandboxes, lifecycle + reward events out."""
+    from producers.sandbox_worker import main as run
+
+    sys.exit(run(ctx.args))
+
+
+@main.command("schedule", context_settings=_PASSTHROUGH)
+@click.pass_context
+def schedule(ctx: click.Context) -> None:
+    """Scheduler: per step, tasks x rollouts per group x harness mix → rollout requests (--eval: score table)."""
+    from producers.scheduler import main as run
+
+    sys.exit(run(ctx.args))
+
+
 # ---- harnesses ---------------------------------------------------------------------------------------------------
 @main.group(cls=_Group)
 def harness() -> None:
@@ -195,13 +213,18 @@ def harness() -> None:
 
 @harness.command("list")
 def harness_list() -> None:
-    """Known harnesses, their npm packages and whether each is installed in the cache."""
+    """Built-in harness adapters: dialect, how they are installed, and whether the npm package is in the cache."""
     from producers.harness_install import HARNESSES, MARKER, harness_root
+    from producers.harnesses import ADAPTERS
 
-    for name, pkg in HARNESSES.items():
-        installed = (harness_root() / name / MARKER).exists()
-        node = " (Node 24)" if pkg.needs_node24 else ""
-        click.echo(f"{name:12} {pkg.package + node:34} {'installed' if installed else 'not installed'}")
+    for name, adapter in ADAPTERS.items():
+        pkg = HARNESSES.get(name)
+        if pkg is None:
+            source, state = "built in (python)", "ready"
+        else:
+            source = pkg.package + (" (Node 24)" if pkg.needs_node24 else "")
+            state = "installed" if (harness_root() / name / MARKER).exists() else "not installed"
+        click.echo(f"{name:20} {adapter.dialect:20} {source:34} {state}")
 
 
 @harness.command("install")

@@ -1,0 +1,96 @@
+"""Harness adapters as data: how to launch one harness against a rollout's proxy base URL and secret.
+
+An adapter is a frozen dataclass: the command line, environment and config files the harness needs, all templated
+with :class:`string.Template` (``${name}``; JSON/TOML braces need no escaping) from a :class:`LaunchContext`:
+
+``base_url`` (``{proxy}/r/{rollout}``), ``base_url_v1`` (``.../v1``), ``secret``, ``model``, ``side_model``,
+``workspace`` / ``home`` (paths *inside* the sandbox), ``prompt``, ``timeout_s``, ``exe`` (the installed executable
+of ``install``), ``python`` (the sandbox's Python) and ``clawstream_root`` (so ``python -m producers.agentloop``
+imports inside a local sandbox).
+
+A config file path that is relative is relative to the sandbox HOME. The prompt only ever goes into argv (one
+element, never through a shell) so no quoting can break it. ``dialect``, ``side_models`` and ``call_kind_notes``
+document what the proxy will see (its call-kind rules are proxy-wide: ``CLAWSTREAM_PROXY_SIDE_MODEL_PATTERN``).
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from schemas.events import Dialect
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    path: str  # templated; relative → under the sandbox HOME
+    content: str  # templated
+
+
+@dataclass(frozen=True)
+class HarnessAdapter:
+    name: str
+    description: str
+    dialect: Dialect
+    command: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[ConfigFile, ...] = ()
+    install: str | None = None  # a producers.harness_install name; None: nothing to install (built in)
+    node24: bool = False  # needs Node >= 24 first on PATH (OpenClaw)
+    model: str = "policy"
+    side_models: tuple[str, ...] = ()
+    call_kind_notes: str = ""
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    base_url: str
+    secret: str
+    workspace: str
+    home: str
+    prompt: str
+    timeout_s: float
+    python: str = "python3"
+    exe: str = ""
+    clawstream_root: str = ""
+    model: str = "policy"
+    side_model: str = "policy-side"
+
+    def variables(self) -> dict[str, str]:
+        base = self.base_url.rstrip("/")
+        return {
+            "base_url": base, "base_url_v1": base + "/v1", "secret": self.secret, "workspace": self.workspace,
+            "home": self.home, "prompt": self.prompt, "timeout_s": str(int(self.timeout_s)), "python": self.python,
+            "exe": self.exe, "clawstream_root": self.clawstream_root, "model": self.model,
+            "side_model": self.side_model,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str]
+    files: dict[str, str]  # absolute path inside the sandbox → content
+
+
+def _sub(template: str, values: Mapping[str, str], where: str) -> str:
+    try:
+        return string.Template(template).substitute(values)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"bad template in {where}: {exc!r}") from exc
+
+
+def render(adapter: HarnessAdapter, ctx: LaunchContext) -> LaunchSpec:
+    """The adapter's command, environment and config files for one rollout (pure)."""
+    values = {**ctx.variables(), "model": adapter.model if ctx.model == "policy" else ctx.model}
+    argv = [_sub(part, values, f"{adapter.name} command") for part in adapter.command]
+    env = {k: _sub(v, values, f"{adapter.name} env {k}") for k, v in adapter.env.items()}
+    files = {}
+    for f in adapter.files:
+        path = _sub(f.path, values, f"{adapter.name} file path")
+        if not path.startswith("/"):
+            path = f"{ctx.home.rstrip('/')}/{path}"
+        files[path] = _sub(f.content, values, f"{adapter.name} file {path}")
+    return LaunchSpec(argv, env, files)

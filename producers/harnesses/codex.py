@@ -1,0 +1,34 @@
+"""Codex CLI (``@openai/codex``): OpenAI Responses at ``{base}/v1/responses`` (``wire_api="chat"`` is rejected).
+
+Facts (HARNESSES.md): provider config in ``$CODEX_HOME/config.toml``; ``features.plugins=false`` stops its
+GitHub/plugin fetches; the default read-only sandbox makes writes fail, so ``workspace-write``; stdin must be closed.
+"""
+
+from producers.harnesses.base import ConfigFile, HarnessAdapter
+from schemas.events import Dialect
+
+CONFIG = """model = "${model}"
+model_provider = "clawstream"
+check_for_update_on_startup = false
+
+[analytics]
+enabled = false
+
+[model_providers.clawstream]
+name = "clawstream"
+base_url = "${base_url_v1}"
+wire_api = "responses"
+env_key = "CLAWSTREAM_API_KEY"
+"""
+
+ADAPTER = HarnessAdapter(
+    name="codex",
+    description="OpenAI Codex CLI, codex exec --json, OpenAI Responses",
+    dialect=Dialect.OPENAI_RESPONSES,
+    install="codex",
+    command=("${exe}", "exec", "--skip-git-repo-check", "--sandbox", "workspace-write",
+             "-c", "features.plugins=false", "--json", "${prompt}"),  # fmt: skip
+    env={"CODEX_HOME": "${home}/.codex", "CLAWSTREAM_API_KEY": "${secret}"},
+    files=(ConfigFile(".codex/config.toml", CONFIG),),
+    call_kind_notes="no side calls seen; everything is MAIN",
+)

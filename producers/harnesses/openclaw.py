@@ -1,0 +1,31 @@
+"""OpenClaw (``openclaw``, needs Node >= 24): OpenAI Chat (``openai-completions`` provider) at ``{base}/v1``.
+
+Facts (HARNESSES.md): ``openclaw agent exec --config cfg.json5 --model clawstream/policy --json --timeout N``; its
+system prompt embeds date/time and a session id, and it re-appends an internal-context user message on every call
+(histories are not append-only: the proxy's prefix tree branches at the longest common token prefix).
+"""
+
+from producers.harnesses.base import ConfigFile, HarnessAdapter
+from schemas.events import Dialect
+
+CONFIG = """{
+  "models": {"mode": "replace", "providers": {"clawstream": {
+    "baseUrl": "${base_url_v1}", "apiKey": "${secret}", "api": "openai-completions",
+    "models": [{"id": "${model}", "contextWindow": 131072, "maxTokens": 8192, "input": ["text"], "reasoning": false,
+                "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}]
+  }}},
+  "agents": {"defaults": {"model": {"primary": "clawstream/${model}"}, "workspace": "${workspace}"}}
+}
+"""
+
+ADAPTER = HarnessAdapter(
+    name="openclaw",
+    description="OpenClaw agent exec --json (Node 24), OpenAI Chat",
+    dialect=Dialect.OPENAI_CHAT,
+    install="openclaw",
+    node24=True,
+    command=("${exe}", "agent", "exec", "--config", "${home}/openclaw.json5", "--model", "clawstream/${model}",
+             "--json", "--timeout", "${timeout_s}", "${prompt}"),  # fmt: skip
+    files=(ConfigFile("openclaw.json5", CONFIG),),
+    call_kind_notes="internal-context user message moves each call: expect branching, not appends",
+)

@@ -1,0 +1,26 @@
+"""Qwen Code (``@qwen-code/qwen-code``): OpenAI Chat at ``{base}/v1/chat/completions``.
+
+Facts (HARNESSES.md): ``privacy.usageStatisticsEnabled=false`` (else telemetry to an outside host); never set
+HTTP(S)_PROXY for it (it routes loopback through the proxy, fails, and still exits 0).
+"""
+
+from producers.harnesses.base import ConfigFile, HarnessAdapter
+from schemas.events import Dialect
+
+SETTINGS = """{
+  "security": {"auth": {"selectedType": "openai"}},
+  "model": {"name": "${model}"},
+  "privacy": {"usageStatisticsEnabled": false}
+}
+"""
+
+ADAPTER = HarnessAdapter(
+    name="qwen-code",
+    description="Qwen Code CLI, --yolo -o json, OpenAI Chat",
+    dialect=Dialect.OPENAI_CHAT,
+    install="qwen-code",
+    command=("${exe}", "--auth-type", "openai", "--yolo", "-o", "json", "${prompt}"),
+    env={"OPENAI_BASE_URL": "${base_url_v1}", "OPENAI_API_KEY": "${secret}", "OPENAI_MODEL": "${model}"},
+    files=(ConfigFile(".qwen/settings.json", SETTINGS),),
+    call_kind_notes="no side calls seen",
+)

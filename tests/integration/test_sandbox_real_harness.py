@@ -1,0 +1,70 @@
+"""A REAL harness (Claude Code, Codex) runs a native task end to end: sandbox worker → local sandbox → harness →
+serving proxy → scripted engine, graded by the task's grader inside the sandbox.
+
+The scripted policy finds the sandbox's workspace path in the harness's own prompt (both put the working directory
+there) and answers with the harness's write tool (Claude Code ``Write``, Codex ``exec_command``), then a final
+message. Asserts HARNESS_EXITED with exit code 0 and ≥ 2 calls served, reward 1, and a clean sandbox root.
+Skips with the reason when npm or the harness package is unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from typing import Any
+
+import pytest
+
+from producers.harness_install import HarnessInstallError, install_harness
+from schemas.events import RewardStatus, RolloutState
+from tests.integration.test_sandbox_worker import assert_clean, by_rollout, run_requests, stack
+from tests.support import sandbox_helpers as S
+from tests.support.scripted_engine import tool_call_text
+
+pytestmark = pytest.mark.integration
+
+
+def installed(name: str) -> None:
+    if shutil.which("npm") is None:
+        pytest.skip(f"{name}: npm is not on PATH, cannot install the real harness")
+    try:
+        install_harness(name)
+    except HarnessInstallError as exc:
+        pytest.skip(f"{name}: install failed: {exc}")
+
+
+def responder(name: str, sandboxes: str):
+    ws_re = re.compile(re.escape(sandboxes) + r"/[^/\s\"'<>]+/workspace")
+
+    def respond(prompt_text: str, _ids: list[int], _body: dict[str, Any]) -> str:
+        if "<tools>" not in prompt_text:  # title / side call
+            return '{"title": "Create hello file"}'
+        if "<tool_response>" in prompt_text:
+            return "Done: hello.txt contains hi."
+        found = ws_re.search(prompt_text)
+        assert found, "the harness prompt names no sandbox workspace"
+        ws = found.group(0)
+        if name == "claude-code":
+            return tool_call_text("Write", {"file_path": f"{ws}/hello.txt", "content": "hi"})
+        return tool_call_text("exec_command", {"cmd": "printf hi > hello.txt", "workdir": ws})
+
+    return respond
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", ["claude-code", "codex"])
+async def test_real_harness_through_worker(kafka_settings, group_id, tmp_path, name: str) -> None:
+    await asyncio.to_thread(installed, name)
+    sandboxes = tmp_path / "sandboxes"
+    async with stack(kafka_settings, group_id, tmp_path, responder(name, str(sandboxes))):
+        req = S.request("hello", name, rollout_id=f"real-{name}", timeout_s=180)
+        events, rewards = await run_requests(kafka_settings, [req], timeout=240)
+    ev, rw = by_rollout(events, rewards)
+    states = [e.state for e in ev[req.rollout_id]]
+    assert states == [RolloutState.STARTED, RolloutState.HARNESS_EXITED], ev[req.rollout_id]
+    exited = ev[req.rollout_id][-1]
+    assert exited.exit_code == 0 and exited.calls_served >= 2, exited
+    (reward,) = rw[req.rollout_id]
+    assert reward.status == RewardStatus.OK and reward.reward == 1.0, reward
+    assert_clean(sandboxes)
