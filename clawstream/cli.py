@@ -187,6 +187,15 @@ def learner(ctx: click.Context) -> None:
     sys.exit(run(ctx.args))
 
 
+@main.command("streams", context_settings=_PASSTHROUGH)
+@click.pass_context
+def streams(ctx: click.Context) -> None:
+    """Faust stream processors: calls + events + rewards → trajectories → GRPO groups → batches (`streams worker`)."""
+    from streams.app import main as run
+
+    sys.exit(run(ctx.args or ["worker"]))
+
+
 @main.command("sandbox-worker", context_settings=_PASSTHROUGH)
 @click.pass_context
 def sandbox_worker(ctx: click.Context) -> None:
@@ -240,13 +249,18 @@ def harness_install(names: tuple[str, ...], timeout: float) -> None:
 
 # ---- demo --------------------------------------------------------------------------------------------------------
 @main.command("demo")
-@click.option("--model-dir", type=click.Path(path_type=Path), default=None,
-              help="Where the tiny model lives (default: $CLAWSTREAM_HOME/models/tiny-qwen3).")  # fmt: skip
-def demo(model_dir: Path | None) -> None:
-    """CPU quickstart on a local broker: everything that runs end to end today."""
+@click.option("--steps", type=int, default=3, show_default=True, help="Training steps to run.")
+@click.option("--tasks-per-step", type=int, default=4, show_default=True, help="Task x harness instances per step.")
+@click.option("--group-size", type=int, default=4, show_default=True, help="Rollouts per instance (GRPO group).")
+@click.option("--sft-minutes", type=float, default=8.0, show_default=True,
+              help="SFT warm start budget (once; cached). 0 skips it: RL from a random model.")  # fmt: skip
+@click.option("--timeout", type=float, default=1800.0, show_default=True, help="Give up after this many seconds.")
+def demo(steps: int, tasks_per_step: int, group_size: int, sft_minutes: float, timeout: float) -> None:
+    """CPU quickstart: broker, engine, proxy, streams, sandbox worker, learner and scheduler, training end to end."""
     from clawstream.demo import run_demo
 
-    run_demo(model_dir)
+    run_demo(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size, sft_minutes=sft_minutes,
+             timeout_s=timeout)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ def producer_config(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]
         "acks": "all",
         "compression.type": "zstd",
         "linger.ms": 5,
+        # Java's (and aiokafka's) key hashing, not librdkafka's CRC32 default: a rollout's calls, events and rewards
+        # must land on the same partition number whoever produces them (Faust joins them per partition).
+        "partitioner": "murmur2_random",
         "message.max.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
     })  # fmt: skip
     conf.update(overrides)

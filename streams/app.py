@@ -1,0 +1,329 @@
+"""The clawstream Faust app: assembler → grouper → batcher, one worker process (scale out with more workers).
+
+Topics in: ``clawstream.calls``, ``clawstream.rollout.events``, ``clawstream.rewards``, ``clawstream.rollout.requests``
+(co-partitioned, key = rollout id), ``clawstream.weights``. Out: ``clawstream.trajectories``, ``clawstream.batches``,
+``clawstream.metrics``, ``clawstream.deadletter``. Internal (names start with the app id, which starts with the Kafka
+topic prefix): two tick topics, ``…-by-group`` (trajectories re-keyed by group id), ``…-scored`` (one partition:
+scored groups for the batcher) — created by :func:`ensure_internal_topics` at start — and the tables' changelogs
+(``…-<table>-changelog``, declared by Faust itself).
+
+Agents only decode → call the pure core (``streams.assemble`` / ``group`` / ``batch``) → produce. Tables hold the
+state in RocksDB (``store="rocksdb://"``, rocksdict driver) or memory; with ``processing_guarantee="exactly_once"``
+(the default) every source partition's outputs, changelog writes and offsets commit in one Kafka transaction
+(``streams.eos``). Timers cannot write tables in Faust, so a timer sends each owned partition a tick and the agents
+check deadlines when the tick arrives, inside the partition's transaction.
+
+Run: ``python -m streams.app worker`` (Faust's CLI; settings from ``CLAWSTREAM_STREAMS_*`` and
+``CLAWSTREAM_KAFKA_*``, see ``streams.settings``). The catalog topics must exist (``clawstream topics create``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import faust
+from faust.types import EventT, StreamT
+
+from clawstream.kafka_clients import create_topics
+from clawstream.settings import MAX_MESSAGE_BYTES, KafkaSettings, load_settings
+from schemas.codec import default_codec
+from schemas.events import BatchRecord, DeadLetter, Event, Trajectory, WeightVersion
+from schemas.topics import (
+    BATCHES,
+    CALLS,
+    DEADLETTER,
+    METRICS,
+    REWARDS,
+    ROLLOUT_EVENTS,
+    ROLLOUT_PARTITIONS,
+    ROLLOUT_REQUESTS,
+    TRAJECTORIES,
+    WEIGHTS,
+    TopicSpec,
+)
+from streams import eos
+from streams.assemble import Assembler
+from streams.batch import Batcher
+from streams.codec import CODEC_NAME, EVENT_TYPES
+from streams.group import Grouper
+from streams.settings import StreamsSettings
+
+log = logging.getLogger(__name__)
+RAW: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
+# Table keys are str (Faust serialises them as JSON, so they come back as str after recovery); values are our own
+# bytes (value_type=bytes makes Faust use the "raw" codec: a schema= argument would be ignored for the changelog).
+TABLE_TYPES: dict[str, Any] = {"key_type": str, "value_type": bytes}
+_ = CODEC_NAME  # importing streams.codec registers the project's Avro codec with Faust
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def decode(value: bytes | None) -> Event:
+    """Single-object Avro bytes → typed event; raises on anything else (the caller dead-letters it)."""
+    if value is None:
+        raise ValueError("empty record value")
+    name, record = default_codec().decode(value)
+    return EVENT_TYPES[name].from_record(record)
+
+
+def where(event: EventT) -> str:
+    msg = event.message
+    return f"{msg.topic}[{msg.partition}]@{msg.offset}"
+
+
+# Tables: name → (partitions, what it holds). Partitions match the source topics (Faust checks it).
+TABLES: dict[str, tuple[int, str]] = {
+    "assembler-state": (ROLLOUT_PARTITIONS, "rollout id → RolloutAccumulator JSON"),
+    "assembler-calls": (ROLLOUT_PARTITIONS, "rollout id NUL call id → CallEvent bytes"),
+    "assembler-index": (ROLLOUT_PARTITIONS, "partition → DueIndex JSON"),
+    "grouper-groups": (ROLLOUT_PARTITIONS, "group id → GroupState JSON"),
+    "grouper-members": (ROLLOUT_PARTITIONS, "group id NUL rollout id → Trajectory bytes"),
+    "grouper-index": (ROLLOUT_PARTITIONS, "partition → DueIndex JSON"),
+    "batcher-state": (1, "'batcher' → BatcherState JSON"),
+    "batcher-members": (1, "group id NUL index → BatchRecord bytes"),
+}
+
+
+def internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[str, TopicSpec]:
+    """The app's own topics, by role; full names. Changelogs are ``<app id>-<table>-changelog`` as Faust names them."""
+    app_id = kafka.topic_prefix + cfg.app_id
+    big = {"max.message.bytes": str(MAX_MESSAGE_BYTES + 1024 * 1024)}
+    hour = {"retention.ms": str(3600 * 1000)}
+    changelogs = {
+        f"{name}-changelog": TopicSpec(f"{app_id}-{name}-changelog", "table key", "bytes", partitions,
+                                       {**big, "cleanup.policy": "compact"})
+        for name, (partitions, _) in TABLES.items()
+    }  # fmt: skip
+    return changelogs | {
+        "ticks-assemble": TopicSpec(f"{app_id}-ticks-assemble", "-", "-", ROLLOUT_PARTITIONS, hour),
+        "ticks-group": TopicSpec(f"{app_id}-ticks-group", "-", "-", ROLLOUT_PARTITIONS, hour),
+        "by-group": TopicSpec(f"{app_id}-by-group", "group_id", "Trajectory", ROLLOUT_PARTITIONS, big),
+        "scored": TopicSpec(f"{app_id}-scored", "group_id", "BatchRecord", 1, big),
+    }
+
+
+def ensure_internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[str, str]:
+    """Create the internal topics (idempotent; the broker's default replication), before the worker subscribes.
+
+    Faust only declares topics an agent reads on its own (ours are read merged with catalog topics), and a changelog
+    it declares itself can be seen with 0 partitions by its consumer's metadata for minutes, failing every table
+    write (PartitionsMismatch).
+    """
+    unprefixed = kafka.model_copy(update={"topic_prefix": ""})
+    return create_topics(unprefixed, internal_topics(cfg, kafka).values())
+
+
+def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
+    """Build the app, its topics, tables, agents and timer (nothing connects before the worker starts)."""
+    app_id = kafka.topic_prefix + cfg.app_id  # changelogs, internal topics, group and transactional ids follow it
+    exactly_once = cfg.processing_guarantee == "exactly_once"
+    big = MAX_MESSAGE_BYTES + 1024 * 1024
+    app = faust.App(
+        app_id,
+        broker=[f"kafka://{hp.strip()}" for hp in kafka.resolved_bootstrap().split(",")],
+        broker_credentials=_credentials(kafka),
+        store=cfg.store,
+        datadir=str(cfg.data_dir),
+        processing_guarantee=cfg.processing_guarantee,
+        topic_disable_leader=True,  # auto-creation is off and this app needs no leader election topic
+        topic_partitions=ROLLOUT_PARTITIONS,
+        web_enabled=False,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=cfg.commit_interval_s,
+        broker_session_timeout=cfg.session_timeout_s,
+        broker_heartbeat_interval=min(3.0, cfg.session_timeout_s / 3),
+        producer_linger=0.005,  # a record's table writes and outputs leave in one request, not one each
+        producer_max_request_size=big,
+        producer_compression_type="zstd",
+        consumer_max_fetch_size=big,
+    )
+    # Faust leaves the root logger at DEBUG (its handlers filter): aiokafka would build a record for every request.
+    logging.getLogger("aiokafka").setLevel(logging.INFO)
+    eos.patch_faust_resume()
+    if exactly_once:
+        eos.install(app)
+
+    def topic(*names: str, **kw: Any) -> faust.TopicT:
+        return app.topic(*(kafka.topic(n) for n in names), **RAW, **kw)
+
+    own = {role: app.topic(spec.name, **RAW) for role, spec in internal_topics(cfg, kafka).items()}
+    a_ticks, g_ticks, by_group, scored = own["ticks-assemble"], own["ticks-group"], own["by-group"], own["scored"]
+    assembler_in = app.topic(*(kafka.topic(n) for n in (CALLS, ROLLOUT_EVENTS, REWARDS, ROLLOUT_REQUESTS)),
+                             a_ticks.get_topic_name(), **RAW)  # fmt: skip
+    grouper_in = app.topic(by_group.get_topic_name(), g_ticks.get_topic_name(), **RAW)
+    batcher_in = app.topic(scored.get_topic_name(), kafka.topic(WEIGHTS), **RAW)
+    trajectories, batches = topic(TRAJECTORIES), topic(BATCHES)
+    metrics, deadletter = topic(METRICS), topic(DEADLETTER)
+
+    tables = {name: app.Table(name, default=None, partitions=n, help=help, **TABLE_TYPES)
+              for name, (n, help) in TABLES.items()}  # fmt: skip
+    assembler = Assembler(cfg, tables["assembler-state"], tables["assembler-calls"], tables["assembler-index"])
+    grouper = Grouper(cfg, tables["grouper-groups"], tables["grouper-members"], tables["grouper-index"])
+    batcher = Batcher(cfg, tables["batcher-state"], tables["batcher-members"], app_id)
+
+    # Deadlines count silence only while this worker listens: from its last completed rebalance (tables recovered).
+    listening = {"since_ms": now_ms()}
+
+    @app.on_rebalance_complete.connect
+    async def _listening(sender: Any, **_: Any) -> None:
+        listening["since_ms"] = now_ms()
+
+    async def dead_letter(event: EventT, source: str, reason: str, error_type: str, rollout_id: str | None) -> None:
+        msg = event.message
+        log.warning("%s: %s → dead letter (%s): %s", source, where(event), error_type, reason)
+        record = DeadLetter(timestamp_ms=now_ms(), source=source, reason=reason, error_type=error_type,
+                            original_topic=msg.topic, original_partition=msg.partition, original_offset=msg.offset,
+                            rollout_id=rollout_id, original_key=msg.key, original_value=msg.value)  # fmt: skip
+        await deadletter.send(key=msg.key, value=record.to_bytes())
+
+    async def send_all(channel: faust.TopicT, records: Sequence[Event], key: str, partition: int | None = None) -> None:
+        for rec in records:
+            await channel.send(key=str(getattr(rec, key)).encode(), value=rec.to_bytes(), partition=partition)
+
+    @app.agent(assembler_in, name="assemble")
+    async def assemble(stream: StreamT) -> None:
+        """calls / lifecycle events / rewards / requests (+ ticks) → trajectories."""
+        eos.start_agent(app)
+        async for event in stream.events():
+            msg, now = event.message, now_ms()
+            if msg.topic == a_ticks.get_topic_name():
+                result = assembler.on_tick(msg.partition, now, listening["since_ms"])
+            else:
+                try:
+                    record = decode(msg.value)
+                except Exception as exc:  # noqa: BLE001 - any undecodable record goes to the dead-letter topic
+                    await dead_letter(event, "streams.assembler", str(exc), type(exc).__name__, None)
+                    continue
+                result = assembler.on_record(record, msg.value, msg.partition, now)
+                if result.rejected:
+                    await dead_letter(event, "streams.assembler", result.rejected.reason,
+                                      result.rejected.verdict.value, getattr(record, "rollout_id", None))  # fmt: skip
+            await send_all(trajectories, result.trajectories, "rollout_id", msg.partition)
+            await eos.flush_changelog(app)
+
+    @app.agent(trajectories, name="rekey")
+    async def rekey(stream: StreamT) -> None:
+        """trajectories (key = rollout id) → by-group (key = group id)."""
+        eos.start_agent(app)
+        async for event in stream.events():
+            try:
+                t = Trajectory.from_bytes(event.message.value)
+            except Exception as exc:  # noqa: BLE001
+                await dead_letter(event, "streams.grouper", str(exc), type(exc).__name__, None)
+                continue
+            await by_group.send(key=t.group_id.encode(), value=event.message.value)
+
+    @app.agent(grouper_in, name="group")
+    async def group(stream: StreamT) -> None:
+        """by-group trajectories (+ ticks) → scored groups (BatchRecord envelopes + SEAL) and group metrics."""
+        eos.start_agent(app)
+        async for event in stream.events():
+            msg, now = event.message, now_ms()
+            if msg.topic == g_ticks.get_topic_name():
+                out = grouper.on_tick(msg.partition, now, listening["since_ms"])
+            else:
+                try:
+                    t = Trajectory.from_bytes(msg.value)
+                except Exception as exc:  # noqa: BLE001
+                    await dead_letter(event, "streams.grouper", str(exc), type(exc).__name__, None)
+                    continue
+                out = grouper.on_trajectory(t, msg.value, msg.partition, now)
+                if out.rejected:
+                    await dead_letter(event, "streams.grouper", out.rejected.reason, out.rejected.verdict.value,
+                                      t.rollout_id)  # fmt: skip
+            await send_all(scored, out.records, "batch_id")
+            await send_all(metrics, out.metrics, "source")
+            await eos.flush_changelog(app)
+
+    @app.agent(batcher_in, name="batch")
+    async def batch(stream: StreamT) -> None:
+        """scored groups + weight versions → training batches (TRAJECTORY records, then SEAL)."""
+        eos.start_agent(app)
+        async for event in stream.events():
+            msg, now = event.message, now_ms()
+            is_group = msg.topic == scored.get_topic_name()
+            try:
+                record = BatchRecord.from_bytes(msg.value) if is_group else WeightVersion.from_bytes(msg.value)
+            except Exception as exc:  # noqa: BLE001
+                await dead_letter(event, "streams.batcher", str(exc), type(exc).__name__, None)
+                continue
+            if isinstance(record, BatchRecord):
+                out = batcher.on_envelope(record, msg.value, now)
+            else:
+                out = batcher.on_weights(record.policy_version, now)
+            await send_all(batches, out.records, "batch_id")
+            for group_id, reason in out.dropped:
+                kind = "StaleGroup" if reason.startswith("stale") else "IncompleteGroup"
+                await dead_letter(event, "streams.batcher", reason, kind, None)
+                log.info("group %s dropped at %s", group_id, where(event))
+            await eos.flush_changelog(app)
+
+    @app.timer(interval=cfg.tick_interval_s)
+    async def tick() -> None:
+        """Tick every owned partition; sent outside any transaction (a lost or repeated tick only shifts a check)."""
+        for tp in app.consumer.assignment():
+            for ticks in (a_ticks, g_ticks):
+                if tp.topic == ticks.get_topic_name():
+                    await ticks.send(key=b"tick", value=b"", partition=tp.partition)
+
+    app.clawstream_agents = (assemble, rekey, group, batch, tick)  # type: ignore[attr-defined]
+    return app
+
+
+def _credentials(kafka: KafkaSettings) -> Any:
+    if kafka.security_protocol == "PLAINTEXT":
+        return None
+    import ssl
+
+    context = None
+    if kafka.security_protocol in ("SSL", "SASL_SSL"):
+        context = ssl.create_default_context(cafile=kafka.ssl_ca_location)
+        if kafka.ssl_certificate_location:
+            context.load_cert_chain(kafka.ssl_certificate_location, kafka.ssl_key_location)
+    if kafka.security_protocol == "SSL":
+        return faust.SSLCredentials(context)
+    return faust.SASLCredentials(username=kafka.sasl_username, password=kafka.sasl_password,
+                                 mechanism=kafka.sasl_mechanism, ssl_context=context)  # fmt: skip
+
+
+class _CleanShutdown:
+    """Writes the RocksDB clean-shutdown marker when the app stops without crashing (see streams.eos)."""
+
+    def __init__(self, app: faust.App) -> None:
+        self.app = app
+        original = app.on_shutdown
+
+        async def on_shutdown() -> None:
+            await original()
+            if app.crash_reason is None:
+                eos.mark_clean_shutdown(Path(app.conf.tabledir))
+
+        app.on_shutdown = on_shutdown  # type: ignore[method-assign]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m streams.app worker [...]``: settings from the environment, then Faust's CLI."""
+    cfg, kafka = load_settings(StreamsSettings), load_settings(KafkaSettings)
+    ensure_internal_topics(cfg, kafka)
+    app = create_app(cfg, kafka)
+    if cfg.store.startswith("rocksdb://"):
+        tabledir = Path(app.conf.tabledir)
+        if eos.prepare_rocksdb(tabledir, exactly_once=cfg.processing_guarantee == "exactly_once"):
+            # Faust has not set up logging yet (and something gives this logger a NullHandler): say it plainly.
+            print(f"streams: no clean-shutdown marker in {tabledir}: wiping local tables, they are rebuilt from the "
+                  "changelogs", file=sys.stderr)  # fmt: skip
+        _CleanShutdown(app)
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    app.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Grouper: settled trajectories → GRPO groups (task × harness × step) with one advantage per rollout.
+
+Topics in: ``clawstream.trajectories`` (key = rollout id), re-keyed by group id into the app's internal ``by-group``
+topic, and the app's tick topic. Out: the app's internal ``scored-groups`` topic (one partition) for the batcher,
+``clawstream.metrics`` (one ``group`` metric per closed group) and ``clawstream.deadletter``. The Faust agents live in
+``streams.app`` (run ``python -m streams.app worker``); this module is the pure core: no Kafka, no Faust.
+
+Closing. A group closes when it holds as many rollouts (any status, infrastructure failures included: they are
+terminal) as its expected size — the trajectory's ``metadata["group_size"]`` when it is a positive integer (the
+scheduler copies it from the rollout request), else ``StreamsSettings.group_size`` — or ``group_timeout_s`` after its
+first trajectory. Trajectories of a closed group are late (dead-lettered). A second trajectory of the same rollout
+replaces the first only when the first was an infrastructure failure of another attempt (a re-issue); an identical
+one is a duplicate (ignored); anything else is rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``)
+are not grouped.
+
+Advantages. GRPO (DESIGN.md): A = (R − μ) / (σ + ε), μ and σ (population standard deviation) over the group's
+rollouts that have a reward — infrastructure failures have none, so they never enter the statistics. Rollouts that
+were graded but are not trainable (DROPPED by the leaf cap, INCOMPLETE) do count in μ and σ: they are fair samples of
+the policy's reward, and leaving them out would bias the baseline. Only COMPLETE / TIMED_OUT rollouts with a reward
+and a tree are emitted for training. A group whose rewards are all equal has no signal: ``zero_variance="drop"``
+emits nothing for it, ``"keep"`` emits its rollouts with advantage 0.
+
+Emission. Each trained rollout goes out as a :class:`BatchRecord` envelope (``batch_id`` = group id, kind TRAJECTORY,
+advantage, reward, the trajectory's original bytes), then one SEAL record (``index`` = rollout count,
+``harness_counts``, ``policy_version`` = the group's oldest version) so the batcher takes a group as a unit.
+
+State layout (key → bytes maps, Faust tables in the app): ``groups[group_id]`` the JSON :class:`GroupState`,
+``members[group_id + NUL + rollout_id]`` the original bytes of trainable trajectories, ``index[str(partition)]`` a
+:class:`streams.assemble.DueIndex` of timeouts and forget times.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, TrajectoryStatus
+from streams.assemble import TRAINABLE_STATUSES, DueIndex, Outcome, Verdict
+from streams.settings import StreamsSettings
+
+log = logging.getLogger(__name__)
+SOURCE = "streams.grouper"
+
+
+def expected_size(trajectory: Trajectory, default: int) -> int:
+    """The group size the trajectory's metadata announces, else ``default``."""
+    raw = trajectory.metadata.get("group_size", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else default
+
+
+def is_eval(trajectory: Trajectory) -> bool:
+    return trajectory.step < 0 or trajectory.metadata.get("eval", "").lower() == "true"
+
+
+def advantages(rewards: Sequence[float], eps: float) -> tuple[list[float], float, float]:
+    """GRPO advantages (R − μ) / (σ + ε) with the population σ; returns (advantages, μ, σ)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    mu, sigma = float(r.mean()), float(r.std())
+    return [float(x) for x in (r - mu) / (sigma + eps)], mu, sigma
+
+
+@dataclass
+class GroupState:
+    """One group being collected (JSON-serialisable); trainable trajectories' bytes are stored apart."""
+
+    group_id: str
+    expected: int
+    first_ms: int
+    harness: str = ""
+    step: int = -1
+    members: dict[str, dict[str, Any]] = field(default_factory=dict)  # rollout id → status, reward, attempt, ...
+    closed: dict[str, Any] | None = None  # at_ms, by, outcome once emitted
+
+    def to_bytes(self) -> bytes:
+        # Fields hold plain JSON values: dump them as they are (dataclasses.asdict deep-copies, half the core time).
+        return json.dumps(self.__dict__, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> GroupState:
+        return cls(**json.loads(data))
+
+    def deadline_ms(self, cfg: StreamsSettings, since_ms: int = 0) -> int:
+        """Timeout (or forget time once closed). Not before ``settle_timeout_s`` after this worker started listening
+        (``since_ms``): after a restart, members may still be settling upstream or waiting in Kafka."""
+        if self.closed:
+            return int(self.closed["at_ms"] + cfg.late_retention_s * 1000)
+        return int(max(self.first_ms + cfg.group_timeout_s * 1000, since_ms + cfg.settle_timeout_s * 1000))
+
+    def complete(self) -> bool:
+        return len(self.members) >= self.expected
+
+    def add(self, t: Trajectory) -> Outcome:
+        """Record a trajectory; ACCEPTED means the caller stores its bytes when ``trainable(t)``."""
+        if self.closed:
+            why = f"{self.closed['by']}, {len(self.members)}/{self.expected} rollouts"
+            return Outcome(Verdict.LATE, f"late trajectory {t.rollout_id}: group {self.group_id} closed ({why})")
+        old = self.members.get(t.rollout_id)
+        if old is not None:
+            if old["attempt_id"] == t.attempt_id and old["status"] == t.status.value:
+                return Outcome(Verdict.DUPLICATE)
+            if old["status"] != TrajectoryStatus.INFRA_FAILURE or old["attempt_id"] == t.attempt_id:
+                why = f"attempt {t.attempt_id}, {t.status.value}, after {old['status']}"
+                return Outcome(Verdict.REJECTED, f"second trajectory of rollout {t.rollout_id} ({why})")
+        self.members[t.rollout_id] = {
+            "attempt_id": t.attempt_id, "status": t.status.value, "reward": t.reward, "harness": t.harness,
+            "policy_version": t.policy_version, "trainable": trainable(t),
+        }  # fmt: skip
+        self.harness, self.step = self.harness or t.harness, t.step if self.step < 0 else self.step
+        return Outcome(Verdict.ACCEPTED)
+
+
+def trainable(t: Trajectory) -> bool:
+    return t.status in TRAINABLE_STATUSES and t.reward is not None and bool(t.segments)
+
+
+@dataclass
+class Scored:
+    """The outcome of closing a group: per trained rollout its advantage, plus the group's statistics."""
+
+    advantages: dict[str, float]  # trained rollout id → advantage (empty when the group is dropped)
+    mean: float | None
+    std: float | None
+    scored: int  # rollouts with a reward (the statistics' sample)
+    infra: int
+    outcome: str  # trained | zero_variance_dropped | zero_variance_kept | no_reward | nothing_trainable
+
+
+def score(group: GroupState, cfg: StreamsSettings) -> Scored:
+    """GRPO statistics and advantages of a group (rules in the module docstring)."""
+    members = group.members
+    with_reward = {rid: m["reward"] for rid, m in members.items() if m["reward"] is not None}
+    infra = sum(m["status"] == TrajectoryStatus.INFRA_FAILURE for m in members.values())
+    if not with_reward:
+        return Scored({}, None, None, 0, infra, "no_reward")
+    ids = list(with_reward)
+    adv, mu, sigma = advantages([with_reward[r] for r in ids], cfg.advantage_eps)
+    train = [r for r in ids if members[r]["trainable"]]
+    zero = max(with_reward.values()) == min(with_reward.values())  # exact: float noise in σ must not decide this
+    if zero and cfg.zero_variance == "drop":
+        return Scored({}, mu, sigma, len(ids), infra, "zero_variance_dropped")
+    by_id = dict(zip(ids, adv, strict=True))
+    result = {r: 0.0 if zero else by_id[r] for r in train}
+    outcome = "zero_variance_kept" if zero else "trained"
+    return Scored(result, mu, sigma, len(ids), infra, outcome if train else "nothing_trainable")
+
+
+@dataclass
+class Emission:
+    records: list[BatchRecord] = field(default_factory=list)  # envelopes then SEAL, per closed group
+    metrics: list[Metric] = field(default_factory=list)
+    rejected: Outcome | None = None
+
+
+def member_key(group_id: str, rollout_id: str) -> str:
+    return f"{group_id}\x00{rollout_id}"
+
+
+class Grouper:
+    """The grouper over three key → bytes maps (Faust tables in the app, dicts in tests); pure."""
+
+    def __init__(self, cfg: StreamsSettings, groups: MutableMapping[str, bytes], members: MutableMapping[str, bytes],
+                 index: MutableMapping[str, bytes]) -> None:  # fmt: skip
+        self.cfg, self.groups, self.members, self.index = cfg, groups, members, index
+
+    def _touch_index(self, partition: int, group: GroupState) -> None:
+        index = DueIndex.load(self.index.get(str(partition)))
+        if index.lower(group.group_id, group.deadline_ms(self.cfg)):
+            self.index[str(partition)] = index.to_bytes()
+
+    def on_trajectory(self, t: Trajectory, raw: bytes, partition: int, now_ms: int) -> Emission:
+        out = Emission()
+        if is_eval(t):
+            return out
+        if not t.group_id:
+            out.rejected = Outcome(Verdict.REJECTED, f"trajectory {t.rollout_id} has no group id")
+            return out
+        data = self.groups.get(t.group_id)
+        group = (GroupState.from_bytes(data) if data
+                 else GroupState(t.group_id, expected_size(t, self.cfg.group_size), now_ms))  # fmt: skip
+        replaced = group.members.get(t.rollout_id)
+        outcome = group.add(t)
+        if outcome.verdict is not Verdict.ACCEPTED:
+            out.rejected = None if outcome.verdict is Verdict.DUPLICATE else outcome
+            return out
+        if replaced is not None and replaced["trainable"]:
+            self.members.pop(member_key(t.group_id, t.rollout_id), None)
+        if group.members[t.rollout_id]["trainable"]:
+            self.members[member_key(t.group_id, t.rollout_id)] = raw
+        if group.complete():
+            self._close(group, now_ms, "complete", out)
+        self.groups[group.group_id] = group.to_bytes()
+        self._touch_index(partition, group)
+        return out
+
+    def on_tick(self, partition: int, now_ms: int, since_ms: int = 0) -> Emission:
+        """Close timed-out groups of the partition, forget closed ones past ``late_retention_s``."""
+        key = str(partition)
+        index = DueIndex.load(self.index.get(key))
+        out = Emission()
+        due = index.due(now_ms)
+        if not due:
+            return out
+        for group_id in due:
+            data = self.groups.get(group_id)
+            if data is None:
+                index.entries.pop(group_id, None)
+                continue
+            group = GroupState.from_bytes(data)
+            if now_ms >= group.deadline_ms(self.cfg, since_ms):
+                if group.closed:
+                    del self.groups[group_id]
+                    index.entries.pop(group_id)
+                    continue
+                self._close(group, now_ms, "timeout", out)
+                self.groups[group_id] = group.to_bytes()
+            index.entries[group_id] = group.deadline_ms(self.cfg, since_ms)
+        self.index[key] = index.to_bytes()
+        return out
+
+    def _close(self, group: GroupState, now_ms: int, by: str, out: Emission) -> None:
+        scored = score(group, self.cfg)
+        group.closed = {"at_ms": now_ms, "by": by, "outcome": scored.outcome}
+        raws = {rid: self.members.pop(member_key(group.group_id, rid), None)
+                for rid, m in group.members.items() if m["trainable"]}  # fmt: skip
+        versions = [m["policy_version"] for m in group.members.values()] or [0]
+        counts: dict[str, int] = {}
+        for rid, adv in scored.advantages.items():
+            raw, m = raws.get(rid), group.members[rid]
+            if raw is None:  # stored with the member; missing only if the state was tampered with
+                log.error("group %s: bytes of trajectory %s are missing; left out", group.group_id, rid)
+                continue
+            out.records.append(BatchRecord(
+                batch_id=group.group_id, policy_version=m["policy_version"], timestamp_ms=now_ms,
+                kind=BatchRecordKind.TRAJECTORY, step=group.step, index=sum(counts.values()), rollout_id=rid,
+                group_id=group.group_id, harness=m["harness"], advantage=adv, reward=m["reward"], trajectory=raw,
+            ))  # fmt: skip
+            counts[m["harness"]] = counts.get(m["harness"], 0) + 1
+        if counts:
+            out.records.append(BatchRecord(
+                batch_id=group.group_id, policy_version=min(versions), timestamp_ms=now_ms, kind=BatchRecordKind.SEAL,
+                step=group.step, index=sum(counts.values()), group_id=group.group_id, harness=group.harness,
+                harness_counts=counts,
+            ))  # fmt: skip
+        values = {"members": float(len(group.members)), "expected": float(group.expected),
+                  "scored": float(scored.scored), "infra": float(scored.infra),
+                  "trained": float(sum(counts.values()))}  # fmt: skip
+        if scored.mean is not None:
+            values.update(reward_mean=scored.mean, reward_std=scored.std or 0.0)
+        out.metrics.append(Metric(
+            policy_version=min(versions), timestamp_ms=now_ms, source=SOURCE, name="group", values=values,
+            step=group.step, labels={"group_id": group.group_id, "harness": group.harness, "outcome": scored.outcome,
+                                     "closed_by": by},
+        ))  # fmt: skip
+        log.info("group %s closed (%s): %s, %d/%d rollouts, %d infra, %d trained", group.group_id, by, scored.outcome,
+                 len(group.members), group.expected, scored.infra, sum(counts.values()))  # fmt: skip

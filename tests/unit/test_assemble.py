@@ -1,0 +1,346 @@
+"""Unit tests of streams.assemble: settle rule, duplicates, late records, attempts, statuses, recovery."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from schemas.events import (
+    CallEvent,
+    Event,
+    RewardEvent,
+    RewardStatus,
+    RolloutEvent,
+    RolloutState,
+    Trajectory,
+    TrajectoryStatus,
+)
+from schemas.topics import CALLS, REWARDS, ROLLOUT_EVENTS
+from streams.assemble import Assembler, DueIndex, RolloutAccumulator, Verdict, split_group_id
+from streams.settings import StreamsSettings
+from tests.integration.apps.stream_load import SynthRollout, build
+
+CFG = StreamsSettings(settle_interval_s=1.0, settle_timeout_s=10.0, rollout_timeout_s=100.0, late_retention_s=50.0,
+                      store="memory://")  # fmt: skip
+P = 3  # partition
+
+
+def rollout(fault: str = "", **kw: object) -> SynthRollout:
+    fields = {"rollout_id": "r-1", "group_id": "suite/t1|claude-code|7", "task_id": "suite/t1",
+              "harness": "claude-code", "step": 7, "reward_value": 0.75, "fault": fault, "n_calls": 3} | kw  # fmt: skip
+    return build(SynthRollout(**fields))  # type: ignore[arg-type]
+
+
+class Rig:
+    """An assembler over dicts, fed at explicit processing times."""
+
+    def __init__(self, cfg: StreamsSettings = CFG) -> None:
+        self.state: dict[str, bytes] = {}
+        self.calls: dict[str, bytes] = {}
+        self.index: dict[str, bytes] = {}
+        self.cfg = cfg
+        self.out: list[Trajectory] = []
+        self.rejected: list[tuple[Verdict, str]] = []
+
+    def core(self) -> Assembler:  # a fresh core over the same maps, like a restarted worker
+        return Assembler(self.cfg, self.state, self.calls, self.index)
+
+    def feed(self, records: list[tuple[str, Event]], t0: int, step_ms: int = 10) -> int:
+        t = t0
+        for _, ev in records:
+            res = self.core().on_record(ev, ev.to_bytes(), P, t)
+            self.out += res.trajectories
+            if res.rejected:
+                self.rejected.append((res.rejected.verdict, res.rejected.reason))
+            t += step_ms
+        return t - step_ms
+
+    def tick(self, now: int) -> list[Trajectory]:
+        got = self.core().on_tick(P, now).trajectories
+        self.out += got
+        return got
+
+
+def test_complete_rollout_settles_after_the_quiet_period() -> None:
+    r, rig = rollout(), Rig()
+    last = rig.feed(r.records, 1000)
+    assert rig.tick(last + 999) == []  # ready, but not quiet for settle_interval yet
+    [t] = rig.tick(last + 1000)
+    assert t.status is TrajectoryStatus.COMPLETE and t.reward == 0.75 and t.drop_reason is None
+    assert (t.rollout_id, t.attempt_id, t.group_id, t.task_id, t.harness, t.step) == (
+        "r-1",
+        "r-1-a0",
+        "suite/t1|claude-code|7",
+        "suite/t1",
+        "claude-code",
+        7,
+    )
+    assert t.calls == 3 and t.leaves == 1 and t.segments and t.metadata["group_size"] == "8"
+    assert t.metadata["suite"] == "synth" and t.metadata["eval"] == "false"
+    # The single path is prompt + every generation + tool results, i.e. the last call's prompt + generation.
+    calls = [ev for topic, ev in r.records if topic == CALLS]
+    last_call = calls[-1]
+    assert isinstance(last_call, CallEvent)
+    leaf, path = len(t.segments) - 1, []
+    while leaf >= 0:
+        path.insert(0, leaf)
+        leaf = t.segments[leaf].parent
+    tokens = [tok for i in path for tok in t.segments[i].tokens.tolist()]
+    assert path[0] == 0 and tokens[:5] == [1, 2, 3, 4, 5]
+    assert tokens[-len(last_call.generated_tokens) :] == last_call.generated_tokens.tolist()
+    assert sum(s.trainable * len(s.tokens) for s in t.segments) == sum(len(c.generated_tokens) for c in calls)
+    assert rig.calls == {} and rig.tick(last + 5000) == []  # stored calls freed; settles once
+    assert Trajectory.from_bytes(t.to_bytes()).rollout_id == "r-1"
+
+
+def test_any_arrival_order_gives_the_same_trajectory() -> None:
+    r = rollout(side_call=True)
+    base = Rig()
+    base.tick(base.feed(r.records, 0) + 1000)
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        shuffled = [r.records[i] for i in rng.permutation(len(r.records))]
+        rig = Rig()
+        rig.tick(rig.feed(shuffled, 0) + 1000)
+        [a], [b] = base.out, rig.out
+        assert (a.status, a.reward, a.calls, a.excluded_calls) == (b.status, b.reward, b.calls, b.excluded_calls)
+        assert [s.tokens.tolist() for s in a.segments] == [s.tokens.tolist() for s in b.segments]
+    assert base.out[0].excluded_calls == {"side": 1}
+
+
+def test_a_new_record_restarts_the_quiet_period_and_duplicates_do_not() -> None:
+    r, rig = rollout(), Rig()
+    last = rig.feed(r.records, 0)
+    rig.feed([r.records[2]], last + 500)  # duplicate call: ignored, does not count as activity
+    assert len(rig.tick(last + 1000)) == 1
+    r2, rig2 = rollout(rollout_id="r-2"), Rig()
+    records = [rec for rec in r2.records if rec[0] != REWARDS]
+    last = rig2.feed(records, 0)
+    rig2.feed([rec for rec in r2.records if rec[0] == REWARDS], last + 800)  # the reward makes it ready
+    assert rig2.tick(last + 1000) == [] and len(rig2.tick(last + 1800)) == 1
+
+
+def test_duplicates_are_ignored() -> None:
+    r, rig = rollout("dup"), Rig()
+    rig.tick(rig.feed(r.records, 0) + 1000)
+    [t] = rig.out
+    assert t.status is TrajectoryStatus.COMPLETE and t.calls == 3 and rig.rejected == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "missing"), [("missing_call", "2/3 calls received"), ("missing_reward", "no reward")]
+)
+def test_missing_records_settle_incomplete_at_the_timeout(fault: str, missing: str) -> None:
+    r, rig = rollout(fault), Rig()
+    last = rig.feed(r.records, 0)
+    terminal_at = (
+        next(
+            i
+            for i, (topic, ev) in enumerate(r.records)
+            if topic == ROLLOUT_EVENTS and ev.state is not RolloutState.STARTED
+        )
+        * 10
+    )  # type: ignore[attr-defined]
+    assert rig.tick(last + 5000) == []
+    assert rig.tick(terminal_at + 9999) == []
+    [t] = rig.tick(terminal_at + 10_000)
+    assert t.status is TrajectoryStatus.INCOMPLETE and t.segments == []
+    assert t.drop_reason == f"settle timeout: {missing}"
+    assert t.reward == (0.75 if fault == "missing_call" else None)  # a reward that came is kept (it is real)
+
+
+def test_without_terminal_event_the_request_timeout_bounds_the_wait() -> None:
+    r, rig = rollout(), Rig()
+    exited = RolloutState.HARNESS_EXITED
+    records = [rec for rec in r.records if getattr(rec[1], "state", None) is not exited]
+    last = rig.feed(records, 0)
+    budget = (600 + 10) * 1000  # the request's timeout_s + settle_timeout_s
+    assert rig.tick(last + budget - 1) == []
+    [t] = rig.tick(last + budget)
+    assert t.status is TrajectoryStatus.INCOMPLETE and "no terminal lifecycle event" in (t.drop_reason or "")
+    rig2 = Rig()  # no request: rollout_timeout_s
+    last = rig2.feed(records[1:], 0)
+    assert rig2.tick(last + 109_999) == [] and len(rig2.tick(last + 110_000)) == 1
+
+
+@pytest.mark.parametrize("fault", ["infra", "infra_reward"])
+def test_infra_failures_settle_without_waiting_for_calls_and_have_no_reward(fault: str) -> None:
+    r, rig = rollout(fault), Rig()
+    records = [rec for rec in r.records if rec[0] != CALLS or fault == "infra_reward"]  # FAILED: calls lost too
+    last = rig.feed(records, 0)
+    [t] = rig.tick(last + 1000)
+    assert t.status is TrajectoryStatus.INFRA_FAILURE and t.reward is None and t.segments == []
+    assert "infrastructure failure: " in (t.drop_reason or "")
+
+
+def test_grader_crash_after_exit_is_an_infra_failure() -> None:
+    r, rig = rollout(), Rig()
+    last = rig.feed(r.records, 0)
+    failed = RolloutEvent(rollout_id="r-1", policy_version=1, timestamp_ms=0, attempt_id="r-1-a0", group_id="g",
+                          state=RolloutState.FAILED, harness="claude-code", reason="grader crashed")  # fmt: skip
+    rig.feed([(ROLLOUT_EVENTS, failed)], last + 100)
+    [t] = rig.tick(last + 1100)
+    assert t.status is TrajectoryStatus.INFRA_FAILURE and t.drop_reason == "infrastructure failure: grader crashed"
+
+
+def test_timed_out_is_graded_and_trainable_ungraded_is_dropped() -> None:
+    r, rig = rollout("timed_out"), Rig()
+    rig.tick(rig.feed(r.records, 0) + 1000)
+    assert rig.out[0].status is TrajectoryStatus.TIMED_OUT and rig.out[0].reward == 0.75 and rig.out[0].segments
+    r, rig = rollout("ungraded"), Rig()
+    rig.tick(rig.feed(r.records, 0) + 1000)
+    assert rig.out[0].status is TrajectoryStatus.DROPPED and rig.out[0].reward is None
+    assert rig.out[0].drop_reason == "ungraded: synthetic ungraded"
+
+
+def test_leaf_cap_drops_the_tree_but_keeps_the_reward() -> None:
+    r = rollout(n_calls=3)
+    calls = [ev for topic, ev in r.records if topic == CALLS]
+    assert isinstance(calls[2], CallEvent)
+    calls[2] = replace(calls[2], parent_call_id=None, shared_prefix_len=0, new_tokens=np.array([7, 8, 9], "<i4"))
+    records, it = [], iter(calls)
+    for topic, ev in r.records:
+        records.append((topic, next(it) if topic == CALLS else ev))
+    rig = Rig(CFG.model_copy(update={"max_leaves": 1, "prune": "none"}))  # keep the branch: 2 leaves
+    rig.tick(rig.feed(records, 0) + 1000)
+    [t] = rig.out
+    assert t.status is TrajectoryStatus.DROPPED and t.reward == 0.75 and t.segments == []
+    assert t.drop_reason == "leaf count 2 > cap 1"
+
+
+def test_late_records_are_rejected_with_the_reason() -> None:
+    r, rig = rollout("late"), Rig()
+    last = rig.feed(r.records, 0)
+    rig.tick(last + 1000)
+    rig.feed(r.late_records, last + 3000)
+    assert [v for v, _ in rig.rejected] == [Verdict.LATE, Verdict.LATE]
+    assert rig.rejected[0][1].startswith("late call r-1-c0 seq 0 (a duplicate of an included call): rollout r-1 "
+                                         "settled as COMPLETE 2000 ms earlier")  # fmt: skip
+    assert "late reward" in rig.rejected[1][1] and len(rig.out) == 1
+
+
+def test_contradicting_records_are_rejected() -> None:
+    r, rig = rollout(), Rig()
+    last = rig.feed(r.records, 0)
+    started = next(ev for topic, ev in r.records if topic == ROLLOUT_EVENTS)
+    reward = next(ev for topic, ev in r.records if topic == REWARDS)
+    assert isinstance(reward, RewardEvent) and isinstance(started, RolloutEvent)
+    restart = replace(started, state=RolloutState.TIMED_OUT)  # HARNESS_EXITED → TIMED_OUT is not allowed
+    rig.feed([(ROLLOUT_EVENTS, restart), (REWARDS, replace(reward, reward=0.1))], last + 10)
+    assert [v for v, _ in rig.rejected] == [Verdict.REJECTED, Verdict.REJECTED]
+    assert "HARNESS_EXITED → TIMED_OUT is not allowed" in rig.rejected[0][1]
+    assert "second, different reward" in rig.rejected[1][1]
+    rig.tick(last + 2000)
+    assert rig.out[0].status is TrajectoryStatus.COMPLETE and rig.out[0].reward == 0.75
+
+
+def _attempt(r: SynthRollout, attempt: int) -> list[tuple[str, Event]]:
+    aid = f"r-1-a{attempt}"
+    out: list[tuple[str, Event]] = []
+    for topic, ev in r.records:
+        if isinstance(ev, RolloutEvent | RewardEvent):
+            ev = replace(ev, attempt_id=aid, **({"attempt": attempt} if isinstance(ev, RolloutEvent) else {}))
+        elif isinstance(ev, CallEvent):
+            parent = f"{ev.parent_call_id}-{attempt}" if ev.parent_call_id else None
+            ev = replace(ev, call_id=f"{ev.call_id}-{attempt}", parent_call_id=parent)
+        out.append((topic, ev))
+    return out
+
+
+def test_a_reissued_attempt_reopens_a_rollout_that_failed() -> None:
+    rig = Rig()
+    last = rig.feed(_attempt(rollout("infra"), 0), 0)
+    rig.tick(last + 1000)
+    last = rig.feed(_attempt(rollout(), 1)[1:], last + 5000)  # request re-sent (attempt stays 0): skip it
+    rig.tick(last + 1000)
+    assert [(t.status, t.attempt_id) for t in rig.out] == [
+        (TrajectoryStatus.INFRA_FAILURE, "r-1-a0"),
+        (TrajectoryStatus.COMPLETE, "r-1-a1"),
+    ]
+    assert rig.out[1].calls == 3 and rig.rejected == []
+
+
+def test_a_newer_attempt_supersedes_an_unfinished_one() -> None:
+    rig = Rig()
+    first = _attempt(rollout(), 0)
+    rig.feed(first[:3], 0)  # request, STARTED, one call; then the worker dies without a word
+    last = rig.feed(_attempt(rollout(), 1)[1:], 500)
+    assert [(t.status, t.attempt_id) for t in rig.out] == [(TrajectoryStatus.INFRA_FAILURE, "r-1-a0")]
+    assert "superseded" in (rig.out[0].drop_reason or "")
+    rig.tick(last + 1000)
+    assert rig.out[1].status is TrajectoryStatus.COMPLETE and rig.out[1].attempt_id == "r-1-a1"
+
+
+def test_settled_rollouts_are_forgotten_after_the_retention() -> None:
+    r, rig = rollout(), Rig()
+    last = rig.feed(r.records, 0)
+    rig.tick(last + 1000)
+    assert "r-1" in rig.state
+    rig.tick(last + 1000 + 49_999)
+    assert "r-1" in rig.state
+    rig.tick(last + 1000 + 50_000)
+    assert rig.state == {} and DueIndex.load(rig.index[str(P)]).entries == {}
+
+
+def test_state_survives_a_restart_mid_rollout() -> None:
+    r, rig = rollout(), Rig()
+    half = len(r.records) // 2
+    rig.feed(r.records[:half], 0)
+    # A restarted worker has only what the changelog restored: copies of the three maps.
+    restarted = Rig()
+    restarted.state, restarted.calls, restarted.index = dict(rig.state), dict(rig.calls), dict(rig.index)
+    last = restarted.feed(r.records[half:], 1000)
+    restarted.tick(last + 1000)
+    [t] = restarted.out
+    assert t.status is TrajectoryStatus.COMPLETE and t.calls == 3
+    acc = RolloutAccumulator.from_bytes(restarted.state["r-1"])
+    assert RolloutAccumulator.from_bytes(acc.to_bytes()) == acc and acc.settled is not None
+
+
+def test_task_and_step_fall_back_to_the_group_id() -> None:
+    r, rig = rollout(), Rig()
+    rig.tick(rig.feed(r.records[1:], 0) + 1000)  # no request
+    [t] = rig.out
+    assert (t.task_id, t.step, t.harness, t.metadata) == ("suite/t1", 7, "claude-code", {})
+    assert split_group_id("a|b|c") == ("a|b|c", -1) and split_group_id("x/t|h|-1") == ("x/t", -1)
+
+
+def test_reward_status_enum_round_trips_through_the_state() -> None:
+    acc = RolloutAccumulator("r", 0, 0)
+    rew = RewardEvent(rollout_id="r", policy_version=1, timestamp_ms=0, attempt_id="a", status=RewardStatus.OK,
+                      grader="g", reward=1.0)  # fmt: skip
+    assert acc.on_reward(rew, 5).verdict is Verdict.ACCEPTED
+    again = RolloutAccumulator.from_bytes(acc.to_bytes())
+    assert again.on_reward(rew, 6).verdict is Verdict.DUPLICATE and again.last_ms == 5
+
+
+def test_silence_counts_only_while_the_worker_listens() -> None:
+    r, rig = rollout("missing_reward"), Rig()
+    last = rig.feed(r.records, 0)
+    # The worker restarts long after the give-up time: it must first listen for settle_timeout_s itself.
+    since = last + 60_000
+    assert rig.core().on_tick(P, since + 1000, since).trajectories == []
+    assert rig.core().on_tick(P, since + 9_999, since).trajectories == []
+    [t] = rig.core().on_tick(P, since + 10_000, since).trajectories
+    assert t.status is TrajectoryStatus.INCOMPLETE
+    r2, rig2 = rollout(rollout_id="r-2"), Rig()  # a complete rollout only needs a quiet period after the restart
+    last = rig2.feed(r2.records, 0)
+    assert rig2.core().on_tick(P, last + 5000, last + 4500).trajectories == []
+    assert len(rig2.core().on_tick(P, last + 5500, last + 4500).trajectories) == 1
+
+
+def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> None:
+    """Same request attempt number, new attempt id (the request was redelivered after the worker died mid-rollout):
+    the unfinished attempt is settled as an infrastructure failure and the re-run is assembled."""
+    from schemas.events import RolloutEvent, RolloutState
+    from streams.assemble import RolloutAccumulator, Verdict
+
+    def started(attempt_id: str) -> RolloutEvent:
+        return RolloutEvent(rollout_id="r", policy_version=0, timestamp_ms=0, attempt_id=attempt_id,
+                            state=RolloutState.STARTED, group_id="t|h|0", harness="h", attempt=0)  # fmt: skip
+
+    acc = RolloutAccumulator("r", 0, 0)
+    assert acc.on_event(started("r.a0.first"), 0).verdict is not Verdict.SUPERSEDES
+    assert acc.on_event(started("r.a0.second"), 10).verdict is Verdict.SUPERSEDES

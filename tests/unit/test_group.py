@@ -1,0 +1,185 @@
+"""Unit tests of streams.group: closing rules, GRPO advantages, infra exclusion, zero variance, late records."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from schemas.events import BatchRecord, BatchRecordKind, Trajectory, TrajectoryStatus
+from streams.assemble import Verdict
+from streams.group import Emission, Grouper, advantages, expected_size
+from streams.settings import StreamsSettings
+from tests.factories import sample_trajectory
+
+CFG = StreamsSettings(group_size=4, group_timeout_s=30.0, settle_timeout_s=10.0, late_retention_s=100.0,
+                      store="memory://")  # fmt: skip
+GID = "suite/t1|openclaw|3"
+
+
+def traj(
+    i: int, reward: float | None, status: TrajectoryStatus = TrajectoryStatus.COMPLETE, **kw: object
+) -> Trajectory:
+    fields: dict[str, object] = {"group_id": GID, "harness": "openclaw", "step": 3, "status": status, "reward": reward,
+                                 "attempt_id": f"a-{i}", "policy_version": 10 + i, "metadata": {}}  # fmt: skip
+    if status not in (TrajectoryStatus.COMPLETE, TrajectoryStatus.TIMED_OUT):
+        fields["segments"] = []
+    return replace(sample_trajectory(f"r-{i}"), **(fields | kw))  # type: ignore[arg-type]
+
+
+class Rig:
+    def __init__(self, cfg: StreamsSettings = CFG) -> None:
+        self.groups: dict[str, bytes] = {}
+        self.members: dict[str, bytes] = {}
+        self.index: dict[str, bytes] = {}
+        self.cfg = cfg
+        self.emitted = Emission()
+        self.rejected: list[tuple[Verdict, str]] = []
+
+    def feed(self, ts: list[Trajectory], now: int = 0) -> None:
+        for t in ts:
+            out = Grouper(self.cfg, self.groups, self.members, self.index).on_trajectory(t, t.to_bytes(), 1, now)
+            self._take(out)
+
+    def tick(self, now: int) -> None:
+        self._take(Grouper(self.cfg, self.groups, self.members, self.index).on_tick(1, now))
+
+    def _take(self, out: Emission) -> None:
+        self.emitted.records += out.records
+        self.emitted.metrics += out.metrics
+        if out.rejected:
+            self.rejected.append((out.rejected.verdict, out.rejected.reason))
+
+    def advantages(self) -> dict[str, float]:
+        return {r.rollout_id: r.advantage for r in self.emitted.records if r.kind is BatchRecordKind.TRAJECTORY}  # type: ignore[misc]
+
+
+def manual(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    mu = sum(rewards) / len(rewards)
+    sigma = math.sqrt(sum((r - mu) ** 2 for r in rewards) / len(rewards))
+    return [(r - mu) / (sigma + eps) for r in rewards]
+
+
+def test_advantages_formula() -> None:
+    adv, mu, sigma = advantages([1.0, 0.0, 0.5, 1.0], 1e-6)
+    assert adv == pytest.approx(manual([1.0, 0.0, 0.5, 1.0])) and mu == 0.625 and sigma == pytest.approx(0.4145, 1e-3)
+    assert sum(adv) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_full_group_closes_with_grpo_advantages_and_a_seal() -> None:
+    rig = Rig()
+    rewards = [1.0, 0.0, 0.5, 1.0]
+    rig.feed([traj(i, r) for i, r in enumerate(rewards[:3])])
+    assert rig.emitted.records == []  # 3/4: still open
+    rig.feed([traj(3, rewards[3])])
+    recs = rig.emitted.records
+    assert [r.kind for r in recs] == [BatchRecordKind.TRAJECTORY] * 4 + [BatchRecordKind.SEAL]
+    assert rig.advantages() == pytest.approx(dict(zip([f"r-{i}" for i in range(4)], manual(rewards), strict=True)))
+    assert [r.index for r in recs] == [0, 1, 2, 3, 4] and {r.batch_id for r in recs} == {GID}
+    seal = recs[-1]
+    assert seal.harness_counts == {"openclaw": 4} and seal.policy_version == 10 and seal.step == 3
+    first = recs[0]
+    assert first.trajectory is not None and Trajectory.from_bytes(first.trajectory).rollout_id == first.rollout_id
+    assert first.reward == 1.0 and first.harness == "openclaw" and first.policy_version == 10
+    [metric] = rig.emitted.metrics
+    assert metric.labels["outcome"] == "trained" and metric.labels["closed_by"] == "complete"
+    assert metric.values["reward_mean"] == 0.625 and metric.values["trained"] == 4
+    assert rig.members == {}  # bytes freed once emitted
+
+
+def test_infra_failures_count_for_closing_but_not_in_statistics_or_training() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE), traj(2, 0.0), traj(3, 0.5)])
+    adv = rig.advantages()
+    assert set(adv) == {"r-0", "r-2", "r-3"}
+    assert list(adv.values()) == pytest.approx(manual([1.0, 0.0, 0.5]))
+    assert rig.emitted.metrics[0].values["infra"] == 1 and rig.emitted.metrics[0].values["scored"] == 3
+
+
+def test_graded_but_untrainable_rollouts_count_in_statistics_only() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0), traj(1, 0.0, TrajectoryStatus.DROPPED, drop_reason="leaf cap"),
+              traj(2, 0.0, TrajectoryStatus.INCOMPLETE), traj(3, 0.0, TrajectoryStatus.TIMED_OUT)])  # fmt: skip
+    adv = rig.advantages()
+    assert set(adv) == {"r-0", "r-3"}
+    full = manual([1.0, 0.0, 0.0, 0.0])
+    assert adv["r-0"] == pytest.approx(full[0]) and adv["r-3"] == pytest.approx(full[3])
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_zero_variance_groups(policy: str) -> None:
+    rig = Rig(CFG.model_copy(update={"zero_variance": policy}))
+    rig.feed([traj(i, 1.0) for i in range(3)] + [traj(3, None, TrajectoryStatus.INFRA_FAILURE)])
+    if policy == "drop":
+        assert rig.emitted.records == []
+        assert rig.emitted.metrics[0].labels["outcome"] == "zero_variance_dropped"
+    else:
+        assert rig.advantages() == {"r-0": 0.0, "r-1": 0.0, "r-2": 0.0}
+        assert rig.emitted.records[-1].harness_counts == {"openclaw": 3}
+
+
+def test_group_size_comes_from_metadata_with_the_setting_as_fallback() -> None:
+    assert expected_size(traj(0, 1.0, metadata={"group_size": "2"}), 8) == 2
+    assert expected_size(traj(0, 1.0, metadata={"group_size": "x"}), 8) == 8
+    assert expected_size(traj(0, 1.0), 8) == 8
+    rig = Rig()
+    rig.feed([traj(0, 1.0, metadata={"group_size": "2"}), traj(1, 0.0, metadata={"group_size": "2"})])
+    assert len(rig.advantages()) == 2
+
+
+def test_a_group_missing_rollouts_closes_at_the_timeout() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0), traj(1, 0.0)], now=1000)
+    rig.tick(1000 + 29_999)
+    assert rig.emitted.records == []
+    rig.tick(1000 + 30_000)
+    assert list(rig.advantages().values()) == pytest.approx(manual([1.0, 0.0]))
+    assert rig.emitted.metrics[0].labels["closed_by"] == "timeout"
+    rig.feed([traj(2, 0.5)], now=40_000)  # late: the group is closed
+    assert rig.rejected[0][0] is Verdict.LATE and "group suite/t1|openclaw|3 closed (timeout, 2/4" in rig.rejected[0][1]
+    rig.tick(31_000 + 100_000)  # forgotten after late_retention_s
+    assert rig.groups == {}
+
+
+def test_after_a_restart_a_group_waits_for_its_members_to_settle() -> None:
+    rig = Rig(CFG.model_copy(update={"settle_timeout_s": 10.0}))
+    rig.feed([traj(0, 1.0)], now=0)
+    since = 100_000  # the worker came back long after the group's timeout
+    rig._take(Grouper(rig.cfg, rig.groups, rig.members, rig.index).on_tick(1, since + 9_999, since))
+    assert rig.emitted.metrics == []
+    rig._take(Grouper(rig.cfg, rig.groups, rig.members, rig.index).on_tick(1, since + 10_000, since))
+    assert rig.emitted.metrics[0].labels["closed_by"] == "timeout"
+
+
+def test_duplicates_replacements_and_rejections() -> None:
+    rig = Rig()
+    infra = traj(1, None, TrajectoryStatus.INFRA_FAILURE)
+    rig.feed([traj(0, 1.0), traj(0, 1.0), infra])  # exact duplicate: ignored
+    assert rig.rejected == []
+    rig.feed([replace(traj(1, 0.0), attempt_id="a-1-reissue")])  # a re-issue replaces the infra failure
+    rig.feed([replace(traj(0, 0.5), attempt_id="other")])  # a second, different trajectory: rejected
+    assert [v for v, _ in rig.rejected] == [Verdict.REJECTED]
+    rig.feed([traj(2, 0.0), traj(3, 0.5)])
+    assert set(rig.advantages()) == {"r-0", "r-1", "r-2", "r-3"}
+
+
+def test_eval_and_ungrouped_trajectories() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0, step=-1), traj(1, 1.0, metadata={"eval": "true"})])
+    assert rig.groups == {} and rig.rejected == []
+    rig.feed([traj(2, 1.0, group_id="")])
+    assert rig.rejected[0][0] is Verdict.REJECTED
+
+
+def test_restart_mid_group_keeps_state() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0), traj(1, 0.0)])
+    restarted = Rig()
+    restarted.groups, restarted.members, restarted.index = dict(rig.groups), dict(rig.members), dict(rig.index)
+    restarted.feed([traj(2, 0.5), traj(3, 1.0)])
+    assert list(restarted.advantages().values()) == pytest.approx(manual([1.0, 0.0, 0.5, 1.0]))
+    assert BatchRecord.from_bytes(restarted.emitted.records[0].to_bytes()).advantage == pytest.approx(
+        float(np.float64(manual([1.0, 0.0, 0.5, 1.0])[0]))
+    )
