@@ -1,104 +1,151 @@
-"""The CPU quickstart (``make demo`` / ``clawstream demo``): everything that runs end to end today, on a local broker.
+"""The CPU quickstart (``make demo`` / ``clawstream demo``): the whole training loop on one laptop-class machine.
 
-Steps: start (or reuse) the local Apache Kafka broker, create the topic catalog, build the tiny Qwen3-architecture
-model (once), push one event of every type through the broker and read it back, then list the pipeline stages and
-whether each is built yet. It grows with the pipeline: each stage that lands adds its step here.
+1. start (or reuse) the local Apache Kafka broker and create the topic catalog under a fresh per-run prefix;
+2. build the tiny Qwen3-architecture policy (once; cached) and, when available, its SFT warm start (once; cached);
+3. start the services as separate processes, exactly as an operator would: inference engine (vLLM protocol),
+   serving proxy, Faust stream processors, sandbox worker, learner;
+4. run the scheduler for ``--steps`` training steps mixing two heterogeneous built-in harnesses (``agentloop`` over
+   OpenAI Chat and ``agentloop-anthropic`` over Anthropic Messages) on the built-in CPU task suite;
+5. follow ``clawstream.metrics`` and print, per step, the reward per harness, the loss and the new weight version
+   that the engine then serves; finally stop everything. Logs: ``$CLAWSTREAM_HOME/demo/<run>/logs``.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
+import socket
 import time
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 
-from clawstream.kafka_clients import create_topics, make_consumer, make_producer
+from clawstream.errors import ClawstreamError
+from clawstream.kafka_clients import create_topics, make_consumer
 from clawstream.kafka_local import LocalKafka
 from clawstream.settings import KafkaSettings, clawstream_home, load_settings
-from schemas.events import ALL_EVENTS, Metric, now_ms
-from schemas.topics import CATALOG
+from clawstream.stack import Service, Stack
+from schemas.events import Metric
+from schemas.topics import METRICS
 
-# (stage, module, state) — the honest map of what exists; update when a stage lands.
-STAGES: list[tuple[str, str, str]] = [
-    ("contracts + codec", "schemas/", "built"),
-    ("local Kafka broker", "clawstream/kafka_local.py", "built"),
-    ("tiny model builder", "learner/model_init.py", "built"),
-    ("prefix tree (pure)", "streams/tree.py", "built"),
-    ("inference engine (vLLM protocol)", "consumers/inference_worker.py", "not built yet (issue: policy serving)"),
-    ("serving proxy", "producers/proxy.py", "not built yet (issue: serving proxy)"),
-    ("sandbox worker + scheduler", "producers/sandbox_worker.py", "not built yet (issue: sandbox workers)"),
-    ("stream processors", "streams/app.py", "not built yet (issue: Faust stream processors)"),
-    ("learner", "learner/train.py", "not built yet (issue: learner)"),
-]
+HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
 
 
-def _step(title: str, fn: Callable[[], str]) -> None:
-    started = time.monotonic()
-    print(f"==> {title} ...", flush=True)
-    detail = fn()
-    print(f"    {detail} ({time.monotonic() - started:.1f}s)", flush=True)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
-def run_demo(model_dir: Path | None = None) -> None:
-    state_holder: dict[str, str] = {}
+def _say(message: str) -> None:
+    print(message, flush=True)
 
-    def broker() -> str:
-        settings = KafkaSettings()
-        if settings.bootstrap_servers:
-            state_holder["bootstrap"] = settings.bootstrap_servers
-            return f"using configured cluster {settings.bootstrap_servers}"
+
+def prepare_model(models: Path, *, sft_minutes: float) -> Path:
+    """The tiny base model, warm-started by SFT when ``learner.sft`` is available (both cached under ``models``)."""
+    from learner.model_init import init_tiny_model
+
+    base = models / "tiny-qwen3"
+    if not (base / "config.json").exists():
+        _say(f"==> building the tiny Qwen3-architecture model into {base}")
+        init_tiny_model(base, seed=0, progress=lambda _msg: None)
+    if sft_minutes <= 0:
+        return base
+    try:
+        from learner import sft
+    except ImportError:
+        _say("    (no SFT warm start in this build: RL starts from the random model, rewards stay near 0)")
+        return base
+    warm = models / "tiny-qwen3-sft"
+    if not (warm / "config.json").exists():
+        _say(f"==> SFT warm start on synthetic agent demonstrations ({sft_minutes:g} min, once) → {warm}")
+        sft.main(["--model-dir", str(base), "--out", str(warm), "--minutes", str(sft_minutes)])
+    return warm
+
+
+def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sft_minutes: float = 8.0,
+             timeout_s: float = 1800.0) -> None:  # fmt: skip
+    home = clawstream_home()
+    run = time.strftime("%Y%m%d-%H%M%S")
+    prefix = f"demo-{run}."
+    settings = KafkaSettings()
+    if not settings.bootstrap_servers:
         state = LocalKafka().up()
-        state_holder["bootstrap"] = state.bootstrap
-        return f"Apache Kafka on {state.bootstrap} (pid {state.pid}); stop it with `clawstream kafka down`"
+        settings = load_settings(KafkaSettings, bootstrap_servers=state.bootstrap, topic_prefix=prefix)
+        _say(f"==> Apache Kafka on {state.bootstrap} (stop it later with `clawstream kafka down`)")
+    else:
+        settings = load_settings(KafkaSettings, bootstrap_servers=settings.bootstrap_servers, topic_prefix=prefix)
+    create_topics(settings)
+    _say(f"==> topics created under prefix '{prefix}'")
+    model = prepare_model(home / "models", sft_minutes=sft_minutes)
 
-    _step("local Apache Kafka broker", broker)
-    settings = load_settings(KafkaSettings, bootstrap_servers=state_holder["bootstrap"])
+    run_dir = home / "demo" / run
+    token = secrets.token_urlsafe(16)
+    proxy_port = _free_port()
+    stack = Stack(run_dir / "logs", env={"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": settings.resolved_bootstrap(),
+                                         "CLAWSTREAM_KAFKA_TOPIC_PREFIX": prefix})  # fmt: skip
+    try:
+        _say(f"==> starting services (logs in {run_dir / 'logs'})")
+        engine = stack.start(Service("engine", ["consumers.inference_worker", "--model", str(model), "--port", "0",
+                                                "--served-model-name", "policy", "--max-batch-size", "16"],
+                                     ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+        stack.start(Service("proxy", ["producers.proxy", "--model", str(model), "--engine-url", str(engine.found),
+                                      "--port", str(proxy_port), "--admin-token", token],
+                            ready_url=f"http://127.0.0.1:{proxy_port}/metrics"))  # fmt: skip
+        stack.start(Service("streams", ["streams.app", "--datadir", str(run_dir / "faust"), "worker", "--loglevel",
+                                        "warn"],
+                            env={"CLAWSTREAM_STREAMS_APP_ID": f"{prefix}streams",
+                                 "CLAWSTREAM_STREAMS_DATA_DIR": str(run_dir / "streams"),
+                                 "CLAWSTREAM_STREAMS_GROUP_SIZE": str(group_size),
+                                 "CLAWSTREAM_STREAMS_BATCH_GROUPS": str(tasks_per_step),
+                                 "CLAWSTREAM_STREAMS_ZERO_VARIANCE": "keep",
+                                 "CLAWSTREAM_STREAMS_GROUP_TIMEOUT_S": "300",
+                                 "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": "1"}))  # fmt: skip
+        stack.start(Service("sandbox-worker", ["producers.sandbox_worker", "--concurrency", "4", "--proxy-url",
+                                               f"http://127.0.0.1:{proxy_port}", "--proxy-admin-token", token,
+                                               "--group-id", f"{prefix}sandbox-workers"]))  # fmt: skip
+        stack.start(Service("learner", ["learner.train", "--model-dir", str(model), "--weight-store",
+                                        str(run_dir / "weights"), "--model-name", "policy", "--hp", "lr=2e-5",
+                                        "--tensorboard-dir", str(run_dir / "tensorboard")]))  # fmt: skip
+        stack.start(Service("scheduler", ["producers.scheduler", "--steps", str(steps)],
+                            env={"CLAWSTREAM_SCHEDULER_TASKS_PER_STEP": str(tasks_per_step),
+                                 "CLAWSTREAM_SCHEDULER_GROUP_SIZE": str(group_size),
+                                 "CLAWSTREAM_SCHEDULER_HARNESS_MIX": json.dumps(HARNESS_MIX),
+                                 "CLAWSTREAM_SCHEDULER_MAX_TOKENS": "256",
+                                 "CLAWSTREAM_SCHEDULER_MAX_POLICY_LAG": "1",
+                                 "CLAWSTREAM_SCHEDULER_DRAIN_TIMEOUT_S": "120"},
+                            may_finish=True))  # fmt: skip
+        _say(f"==> training {steps} steps: {tasks_per_step} tasks x {group_size} rollouts, harnesses "
+             f"{' + '.join(HARNESS_MIX)}")  # fmt: skip
+        _follow(settings, stack, steps, timeout_s)
+    finally:
+        _say("==> stopping services")
+        stack.stop()
 
-    def topics() -> str:
-        outcome = create_topics(settings)
-        created = sum(1 for v in outcome.values() if v == "created")
-        return f"{len(outcome)} topics ready ({created} created)"
 
-    _step("topic catalog", topics)
-
-    model_dir = model_dir or clawstream_home() / "models" / "tiny-qwen3"
-
-    def model() -> str:
-        if (model_dir / "config.json").exists():
-            return f"reusing {model_dir}"
-        from learner.model_init import init_tiny_model
-
-        init_tiny_model(model_dir, seed=0, progress=lambda _msg: None)
-        return f"built {model_dir}"
-
-    _step("tiny Qwen3-architecture model", model)
-
-    def roundtrip() -> str:
-        rid = f"demo-{uuid.uuid4().hex[:8]}"
-        producer = make_producer(settings)
-        topic_of = {spec.value_schema: settings.topic(spec.name) for spec in CATALOG}
-        probe = Metric(policy_version=0, timestamp_ms=now_ms(), source="demo", name="hello", values={"ok": 1.0},
-                       rollout_id=rid)  # fmt: skip
-        producer.produce(topic_of["Metric"], key=b"demo", value=probe.to_bytes())
-        if producer.flush(30):
-            raise RuntimeError("the broker did not acknowledge the demo record")
-        consumer = make_consumer(settings, f"demo-{rid}")
-        consumer.subscribe([topic_of["Metric"]])
-        deadline = time.monotonic() + 30
-        try:
-            while time.monotonic() < deadline:
-                msg = consumer.poll(0.5)
-                if msg is not None and not msg.error() and Metric.from_bytes(msg.value()).rollout_id == rid:
-                    return (
-                        f"Metric event produced and read back (Avro single-object, {len(msg.value())} bytes); "
-                        f"{len(ALL_EVENTS)} event types in the catalog"
-                    )
-        finally:
-            consumer.close()
-        raise RuntimeError("the demo record did not come back within 30 s")
-
-    _step("event round trip through Kafka", roundtrip)
-
-    print("\nPipeline stages:")
-    for stage, module, state in STAGES:
-        print(f"  {'✔' if state == 'built' else '·'} {stage:34} {module:32} {state}")
+def _follow(settings: KafkaSettings, stack: Stack, steps: int, timeout_s: float) -> None:
+    consumer = make_consumer(settings, f"{settings.topic_prefix}demo-follow")
+    consumer.subscribe([settings.topic(METRICS)])
+    deadline = time.monotonic() + timeout_s
+    trained, applied = 0, 0
+    started = time.monotonic()
+    try:
+        while trained < steps or applied < steps:
+            if time.monotonic() > deadline:
+                raise ClawstreamError(f"the demo did not finish {steps} steps within {timeout_s:.0f}s; see the logs")
+            stack.check()
+            msg = consumer.poll(1.0)
+            if msg is None or msg.error():
+                continue
+            metric = Metric.from_bytes(msg.value())
+            elapsed = time.monotonic() - started
+            if metric.name == "train_step":
+                trained += 1
+                rewards = "  ".join(f"{k.removeprefix('reward/')}={v:.2f}" for k, v in sorted(metric.values.items())
+                                    if k.startswith("reward/") and k != "reward/mean")  # fmt: skip
+                _say(f"[{elapsed:6.0f}s] step {metric.step}: reward {rewards}  loss {metric.values.get('loss', 0):.4f}"
+                     f"  tokens {metric.values.get('tokens', 0):.0f}  → weights v{metric.policy_version}")  # fmt: skip
+            elif metric.name == "weights_applied":
+                applied += 1
+                _say(f"[{elapsed:6.0f}s] engine now serves v{metric.policy_version} "
+                     f"(swap {metric.values.get('swap_latency_s', 0) * 1000:.0f} ms)")  # fmt: skip
+    finally:
+        consumer.close()

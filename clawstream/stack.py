@@ -1,0 +1,115 @@
+"""Run the clawstream services as supervised child processes (the CPU quickstart and local experiments).
+
+Each service is the same ``python -m …`` entry point an operator would run by hand, started in its own process
+group with its output in ``<log_dir>/<name>.log``; readiness is a line it prints (a regex) or an HTTP endpoint
+answering. ``Stack.stop`` sends SIGTERM to every group in reverse start order, then SIGKILL after a grace period.
+Pure process plumbing: no Kafka.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clawstream.errors import ClawstreamError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class StackError(ClawstreamError):
+    """A service did not start, or died."""
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]  # after `python -m`
+    env: dict[str, str] = field(default_factory=dict)
+    ready_line: str | None = None  # regex on an output line; group 1 (if any) is captured as `found`
+    ready_url: str | None = None  # GET answering < 500
+    may_finish: bool = False  # a job (not a server): exiting 0 is success, not a death
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    found: str | None = None
+
+
+class Stack:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                    **(env or {})}  # fmt: skip
+        self.services: list[Service] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, service: Service, *, timeout: float = 120.0) -> Service:
+        service.log = self.log_dir / f"{service.name}.log"
+        handle = open(service.log, "wb")  # noqa: SIM115 - owned by the child from here on
+        try:
+            service.proc = subprocess.Popen(
+                [sys.executable, "-m", *service.args], cwd=ROOT, env={**self.env, **service.env}, stdout=handle,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            handle.close()
+        self.services.append(service)
+        self._wait_ready(service, timeout)
+        return service
+
+    def _wait_ready(self, service: Service, timeout: float) -> None:
+        assert service.proc is not None and service.log is not None
+        pattern = re.compile(service.ready_line) if service.ready_line else None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if service.proc.poll() is not None and not (service.may_finish and service.proc.returncode == 0):
+                raise StackError(f"{service.name} exited with {service.proc.returncode} during start-up:\n"
+                                 f"{self.tail(service)}")  # fmt: skip
+            if pattern is not None:
+                match = pattern.search(service.log.read_text(errors="replace"))
+                if match:
+                    service.found = match.group(1) if match.groups() else match.group(0)
+                    return
+            elif service.ready_url is not None:
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(service.ready_url, timeout=2) as resp:  # noqa: S310 - loopback
+                        if resp.status < 500:
+                            return
+            else:
+                return
+            time.sleep(0.3)
+        raise StackError(f"{service.name} was not ready within {timeout:.0f}s:\n{self.tail(service)}")
+
+    def check(self) -> None:
+        """Raise if any service died."""
+        for service in self.services:
+            code = service.proc.poll() if service.proc is not None else None
+            if code is not None and not (service.may_finish and code == 0):
+                raise StackError(f"{service.name} died with {code}:\n{self.tail(service)}")
+
+    def tail(self, service: Service, lines: int = 25) -> str:
+        if service.log is None or not service.log.exists():
+            return ""
+        return "\n".join(service.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, *, grace: float = 20.0) -> None:
+        for service in reversed(self.services):
+            if service.proc is not None and service.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for service in reversed(self.services):
+            if service.proc is None:
+                continue
+            try:
+                service.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(service.proc.pid, signal.SIGKILL)
+                service.proc.wait(10)
