@@ -247,6 +247,15 @@ def harness_install(names: tuple[str, ...], timeout: float) -> None:
         click.echo(f"{name}: {install_harness(name, timeout=timeout)}")
 
 
+@model.command("sft", context_settings=_PASSTHROUGH)
+@click.pass_context
+def model_sft(ctx: click.Context) -> None:
+    """SFT warm start on synthetic agent demonstrations of the CPU task suite (learner/sft.py; --help for options)."""
+    from learner.sft import main as run
+
+    sys.exit(run(ctx.args))
+
+
 # ---- demo --------------------------------------------------------------------------------------------------------
 @main.command("demo")
 @click.option("--steps", type=int, default=3, show_default=True, help="Training steps to run.")

@@ -62,7 +62,8 @@ def prepare_model(models: Path, *, sft_minutes: float) -> Path:
 
 
 def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sft_minutes: float = 8.0,
-             timeout_s: float = 1800.0) -> None:  # fmt: skip
+             timeout_s: float = 1800.0) -> dict[str, object]:  # fmt: skip
+    """Run the loop; returns what happened (topic prefix, per-step metrics, versions the engine applied)."""
     home = clawstream_home()
     run = time.strftime("%Y%m%d-%H%M%S")
     prefix = f"demo-{run}."
@@ -115,20 +116,22 @@ def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sf
                             may_finish=True))  # fmt: skip
         _say(f"==> training {steps} steps: {tasks_per_step} tasks x {group_size} rollouts, harnesses "
              f"{' + '.join(HARNESS_MIX)}")  # fmt: skip
-        _follow(settings, stack, steps, timeout_s)
+        trained, applied = _follow(settings, stack, steps, timeout_s)
     finally:
         _say("==> stopping services")
         stack.stop()
+    return {"prefix": prefix, "run_dir": str(run_dir), "trained": trained, "applied": applied}
 
 
-def _follow(settings: KafkaSettings, stack: Stack, steps: int, timeout_s: float) -> None:
+def _follow(settings: KafkaSettings, stack: Stack, steps: int, timeout_s: float) -> tuple[list[Metric], list[int]]:
     consumer = make_consumer(settings, f"{settings.topic_prefix}demo-follow")
     consumer.subscribe([settings.topic(METRICS)])
     deadline = time.monotonic() + timeout_s
-    trained, applied = 0, 0
+    trained: list[Metric] = []
+    applied: list[int] = []
     started = time.monotonic()
     try:
-        while trained < steps or applied < steps:
+        while len(trained) < steps or len(applied) < steps:
             if time.monotonic() > deadline:
                 raise ClawstreamError(f"the demo did not finish {steps} steps within {timeout_s:.0f}s; see the logs")
             stack.check()
@@ -138,14 +141,15 @@ def _follow(settings: KafkaSettings, stack: Stack, steps: int, timeout_s: float)
             metric = Metric.from_bytes(msg.value())
             elapsed = time.monotonic() - started
             if metric.name == "train_step":
-                trained += 1
+                trained.append(metric)
                 rewards = "  ".join(f"{k.removeprefix('reward/')}={v:.2f}" for k, v in sorted(metric.values.items())
                                     if k.startswith("reward/") and k != "reward/mean")  # fmt: skip
                 _say(f"[{elapsed:6.0f}s] step {metric.step}: reward {rewards}  loss {metric.values.get('loss', 0):.4f}"
                      f"  tokens {metric.values.get('tokens', 0):.0f}  → weights v{metric.policy_version}")  # fmt: skip
             elif metric.name == "weights_applied":
-                applied += 1
+                applied.append(metric.policy_version)
                 _say(f"[{elapsed:6.0f}s] engine now serves v{metric.policy_version} "
                      f"(swap {metric.values.get('swap_latency_s', 0) * 1000:.0f} ms)")  # fmt: skip
     finally:
         consumer.close()
+    return trained, applied

@@ -1,6 +1,54 @@
-"""Shared test configuration: offline Hugging Face, quiet tokenizers."""
+"""Shared test configuration: offline Hugging Face, quiet tokenizers, and the broker fixtures.
+
+Broker fixtures (used by tests/integration and tests/e2e): one real Apache Kafka broker per test session, started
+through the same code as ``clawstream kafka up`` (``LocalKafka.up``) in a session-private home so it never touches a
+developer's own broker (the jar cache is the shared one, provisioned once), and a fresh topic prefix and consumer
+group per test. Set ``CLAWSTREAM_TEST_BOOTSTRAP=host:port`` to run against an existing cluster instead.
+"""
+
+from __future__ import annotations
 
 import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from clawstream.kafka_clients import create_topics
+from clawstream.kafka_local import LocalKafka
+from clawstream.settings import KafkaSettings
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    external = os.environ.get("CLAWSTREAM_TEST_BOOTSTRAP")
+    if external:
+        yield external
+        return
+    broker = LocalKafka(home=tmp_path_factory.mktemp("kafka-home"))
+    state = broker.up(timeout=120, quiet=True)
+    try:
+        yield state.bootstrap
+    finally:
+        broker.down()
+
+
+@pytest.fixture
+def topic_prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}."
+
+
+@pytest.fixture
+def kafka_settings(kafka_bootstrap: str, topic_prefix: str) -> KafkaSettings:
+    """Settings with a fresh topic prefix; every catalog topic exists (created for this test)."""
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=topic_prefix)
+    create_topics(settings)
+    return settings
+
+
+@pytest.fixture
+def group_id() -> str:
+    return f"g-{uuid.uuid4().hex[:10]}"
