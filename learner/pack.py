@@ -352,7 +352,13 @@ def packed_forward(model: torch.nn.Module, batch: MicroBatch, **model_kwargs: An
             f"attn_implementation in {sorted(SUPPORTED_ATTN_IMPLEMENTATIONS)}"
         )
     dtype, device = _model_dtype_device(model)
-    mask = batch.attention_mask(dtype=dtype, device=device)  # (1, 1, T, T)
+    anc = batch.segment_ancestors  # (S, S)
+    if torch.equal(anc, torch.ones_like(anc).tril()):
+        # One chain (an append-only rollout alone in its row): the tree mask IS the causal mask, so let the model use
+        # its own causal path (SDPA's is_causal kernel) instead of materialising a (T, T) float mask.
+        mask = None
+    else:
+        mask = batch.attention_mask(dtype=dtype, device=device)  # (1, 1, T, T)
     return model(
         input_ids=batch.input_ids.to(device)[None],  # (1, T)
         attention_mask=mask,
