@@ -34,6 +34,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.codec
+	$(PY) -m bench.engine
+	$(PY) -m bench.proxy
+	$(PY) -m bench.streams
+	$(PY) -m bench.rollouts
 	$(PY) -m bench.learner
 
 kafka-down: $(STAMP)

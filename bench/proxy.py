@@ -12,7 +12,7 @@ acks=all on a local broker it adds a few ms per call).
    engine handler's), which should stay flat.
 3. Bytes: Avro bytes published for that rollout (delta-encoded prompts; raw and zstd) vs the full prompts as int32.
 
-Run: ``HF_HUB_OFFLINE=1 .venv/bin/python bench/proxy.py [--calls 50] [--latency-rounds 200]``;
+Run: ``HF_HUB_OFFLINE=1 .venv/bin/python -m bench.proxy [--calls 50] [--latency-rounds 200]``;
 writes ``bench/results/proxy.md``.
 """
 
@@ -176,7 +176,7 @@ async def main_async(args: argparse.Namespace) -> str:
         f"In-process on loopback: scripted engine (instant answers), real proxy HTTP server, aiohttp client; Kafka "
         f"replaced by an in-memory publisher (events still Avro-encoded). {platform.python_implementation()} "
         f"{platform.python_version()}, {platform.machine()}, 2 shared cores. Run: `HF_HUB_OFFLINE=1 .venv/bin/python "
-        "bench/proxy.py`.",
+        "-m bench.proxy`.",
         "",
         f"## Latency ({args.latency_rounds} interleaved rounds, medians, ~{lat['prompt_tokens']}-token prompt)",
         "",

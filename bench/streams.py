@@ -13,7 +13,7 @@ groups of 8 over two harnesses, no faults). Two phases:
    with ``isolation.level=read_committed``. That includes the quiet period (``settle_interval_s``) by design, plus up
    to one tick and one commit interval; p50/p99 are reported raw and minus the quiet period.
 
-Run: ``.venv/bin/python bench/streams.py [--bootstrap host:port] [--burst 600] [--latency-s 30]``. Without
+Run: ``.venv/bin/python -m bench.streams [--bootstrap host:port] [--burst 600] [--latency-s 30]``. Without
 ``--bootstrap`` a private broker is started (and stopped) in a temporary directory. Writes
 ``bench/results/streams.md`` and prints it. The default run takes about two minutes on 2 busy cores.
 """
