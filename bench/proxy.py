@@ -5,14 +5,21 @@ instantly), the real proxy HTTP server and an aiohttp client. Kafka is replaced 
 encodes each CallEvent exactly as the real one does (the broker's ack time is not part of the proxy's cost; with
 acks=all on a local broker it adds a few ms per call).
 
-1. Latency: the same prompt sent N times directly to the engine (token ids) and through the proxy (OpenAI Chat,
-   non-streaming, a fresh 1-call rollout each time, so each call is a first/full render of ~1.2k tokens).
+1. Latency, side by side in one run against the same instant engine, interleaved round by round: the engine
+   directly (token ids, ``/v1/completions``), our proxy (OpenAI Chat, non-streaming, a fresh 1-call rollout each
+   time, so each call is a first/full render), and a LiteLLM proxy in front of the same engine. LiteLLM forwards
+   OpenAI Chat as OpenAI Chat (it has no token-in-token-out path), so the engine also gets a bench-only
+   ``/v1/chat/completions`` route that does what vLLM's does: chat template + tokenize, generate, parse the tool
+   call; LiteLLM's added latency is measured against that route called directly. LiteLLM runs in its own process
+   (``litellm --config``, one worker, master key, no database), installed in a separate venv
+   (``python3 -m venv /tmp/litellm-venv && /tmp/litellm-venv/bin/pip install 'litellm[proxy]==1.106.12'``); the
+   row is skipped, with the reason printed, when it is not found or does not start.
 2. Growth: one rollout of 50 calls (Anthropic dialect, Claude-Code-shaped), each adding a ~640-token tool result,
    growing to ~32k tokens; per call: the proxy's render time and its whole CPU time (process CPU minus the
    engine handler's), which should stay flat.
 3. Bytes: Avro bytes published for that rollout (delta-encoded prompts; raw and zstd) vs the full prompts as int32.
 
-Run: ``HF_HUB_OFFLINE=1 .venv/bin/python -m bench.proxy [--calls 50] [--latency-rounds 200]``;
+Run: ``HF_HUB_OFFLINE=1 .venv/bin/python -m bench.proxy [--calls 50] [--latency-rounds 200] [--litellm PATH]``;
 writes ``bench/results/proxy.md``.
 """
 
@@ -20,10 +27,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import random
+import secrets
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from producers.conversation import Message, ToolCall  # noqa: E402
 from producers.proxy import Proxy, ProxySettings  # noqa: E402
+from producers.tool_parse import parse_turn  # noqa: E402
 from schemas.events import CallEvent  # noqa: E402
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text  # noqa: E402
@@ -67,6 +82,88 @@ class TimedEngine(ScriptedEngine):
         finally:
             TimedEngine.cpu += time.process_time() - t
 
+    async def _chat(self, request: web.Request) -> web.Response:
+        """OpenAI Chat served by the engine itself (what vLLM's route does), for the LiteLLM comparison only."""
+        body = await request.json()
+        prompt = self.tok.apply_chat_template(body["messages"], tools=body.get("tools"), add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)  # fmt: skip
+        ids, finish = self.generate(list(prompt), body)
+        turn = parse_turn(self.tok.decode(ids, skip_special_tokens=True))
+        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                 for i, c in enumerate(turn.tool_calls)]  # fmt: skip
+        message = {"role": "assistant", "content": turn.text or None, **({"tool_calls": calls} if calls else {})}
+        out = {
+            "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", "policy"),
+            "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else finish}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                      "total_tokens": len(prompt) + len(ids)},
+        }  # fmt: skip
+        return web.json_response(out)
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+
+def find_litellm(option: str | None) -> str | None:
+    if option:
+        return option if os.access(option, os.X_OK) else None
+    default = "/tmp/litellm-venv/bin/litellm"
+    return default if os.access(default, os.X_OK) else shutil.which("litellm")
+
+
+class LiteLLM:
+    """A LiteLLM proxy process (one worker) whose model ``policy`` forwards OpenAI Chat to the engine's route."""
+
+    def __init__(self, exe: str, engine_url: str) -> None:
+        self.exe, self.engine_url = exe, engine_url
+        self.key = "sk-" + secrets.token_hex(32)  # recent LiteLLM refuses to start without a master key
+        self.dir = Path(tempfile.mkdtemp(prefix="clawstream-litellm-"))
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, http: aiohttp.ClientSession, timeout: float = 120.0) -> None:
+        (self.dir / "config.yaml").write_text(
+            "model_list:\n  - model_name: policy\n    litellm_params:\n      model: openai/policy\n"
+            f"      api_base: {self.engine_url}/v1\n      api_key: none\n"
+            "litellm_settings:\n  telemetry: false\n"
+            f"general_settings:\n  master_key: {self.key}\n"
+        )
+        # the local cost map: else it fetches model prices from GitHub at start (no internet here)
+        env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+        log = open(self.dir / "litellm.log", "wb")  # noqa: SIM115 (lives as long as the process)
+        self.proc = await asyncio.create_subprocess_exec(
+            self.exe, "--config", str(self.dir / "config.yaml"), "--host", "127.0.0.1", "--port", str(self.port),
+            "--num_workers", "1", cwd=self.dir, env=env, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.returncode is None:
+            try:
+                async with http.get(f"{self.url}/health/liveliness") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.5)
+        tail = (self.dir / "litellm.log").read_text(errors="replace")[-1500:]
+        await self.stop()
+        raise RuntimeError(f"LiteLLM did not come up in {timeout:.0f}s:\n{tail}")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the CLI may fork uvicorn workers
+            try:
+                await asyncio.wait_for(self.proc.wait(), 15)
+            except TimeoutError:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                await self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)  # config + log: a failed start already printed the log's tail
+
 
 async def start_proxy(engine_url: str, pub: MemoryPublisher) -> tuple[web.AppRunner, Proxy, str]:
     settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine_url, port=0, admin_token="a")
@@ -84,26 +181,45 @@ async def register(http: aiohttp.ClientSession, url: str, rid: str) -> str:
         return (await r.json())["secret"]
 
 
-async def latency(http: aiohttp.ClientSession, engine: ScriptedEngine, url: str, rounds: int) -> dict[str, float]:
+async def timed_post(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]) -> float:
+    t = time.perf_counter()
+    async with http.post(url, json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        answer = await r.json()
+    elapsed = time.perf_counter() - t
+    if "choices" in answer and "message" in answer["choices"][0]:  # a chat answer must carry the parsed tool call
+        assert answer["choices"][0]["message"].get("tool_calls"), answer
+    return elapsed
+
+
+async def latency(
+    http: aiohttp.ClientSession, engine: ScriptedEngine, url: str, rounds: int, litellm: LiteLLM | None
+) -> dict[str, Any]:
     body = H.qwen_request([], stream=False)
     prompt = H.tiny_tokenizer().apply_chat_template(body["messages"], tools=body["tools"], add_generation_prompt=True,
                                                     tokenize=True, return_dict=False)  # fmt: skip
-    direct, proxied = [], []
-    for i in range(rounds):  # interleaved: the machine is shared and noisy
-        t = time.perf_counter()
-        async with http.post(f"{engine.url}/v1/completions", json={"prompt": list(prompt), "max_tokens": 64}) as r:
-            await r.read()
-        direct.append(time.perf_counter() - t)
+    times: dict[str, list[float]] = {"direct": [], "direct_chat": [], "proxy": [], "litellm": []}
+    warmup = 5
+    for i in range(rounds + warmup):  # interleaved: the machine is shared and noisy
+        row = {"direct": await timed_post(http, f"{engine.url}/v1/completions",
+                                          {"prompt": list(prompt), "max_tokens": 64}, {})}  # fmt: skip
         secret = await register(http, url, f"lat-{i}")
-        t = time.perf_counter()
-        async with http.post(f"{url}/r/lat-{i}/v1/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {secret}"}) as r:  # fmt: skip
-            assert r.status == 200, await r.text()
-            await r.read()
-        proxied.append(time.perf_counter() - t)
-    med_d, med_p = statistics.median(direct), statistics.median(proxied)
-    return {"prompt_tokens": len(prompt), "direct_ms": med_d * 1000, "proxy_ms": med_p * 1000,
-            "added_ms": (med_p - med_d) * 1000, "direct_cps": 1 / med_d, "proxy_cps": 1 / med_p}  # fmt: skip
+        row["proxy"] = await timed_post(http, f"{url}/r/lat-{i}/v1/chat/completions", body,
+                                        {"Authorization": f"Bearer {secret}"})  # fmt: skip
+        if litellm is not None:
+            row["direct_chat"] = await timed_post(http, f"{engine.url}/v1/chat/completions", body, {})
+            row["litellm"] = await timed_post(http, f"{litellm.url}/v1/chat/completions", body,
+                                              {"Authorization": f"Bearer {litellm.key}"})  # fmt: skip
+        if i >= warmup:  # the first calls of each path pay for connection set-up and lazy imports
+            for k, v in row.items():
+                times[k].append(v)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
+    out: dict[str, Any] = {"prompt_tokens": len(prompt), "ms": {k: v * 1000 for k, v in med.items()},
+                           "cps": {k: 1 / v for k, v in med.items()}}  # fmt: skip
+    out["added_ms"] = {"proxy": (med["proxy"] - med["direct"]) * 1000}
+    if litellm is not None:
+        out["added_ms"]["litellm"] = (med["litellm"] - med["direct_chat"]) * 1000
+    return out
 
 
 async def growth(http: aiohttp.ClientSession, url: str, calls: int, pub: MemoryPublisher) -> list[dict[str, Any]]:
@@ -153,13 +269,30 @@ async def main_async(args: argparse.Namespace) -> str:
         return tool_call_text("Bash", {"command": "cat report.txt"})
 
     pub = MemoryPublisher()
+    litellm_skip = ""
     async with TimedEngine(H.tiny_tokenizer(), respond) as engine, aiohttp.ClientSession() as http:
         runner, _proxy, url = await start_proxy(engine.url, pub)
+        litellm: LiteLLM | None = None
+        exe = find_litellm(args.litellm)
+        if exe is None:
+            litellm_skip = (f"LiteLLM not found ({args.litellm or '/tmp/litellm-venv/bin/litellm or litellm on PATH'});"
+                            " install it in its own venv, see the module docstring")  # fmt: skip
+        else:
+            litellm = LiteLLM(exe, engine.url)
+            try:
+                await litellm.start(http)
+            except RuntimeError as exc:
+                litellm, litellm_skip = None, f"LiteLLM ({exe}) did not start: {exc}"
+        if litellm_skip:
+            print(f"skipping the LiteLLM row: {litellm_skip}", file=sys.stderr)
         try:
-            lat = await latency(http, engine, url, args.latency_rounds)
+            lat = await latency(http, engine, url, args.latency_rounds, litellm)
             rows = await growth(http, url, args.calls, pub)
         finally:
             await runner.cleanup()
+            if litellm is not None:
+                await litellm.stop()
+    version = "" if litellm is None else litellm_version(litellm.exe)
     values = rows[0].pop("values")
     events = [CallEvent.from_bytes(v) for v in values]
     published = sum(len(v) for v in values)
@@ -178,14 +311,10 @@ async def main_async(args: argparse.Namespace) -> str:
         f"{platform.python_version()}, {platform.machine()}, 2 shared cores. Run: `HF_HUB_OFFLINE=1 .venv/bin/python "
         "-m bench.proxy`.",
         "",
-        f"## Latency ({args.latency_rounds} interleaved rounds, medians, ~{lat['prompt_tokens']}-token prompt)",
+        f"## Latency ({args.latency_rounds} interleaved rounds after 5 warm-up rounds, medians, "
+        f"~{lat['prompt_tokens']}-token prompt, non-streaming, one client)",
         "",
-        "| path | latency (ms) | calls/s (one client) |",
-        "|---|---:|---:|",
-        f"| engine directly | {lat['direct_ms']:.2f} | {lat['direct_cps']:.0f} |",
-        f"| through the proxy (OpenAI Chat, JSON, first call of a rollout: full render) | {lat['proxy_ms']:.2f} | "
-        f"{lat['proxy_cps']:.0f} |",
-        f"| **added by the proxy** | **{lat['added_ms']:.2f}** | |",
+        *latency_table(lat, version, litellm_skip),
         "",
         f"## Per-call proxy CPU as one rollout grows ({args.calls} Anthropic calls, +~640 tokens each)",
         "",
@@ -218,10 +347,54 @@ async def main_async(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def litellm_version(exe: str) -> str:
+    python = Path(exe).parent / "python"  # the venv LiteLLM was installed in
+    try:
+        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        return out.stdout.strip()
+    except OSError:
+        return ""
+
+
+def latency_table(lat: dict[str, Any], version: str, litellm_skip: str) -> list[str]:
+    ms, cps, added = lat["ms"], lat["cps"], lat["added_ms"]
+    lines = [
+        "| path | client sends | latency (ms) | calls/s | added vs the engine (ms) |",
+        "|---|---|---:|---:|---:|",
+        f"| (a) engine directly, `/v1/completions` (token ids) | token ids | {ms['direct']:.2f} | "
+        f"{cps['direct']:.0f} | |",
+        f"| (b) **our proxy** → engine `/v1/completions` (renders + TITO, full render: 1st call of a rollout) | "
+        f"OpenAI Chat | {ms['proxy']:.2f} | {cps['proxy']:.0f} | **{added['proxy']:.2f}** vs (a) |",
+    ]
+    if litellm_skip:
+        return [*lines, f"| (c) LiteLLM proxy | skipped: {litellm_skip.splitlines()[0]} | | | |"]
+    return [
+        *lines,
+        f"| (a') engine directly, `/v1/chat/completions` (engine renders + parses the tool call, as vLLM) | "
+        f"OpenAI Chat | {ms['direct_chat']:.2f} | {cps['direct_chat']:.0f} | |",
+        f"| (c) LiteLLM {version} proxy (`openai/policy`, 1 worker) → engine `/v1/chat/completions` | OpenAI Chat | "
+        f"{ms['litellm']:.2f} | {cps['litellm']:.0f} | **{added['litellm']:.2f}** vs (a') |",
+        "",
+        "(b) and (c) answer the same OpenAI Chat request; (b) does the chat-template rendering itself (the engine then "
+        "only generates), (c) leaves it to the engine, so each is measured against the engine route that does the "
+        "rest of its work. End to end, client to answer: (b) "
+        f"{ms['proxy']:.2f} ms vs (c) {ms['litellm']:.2f} ms. LiteLLM runs in its own process (its CPU work overlaps "
+        "the bench process's on the second core); our proxy shares one Python process and event loop with the "
+        "engine and the client. Neither records anything durable here (ours publishes to an in-memory publisher; "
+        "LiteLLM has no database).",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--latency-rounds", type=int, default=200)
+    parser.add_argument(
+        "--litellm",
+        default=None,
+        help="LiteLLM executable (default: /tmp/litellm-venv/bin/litellm, else litellm on PATH)",
+    )
     args = parser.parse_args()
     report = asyncio.run(main_async(args))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ from schemas.events import Dialect
 CONFIG = """{
   "models": {"mode": "replace", "providers": {"clawstream": {
     "baseUrl": "${base_url_v1}", "apiKey": "${secret}", "api": "openai-completions",
-    "models": [{"id": "${model}", "contextWindow": 131072, "maxTokens": 8192, "input": ["text"], "reasoning": false,
+    "models": [{"id": "${model}", "name": "${model}", "contextWindow": 131072, "maxTokens": 8192,
+                "input": ["text"], "reasoning": false,
                 "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}]
   }}},
   "agents": {"defaults": {"model": {"primary": "clawstream/${model}"}, "workspace": "${workspace}"}}

@@ -7,6 +7,8 @@ needs (Claude Code ``Write{file_path,content}``, Codex ``exec_command{cmd,workdi
 ``write_file{file_path,content}``, opencode ``write{filePath,content}``) and the follow-up with a final message,
 and title-style calls (no tools) with a title. Asserts: the harness exits 0 and wrote the file, the rollout's
 main calls on the broker form an append-only TITO chain, side calls are classified SIDE.
+OpenClaw (Node 24, ``write{path,content}``, 13-16 s a run) has its own test: its history is not append-only, so
+call 2 must branch from call 1 at the longest common token prefix while keeping call 1's generated ids (TITO).
 If npm or the package is unavailable the test SKIPS with the reason.
 """
 
@@ -15,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from producers.harness_install import HarnessInstallError, install_harness
+from producers.harness_install import HarnessInstallError, install_harness, install_node24
 from schemas.events import CallKind
 from streams.tree import TreeCall, rebuild_prompts
 from tests.integration.test_proxy import consume_calls, register, running_proxy, seal
@@ -66,7 +70,7 @@ def _command(name: str, exe: Path, base: str, secret: str, home: Path, ws: Path,
         codex_home.mkdir()
         (codex_home / "config.toml").write_text(
             'model = "policy"\nmodel_provider = "clawstream"\ncheck_for_update_on_startup = false\n'
-            "[analytics]\nenabled = false\n[model_providers.clawstream]\nname = \"clawstream\"\n"
+            '[analytics]\nenabled = false\n[model_providers.clawstream]\nname = "clawstream"\n'
             f'base_url = "{base}/v1"\nwire_api = "responses"\nenv_key = "CLAWSTREAM_API_KEY"\n'
         )
         env.update({"CODEX_HOME": str(codex_home), "CLAWSTREAM_API_KEY": secret})
@@ -150,3 +154,117 @@ async def test_real_harness_episode(kafka_settings, tmp_path: Path, case: str) -
     if variant == "with-title":
         assert any(e.requested_model == "policy-side" for e in others), "expected a title call on the side model"
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+_TOOL_LINE = re.compile(r"^\{.*\}$", re.MULTILINE)
+_OFFLINE_ERRORS = re.compile(r"ENOTFOUND|EAI_AGAIN|ENETUNREACH|getaddrinfo|fetch failed")
+
+
+def _prompt_tools(prompt_text: str) -> dict[str, set[str]]:
+    """Tool name -> parameter names, read back from the ``<tools>`` block the chat template rendered."""
+    # the system prompt first *mentions* "<tools></tools>"; the block itself is on lines of its own
+    block = prompt_text.split("\n<tools>\n", 1)[1].split("\n</tools>", 1)[0]
+    tools: dict[str, set[str]] = {}
+    for line in _TOOL_LINE.findall(block):
+        spec = json.loads(line)
+        fn = spec.get("function", spec)
+        tools[fn["name"]] = set(fn.get("parameters", {}).get("properties", {}))
+    return tools
+
+
+def _openclaw_responder(ws: Path, seen_tools: list[dict[str, set[str]]]):
+    """Answer with whichever offered tool writes a file from ``path`` + ``content`` (OpenClaw's ``write``)."""
+
+    def respond(prompt_text: str, _ids: list[int], _body: dict[str, Any]) -> str:
+        if "<tools>" not in prompt_text:
+            return '{"title": "Create hello file"}'
+        if "<tool_response>" in prompt_text:
+            return "Done: hello.txt contains hi."
+        tools = _prompt_tools(prompt_text)
+        seen_tools.append(tools)
+        # Prefer the documented name; otherwise any tool taking {path, content} (so a rename shows up in the
+        # recorded tool list rather than as a mysterious missing file).
+        name = "write" if "write" in tools else next((n for n, p in tools.items() if {"path", "content"} <= p), "")
+        if not name:
+            return f"no write tool among {sorted(tools)}"
+        return tool_call_text(name, {"path": str(ws / "hello.txt"), "content": "hi"})
+
+    return respond
+
+
+def _openclaw_command(exe: Path, node: Path, base: str, secret: str, home: Path, ws: Path) -> tuple[list, dict]:
+    config = {"models": {"mode": "replace", "providers": {"clawstream": {
+        "baseUrl": f"{base}/v1", "apiKey": secret, "api": "openai-completions",
+        "models": [{"id": "policy", "name": "policy", "contextWindow": 131072, "maxTokens": 8192, "input": ["text"],
+                    "reasoning": False, "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}]}}},
+        "agents": {"defaults": {"model": {"primary": "clawstream/policy"}, "workspace": str(ws)}}}  # fmt: skip
+    (home / "openclaw.json5").write_text(json.dumps(config))  # JSON is valid JSON5
+    # Node 24 first on PATH: the ``openclaw`` bin is a ``#!/usr/bin/env node`` script and refuses Node < 24.16.
+    env = {"PATH": f"{node.parent}:/usr/bin:/bin", "HOME": str(home)}
+    cmd = [str(exe), "agent", "exec", "--config", str(home / "openclaw.json5"), "--model", "clawstream/policy",
+           "--json", "--timeout", "120", H.TASK]  # fmt: skip
+    return cmd, env
+
+
+@pytest.mark.timeout(900)
+async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp_path: Path) -> None:
+    """OpenClaw moves its internal-context user message to the end on every call (HARNESSES.md), so call 2 is
+    not an append of call 1: the proxy must lay it out again (``full_render``), branch from call 1 at the longest
+    common token prefix, and still keep call 1's generated ids verbatim (TITO) inside the re-ordered history."""
+    exe = await asyncio.to_thread(_installed, "openclaw")
+    node = await asyncio.to_thread(install_node24)
+    ws, home = tmp_path / "ws", tmp_path / "home"
+    ws.mkdir()
+    home.mkdir()
+    seen_tools: list[dict[str, set[str]]] = []
+    async with (
+        ScriptedEngine(H.tiny_tokenizer(), _openclaw_responder(ws, seen_tools)) as engine,
+        running_proxy(kafka_settings, engine.url, keepalive_s=1.0) as (proxy, url),
+        aiohttp.ClientSession() as http,
+    ):
+        reg = await register(http, url, rollout_id="h-openclaw-main")
+        cmd, env = _openclaw_command(exe, node, reg["base_url"], reg["secret"], home, ws)
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            pytest.fail(f"openclaw did not finish in {RUN_TIMEOUT}s")
+        wall = time.monotonic() - t0
+        status = await seal(http, url, reg["rollout_id"])
+    log = (f"rc={proc.returncode} wall={wall:.1f}s tools={seen_tools}\nstdout:\n{out.decode()[-2000:]}\n"
+           f"stderr:\n{err.decode()[-2000:]}")  # fmt: skip
+    if proc.returncode != 0 and not engine.requests and _OFFLINE_ERRORS.search(out.decode() + err.decode()):
+        pytest.skip(f"openclaw needs the network before its first model call, cannot run offline here: {log}")
+    assert proc.returncode == 0, log
+    assert seen_tools and "write" in seen_tools[0] and {"path", "content"} <= seen_tools[0]["write"], log
+    assert (ws / "hello.txt").read_text().strip() == "hi", log
+    assert status["status"] == "ok" and status["calls_served"] >= 2, (status, log)
+    events = consume_calls(kafka_settings, {reg["rollout_id"]}, status["calls_served"])
+    assert len(events) == status["calls_served"]
+    calls = [TreeCall(e.call_id, e.seq, e.parent_call_id, e.shared_prefix_len, e.new_tokens.tolist(),
+                      e.generated_tokens.tolist(), e.logprobs.tolist(), e.call_kind.value.lower(), e.policy_version,
+                      e.finish_reason) for e in events]  # fmt: skip
+    prompts = rebuild_prompts(calls)
+    # the tree's delta encoding reproduces, token for token, what the engine was asked
+    assert [prompts[e.call_id] for e in events] == [r.prompt_ids for r in engine.requests]
+    main = [e for e in events if e.call_kind == CallKind.MAIN]
+    assert len(main) == 2, [(e.call_kind, e.requested_model, e.flags) for e in events]
+    first, second = main
+    p1, g1, p2 = prompts[first.call_id], first.generated_tokens.tolist(), prompts[second.call_id]
+    assert first.finish_reason == "tool_calls" and second.finish_reason == "stop"
+    # not an append: laid out again and branched from call 1 at the longest common token prefix
+    assert "full_render" in second.flags, second.flags
+    assert second.parent_call_id == first.call_id
+    shared = second.shared_prefix_len
+    assert 0 < shared < len(p1) + len(g1), (shared, len(p1), len(g1))
+    assert p2[:shared] == (p1 + g1)[:shared] and p2[shared] != (p1 + g1)[shared]
+    # TITO survives the re-ordering: call 1's sampled ids sit verbatim in call 2's prompt, not a re-encoding
+    assert any(p2[i : i + len(g1)] == g1 for i in range(shared, len(p2) - len(g1) + 1)), "call 1's ids re-encoded"
+    others = [e for e in events if e.call_kind != CallKind.MAIN]
+    assert all(e.call_kind == CallKind.SIDE for e in others), [(e.call_kind, e.requested_model) for e in others]

@@ -77,6 +77,11 @@ def late_duplicate(d: DeadLetter, want: dict[str, SynthRollout]) -> bool:
     return d.error_type == "late" and r is not None and r.fault == "dup" and "settled as" in d.reason
 
 
+def replayed_after_settle(d: DeadLetter, want: dict[str, SynthRollout]) -> bool:
+    """A record replayed after the kill that found its rollout already settled: late, never a second trajectory."""
+    return d.error_type == "late" and d.rollout_id in want and "settled as" in d.reason
+
+
 def wait_for(collector: Collector, worker: Worker, done: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not done():  # type: ignore[operator]
@@ -253,6 +258,10 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     assert set(metrics) == {m[0].group_id for m in groups} and max(metrics.values()) == 1
     check_batches([BatchRecord.from_bytes(o.value) for o in collector.got[BATCHES]], exp)
     dead = [DeadLetter.from_bytes(o.value) for o in collector.got[DEADLETTER]]
-    assert all(late_duplicate(d, want) for d in dead), [d.reason for d in dead]
+    # Besides the injected duplicates, a record whose transaction was aborted by the kill is replayed after the
+    # restart; if another partition's transaction had already settled its rollout (from the uncommitted table state),
+    # the replay is dead-lettered as late. The trajectory is still emitted exactly once (checked above); see the
+    # streams issue note: transactions are per source topic-partition, not per co-partitioned task.
+    assert all(late_duplicate(d, want) or replayed_after_settle(d, want) for d in dead), [d.reason for d in dead]
     if store == "rocksdb://":
         assert "wiping local tables" in worker.log_tail(100_000)  # the killed run left no clean-shutdown marker
