@@ -7,12 +7,12 @@ Run (about 2 minutes on 2 cores)::
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m bench.engine [--model DIR] [--max-tokens 64] [--rounds 3] [--no-kafka]
 
-Without ``--model`` it builds the project's tiny Qwen3 (``learner.model_init`` defaults) in a temp dir. Throughput
+Without ``--model`` it builds the project's tiny Qwen3 (``policy.tiny_model`` defaults) in a temp dir. Throughput
 is measured in-process (scheduler thread, no HTTP): ``k`` requests submitted at once, each generating exactly
 ``--max-tokens`` tokens (eos ignored) at temperature 1; tokens/s = generated tokens / wall time, median of
 ``--rounds``. The naive baseline runs the same requests one after another with ``model.generate(do_sample=True)``
-(its own KV cache, batch 1). The swap part starts ``clawstream.kafka_local.LocalKafka`` in a temp home, follows
-the weights topic with ``consumers.weights.WeightsFollower``, publishes perturbed weights and times publish →
+(its own KV cache, batch 1). The swap part starts ``clawstream.kafka.local.LocalKafka`` in a temp home, follows
+the weights topic with ``consumers.inference.weight_follower.WeightsFollower``, publishes perturbed weights and times publish →
 ``engine.policy_version`` changing, idle and with 8 requests in flight (those finish on the old weights first).
 Results go to ``bench/results/engine.md`` and stdout.
 """
@@ -37,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from consumers.engine import Engine, SamplingParams  # noqa: E402
+from consumers.inference.engine import Engine, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.md"
 TEXTS = ["list the files in src", "count the lines of notes.txt", "read config.json and print the port",
@@ -116,10 +116,10 @@ def swap_latency(model_dir: Path, model: Any, tokenizer: Any, max_tokens: int, r
     """Publish → applied, idle and under load, through a private local broker."""
     from safetensors.torch import load_file, save_file
 
-    from clawstream.kafka_clients import create_topics, make_producer
-    from clawstream.kafka_local import LocalKafka
+    from clawstream.kafka.clients import create_topics, make_producer
+    from clawstream.kafka.local import LocalKafka
     from clawstream.settings import KafkaSettings
-    from consumers.weights import EngineWeightsTarget, Reporter, WeightsFollower
+    from consumers.inference.weight_follower import EngineWeightsTarget, Reporter, WeightsFollower
     from schemas.events import WeightVersion, now_ms
     from schemas.topics import WEIGHTS
 
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        from learner.model_init import init_tiny_model
+        from policy.tiny_model import init_tiny_model
 
         model_dir = Path(tempfile.mkdtemp(prefix="bench-engine-")) / "tiny"
         print(f"building the tiny model in {model_dir} ...", flush=True)

@@ -4,7 +4,7 @@
    (must agree to 1e-4) and under bf16 autocast (the learner's CUDA path; the difference is reported).
 2. One learner step (``learner.step.train_step``) on CUDA with bf16 autocast: finite loss, and the logprobs of a
    positively advantaged rollout go up while a negatively advantaged one's go down.
-3. GPU telemetry through nvidia-ml-py, if ``consumers.telemetry`` is present.
+3. GPU telemetry through nvidia-ml-py, if ``consumers.inference.telemetry`` is present.
 
 Run: ``python -m bench.gpu_checks``; prints a report and writes ``bench/results/gpu_checks.md``; exits 1 on a failed
 check. Needs torch with CUDA and transformers; no Kafka.
@@ -27,7 +27,7 @@ DEVICE = "cuda"  # `--dry-run-cpu` switches to "cpu" to check this script itself
 def _model(device: str, tmp: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from learner.model_init import init_tiny_model
+    from policy.tiny_model import init_tiny_model
 
     init_tiny_model(tmp, hidden_size=256, intermediate_size=768, num_layers=4, num_documents=800, progress=None)
     return AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").to(device)
@@ -113,13 +113,13 @@ def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
 
 def check_telemetry(report: list[str]) -> bool:
     try:
-        from consumers import telemetry
+        from consumers.inference import telemetry
     except ImportError as exc:
-        report.append(f"| GPU telemetry | consumers.telemetry not importable: {exc} | skipped |")
+        report.append(f"| GPU telemetry | consumers.inference.telemetry not importable: {exc} | skipped |")
         return True
     reader = getattr(telemetry, "gpu_readings", None) or getattr(telemetry, "read_gpu", None)
     if reader is None:
-        report.append(f"| GPU telemetry | no reader function in consumers.telemetry ({dir(telemetry)}) | skipped |")
+        report.append(f"| GPU telemetry | no reader function in consumers.inference.telemetry ({dir(telemetry)}) | skipped |")
         return True
     values = reader()
     passed = bool(values)

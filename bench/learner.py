@@ -134,7 +134,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from transformers import AutoModelForCausalLM
 
-    from learner.model_init import init_tiny_model
+    from policy.tiny_model import init_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         init_tiny_model(Path(tmp), hidden_size=args.hidden, intermediate_size=3 * args.hidden,

@@ -48,9 +48,9 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producers.conversation import Message, ToolCall  # noqa: E402
-from producers.proxy import Proxy, ProxySettings  # noqa: E402
-from producers.tool_parse import parse_turn  # noqa: E402
+from producers.proxy.app import Proxy, ProxySettings  # noqa: E402
+from producers.proxy.conversation import Message, ToolCall  # noqa: E402
+from producers.proxy.tool_parse import parse_turn  # noqa: E402
 from schemas.events import CallEvent  # noqa: E402
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text  # noqa: E402
@@ -244,9 +244,9 @@ async def growth(http: aiohttp.ClientSession, url: str, calls: int, pub: MemoryP
         history += H.claude_followup(answer, result)
     rows[0]["values"] = pub.values[first_value:]
     # Parse + render alone (no HTTP, no JSON), replayed on a fresh renderer: the part TITO makes incremental.
-    from producers.dialects import parse_anthropic
-    from producers.render import RolloutRenderer, TemplateRenderer
-    from producers.tool_parse import parse_turn
+    from producers.proxy.dialects import parse_anthropic
+    from producers.proxy.render import RolloutRenderer, TemplateRenderer
+    from producers.proxy.tool_parse import parse_turn
 
     rr = RolloutRenderer(TemplateRenderer(H.tiny_tokenizer()))
     events = [CallEvent.from_bytes(v) for v in rows[0]["values"]]

@@ -27,11 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from clawstream.kafka_clients import create_topics  # noqa: E402
+from clawstream.kafka.clients import create_topics  # noqa: E402
 from clawstream.settings import KafkaSettings  # noqa: E402
-from producers.sandbox import SandboxSettings  # noqa: E402
-from producers.sandbox_worker import SandboxWorker  # noqa: E402
-from producers.task_cpu import cpu_suite  # noqa: E402
+from producers.sandbox.base import SandboxSettings  # noqa: E402
+from producers.sandbox.worker import SandboxWorker  # noqa: E402
+from producers.tasks.cpu import cpu_suite  # noqa: E402
 from tests.integration.test_proxy import running_proxy  # noqa: E402
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support import sandbox_helpers as S  # noqa: E402
@@ -80,7 +80,7 @@ async def main_async(levels: list[tuple[int, int]]) -> list[dict]:
     bootstrap = os.environ.get("CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS")
     broker = None
     if not bootstrap:
-        from clawstream.kafka_local import LocalKafka
+        from clawstream.kafka.local import LocalKafka
 
         broker = LocalKafka(home=tmp / "kafka")
         bootstrap = (await asyncio.to_thread(broker.up, timeout=120, quiet=True)).bootstrap

@@ -38,8 +38,8 @@ from confluent_kafka import Consumer, TopicPartition
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clawstream.kafka_clients import consumer_config, create_topics, make_producer  # noqa: E402
-from clawstream.kafka_local import LocalKafka  # noqa: E402
+from clawstream.kafka.clients import consumer_config, create_topics, make_producer  # noqa: E402
+from clawstream.kafka.local import LocalKafka  # noqa: E402
 from clawstream.settings import KafkaSettings  # noqa: E402
 from schemas.events import CallEvent, Trajectory  # noqa: E402
 from schemas.topics import CALLS, TRAJECTORIES  # noqa: E402

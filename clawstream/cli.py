@@ -40,7 +40,7 @@ def kafka() -> None:
 
 
 def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
-    from clawstream.kafka_local import LocalKafka
+    from clawstream.kafka.local import LocalKafka
 
     return LocalKafka(home=home)
 
@@ -121,7 +121,7 @@ def topics() -> None:
 )
 def topics_create(prefix: str | None, bootstrap: str | None) -> None:
     """Create every catalog topic that does not exist yet (idempotent)."""
-    from clawstream.kafka_clients import create_topics
+    from clawstream.kafka.clients import create_topics
     from clawstream.settings import KafkaSettings, load_settings
 
     overrides = {k: v for k, v in {"topic_prefix": prefix, "bootstrap_servers": bootstrap}.items() if v is not None}
@@ -150,7 +150,7 @@ def model() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for corpus, tokenizer and weights.")
 def model_init(out: Path, seed: int) -> None:
     """Build the tiny Qwen3-architecture model with its own BPE tokenizer and chat template (CPU runs)."""
-    from learner.model_init import init_tiny_model
+    from policy.tiny_model import init_tiny_model
 
     init_tiny_model(out, seed=seed)
     click.echo(str(out))
@@ -163,8 +163,8 @@ _PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_
 @main.command("proxy", context_settings=_PASSTHROUGH)
 @click.pass_context
 def proxy(ctx: click.Context) -> None:
-    """Serving proxy: harness API dialects in, engine calls out, call events to Kafka (producers/proxy.py)."""
-    from producers.proxy import main as run
+    """Serving proxy: harness API dialects in, engine calls out, call events to Kafka (producers/proxy/app.py)."""
+    from producers.proxy.app import main as run
 
     sys.exit(run(ctx.args))
 
@@ -173,7 +173,7 @@ def proxy(ctx: click.Context) -> None:
 @click.pass_context
 def infer(ctx: click.Context) -> None:
     """Inference engine: vLLM's completions protocol on CPU, weight versions applied live (consumers/)."""
-    from consumers.inference_worker import main as run
+    from consumers.inference.server import main as run
 
     sys.exit(run(ctx.args))
 
@@ -200,7 +200,7 @@ def streams(ctx: click.Context) -> None:
 @click.pass_context
 def sandbox_worker(ctx: click.Context) -> None:
     """Sandbox worker: rollout requests in, harness runs in sandboxes, lifecycle + reward events out."""
-    from producers.sandbox_worker import main as run
+    from producers.sandbox.worker import main as run
 
     sys.exit(run(ctx.args))
 
@@ -209,7 +209,7 @@ def sandbox_worker(ctx: click.Context) -> None:
 @click.pass_context
 def schedule(ctx: click.Context) -> None:
     """Scheduler: per step, tasks x rollouts per group x harness mix → rollout requests (--eval: score table)."""
-    from producers.scheduler import main as run
+    from producers.scheduler.service import main as run
 
     sys.exit(run(ctx.args))
 
@@ -223,8 +223,8 @@ def harness() -> None:
 @harness.command("list")
 def harness_list() -> None:
     """Built-in harness adapters: dialect, how they are installed, and whether the npm package is in the cache."""
-    from producers.harness_install import HARNESSES, MARKER, harness_root
-    from producers.harnesses import ADAPTERS
+    from producers.harnesses.catalog import ADAPTERS
+    from producers.harnesses.install import HARNESSES, MARKER, harness_root
 
     for name, adapter in ADAPTERS.items():
         pkg = HARNESSES.get(name)
@@ -241,7 +241,7 @@ def harness_list() -> None:
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds per npm install.")
 def harness_install(names: tuple[str, ...], timeout: float) -> None:
     """Install harnesses into $CLAWSTREAM_HOME/harnesses (once; cached)."""
-    from producers.harness_install import install_harness
+    from producers.harnesses.install import install_harness
 
     for name in names:
         click.echo(f"{name}: {install_harness(name, timeout=timeout)}")
@@ -250,8 +250,8 @@ def harness_install(names: tuple[str, ...], timeout: float) -> None:
 @model.command("sft", context_settings=_PASSTHROUGH)
 @click.pass_context
 def model_sft(ctx: click.Context) -> None:
-    """SFT warm start on synthetic agent demonstrations of the CPU task suite (learner/sft.py; --help for options)."""
-    from learner.sft import main as run
+    """SFT warm start on synthetic agent demonstrations of the CPU task suite (learner/warmstart/sft.py; --help for options)."""
+    from learner.warmstart.sft import main as run
 
     sys.exit(run(ctx.args))
 

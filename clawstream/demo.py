@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from clawstream.errors import ClawstreamError
-from clawstream.kafka_clients import create_topics, make_consumer
-from clawstream.kafka_local import LocalKafka
+from clawstream.kafka.clients import bootstrap_servers, create_topics, make_consumer
+from clawstream.kafka.local import LocalKafka
 from clawstream.settings import KafkaSettings, clawstream_home, load_settings
 from clawstream.stack import Service, Stack
 from schemas.events import Metric
@@ -40,8 +40,8 @@ def _say(message: str) -> None:
 
 
 def prepare_model(models: Path, *, sft_minutes: float) -> Path:
-    """The tiny base model, warm-started by SFT when ``learner.sft`` is available (both cached under ``models``)."""
-    from learner.model_init import init_tiny_model
+    """The tiny base model, warm-started by SFT when ``learner.warmstart.sft`` is available (both cached under ``models``)."""
+    from policy.tiny_model import init_tiny_model
 
     base = models / "tiny-qwen3"
     if not (base / "config.json").exists():
@@ -50,7 +50,7 @@ def prepare_model(models: Path, *, sft_minutes: float) -> Path:
     if sft_minutes <= 0:
         return base
     try:
-        from learner import sft
+        from learner.warmstart import sft
     except ImportError:
         _say("    (no SFT warm start in this build: RL starts from the random model, rewards stay near 0)")
         return base
@@ -81,14 +81,14 @@ def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sf
     run_dir = home / "demo" / run
     token = secrets.token_urlsafe(16)
     proxy_port = _free_port()
-    stack = Stack(run_dir / "logs", env={"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": settings.resolved_bootstrap(),
+    stack = Stack(run_dir / "logs", env={"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(settings),
                                          "CLAWSTREAM_KAFKA_TOPIC_PREFIX": prefix})  # fmt: skip
     try:
         _say(f"==> starting services (logs in {run_dir / 'logs'})")
-        engine = stack.start(Service("engine", ["consumers.inference_worker", "--model", str(model), "--port", "0",
+        engine = stack.start(Service("engine", ["consumers.inference.server", "--model", str(model), "--port", "0",
                                                 "--served-model-name", "policy", "--max-batch-size", "16"],
                                      ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
-        stack.start(Service("proxy", ["producers.proxy", "--model", str(model), "--engine-url", str(engine.found),
+        stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", str(engine.found),
                                       "--port", str(proxy_port), "--admin-token", token],
                             ready_url=f"http://127.0.0.1:{proxy_port}/metrics"))  # fmt: skip
         stack.start(Service("streams", ["streams.app", "--datadir", str(run_dir / "faust"), "worker", "--loglevel",
@@ -100,13 +100,13 @@ def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sf
                                  "CLAWSTREAM_STREAMS_ZERO_VARIANCE": "keep",
                                  "CLAWSTREAM_STREAMS_GROUP_TIMEOUT_S": "300",
                                  "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": "1"}))  # fmt: skip
-        stack.start(Service("sandbox-worker", ["producers.sandbox_worker", "--concurrency", "4", "--proxy-url",
+        stack.start(Service("sandbox-worker", ["producers.sandbox.worker", "--concurrency", "4", "--proxy-url",
                                                f"http://127.0.0.1:{proxy_port}", "--proxy-admin-token", token,
                                                "--group-id", f"{prefix}sandbox-workers"]))  # fmt: skip
         stack.start(Service("learner", ["learner.train", "--model-dir", str(model), "--weight-store",
                                         str(run_dir / "weights"), "--model-name", "policy", "--hp", "lr=2e-5",
                                         "--tensorboard-dir", str(run_dir / "tensorboard")]))  # fmt: skip
-        stack.start(Service("scheduler", ["producers.scheduler", "--steps", str(steps)],
+        stack.start(Service("scheduler", ["producers.scheduler.service", "--steps", str(steps)],
                             env={"CLAWSTREAM_SCHEDULER_TASKS_PER_STEP": str(tasks_per_step),
                                  "CLAWSTREAM_SCHEDULER_GROUP_SIZE": str(group_size),
                                  "CLAWSTREAM_SCHEDULER_HARNESS_MIX": json.dumps(HARNESS_MIX),

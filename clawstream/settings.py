@@ -2,7 +2,7 @@
 
 Every service reads :class:`KafkaSettings` from ``CLAWSTREAM_KAFKA_*`` environment variables (or keyword arguments).
 When no bootstrap address is configured, the address of the broker started by ``clawstream kafka up`` is used,
-so a laptop needs no configuration at all. Validation errors are re-raised as :class:`ConfigError` naming the
+so a laptop needs no configuration at all (``clawstream.kafka.clients.bootstrap_servers`` resolves it). Validation errors are re-raised as :class:`ConfigError` naming the
 environment variable and the fix.
 """
 
@@ -18,10 +18,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from clawstream.errors import ConfigError
 
 S = TypeVar("S", bound=BaseSettings)
-
-# The largest record any clawstream topic carries (a big prefix tree with logprobs); matches the broker recipe.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
 
 def clawstream_home() -> Path:
     """Local state directory (broker data, jar cache, weight store): ``$CLAWSTREAM_HOME`` or ``~/.cache/clawstream``."""
@@ -85,43 +81,9 @@ class KafkaSettings(BaseSettings):
             )
         return self
 
-    def resolved_bootstrap(self) -> str:
-        """The bootstrap address to use: configured, else the local broker's, else a clear error."""
-        if self.bootstrap_servers:
-            return self.bootstrap_servers
-        # Imported here: kafka_local imports confluent_kafka, which plain settings users should not need.
-        from clawstream.kafka_local import LocalKafka
-
-        bootstrap = LocalKafka().running_bootstrap()
-        if bootstrap is None:
-            raise ConfigError(
-                "bootstrap_servers is unset and no local broker is running: "
-                "run `clawstream kafka up` or set CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=host:port"
-            )
-        return bootstrap
-
     def topic(self, name: str) -> str:
         """The full topic name for a catalog name (prefix applied)."""
         return f"{self.topic_prefix}{name}"
-
-    def client_config(self) -> dict[str, Any]:
-        """librdkafka properties common to producers, consumers and admin clients."""
-        conf: dict[str, Any] = {
-            "bootstrap.servers": self.resolved_bootstrap(),
-            "security.protocol": self.security_protocol,
-            "client.id": self.client_id,
-        }
-        optional = {
-            "sasl.mechanism": self.sasl_mechanism,
-            "sasl.username": self.sasl_username,
-            "sasl.password": self.sasl_password,
-            "ssl.ca.location": self.ssl_ca_location,
-            "ssl.certificate.location": self.ssl_certificate_location,
-            "ssl.key.location": self.ssl_key_location,
-        }
-        conf.update({k: v for k, v in optional.items() if v is not None})
-        conf.update(self.extra)
-        return conf
 
 
 def load_settings(cls: type[S], **overrides: Any) -> S:

@@ -1,1 +1,2 @@
-"""consumers stage package (see README file map)."""
+"""Consumers: services that act on the event log — ``inference`` (engines that follow weight versions) and
+``analytics`` (tools that read topics for people)."""

@@ -26,12 +26,12 @@ import torch
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from clawstream.errors import ClawstreamError
-from clawstream.kafka_clients import make_consumer, make_producer, partitions_at_end, where
+from clawstream.kafka.clients import make_consumer, make_producer, partitions_at_end, where
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
-from learner.weights import copy_into, load_checked, save_weights, value_head_path, verify_file
+from policy.weight_store import copy_into, load_checked, save_weights, value_head_path, verify_file
 from schemas.events import BatchRecord, BatchRecordKind, DeadLetter, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 

@@ -114,7 +114,7 @@ def read_scored_trajectories(kafka, limit: int, timeout: float = 30.0) -> list[t
     """Read back up to ``limit`` graded, trainable trajectories from ``clawstream.trajectories`` (read_committed)."""
     from confluent_kafka import TopicPartition
 
-    from clawstream.kafka_clients import make_consumer, partitions_at_end
+    from clawstream.kafka.clients import make_consumer, partitions_at_end
     from schemas.events import Trajectory, TrajectoryStatus
     from schemas.topics import TRAJECTORIES
 

@@ -1,19 +1,19 @@
 """The topic catalog: every clawstream topic, its key, value schema, partition count and configs.
 
 ``calls``, ``rollout.events`` and ``rewards`` are co-partitioned (same partition count, all keyed by rollout id)
-so the Faust assembler can join them per partition. Pure: creation lives in ``clawstream.kafka_clients``.
+so the Faust assembler can join them per partition. Pure: creation lives in ``clawstream.kafka.clients``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clawstream.settings import MAX_MESSAGE_BYTES
-
 # Partitions of the rollout-keyed topics: enough to spread a few hundred concurrent rollouts over several
 # stream workers. Changing it after topics exist breaks co-partitioning; `topics create` refuses mismatches.
 ROLLOUT_PARTITIONS = 8
 
+# The largest record any clawstream topic carries (a big prefix tree with logprobs); matches the broker recipe.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _BIG = {"max.message.bytes": str(MAX_MESSAGE_BYTES + 1024 * 1024)}
 _WEEK_MS = str(7 * 24 * 3600 * 1000)
 

@@ -29,11 +29,12 @@ from typing import Any
 import faust
 from faust.types import EventT, StreamT
 
-from clawstream.kafka_clients import create_topics
-from clawstream.settings import MAX_MESSAGE_BYTES, KafkaSettings, load_settings
+from clawstream.kafka.clients import bootstrap_servers, create_topics
+from clawstream.settings import KafkaSettings, load_settings
 from schemas.codec import default_codec
 from schemas.events import BatchRecord, DeadLetter, Event, Trajectory, WeightVersion
 from schemas.topics import (
+    MAX_MESSAGE_BYTES,
     BATCHES,
     CALLS,
     DEADLETTER,
@@ -127,7 +128,7 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
     big = MAX_MESSAGE_BYTES + 1024 * 1024
     app = faust.App(
         app_id,
-        broker=[f"kafka://{hp.strip()}" for hp in kafka.resolved_bootstrap().split(",")],
+        broker=[f"kafka://{hp.strip()}" for hp in bootstrap_servers(kafka).split(",")],
         broker_credentials=_credentials(kafka),
         store=cfg.store,
         datadir=str(cfg.data_dir),

@@ -17,8 +17,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from clawstream.kafka_clients import create_topics
-from clawstream.kafka_local import LocalKafka
+from clawstream.kafka.clients import create_topics
+from clawstream.kafka.local import LocalKafka
 from clawstream.settings import KafkaSettings
 
 

@@ -1,15 +1,11 @@
-"""Built-in harness adapters: ``ADAPTERS[name]`` → :class:`HarnessAdapter` (data; see ``base`` for the template
-variables). ``python -m producers.harnesses`` prints the table (``clawstream harness list`` shows the same data)."""
+"""Harnesses: the real agent harnesses as data, the built-in agent loop, and their installation.
 
-from __future__ import annotations
+Purpose: describe how each harness (Claude Code, Codex, Qwen Code, OpenClaw, opencode, the built-in agent loop)
+is launched headless inside a sandbox against the serving proxy: command, environment, config files, dialect,
+side models (``base.HarnessAdapter``, one module per harness, collected in ``catalog.ADAPTERS``); install the npm
+harnesses into a cache (``install``); and the built-in white-box loop itself (``builtin_loop``, stdlib only: it
+runs inside the sandbox, so this package's ``__init__`` imports nothing).
 
-from producers.harnesses import agentloop, claude_code, codex, openclaw, opencode, qwen_code
-from producers.harnesses.base import ConfigFile, HarnessAdapter, LaunchContext, LaunchSpec, render
-
-ADAPTERS: dict[str, HarnessAdapter] = {
-    a.name: a
-    for a in (claude_code.ADAPTER, codex.ADAPTER, qwen_code.ADAPTER, openclaw.ADAPTER, opencode.ADAPTER,
-              agentloop.ADAPTER, agentloop.ANTHROPIC_ADAPTER)
-}  # fmt: skip
-
-__all__ = ["ADAPTERS", "ConfigFile", "HarnessAdapter", "LaunchContext", "LaunchSpec", "render"]
+Topics: none (the sandbox worker uses these adapters; harness traffic reaches Kafka through the proxy).
+Run: ``clawstream harness list | install NAME...``; ``python -m producers.harnesses`` prints the adapter table.
+"""

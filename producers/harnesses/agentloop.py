@@ -1,4 +1,4 @@
-"""The project's own white-box agent loop (``producers.agentloop``), in two heterogeneous variants.
+"""The project's own white-box agent loop (``producers.harnesses.builtin_loop``), in two heterogeneous variants.
 
 ``agentloop``: OpenAI Chat, tools read_file / write_file / list_files / run / finish, a short system prompt.
 ``agentloop-anthropic``: Anthropic Messages, tools Read / Write / LS / Shell / Done, a different system prompt.
@@ -14,7 +14,7 @@ ADAPTER = HarnessAdapter(
     name="agentloop",
     description="built-in white-box agent loop, OpenAI Chat (paper's baseline)",
     dialect=Dialect.OPENAI_CHAT,
-    command=("${python}", "-m", "producers.agentloop", "--dialect", "openai", "--base-url", "${base_url_v1}",
+    command=("${python}", "-m", "producers.harnesses.builtin_loop", "--dialect", "openai", "--base-url", "${base_url_v1}",
              "--model", "${model}", "--workspace", "${workspace}", "${prompt}"),  # fmt: skip
     env=_ENV,
     call_kind_notes="one main agent, no side calls",
@@ -24,7 +24,7 @@ ANTHROPIC_ADAPTER = HarnessAdapter(
     name="agentloop-anthropic",
     description="built-in agent loop variant, Anthropic Messages, other tool names and system prompt",
     dialect=Dialect.ANTHROPIC_MESSAGES,
-    command=("${python}", "-m", "producers.agentloop", "--dialect", "anthropic", "--base-url", "${base_url}",
+    command=("${python}", "-m", "producers.harnesses.builtin_loop", "--dialect", "anthropic", "--base-url", "${base_url}",
              "--model", "${model}", "--workspace", "${workspace}", "${prompt}"),  # fmt: skip
     env=_ENV,
     call_kind_notes="one main agent, no side calls",

@@ -5,7 +5,7 @@ with :class:`string.Template` (``${name}``; JSON/TOML braces need no escaping) f
 
 ``base_url`` (``{proxy}/r/{rollout}``), ``base_url_v1`` (``.../v1``), ``secret``, ``model``, ``side_model``,
 ``workspace`` / ``home`` (paths *inside* the sandbox), ``prompt``, ``timeout_s``, ``exe`` (the installed executable
-of ``install``), ``python`` (the sandbox's Python) and ``clawstream_root`` (so ``python -m producers.agentloop``
+of ``install``), ``python`` (the sandbox's Python) and ``clawstream_root`` (so ``python -m producers.harnesses.builtin_loop``
 imports inside a local sandbox).
 
 A config file path that is relative is relative to the sandbox HOME. The prompt only ever goes into argv (one
@@ -37,7 +37,7 @@ class HarnessAdapter:
     command: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     files: tuple[ConfigFile, ...] = ()
-    install: str | None = None  # a producers.harness_install name; None: nothing to install (built in)
+    install: str | None = None  # a producers.harnesses.install name; None: nothing to install (built in)
     node24: bool = False  # needs Node >= 24 first on PATH (OpenClaw)
     model: str = "policy"
     side_models: tuple[str, ...] = ()
@@ -82,7 +82,7 @@ def _sub(template: str, values: Mapping[str, str], where: str) -> str:
         raise ValueError(f"bad template in {where}: {exc!r}") from exc
 
 
-def render(adapter: HarnessAdapter, ctx: LaunchContext) -> LaunchSpec:
+def launch_spec(adapter: HarnessAdapter, ctx: LaunchContext) -> LaunchSpec:
     """The adapter's command, environment and config files for one rollout (pure)."""
     values = {**ctx.variables(), "model": adapter.model if ctx.model == "policy" else ctx.model}
     argv = [_sub(part, values, f"{adapter.name} command") for part in adapter.command]

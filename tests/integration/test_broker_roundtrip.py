@@ -8,7 +8,7 @@ import pytest
 from confluent_kafka.admin import NewTopic
 
 from clawstream.errors import TopicError
-from clawstream.kafka_clients import create_topics, make_admin, make_consumer, make_producer
+from clawstream.kafka.clients import create_topics, make_admin, make_consumer, make_producer
 from clawstream.settings import KafkaSettings
 from schemas.events import CallEvent
 from schemas.topics import BY_NAME, CATALOG, DEADLETTER

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from clawstream.kafka_clients import make_consumer, make_producer
+from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
 from clawstream.settings import KafkaSettings
 from schemas.events import Metric, RewardEvent, RewardStatus
 
@@ -34,7 +34,7 @@ def test_faust_agent_reads_and_writes_avro(kafka_settings: KafkaSettings, group_
         producer.produce(src, key=r.rollout_id.encode(), value=r.to_bytes())
     assert producer.flush(30) == 0
 
-    env = dict(os.environ, ECHO_BOOTSTRAP=kafka_settings.resolved_bootstrap(), ECHO_IN=src, ECHO_OUT=dst,
+    env = dict(os.environ, ECHO_BOOTSTRAP=bootstrap_servers(kafka_settings), ECHO_IN=src, ECHO_OUT=dst,
                ECHO_APP_ID=f"echo-{uuid.uuid4().hex[:8]}", PYTHONPATH=str(ROOT))  # fmt: skip
     log = open(tmp_path / "faust.log", "wb")  # noqa: SIM115
     worker = subprocess.Popen(

@@ -1,4 +1,4 @@
-"""The CPU inference worker as a real HTTP server (a ``python -m consumers.inference_worker`` subprocess on a free
+"""The CPU inference worker as a real HTTP server (a ``python -m consumers.inference.server`` subprocess on a free
 port): vLLM response shapes, sampling semantics, errors; and weight versions through the real Kafka broker
 (swap while requests are in flight, a corrupted version dead-lettered, the "weights_applied" metric)."""
 
@@ -19,9 +19,9 @@ from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from clawstream.kafka_clients import make_consumer, make_producer
+from clawstream.kafka.clients import make_consumer, make_producer
 from clawstream.settings import KafkaSettings
-from learner.model_init import init_tiny_model
+from policy.tiny_model import init_tiny_model
 from schemas.events import DeadLetter, Metric, WeightVersion, now_ms
 from schemas.topics import DEADLETTER, METRICS, WEIGHTS
 from tests.support.inference import Worker

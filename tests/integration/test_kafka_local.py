@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from clawstream.kafka_clients import create_topics, make_admin
-from clawstream.kafka_local import LocalKafka, _pid_alive
+from clawstream.kafka.clients import create_topics, make_admin
+from clawstream.kafka.local import LocalKafka, _pid_alive
 from clawstream.settings import KafkaSettings
 
 pytestmark = pytest.mark.integration

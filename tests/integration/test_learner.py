@@ -15,9 +15,9 @@ import pytest
 import torch
 from confluent_kafka import TopicPartition
 
-from clawstream.kafka_clients import make_consumer, make_producer
+from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
 from clawstream.settings import KafkaSettings
-from learner.weights import sha256_file, verify_file
+from policy.weight_store import sha256_file, verify_file
 from schemas.events import WeightVersion
 from schemas.topics import BATCHES, WEIGHTS
 from tests.support.inference import Worker
@@ -45,7 +45,7 @@ def _produce_batches(settings: KafkaSettings, specs: list[tuple[str, int]]) -> i
 
 def _run_learner(settings: KafkaSettings, model_dir: Path, store: Path, *, fault: str | None = None,
                  max_steps: int = 2) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=settings.resolved_bootstrap(),
+    env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
                CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix, PYTHONPATH=str(ROOT))  # fmt: skip
     env.pop("CLAWSTREAM_LEARNER_FAULT", None)
     if fault:
@@ -88,7 +88,7 @@ def test_two_batches_give_two_versions(kafka_settings: KafkaSettings, model_dir:
         assert changed, f"v{v.policy_version} did not change any parameter"
 
     # The inference worker follows clawstream.weights and serves the newest version the learner published.
-    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.resolved_bootstrap(),
+    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka_settings),
            "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
     worker = Worker(["--model", str(model_dir), "--served-model-name", "policy", "--metrics-interval-s", "0"], env)
     try:

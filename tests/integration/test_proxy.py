@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from clawstream.kafka_clients import make_consumer
+from clawstream.kafka.clients import make_consumer
+from clawstream.kafka.publisher import KafkaPublisher
 from clawstream.settings import KafkaSettings
-from producers.proxy import Proxy, ProxySettings
-from producers.publisher import KafkaPublisher
+from producers.proxy.app import Proxy, ProxySettings
 from schemas.events import CallEvent, CallKind
 from schemas.topics import CALLS
 from streams.tree import TreeCall, rebuild_prompts

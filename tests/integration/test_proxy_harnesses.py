@@ -1,7 +1,7 @@
 """REAL agent harnesses through the serving proxy: "create hello.txt containing hi" in 2 model calls.
 
 Each harness is installed from the npm registry into ``$CLAWSTREAM_HOME/harnesses/<name>`` (once; see
-``producers.harness_install``) and run headless and offline (HARNESSES.md) against a real proxy (real Kafka
+``producers.harnesses.install``) and run headless and offline (HARNESSES.md) against a real proxy (real Kafka
 broker) whose engine is the scripted engine: it answers the harness's first call with the tool call that harness
 needs (Claude Code ``Write{file_path,content}``, Codex ``exec_command{cmd,workdir}``, Qwen Code
 ``write_file{file_path,content}``, opencode ``write{filePath,content}``) and the follow-up with a final message,
@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from producers.harness_install import HarnessInstallError, install_harness, install_node24
+from producers.harnesses.install import HarnessInstallError, install_harness, install_node24
 from schemas.events import CallKind
 from streams.tree import TreeCall, rebuild_prompts
 from tests.integration.test_proxy import consume_calls, register, running_proxy, seal

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from producers.harness_install import HarnessInstallError, install_harness
+from producers.harnesses.install import HarnessInstallError, install_harness
 from schemas.events import RewardStatus, RolloutState
 from tests.integration.test_sandbox_worker import assert_clean, by_rollout, run_requests, stack
 from tests.support import sandbox_helpers as S

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from producers.harnesses import ADAPTERS
-from producers.sandbox import SandboxSettings
-from producers.sandbox_worker import SandboxWorker
+from producers.harnesses.catalog import ADAPTERS
+from producers.sandbox.base import SandboxSettings
+from producers.sandbox.worker import SandboxWorker
 from schemas.events import RewardStatus, RolloutState
 from tests.integration.test_proxy import running_proxy
 from tests.support import proxy_helpers as H

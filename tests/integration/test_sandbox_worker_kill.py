@@ -1,6 +1,6 @@
 """A sandbox worker SIGKILLed mid-rollout: another worker of the group re-runs the request under a new attempt id.
 
-Worker A (a real ``python -m producers.sandbox_worker`` subprocess) starts the rollout (STARTED is on the broker, the
+Worker A (a real ``python -m producers.sandbox.worker`` subprocess) starts the rollout (STARTED is on the broker, the
 policy is slow), then is SIGKILLed. Worker B (same consumer group) gets the partition after A's session times out,
 re-registers the rollout at the proxy (revoking A's secret) and completes it. Asserts: A's attempt has no reward,
 B's attempt exactly one (reward 1), no attempt has two; A's harness died with A (PDEATHSIG), and B's periodic sweep
@@ -39,7 +39,7 @@ def start_worker(kafka, proxy_url: str, group_id: str, sandboxes: Path, log: Pat
            "CLAWSTREAM_SANDBOX_ROOT": str(sandboxes), "CLAWSTREAM_SANDBOX_SESSION_TIMEOUT_MS": "6000",
            "CLAWSTREAM_SANDBOX_SWEEP_INTERVAL_S": "1", "CLAWSTREAM_SANDBOX_PUBLISH_TIMEOUT_S": "15"}  # fmt: skip
     out = open(log, "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([sys.executable, "-m", "producers.sandbox_worker"], cwd=ROOT, env=env, stdout=out,
+    return subprocess.Popen([sys.executable, "-m", "producers.sandbox.worker"], cwd=ROOT, env=env, stdout=out,
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 

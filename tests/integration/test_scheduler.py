@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from clawstream.kafka_clients import make_consumer, make_producer
-from producers.scheduler import Scheduler, SchedulerSettings
+from clawstream.kafka.clients import make_consumer, make_producer
+from producers.scheduler.service import Scheduler, SchedulerSettings
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, WeightVersion, now_ms
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
 from tests.integration.test_sandbox_worker import stack

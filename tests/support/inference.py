@@ -1,4 +1,4 @@
-"""A CPU inference worker run as a real subprocess (``python -m consumers.inference_worker --port 0``) for tests."""
+"""A CPU inference worker run as a real subprocess (``python -m consumers.inference.server --port 0``) for tests."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class Worker:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "consumers.inference_worker", "--port", "0", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "consumers.inference.server", "--port", "0", *args],
                                      cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)  # fmt: skip
         self.lines: list[str] = []

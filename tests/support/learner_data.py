@@ -11,7 +11,7 @@ from schemas.events import BatchRecord, BatchRecordKind, Trajectory, TrajectoryS
 
 def small_model(out: Path) -> Path:
     """A 2-layer tiny Qwen3 (the project's builder, shrunk for speed)."""
-    from learner.model_init import init_tiny_model
+    from policy.tiny_model import init_tiny_model
 
     if not (out / "config.json").exists():
         init_tiny_model(out, hidden_size=64, intermediate_size=128, num_layers=2, num_documents=500, progress=None)

@@ -51,7 +51,7 @@ QWEN_TOOLS = [
 @functools.cache
 def tiny_model_dir() -> Path:
     """The tiny Qwen3-architecture model + tokenizer, built once per test process (~5 s)."""
-    from learner.model_init import init_tiny_model
+    from policy.tiny_model import init_tiny_model
 
     return init_tiny_model(Path(tempfile.mkdtemp(prefix="clawstream-tiny-")), seed=0, progress=None)
 

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clawstream.kafka_clients import make_consumer, make_producer
+from clawstream.kafka.clients import make_consumer, make_producer
 from clawstream.settings import KafkaSettings
-from producers.harnesses import HarnessAdapter
-from producers.sandbox_local import MARKER
+from producers.harnesses.base import HarnessAdapter
+from producers.sandbox.local_backend import MARKER
 from schemas.events import Dialect, RewardEvent, RolloutEvent, RolloutRequest, now_ms
 from schemas.topics import REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 from tests.support.scripted_engine import tool_call_text

@@ -12,7 +12,7 @@ from learner.config import LearnerConfig
 from learner.pack import pack_trees, packed_logprobs
 from learner.step import ScoredTree, train_step
 from learner.train import BatchCollector, parse_hparams
-from learner.weights import WeightsRejected, copy_into, load_checked, save_weights, verify_file
+from policy.weight_store import WeightsRejected, copy_into, load_checked, save_weights, verify_file
 from schemas.events import Trajectory, WeightVersion
 from tests.support.learner_data import batch_records, branching_trajectory, small_model
 

@@ -1,4 +1,4 @@
-"""Tests for learner/model_init.py: the tiny Qwen3 model, its byte-level BPE tokenizer and its chat template.
+"""Tests for policy/tiny_model.py: the tiny Qwen3 model, its byte-level BPE tokenizer and its chat template.
 
 The default-configuration model is built once per module (that build is also the build-time check); the
 determinism test builds twice more. Run: ``HF_HUB_OFFLINE=1 .venv/bin/python -m pytest tests/unit/test_model_init.py``.
@@ -23,8 +23,8 @@ pytest.importorskip("tokenizers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from learner import model_init  # noqa: E402
-from learner.model_init import (  # noqa: E402
+from policy import tiny_model as model_init  # noqa: E402
+from policy.chat_template import (  # noqa: E402
     ADDED_TOKENS,
     ASSISTANT_TURN_SUFFIX,
     GENERATION_PROMPT,
@@ -32,9 +32,9 @@ from learner.model_init import (  # noqa: E402
     MARKUP_TOKENS,
     SPECIAL_TOKENS,
     assistant_turn_suffix_ids,
-    init_tiny_model,
     render_chat,
 )
+from policy.tiny_model import init_tiny_model  # noqa: E402
 
 BUILD_BUDGET_S = 60.0
 

@@ -1,4 +1,4 @@
-"""Request validation and response shapes of the vLLM completions subset (consumers.openai_protocol)."""
+"""Request validation and response shapes of the vLLM completions subset (consumers.inference.protocol)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from consumers.engine import GenerationResult, SamplingParams, SequenceOutput
-from consumers.openai_protocol import (
+from consumers.inference.engine import GenerationResult, SamplingParams, SequenceOutput
+from consumers.inference.protocol import (
     ProtocolError,
     completion_response,
     models_response,

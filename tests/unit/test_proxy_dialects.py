@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from producers.conversation import CallKindRules, Conversation, Message, classify_call
-from producers.dialects import (
+from producers.proxy.conversation import CallKindRules, Conversation, Message, classify_call
+from producers.proxy.dialects import (
     DialectError,
     error_body,
     parse_anthropic,
     parse_openai_chat,
     parse_openai_responses,
 )
-from producers.tool_parse import MALFORMED_TOOL_JSON, parse_turn
+from producers.proxy.tool_parse import MALFORMED_TOOL_JSON, parse_turn
 from schemas.events import CallKind, Dialect
 from tests.support import proxy_helpers as H
 from tests.support.scripted_engine import tool_call_text

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from producers.conversation import Conversation, Message, ToolCall, function_tool
-from producers.dialects import parse_anthropic, parse_openai_chat
-from producers.render import FULL_RENDER, RolloutRenderer, TemplateRenderer, common_prefix_len
-from producers.tool_parse import parse_turn
+from producers.proxy.conversation import Conversation, Message, ToolCall, function_tool
+from producers.proxy.dialects import parse_anthropic, parse_openai_chat
+from producers.proxy.render import FULL_RENDER, RolloutRenderer, TemplateRenderer, common_prefix_len
+from producers.proxy.tool_parse import parse_turn
 from tests.support import proxy_helpers as H
 from tests.support.scripted_engine import tool_call_text
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 
-from producers.harnesses import ADAPTERS, LaunchContext, render
-from producers.offsets import OffsetTracker
-from producers.rollout import ProxyAdmin, ProxyError, RolloutContext, execute
-from producers.sandbox import SandboxSettings
-from producers.sandbox_docker import DockerBackend, container_spec, exec_argv
-from producers.sandbox_local import LocalBackend
-from producers.schedule_plan import (
+from producers.harnesses.base import LaunchContext, launch_spec
+from producers.harnesses.catalog import ADAPTERS
+from producers.sandbox.base import SandboxSettings
+from producers.sandbox.docker_backend import DockerBackend, container_spec, exec_argv
+from producers.sandbox.local_backend import LocalBackend
+from producers.sandbox.offsets import OffsetTracker
+from producers.sandbox.rollout import ProxyAdmin, ProxyError, RolloutContext, execute
+from producers.scheduler.plan import (
     Outstanding,
     StepPlan,
     harness_counts,
@@ -27,8 +28,8 @@ from producers.schedule_plan import (
     plan_step,
     score_table,
 )  # fmt: skip
-from producers.task_cpu import cpu_suite
-from producers.tasks import SuiteCatalog
+from producers.tasks.catalog import SuiteCatalog
+from producers.tasks.cpu import cpu_suite
 from schemas.events import RewardEvent, RewardStatus, RolloutState, now_ms
 from tests.support import sandbox_helpers as S
 
@@ -44,7 +45,7 @@ def test_builtin_adapters_render() -> None:
     assert set(ADAPTERS) >= {"claude-code", "codex", "qwen-code", "openclaw", "opencode", "agentloop",
                              "agentloop-anthropic"}  # fmt: skip
     for name, adapter in ADAPTERS.items():
-        spec = render(adapter, CTX)
+        spec = launch_spec(adapter, CTX)
         assert CTX.prompt in spec.argv, name  # the prompt is one argv element, untouched
         assert all(p.startswith("/h/") for p in spec.files), name
         for path, content in spec.files.items():
@@ -53,24 +54,24 @@ def test_builtin_adapters_render() -> None:
                 json.loads(content)
             elif path.endswith(".toml"):
                 tomllib.loads(content)
-    claude = render(ADAPTERS["claude-code"], CTX)
+    claude = launch_spec(ADAPTERS["claude-code"], CTX)
     assert claude.argv[0] == "/bin/harness" and claude.env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/r/rid"
     assert claude.env["ANTHROPIC_API_KEY"] == "s3cret" and claude.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
-    codex = render(ADAPTERS["codex"], CTX)
+    codex = launch_spec(ADAPTERS["codex"], CTX)
     conf = tomllib.loads(codex.files["/h/.codex/config.toml"])
     assert conf["model_providers"]["clawstream"]["base_url"] == "http://127.0.0.1:9/r/rid/v1"
     assert conf["model_providers"]["clawstream"]["wire_api"] == "responses"
     assert codex.env == {"CODEX_HOME": "/h/.codex", "CLAWSTREAM_API_KEY": "s3cret"}
-    opencode = json.loads(render(ADAPTERS["opencode"], CTX).files["/h/opencode.json"])
+    opencode = json.loads(launch_spec(ADAPTERS["opencode"], CTX).files["/h/opencode.json"])
     assert opencode["$schema"].startswith("https://")
     assert opencode["provider"]["clawstream"]["options"]["apiKey"] == "s3cret"
-    claw = render(ADAPTERS["openclaw"], CTX)
+    claw = launch_spec(ADAPTERS["openclaw"], CTX)
     assert ADAPTERS["openclaw"].node24 and claw.argv[claw.argv.index("--timeout") + 1] == "60"
     assert json.loads(claw.files["/h/openclaw.json5"])["agents"]["defaults"]["workspace"] == "/w"
-    qwen = render(ADAPTERS["qwen-code"], CTX)
+    qwen = launch_spec(ADAPTERS["qwen-code"], CTX)
     assert qwen.env["OPENAI_BASE_URL"].endswith("/r/rid/v1") and "HTTP_PROXY" not in qwen.env
-    loop, loop_a = render(ADAPTERS["agentloop"], CTX), render(ADAPTERS["agentloop-anthropic"], CTX)
-    assert loop.argv[:3] == ["/py", "-m", "producers.agentloop"] and loop.env["PYTHONPATH"] == "/src"
+    loop, loop_a = launch_spec(ADAPTERS["agentloop"], CTX), launch_spec(ADAPTERS["agentloop-anthropic"], CTX)
+    assert loop.argv[:3] == ["/py", "-m", "producers.harnesses.builtin_loop"] and loop.env["PYTHONPATH"] == "/src"
     assert "http://127.0.0.1:9/r/rid/v1" in loop.argv and "http://127.0.0.1:9/r/rid" in loop_a.argv
     assert ADAPTERS["agentloop"].dialect != ADAPTERS["agentloop-anthropic"].dialect
 
@@ -213,7 +214,7 @@ class ListSink:
 
     async def reward(self, reward) -> None:  # noqa: ANN001
         if self.fail_reward:
-            from producers.publisher import PublishError
+            from clawstream.kafka.publisher import PublishError
 
             raise PublishError("kafka down")
         self.rewards.append(reward)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clawstream.errors import ConfigError
+from clawstream.kafka.clients import bootstrap_servers, client_config
 from clawstream.settings import KafkaSettings, load_settings
 
 
@@ -17,7 +18,7 @@ def test_env_and_passthrough(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "exp1.")
     monkeypatch.setenv("CLAWSTREAM_KAFKA_EXTRA", '{"socket.keepalive.enable": "true"}')
     settings = load_settings(KafkaSettings)
-    conf = settings.client_config()
+    conf = client_config(settings)
     assert conf["bootstrap.servers"] == "k1:9092,k2:9093"
     assert conf["security.protocol"] == "SASL_SSL" and conf["sasl.mechanism"] == "SCRAM-SHA-512"
     assert conf["sasl.username"] == "u" and conf["socket.keepalive.enable"] == "true"
@@ -51,4 +52,4 @@ def test_errors_name_field_and_fix(overrides: dict, needles: list[str]) -> None:
 def test_unset_bootstrap_without_local_broker_says_what_to_do(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CLAWSTREAM_HOME", str(tmp_path))
     with pytest.raises(ConfigError, match="clawstream kafka up"):
-        KafkaSettings().resolved_bootstrap()
+        bootstrap_servers(KafkaSettings())

@@ -1,6 +1,6 @@
 """SFT warm start: demonstrations render like the proxy (append-only, parseable targets), training lowers the loss
 (and the shared-prefix KV shortcut changes nothing), the offline eval loop solves a task with a correct scripted
-policy and fails it with a wrong one. Uses a small model built by ``learner.model_init`` (a few seconds)."""
+policy and fails it with a wrong one. Uses a small model built by ``policy.tiny_model`` (a few seconds)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from learner import sft  # noqa: E402
-from learner.model_init import IM_END, init_tiny_model, render_chat  # noqa: E402
-from producers.tasks import Task  # noqa: E402
-from producers.tool_parse import parse_turn  # noqa: E402
+from learner.warmstart import sft  # noqa: E402
+from policy.chat_template import IM_END, render_chat  # noqa: E402
+from policy.tiny_model import init_tiny_model  # noqa: E402
+from producers.proxy.tool_parse import parse_turn  # noqa: E402
+from producers.tasks.model import Task  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from producers.grading import GraderFailure, grade, parse_reward_float, parse_subscores
-from producers.sandbox import SandboxSettings
-from producers.sandbox_local import LocalBackend
-from producers.task_cpu import cpu_suite
-from producers.tasks import SuiteCatalog, TaskError, detect_layout, load_suite
+from producers.sandbox.base import SandboxSettings
+from producers.sandbox.grade import grade
+from producers.sandbox.local_backend import LocalBackend
+from producers.tasks.catalog import SuiteCatalog, detect_layout, load_suite
+from producers.tasks.cpu import cpu_suite
+from producers.tasks.grading import GraderFailure, parse_reward_float, parse_subscores
+from producers.tasks.model import TaskError
 from schemas.events import RewardStatus
 from tests.support.sandbox_helpers import FIXTURES, leftover_processes
 

@@ -15,11 +15,11 @@ import torch
 from aiohttp import web
 from safetensors.torch import save_file
 
-from consumers.engine import Engine, SamplingParams
-from consumers.telemetry import gpu_readings
-from consumers.vllm_adapter import VllmCall, VllmWeightsTarget, reload_calls
-from consumers.weights import EngineWeightsTarget
-from learner.weights import WeightsRejected, load_checked, resolve_uri, verify_file
+from consumers.inference.engine import Engine, SamplingParams
+from consumers.inference.telemetry import gpu_readings
+from consumers.inference.vllm_adapter import VllmCall, VllmWeightsTarget, reload_calls
+from consumers.inference.weight_follower import EngineWeightsTarget
+from policy.weight_store import WeightsRejected, load_checked, resolve_uri, verify_file
 from schemas.events import WeightVersion
 from tests.unit.tiny_lm import EOS, greedy_reference, tiny_lm
 
@@ -108,7 +108,7 @@ def test_gpu_readings_with_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     an NVMLError at init leaves them out."""
     import types
 
-    from consumers import telemetry
+    from consumers.inference import telemetry
 
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None,

@@ -24,7 +24,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from clawstream.kafka_clients import make_consumer, make_producer
+from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
 from clawstream.settings import KafkaSettings
 from schemas.events import Event
 from schemas.topics import BATCHES, DEADLETTER, METRICS, TRAJECTORIES
@@ -38,7 +38,7 @@ class Worker:
 
     def __init__(self, kafka: KafkaSettings, workdir: Path, **settings: Any) -> None:
         self.kafka, self.workdir = kafka, workdir
-        self.env = dict(os.environ, PYTHONPATH=str(ROOT), CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=kafka.resolved_bootstrap(),
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(kafka),
                         CLAWSTREAM_KAFKA_TOPIC_PREFIX=kafka.topic_prefix,
                         CLAWSTREAM_STREAMS_DATA_DIR=str(workdir / "streams-data"))  # fmt: skip
         for name, value in settings.items():

@@ -1,0 +1,175 @@
+"""Kafka client plumbing shared by every service: producer/consumer/admin configs and topic creation.
+
+Producers are idempotent with ``acks=all`` and zstd; consumers read large records; sizes match the broker recipe.
+Consumers log positions as ``topic[partition]@offset`` (see :func:`where`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from clawstream.errors import ConfigError, TopicError
+from clawstream.kafka.local import LocalKafka
+from clawstream.settings import KafkaSettings
+from schemas.topics import CATALOG, MAX_MESSAGE_BYTES, TopicSpec, co_partition_groups
+
+log = logging.getLogger(__name__)
+
+
+def bootstrap_servers(settings: KafkaSettings) -> str:
+    """The bootstrap address to use: configured, else the local broker's (``clawstream kafka up``), else a clear error."""
+    if settings.bootstrap_servers:
+        return settings.bootstrap_servers
+    bootstrap = LocalKafka().running_bootstrap()
+    if bootstrap is None:
+        raise ConfigError(
+            "bootstrap_servers is unset and no local broker is running: "
+            "run `clawstream kafka up` or set CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=host:port"
+        )
+    return bootstrap
+
+
+def client_config(settings: KafkaSettings) -> dict[str, Any]:
+    """librdkafka properties common to producers, consumers and admin clients."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": bootstrap_servers(settings),
+        "security.protocol": settings.security_protocol,
+        "client.id": settings.client_id,
+    }
+    optional = {
+        "sasl.mechanism": settings.sasl_mechanism,
+        "sasl.username": settings.sasl_username,
+        "sasl.password": settings.sasl_password,
+        "ssl.ca.location": settings.ssl_ca_location,
+        "ssl.certificate.location": settings.ssl_certificate_location,
+        "ssl.key.location": settings.ssl_key_location,
+    }
+    conf.update({k: v for k, v in optional.items() if v is not None})
+    conf.update(settings.extra)
+    return conf
+
+
+def where(msg: Message) -> str:
+    """``topic[partition]@offset`` of a consumed message, for logs and dead letters."""
+    return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
+
+
+def partitions_at_end(consumer: Consumer, topic: str, ends: dict[int, int]) -> set[int]:
+    """Partitions of ``topic`` whose consumer position has reached ``ends[p]`` (high watermarks taken earlier).
+
+    Use this, not "last offset + 1 == end", to know a read is complete: the last offsets of a transactional topic
+    are commit/abort markers that are never delivered, but librdkafka moves the position past them.
+    """
+    positions = consumer.position([TopicPartition(topic, p) for p in ends])
+    return {tp.partition for tp in positions if tp.offset >= ends[tp.partition]}
+
+
+def producer_config(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:
+    conf = client_config(settings)
+    conf.update({
+        "enable.idempotence": True,
+        "acks": "all",
+        "compression.type": "zstd",
+        "linger.ms": 5,
+        # Java's (and aiokafka's) key hashing, not librdkafka's CRC32 default: a rollout's calls, events and rewards
+        # must land on the same partition number whoever produces them (Faust joins them per partition).
+        "partitioner": "murmur2_random",
+        "message.max.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
+    })  # fmt: skip
+    conf.update(overrides)
+    return conf
+
+
+def consumer_config(settings: KafkaSettings, group_id: str, **overrides: Any) -> dict[str, Any]:
+    conf = client_config(settings)
+    conf.update({
+        "group.id": group_id,
+        "auto.offset.reset": "earliest",
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES,
+        "max.partition.fetch.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
+    })  # fmt: skip
+    conf.update(overrides)
+    return conf
+
+
+def make_producer(settings: KafkaSettings, **overrides: Any) -> Producer:
+    return Producer(producer_config(settings, **overrides))
+
+
+def make_consumer(settings: KafkaSettings, group_id: str, **overrides: Any) -> Consumer:
+    return Consumer(consumer_config(settings, group_id, **overrides))
+
+
+def make_admin(settings: KafkaSettings) -> AdminClient:
+    return AdminClient(client_config(settings))
+
+
+def create_topics(
+    settings: KafkaSettings,
+    catalog: Iterable[TopicSpec] = CATALOG,
+    *,
+    partitions: dict[str, int] | None = None,
+    timeout: float = 30.0,
+) -> dict[str, str]:
+    """Create the catalog's topics (with ``settings.topic_prefix``) that do not exist yet. Idempotent.
+
+    Returns ``{full topic name: "created" | "exists"}``. Raises :class:`TopicError` when an existing topic's
+    partition count breaks a co-partitioned group, or when the broker refuses a creation.
+    """
+    specs = list(catalog)
+    partitions = partitions or {}
+    admin = make_admin(settings)
+    try:
+        existing = admin.list_topics(timeout=timeout).topics
+    except KafkaException as exc:
+        raise TopicError(f"cannot list topics on {bootstrap_servers(settings)}: {exc}") from exc
+    wanted = {settings.topic(s.name): s for s in specs}
+    new = [
+        NewTopic(full, num_partitions=partitions.get(s.name, s.partitions), replication_factor=-1, config=s.configs)
+        for full, s in wanted.items()
+        if full not in existing
+    ]
+    result = {full: "exists" for full in wanted if full in existing}
+    if new:
+        futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
+        for full, future in futures.items():
+            try:
+                future.result()
+                result[full] = "created"
+            except KafkaException as exc:
+                err = exc.args[0]
+                if isinstance(err, KafkaError) and err.code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    result[full] = "exists"  # another process won the race: still idempotent
+                else:
+                    raise TopicError(f"creating {full} failed: {exc}") from exc
+    _check_co_partitioning(admin, settings, specs, timeout)
+    return result
+
+
+def _check_co_partitioning(admin: AdminClient, settings: KafkaSettings, specs: list[TopicSpec], timeout: float) -> None:
+    # Creation returns before every broker's metadata cache knows the topic: wait until all are visible.
+    names = {settings.topic(s.name) for s in specs}
+    deadline = time.monotonic() + timeout
+    topics = admin.list_topics(timeout=timeout).topics
+    while not names <= set(topics) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        topics = admin.list_topics(timeout=timeout).topics
+    missing = names - set(topics)
+    if missing:
+        raise TopicError(f"topics still invisible {timeout:.0f}s after creation: {', '.join(sorted(missing))}")
+    for group, members in co_partition_groups(tuple(specs)).items():
+        counts = {settings.topic(s.name): len(topics[settings.topic(s.name)].partitions) for s in members}
+        if len(set(counts.values())) > 1:
+            detail = ", ".join(f"{t}={n}" for t, n in counts.items())
+            raise TopicError(
+                f"co-partitioned group '{group}' has different partition counts ({detail}); joins by rollout id "
+                "need equal counts: recreate the odd topic or use a fresh --prefix"
+            )

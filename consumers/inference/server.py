@@ -1,0 +1,338 @@
+"""Inference worker: serves the policy over vLLM's OpenAI-compatible API and follows published weight versions.
+
+Topics: ``clawstream.weights`` (``WeightVersion``) in → ``clawstream.metrics`` (``Metric`` "weights_applied" on
+every switch, "inference_stats" every ``metrics_interval_s``) and ``clawstream.deadletter`` (rejected versions) out.
+
+Two engines:
+
+* ``cpu`` (default): a Hugging Face causal LM loaded from a local directory runs in this process, behind the
+  continuous-batching scheduler of ``consumers.inference.engine`` (its own thread, so the aiohttp loop stays responsive).
+  HTTP: ``POST /v1/completions`` (the vLLM subset in ``consumers.inference.protocol``), ``GET /v1/models``,
+  ``GET /health``. New weight versions are swapped in between decode steps (``consumers.inference.weight_follower``).
+* ``vllm``: the worker serves no completions; it applies each weight version to the vLLM server at
+  ``--engine-url`` (``consumers.inference.vllm_adapter``) and answers ``GET /health`` only.
+
+Every HTTP response carries the ``X-Policy-Version`` header: the weight version that produced it (completions;
+their JSON also has a top-level ``policy_version``), or the version served right now (other endpoints).
+
+Run (the ``clawstream infer`` command calls :func:`main`)::
+
+    HF_HUB_OFFLINE=1 python -m consumers.inference.server --model models/tiny --port 8100
+    python -m consumers.inference.server --model models/tiny --port 8100 --no-weights     # no Kafka at all
+    python -m consumers.inference.server --engine vllm --engine-url http://gpu-host:8000 --served-model-name tiny
+
+Configuration: :class:`InferenceWorkerSettings` (environment ``CLAWSTREAM_INFER_*``; flags override), Kafka from
+``CLAWSTREAM_KAFKA_*`` (``clawstream.settings.KafkaSettings``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from clawstream.errors import ClawstreamError, ConfigError
+from clawstream.kafka.clients import bootstrap_servers
+from clawstream.settings import KafkaSettings, load_settings
+from consumers.inference.protocol import (
+    DEFAULT_MAX_LOGPROBS,
+    ProtocolError,
+    completion_response,
+    error_body,
+    models_response,
+    parse_completion_request,
+)
+
+# Everything is loaded from local files; never let transformers try to reach the (unreachable) hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+log = logging.getLogger("consumers.inference.server")
+
+POLICY_HEADER = "X-Policy-Version"
+
+
+class InferenceWorkerSettings(BaseSettings):
+    """Inference worker configuration (env prefix ``CLAWSTREAM_INFER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_INFER_", frozen=True, extra="forbid")
+
+    model: Path | None = Field(default=None, description="Local Hugging Face model directory (required for cpu).")
+    served_model_name: str | None = Field(
+        default=None,
+        description="Name in /v1/models and the WeightVersion.model_name followed; default: the model dir's name.",
+    )
+    engine: Literal["cpu", "vllm"] = Field(default="cpu", description="cpu: serve here; vllm: drive a vLLM server.")
+    engine_url: str | None = Field(default=None, description="Base URL of the vLLM server (engine=vllm).")
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8100, ge=0, le=65535, description="Port to listen on (0: any free port, printed).")
+    device: str = Field(default="cpu", description="torch device of the CPU engine's model (cpu, cuda, cuda:1).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Model dtype.")
+    max_batch_size: int = Field(default=32, ge=1, description="Most sequences decoded together.")
+    max_prefill_tokens: int = Field(default=8192, ge=1, description="Most prompt tokens prefilled in one step.")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="Longest prompt + completion; default: the model's max_position_embeddings."
+    )
+    max_logprobs: int = Field(default=DEFAULT_MAX_LOGPROBS, ge=0, description="Largest `logprobs` accepted.")
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        default="processed_logprobs",
+        description="Reported log-probs: of the distribution sampled from (RL default) or vLLM's raw default.",
+    )
+    policy_version: int = Field(default=0, ge=0, description="Version of the weights in `model` at startup.")
+    follow_weights: bool = Field(default=True, description="Consume clawstream.weights and apply new versions.")
+    worker_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Names this instance in metrics (source 'inference-worker/<id>').",
+    )
+    metrics_interval_s: float = Field(default=30.0, ge=0, description="Seconds between inference_stats (0: off).")
+    torch_threads: int | None = Field(default=None, ge=1, description="torch intra-op threads (default: torch's).")
+    vllm_timeout_s: float = Field(default=600.0, gt=0, description="Timeout of each request to the vLLM server.")
+    vllm_pause: bool = Field(default=True, description="Pause/resume vLLM around a reload (needs /pause, /resume).")
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> InferenceWorkerSettings:
+        if self.engine == "cpu" and self.model is None:
+            raise ValueError("engine=cpu needs the model directory: --model DIR or CLAWSTREAM_INFER_MODEL")
+        if self.engine == "vllm" and not self.engine_url:
+            raise ValueError("engine=vllm needs the server's URL: --engine-url URL or CLAWSTREAM_INFER_ENGINE_URL")
+        if self.engine == "vllm" and not (self.served_model_name or self.model):
+            raise ValueError("engine=vllm needs --served-model-name (the model name its weight versions use)")
+        return self
+
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model or "").resolve().name
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------------
+class CompletionServer:
+    """The aiohttp handlers of the CPU engine."""
+
+    def __init__(self, settings: InferenceWorkerSettings, engine: Any, tokenizer: Any, max_model_len: int) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.name = settings.name()
+        self.created = int(time.time())
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"invalid JSON body: {exc}") from exc
+        parsed = parse_completion_request(body, served_model_name=self.name, vocab_size=self.engine.vocab_size,
+                                          max_model_len=self.max_model_len, encode=self._encode,
+                                          max_logprobs=self.settings.max_logprobs)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def deliver(outcome: Any) -> None:  # scheduler thread → event loop
+            loop.call_soon_threadsafe(lambda: None if future.done() else future.set_result(outcome))
+
+        request_id = self.engine.submit(parsed.prompts, parsed.params, deliver)
+        try:
+            outcome = await future
+        except asyncio.CancelledError:  # client went away (handler_cancellation): stop spending tokens on it
+            self.engine.abort(request_id)
+            log.info("client went away: aborted %s", request_id)
+            raise
+        if isinstance(outcome, BaseException):
+            log.error("request %s failed: %s", request_id, outcome)
+            body = error_body(f"generation failed: {outcome}", status=500, err_type="InternalServerError")
+            return web.json_response(body, status=500)
+        payload = completion_response(outcome, parsed, decode=self._decode, token_text=self.token_text)
+        return web.json_response(payload, headers={POLICY_HEADER: str(outcome.policy_version)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        root = str(self.settings.model) if self.settings.model else self.name
+        return web.json_response(models_response(self.name, root, self.max_model_len, self.created))
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)  # vLLM answers 200 with an empty body
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProtocolError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+    except web.HTTPException:
+        raise
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(error_body(str(exc), status=500, err_type="InternalServerError"), status=500)
+
+
+def build_app(current_version: Any, server: CompletionServer | None = None) -> web.Application:
+    """The worker's aiohttp app; ``current_version()`` fills ``X-Policy-Version`` where no result set it."""
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.setdefault(POLICY_HEADER, str(current_version()))
+
+    app.on_response_prepare.append(stamp)
+    app.router.add_get("/health", _health)
+    if server is not None:
+        app.router.add_post("/v1/completions", server.completions)
+        app.router.add_get("/v1/models", server.models)
+    return app
+
+
+# ---- wiring ------------------------------------------------------------------------------------------------------
+def load_policy(settings: InferenceWorkerSettings) -> tuple[Any, Any, list[int]]:
+    """Model (eval, on ``settings.device``), tokenizer and eos token ids from the local model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=getattr(torch, settings.dtype))
+    model.to(settings.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    eos = model.generation_config.eos_token_id
+    eos_ids = list(eos) if isinstance(eos, list | tuple) else [eos] if eos is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    return model, tokenizer, eos_ids
+
+
+async def _report_stats(reporter: Any, engine: Any, interval: float) -> None:
+    from consumers.inference.telemetry import gpu_readings
+
+    last_tokens, last_t = engine.tokens_generated, time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        now, tokens = time.monotonic(), engine.tokens_generated
+        values = {**engine.stats(), "tokens_per_s": (tokens - last_tokens) / max(now - last_t, 1e-9), **gpu_readings()}
+        last_tokens, last_t = tokens, now
+        await asyncio.to_thread(reporter.metric, "inference_stats", engine.policy_version, values)
+
+
+async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
+                stop: asyncio.Event | None = None) -> None:  # fmt: skip
+    """Run the worker until ``stop`` is set (or SIGINT/SIGTERM)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    engine = None
+    if settings.engine == "cpu":
+        from consumers.inference.engine import Engine
+        from consumers.inference.weight_follower import EngineWeightsTarget
+
+        model, tokenizer, eos_ids = await asyncio.to_thread(load_policy, settings)
+        max_model_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 32768))
+        engine = Engine(model, eos_token_ids=eos_ids, policy_version=settings.policy_version,
+                        max_batch_size=settings.max_batch_size, max_prefill_tokens=settings.max_prefill_tokens,
+                        logprobs_mode=settings.logprobs_mode, pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
+        engine.start()
+        target: Any = EngineWeightsTarget(engine)
+        app = build_app(lambda: engine.policy_version, CompletionServer(settings, engine, tokenizer, max_model_len))
+    else:
+        from consumers.inference.vllm_adapter import VllmWeightsTarget
+
+        target = VllmWeightsTarget(settings.engine_url or "", policy_version=settings.policy_version,
+                                   timeout_s=settings.vllm_timeout_s, pause=settings.vllm_pause)  # fmt: skip
+        app = build_app(lambda: target.policy_version)
+
+    follower = stats_task = None
+    if kafka is not None:
+        from consumers.inference.weight_follower import Reporter, WeightsFollower
+
+        reporter = Reporter(kafka, f"inference-worker/{settings.worker_id}")
+        follower = WeightsFollower(kafka, target, model_name=settings.name(), reporter=reporter)
+        follower.start()
+        if engine is not None and settings.metrics_interval_s > 0:
+            stats_task = asyncio.create_task(_report_stats(reporter, engine, settings.metrics_interval_s))
+
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    address = runner.addresses[0] if runner.addresses else (settings.host, settings.port)
+    print(f"[infer] {settings.engine} engine serving '{settings.name()}' (policy version {target.policy_version}) "
+          f"on http://{address[0]}:{address[1]}", flush=True)  # fmt: skip
+    try:
+        await stop.wait()
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        await runner.cleanup()
+        if follower is not None:
+            await asyncio.to_thread(follower.stop)
+        if engine is not None:
+            await asyncio.to_thread(engine.stop)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m consumers.inference.server", description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="local Hugging Face model directory (engine cpu)")
+    p.add_argument("--served-model-name", help="model name served and followed on clawstream.weights")
+    p.add_argument("--engine", choices=["cpu", "vllm"])
+    p.add_argument("--engine-url", help="vLLM server base URL (engine vllm)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--device", help="torch device (cpu, cuda, ...)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--policy-version", type=int, help="version of the weights in --model")
+    p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"])
+    p.add_argument("--worker-id")
+    p.add_argument("--metrics-interval-s", type=float)
+    p.add_argument("--no-weights", action="store_true", help="do not follow clawstream.weights (no Kafka needed)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    no_weights = args.pop("no_weights")
+    overrides = {k: v for k, v in args.items() if v is not None}
+    if no_weights:
+        overrides["follow_weights"] = False
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_settings(InferenceWorkerSettings, **overrides)
+        kafka = None
+        if settings.follow_weights:
+            kafka = load_settings(KafkaSettings)
+            bootstrap_servers(kafka)  # fail now, not in the follower thread
+    except ConfigError as exc:
+        hint = " (or pass --no-weights to serve without following weight versions)" if "bootstrap" in str(exc) else ""
+        print(f"error: {exc}{hint}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(settings, kafka))
+    except ClawstreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Weight versions for inference workers: follow ``clawstream.weights``, verify, apply, report.
+
+Topics: ``clawstream.weights`` (``WeightVersion``) in → ``clawstream.metrics`` (``Metric`` "weights_applied")
+and ``clawstream.deadletter`` (``DeadLetter`` for a version that was rejected) out.
+
+:class:`WeightsFollower` runs one thread with a confluent-kafka consumer. Every worker must see every version, so
+it does not share a consumer group: it assigns itself all partitions of the topic from the beginning (the topic
+keeps its full history), reads up to the end offsets present at startup, applies only the newest version for its
+model name (falling back to the next newest when that one is rejected), then applies each newer version as it
+arrives; versions at or below the one being served are skipped. Nothing is committed.
+
+Applying a version (``WeightVersion.uri`` + ``sha256``): resolve the URI (``file://`` or an absolute path), check
+the file exists and its sha256, load the safetensors and check every tensor's name and shape against the served
+model (missing, unknown or mis-shaped tensors reject the file; tied weights may appear once) -- all before the
+served weights are touched -- then hand it to the target (:class:`EngineWeightsTarget` for the CPU engine, which
+swaps between decode steps, see ``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM server). A rejected
+version keeps the old weights, is logged with its reason and position (``topic[partition]@offset``) and goes to
+the dead-letter topic with the original key and value. An applied one publishes a "weights_applied" metric with
+the swap latency split into load (read + verify), drain wait (in-flight requests finishing on the old weights)
+and apply (copy) time, plus GPU readings when NVML is present.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+
+from clawstream.errors import ClawstreamError, CodecError
+from clawstream.kafka.clients import make_consumer, make_producer, partitions_at_end, where
+from clawstream.settings import KafkaSettings
+from consumers.inference.engine import Engine, SwapOutcome, WeightSwap
+from consumers.inference.telemetry import gpu_readings
+from policy.weight_store import WeightsRejected, copy_into, load_checked, verify_file
+from schemas.events import DeadLetter, Metric, WeightVersion, now_ms
+from schemas.topics import DEADLETTER, METRICS, WEIGHTS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApplyReport:
+    wait_s: float  # until the target could switch (in-flight requests draining)
+    apply_s: float  # the switch itself
+
+
+class WeightsTarget(Protocol):
+    """Where verified weights go. ``prepare`` may be slow (runs on the follower thread, old weights keep serving);
+    ``apply`` blocks until the new version serves, raising to keep the old one."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def prepare(self, event: WeightVersion) -> Any: ...
+
+    def apply(self, prepared: Any, event: WeightVersion) -> ApplyReport: ...
+
+
+class EngineWeightsTarget:
+    """Applies verified weights to a CPU :class:`Engine` between decode steps (see ``consumers.inference.engine``)."""
+
+    def __init__(self, engine: Engine, *, stop: threading.Event | None = None) -> None:
+        self.engine = engine
+        self._stop = stop or threading.Event()
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def prepare(self, event: WeightVersion) -> dict[str, torch.Tensor]:
+        return load_checked(verify_file(event), self.engine.model)
+
+    def apply(self, prepared: dict[str, torch.Tensor], event: WeightVersion) -> ApplyReport:
+        finished = threading.Event()
+        box: list[SwapOutcome] = []
+
+        def done(outcome: SwapOutcome) -> None:
+            box.append(outcome)
+            finished.set()
+
+        self.engine.request_swap(WeightSwap(event.policy_version, lambda m: copy_into(m, prepared), done))
+        while not finished.wait(0.5):
+            if self._stop.is_set():
+                raise ClawstreamError("stopping before the swap was applied")
+        outcome = box[0]
+        if outcome.error is not None:
+            raise WeightsRejected("apply_failed", f"applying version {event.policy_version} failed: {outcome.error}")
+        return ApplyReport(outcome.wait_s, outcome.apply_s)
+
+
+# ---- Kafka ----------------------------------------------------------------------------------------------------------
+class Reporter:
+    """Publishes the worker's metrics and dead letters (one idempotent producer, thread-safe)."""
+
+    def __init__(self, kafka: KafkaSettings, source: str) -> None:
+        self.kafka = kafka
+        self.source = source
+        self.producer = make_producer(kafka)
+
+    def metric(self, name: str, policy_version: int, values: dict[str, float], *, labels: dict[str, str] | None = None,
+               step: int | None = None) -> None:  # fmt: skip
+        event = Metric(policy_version, now_ms(), self.source, name, values, step=step, labels=labels or {})
+        self.producer.produce(self.kafka.topic(METRICS), key=self.source.encode(), value=event.to_bytes())
+        self.producer.poll(0)
+
+    def dead_letter(self, msg: Message, reason: str, error_type: str, policy_version: int | None) -> None:
+        event = DeadLetter(
+            timestamp_ms=now_ms(),
+            source=self.source,
+            reason=reason,
+            error_type=error_type,
+            original_topic=msg.topic() or "",
+            original_partition=msg.partition() if msg.partition() is not None else -1,
+            original_offset=msg.offset() if msg.offset() is not None else -1,
+            policy_version=policy_version,
+            original_key=msg.key(),
+            original_value=msg.value(),
+        )
+        self.producer.produce(self.kafka.topic(DEADLETTER), key=msg.key(), value=event.to_bytes())
+        self.producer.flush(10)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        self.producer.flush(timeout)
+
+
+class WeightsFollower:
+    """Follows ``clawstream.weights`` for one model name and applies new versions to a :class:`WeightsTarget`."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        target: WeightsTarget,
+        *,
+        model_name: str,
+        reporter: Reporter,
+        extra_values: Callable[[], dict[str, float]] = gpu_readings,
+        poll_timeout: float = 0.5,
+    ) -> None:
+        self.kafka = kafka
+        self.target = target
+        self.model_name = model_name
+        self.reporter = reporter
+        self.extra_values = extra_values
+        self.poll_timeout = poll_timeout
+        self.topic = kafka.topic(WEIGHTS)
+        self.caught_up = threading.Event()  # set once the startup catch-up is done
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.applied: list[int] = []
+        self.rejected: list[tuple[int, str]] = []
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="weights-follower", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                self.run()
+                return
+            except Exception as exc:  # e.g. a just-created topic without a leader yet: retry, keep serving
+                log.warning("weights follower failed (%s: %s); retrying in %.0fs, still serving version %d",
+                            type(exc).__name__, exc, backoff, self.target.policy_version)  # fmt: skip
+                log.debug("weights follower failure", exc_info=True)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def run(self) -> None:
+        # Group id only because librdkafka wants one; partitions are assigned by hand and nothing is committed.
+        consumer = make_consumer(self.kafka, f"inference-worker-{uuid.uuid4().hex[:12]}")
+        try:
+            meta = consumer.list_topics(self.topic, timeout=30).topics[self.topic]
+            if meta.error is not None or not meta.partitions:
+                raise ClawstreamError(f"cannot read {self.topic}: {meta.error or 'no partitions yet'}")
+            partitions = sorted(meta.partitions)
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=30)[1] for p in partitions}
+            consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions])
+            log.info("following %s from the beginning (end offsets at startup: %s)", self.topic,
+                     ", ".join(f"{self.topic}[{p}]@{o}" for p, o in ends.items()))  # fmt: skip
+            self._catch_up(consumer, ends)
+            self.caught_up.set()
+            while not self._stop.is_set():
+                msg = consumer.poll(self.poll_timeout)
+                if msg is None:
+                    continue
+                if msg.error() is not None:
+                    log.warning("consumer error on %s: %s", self.topic, msg.error())
+                    continue
+                event = self._decode(msg)
+                if event is None:
+                    continue
+                if event.policy_version <= self.target.policy_version:
+                    log.info("skipping version %d at %s: already serving %d", event.policy_version, where(msg),
+                             self.target.policy_version)  # fmt: skip
+                    continue
+                self._handle(msg, event)
+        finally:
+            consumer.close()
+            self.reporter.flush()
+
+    def _catch_up(self, consumer: Any, ends: dict[int, int]) -> None:
+        """Read what the topic held at startup; apply the newest version for our model (older ones as fallback)."""
+        pending = {p for p, end in ends.items() if end > 0}
+        candidates: list[tuple[Message, WeightVersion]] = []
+        while pending and not self._stop.is_set():
+            msg = consumer.poll(self.poll_timeout)
+            # Positions, not record offsets: a transactional producer (the learner) ends the topic with markers.
+            pending -= partitions_at_end(consumer, self.topic, {p: ends[p] for p in pending})
+            if msg is None or msg.error() is not None:
+                continue
+            event = self._decode(msg, quiet=True)
+            if event is not None:
+                candidates.append((msg, event))
+        candidates.sort(key=lambda pair: pair[1].policy_version, reverse=True)
+        for msg, event in candidates:
+            if event.policy_version <= self.target.policy_version:
+                break
+            if self._handle(msg, event):
+                break
+
+    def _decode(self, msg: Message, *, quiet: bool = False) -> WeightVersion | None:
+        try:
+            event = WeightVersion.from_bytes(msg.value())
+        except CodecError as exc:
+            log.warning("undecodable record at %s: %s", where(msg), exc)
+            self.reporter.dead_letter(msg, f"undecodable WeightVersion: {exc}", type(exc).__name__, None)
+            return None
+        if event.model_name != self.model_name:
+            if not quiet:
+                log.debug("ignoring %s: model %s is not ours (%s)", where(msg), event.model_name, self.model_name)
+            return None
+        return event
+
+    def _handle(self, msg: Message, event: WeightVersion) -> bool:
+        """Verify and apply one version; on rejection keep the old weights and dead-letter it. Returns success."""
+        old = self.target.policy_version
+        log.info("applying weights version %d (step %d) from %s: %s", event.policy_version, event.step, where(msg),
+                 event.uri)  # fmt: skip
+        started = time.monotonic()
+        try:
+            prepared = self.target.prepare(event)
+            loaded = time.monotonic()
+            report = self.target.apply(prepared, event)
+        except Exception as exc:
+            kind = exc.kind if isinstance(exc, WeightsRejected) else type(exc).__name__
+            log.warning("rejected weights version %d at %s (%s): %s; still serving version %d", event.policy_version,
+                        where(msg), kind, exc, old)  # fmt: skip
+            self.reporter.dead_letter(msg, str(exc), kind, event.policy_version)
+            self.rejected.append((event.policy_version, kind))
+            return False
+        total = time.monotonic() - started
+        values = {
+            "swap_latency_s": total,
+            "load_s": loaded - started,
+            "drain_wait_s": report.wait_s,
+            "apply_s": report.apply_s,
+            "publish_to_applied_s": max(0.0, (now_ms() - event.timestamp_ms) / 1000.0),
+            "size_bytes": float(event.size_bytes),
+            "previous_version": float(old),
+            **self.extra_values(),
+        }
+        self.reporter.metric("weights_applied", event.policy_version, values, step=event.step,
+                             labels={"model": self.model_name, "uri": event.uri, "sha256": event.sha256})  # fmt: skip
+        self.reporter.flush()
+        self.applied.append(event.policy_version)
+        log.info("now serving weights version %d (swap %.3fs: load %.3fs, drain %.3fs, apply %.3fs)",
+                 event.policy_version, total, values["load_s"], report.wait_s, report.apply_s)  # fmt: skip
+        return True

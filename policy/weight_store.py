@@ -1,0 +1,152 @@
+"""Weight store: save a policy version as one safetensors file with its sha256; verify and load one back.
+
+Weights never travel through Kafka; ``clawstream.weights`` carries only the file's URI and sha256. Pure (torch +
+safetensors, no Kafka). The layout is ``<store>/<model_name>/v<version:06d>/model.safetensors`` — one directory per
+version, because vLLM's reload loads every ``*.safetensors`` of a directory (consumers/inference/vllm_adapter.py); writes are
+atomic (temp file + rename) so a reader never sees half a file, and re-saving a version (after a learner crash
+before the version was published) overwrites the unpublished file. Verification (:func:`verify_file`,
+:func:`load_checked`) raises :class:`WeightsRejected` whose ``kind`` names the reason (missing_file,
+checksum_mismatch, shape_mismatch, ...): inference workers dead-letter with it, the learner refuses to resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from clawstream.errors import ClawstreamError
+from schemas.events import WeightVersion
+
+
+@dataclass(frozen=True)
+class SavedWeights:
+    path: Path
+    sha256: str
+    size_bytes: int
+
+    @property
+    def uri(self) -> str:
+        return self.path.resolve().as_uri()
+
+
+def version_path(store: Path, model_name: str, version: int) -> Path:
+    return store / model_name / f"v{version:06d}" / "model.safetensors"
+
+
+def value_head_path(store: Path, model_name: str, version: int) -> Path:
+    """PPO's value head of a version: outside the version directory, so vLLM never tries to load it."""
+    return store / model_name / "value-heads" / f"v{version:06d}.safetensors"
+
+
+def save_weights(model: torch.nn.Module, store: Path, model_name: str, version: int) -> SavedWeights:
+    """Write the model's state dict (tied weights once) atomically and return path + sha256."""
+    path = version_path(store, model_name, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        # Tied embeddings share storage; safetensors refuses shared tensors, and the loader re-ties them.
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        state[name] = tensor.detach().to("cpu").contiguous()
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    save_file(state, str(tmp), metadata={"model_name": model_name, "version": str(version)})
+    os.replace(tmp, path)
+    return SavedWeights(path=path, sha256=sha256_file(path), size_bytes=path.stat().st_size)
+
+
+class WeightsRejected(ClawstreamError):
+    """A weight version that must not be applied; ``kind`` groups reasons (becomes ``DeadLetter.error_type``)."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+
+# ---- verification (used by the learner on resume and by inference workers before a swap) ---------------------------
+def resolve_uri(uri: str) -> Path:
+    """``file:///abs/path`` (or a bare absolute path) → Path; other schemes are rejected."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise WeightsRejected("unsupported_uri", f"file URI with a remote host is not supported: {uri}")
+        return Path(urllib.request.url2pathname(parsed.path))
+    if parsed.scheme == "" and uri.startswith("/"):
+        return Path(uri)
+    raise WeightsRejected("unsupported_uri", f"unsupported weights URI scheme '{parsed.scheme}': {uri} (use file://)")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_file(event: WeightVersion) -> Path:
+    """The weights file of ``event``, after checking it exists, its size (when given) and its sha256."""
+    path = resolve_uri(event.uri)
+    if not path.is_file():
+        raise WeightsRejected("missing_file", f"weights file not found: {path}")
+    size = path.stat().st_size
+    if event.size_bytes and size != event.size_bytes:
+        raise WeightsRejected("size_mismatch", f"{path} has {size} bytes, the event says {event.size_bytes}")
+    actual = sha256_file(path)
+    if actual != event.sha256.lower():
+        raise WeightsRejected("checksum_mismatch", f"sha256 of {path} is {actual}, the event says {event.sha256}")
+    return path
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """State-dict names grouped by shared storage (tied weights, e.g. embeddings = lm_head, form one group)."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), []).append(name)
+    return list(groups.values())
+
+
+def load_checked(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Load a safetensors file and check it against ``model``: same names (a tied group once is enough), same
+    shapes; returns the tensors cast to the model's dtypes and device, ready to copy in."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WeightsRejected("bad_file", f"{path} is not a readable safetensors file: {exc}") from exc
+    reference = model.state_dict()
+    unknown = sorted(set(tensors) - set(reference))
+    if unknown:
+        raise WeightsRejected("unexpected_tensor", f"{path} has tensors the model lacks: {', '.join(unknown[:5])}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(reference[name].shape):
+            raise WeightsRejected("shape_mismatch", f"{name}: file has shape {tuple(tensor.shape)}, "
+                                  f"model has {tuple(reference[name].shape)}")  # fmt: skip
+    for group in tied_groups(model):
+        present = [n for n in group if n in tensors]
+        if not present:
+            raise WeightsRejected("missing_tensor", f"{path} lacks tensor {group[0]}")
+        if any(not torch.equal(tensors[present[0]], tensors[n]) for n in present[1:]):
+            raise WeightsRejected("tied_mismatch", f"tied tensors {', '.join(present)} differ in {path}")
+    return {n: t.to(dtype=reference[n].dtype, device=reference[n].device) for n, t in tensors.items()}
+
+
+def copy_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy checked tensors into the model's parameters and buffers in place (no reallocation)."""
+    live = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            live[name].copy_(tensor)

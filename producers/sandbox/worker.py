@@ -1,0 +1,255 @@
+"""Sandbox worker: runs rollout requests in sandboxes through real harnesses, publishing lifecycle events and rewards.
+
+Topics: in ``clawstream.rollout.requests`` (consumer group ``CLAWSTREAM_SANDBOX_GROUP_ID``, manual commits);
+out ``clawstream.rollout.events`` (STARTED, HARNESS_EXITED / TIMED_OUT / FAILED) and ``clawstream.rewards``
+(exactly one per attempt), both keyed by rollout id and acknowledged (acks=all) before the request counts as done;
+undecodable requests go to ``clawstream.deadletter``. One attempt = ``producers.sandbox.rollout.execute``.
+
+Concurrency: up to ``concurrency`` rollouts at once on one asyncio loop (harnesses and graders are subprocesses).
+When full, the assigned partitions are paused but ``poll`` keeps running, so the group never sees a stalled member.
+Commits: per partition, the lowest offset still in flight (``producers.sandbox.offsets``), after the request's terminal
+events were acknowledged. A worker that dies mid-rollout leaves its request uncommitted; after the session timeout
+the group hands it to another worker, which runs a new attempt (new attempt id); the dead worker's harness died with
+it (``PR_SET_PDEATHSIG``), its proxy registration is revoked by the re-run (409 → seal → re-register), and its
+sandbox directory is removed by the periodic sweep of any worker on the host. If Kafka refuses a terminal event,
+the worker stops without committing that request (exit code 1), so it is re-run elsewhere — never lost.
+
+Run: ``python -m producers.sandbox.worker [--concurrency N] [--proxy-url URL --proxy-admin-token T]``
+(env ``CLAWSTREAM_SANDBOX_*``, Kafka from ``CLAWSTREAM_KAFKA_*``); SIGTERM finishes running rollouts, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Mapping
+
+from confluent_kafka import KafkaException, TopicPartition
+
+from clawstream.errors import ClawstreamError, CodecError
+from clawstream.kafka.clients import make_consumer, where
+from clawstream.kafka.publisher import KafkaPublisher
+from clawstream.settings import KafkaSettings, load_settings
+from producers.harnesses.base import HarnessAdapter
+from producers.harnesses.catalog import ADAPTERS
+from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
+from producers.sandbox.docker_backend import DockerBackend
+from producers.sandbox.local_backend import LocalBackend
+from producers.sandbox.offsets import OffsetTracker
+from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute
+from producers.tasks.catalog import SuiteCatalog
+from schemas.events import DeadLetter, RewardEvent, RolloutEvent, RolloutRequest, now_ms
+from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
+
+log = logging.getLogger("clawstream.sandbox_worker")
+
+
+
+def make_backend(settings: SandboxSettings) -> SandboxBackend:
+    """The sandbox backend the settings name (``local`` or ``docker``)."""
+    return DockerBackend(settings) if settings.backend == "docker" else LocalBackend(settings)
+
+class KafkaSink:
+    """EventSink publishing to Kafka and waiting for each acknowledgement."""
+
+    def __init__(self, publisher: KafkaPublisher, kafka: KafkaSettings, timeout_s: float) -> None:
+        self.publisher, self.kafka, self.timeout_s = publisher, kafka, timeout_s
+
+    async def event(self, event: RolloutEvent) -> None:
+        await self.publisher.publish(self.kafka.topic(ROLLOUT_EVENTS), event.rollout_id, event.to_bytes(),
+                                     self.timeout_s)  # fmt: skip
+
+    async def reward(self, reward: RewardEvent) -> None:
+        await self.publisher.publish(self.kafka.topic(REWARDS), reward.rollout_id, reward.to_bytes(), self.timeout_s)
+
+
+def exe_resolver(settings: SandboxSettings):  # noqa: ANN201 - returns an ExeResolver
+    async def resolve(adapter: HarnessAdapter) -> tuple[str, str]:
+        if adapter.install is None:
+            return "", ""
+        from producers.harnesses.install import (
+            MARKER,
+            HarnessInstallError,
+            harness_root,
+            install_harness,
+            install_node24,
+        )
+
+        if not settings.install_harnesses and not (harness_root() / adapter.install / MARKER).exists():
+            raise SandboxError(f"harness {adapter.name} is not installed and install_harnesses is off")
+        try:
+            exe = await asyncio.to_thread(install_harness, adapter.install)
+            extra = str((await asyncio.to_thread(install_node24)).parent) if adapter.node24 else ""
+        except HarnessInstallError as exc:
+            raise SandboxError(f"harness {adapter.name}: {exc}") from exc
+        return str(exe), extra
+
+    return resolve
+
+
+class SandboxWorker:
+    def __init__(
+        self, settings: SandboxSettings, kafka: KafkaSettings, *, adapters: Mapping[str, HarnessAdapter] | None = None,
+        backend: SandboxBackend | None = None, catalog: SuiteCatalog | None = None,
+    ) -> None:  # fmt: skip
+        self.s, self.kafka = settings, kafka
+        self.publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
+        proxy = ProxyAdmin(settings.proxy_url, settings.proxy_admin_token, settings.proxy_timeout_s)
+        self.ctx = RolloutContext(
+            backend=backend or make_backend(settings), proxy=proxy, catalog=catalog or SuiteCatalog(settings.suites),
+            adapters=adapters if adapters is not None else ADAPTERS,
+            sink=KafkaSink(self.publisher, kafka, settings.publish_timeout_s), settings=settings,
+            resolve_exe=exe_resolver(settings),
+        )  # fmt: skip
+        if settings.worker_id:
+            self.ctx.worker_id = settings.worker_id
+        self.tracker = OffsetTracker()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.outcomes: list[Outcome] = []
+        self.fatal: BaseException | None = None
+        self._consumer = None
+        self._paused = False
+
+    # --- consumer callbacks (run inside poll, on the loop's thread) ---------------------------------------------
+
+    def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
+        log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
+        self._paused = False  # new assignment: re-evaluate pausing on the next loop turn
+
+    def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
+        tps = [(p.topic, p.partition) for p in partitions]
+        self._commit(only=set(tps))
+        self.tracker.forget(tps)  # rollouts still running there finish, but are no longer ours to commit
+        log.info("revoked %s", [f"{t}[{p}]" for t, p in tps])
+
+    def _commit(self, only: set[tuple[str, int]] | None = None) -> None:
+        points = {tp: off for tp, off in self.tracker.commit_points().items() if only is None or tp in only}
+        if not points or self._consumer is None:
+            return
+        try:
+            self._consumer.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in points.items()],
+                                  asynchronous=False)  # fmt: skip
+        except KafkaException as exc:  # e.g. a rebalance is in progress: retried on the next turn
+            log.warning("commit of %s failed: %s", points, exc)
+            return
+        for tp, off in points.items():
+            self.tracker.committed(tp, off)
+            log.debug("committed %s[%d]@%d", tp[0], tp[1], off)
+
+    # --- main loop ----------------------------------------------------------------------------------------------
+
+    async def _run_one(self, req: RolloutRequest, tp: tuple[str, int], offset: int) -> None:
+        try:
+            outcome = await execute(req, self.ctx)
+        except Exception as exc:  # noqa: BLE001 - PublishError above all; anything else is a bug: same handling
+            # The terminal events may not have reached Kafka: do not commit, stop, let the group re-run it.
+            log.error("rollout %s at %s[%d]@%d: events not acknowledged: %s", req.rollout_id, *tp, offset, exc)
+            self.fatal = exc
+            return
+        self.outcomes.append(outcome)
+        self.tracker.done(tp, offset)
+        log.info("rollout %s at %s[%d]@%d done: %s reward=%s", req.rollout_id, *tp, offset,
+                 outcome.state, outcome.reward.reward if outcome.reward else None)  # fmt: skip
+
+    async def _dead_letter(self, msg, reason: str) -> None:  # noqa: ANN001
+        record = DeadLetter(timestamp_ms=now_ms(), source="sandbox_worker", reason=reason, error_type="CodecError",
+                            original_topic=msg.topic(), original_partition=msg.partition(),
+                            original_offset=msg.offset(), original_key=msg.key(),
+                            original_value=msg.value())  # fmt: skip
+        key = (msg.key() or b"").decode(errors="replace")
+        await self.publisher.publish(self.kafka.topic(DEADLETTER), key, record.to_bytes(), self.s.publish_timeout_s)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                removed = await self.ctx.backend.sweep()
+                if removed:
+                    log.info("swept %d stale sandbox(es) of dead workers", removed)
+            except (OSError, ClawstreamError) as exc:
+                log.warning("sandbox sweep failed: %s", exc)
+            await asyncio.sleep(self.s.sweep_interval_s)
+
+    async def run(self, stop: asyncio.Event | None = None) -> int:
+        stop = stop or asyncio.Event()
+        consumer = make_consumer(self.kafka, self.s.group_id, **{
+            "session.timeout.ms": self.s.session_timeout_ms,
+            "heartbeat.interval.ms": max(500, min(3000, self.s.session_timeout_ms // 3)),
+            "client.id": f"sandbox-worker-{self.ctx.worker_id}",
+        })  # fmt: skip
+        self._consumer = consumer
+        consumer.subscribe([self.kafka.topic(ROLLOUT_REQUESTS)], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        sweeper = asyncio.create_task(self._sweep_loop())
+        try:
+            while not stop.is_set() and self.fatal is None:
+                full = len(self.tasks) >= self.s.concurrency
+                if full != self._paused and consumer.assignment():
+                    (consumer.pause if full else consumer.resume)(consumer.assignment())
+                    self._paused = full
+                msg = consumer.poll(0)
+                self._commit()
+                if msg is None:
+                    await asyncio.sleep(0.05)
+                    continue
+                if msg.error():
+                    log.warning("consumer error: %s", msg.error())
+                    continue
+                tp = (msg.topic(), msg.partition())
+                try:
+                    req = RolloutRequest.from_bytes(msg.value())
+                except CodecError as exc:
+                    log.error("%s: undecodable request: %s", where(msg), exc)
+                    await self._dead_letter(msg, str(exc))
+                    self.tracker.start(tp, msg.offset())
+                    self.tracker.done(tp, msg.offset())
+                    continue
+                log.info("%s: rollout %s (%s/%s, %s, attempt %d)", where(msg), req.rollout_id, req.suite,
+                         req.task_id, req.harness, req.attempt)  # fmt: skip
+                self.tracker.start(tp, msg.offset())
+                task = asyncio.create_task(self._run_one(req, tp, msg.offset()))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            if self.tasks:  # graceful stop: finish what runs (each rollout has its own timeout)
+                log.info("stopping: waiting for %d rollout(s)", len(self.tasks))
+                await asyncio.gather(*list(self.tasks), return_exceptions=True)
+            if self.fatal is None:
+                self._commit()
+        finally:
+            sweeper.cancel()
+            for task in list(self.tasks):
+                task.cancel()
+            if self.tasks:
+                await asyncio.gather(*list(self.tasks), return_exceptions=True)
+            consumer.close()
+            self._consumer = None
+            self.publisher.close()
+        return 1 if self.fatal is not None else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m producers.sandbox.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int)
+    parser.add_argument("--backend", choices=("local", "docker"))
+    parser.add_argument("--proxy-url")
+    parser.add_argument("--proxy-admin-token")
+    parser.add_argument("--group-id")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = load_settings(SandboxSettings, **overrides)
+    kafka = load_settings(KafkaSettings)
+
+    async def serve() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await SandboxWorker(settings, kafka).run(stop)
+
+    return asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Scheduling logic (pure): which rollouts a training step asks for, when a step may be issued, re-issues, eval table.
+
+* A step samples ``tasks_per_step`` tasks; each task becomes one training *instance* (task × harness) whose harness
+  is drawn so that the step's instances follow the configured harness ratios as closely as integers allow (largest
+  remainder), shuffled so harnesses mix at random in the batch. Each instance asks for ``group_size`` rollouts
+  with group id ``f"{suite}/{task}|{harness}|{step}"`` (GRPO groups = task × harness) and
+  ``metadata["group_size"]``.
+* Policy lag: step ``s`` may be issued once the newest published weight version is ≥ ``s − max_policy_lag``.
+* Re-issue: a rollout whose reward says INFRA_FAILURE is re-published with the same rollout id and ``attempt + 1``
+  (streams reopen a rollout for a newer attempt) until ``max_attempts`` attempts were made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from producers.tasks.model import Task
+from schemas.events import RewardEvent, RewardStatus, RolloutRequest, now_ms
+
+
+def harness_counts(n: int, mix: Mapping[str, float]) -> dict[str, int]:
+    """Split ``n`` instances over harnesses by ratio (largest remainder; ties broken by name)."""
+    weights = {h: float(w) for h, w in mix.items() if w > 0}
+    if not weights:
+        raise ValueError("the harness mix has no harness with a positive weight")
+    total = sum(weights.values())
+    exact = {h: n * w / total for h, w in weights.items()}
+    counts = {h: int(x) for h, x in exact.items()}
+    rest = n - sum(counts.values())
+    for h in sorted(weights, key=lambda h: (-(exact[h] - counts[h]), h))[:rest]:
+        counts[h] += 1
+    return counts
+
+
+def group_id(suite: str, task_id: str, harness: str, step: int) -> str:
+    return f"{suite}/{task_id}|{harness}|{step}"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    tasks_per_step: int
+    group_size: int
+    mix: Mapping[str, float]
+    timeout_s: float | None = None  # None: each task's own
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 2048
+
+
+def plan_step(step: int, tasks: Sequence[Task], plan: StepPlan, rng: random.Random, policy_version: int = 0,
+              *, eval_mode: bool = False) -> list[RolloutRequest]:  # fmt: skip
+    if not tasks:
+        raise ValueError("no tasks to sample from")
+    chosen = rng.sample(list(tasks), min(plan.tasks_per_step, len(tasks)))
+    while len(chosen) < plan.tasks_per_step:  # fewer tasks than instances: sample with replacement
+        chosen.append(rng.choice(list(tasks)))
+    harnesses = [h for h, c in harness_counts(len(chosen), plan.mix).items() for _ in range(c)]
+    rng.shuffle(harnesses)
+    return [r for task, h in zip(chosen, harnesses, strict=True)
+            for r in instance_requests(task, h, step, plan, policy_version, eval_mode=eval_mode)]  # fmt: skip
+
+
+def instance_requests(task: Task, harness: str, step: int, plan: StepPlan, policy_version: int = 0,
+                      *, eval_mode: bool = False) -> list[RolloutRequest]:  # fmt: skip
+    gid = group_id(task.suite, task.task_id, harness, step)
+    return [
+        RolloutRequest(
+            rollout_id=uuid.uuid4().hex, policy_version=policy_version, timestamp_ms=now_ms(), suite=task.suite,
+            task_id=task.task_id, harness=harness, group_id=gid, step=step,
+            timeout_s=plan.timeout_s or task.timeout_s, temperature=plan.temperature, top_p=plan.top_p,
+            max_tokens=plan.max_tokens, min_policy_version=max(0, policy_version), eval=eval_mode,
+            metadata={"group_size": str(plan.group_size), "split": task.split},
+        )  # fmt: skip
+        for _ in range(plan.group_size)
+    ]
+
+
+def may_issue(step: int, newest_version: int, max_policy_lag: int) -> bool:
+    """Step ``step``'s rollouts may start once the policy is at most ``max_policy_lag`` versions behind."""
+    return newest_version >= step - max_policy_lag
+
+
+@dataclass
+class Outstanding:
+    """Requests waiting for a final reward; re-issues infrastructure failures up to ``max_attempts``."""
+
+    max_attempts: int
+    pending: dict[str, RolloutRequest] = field(default_factory=dict)
+    final: dict[str, RewardEvent] = field(default_factory=dict)
+    gave_up: dict[str, RewardEvent] = field(default_factory=dict)
+
+    def add(self, requests: Sequence[RolloutRequest]) -> None:
+        for r in requests:
+            self.pending[r.rollout_id] = r
+
+    def on_reward(self, reward: RewardEvent) -> RolloutRequest | None:
+        """Record a reward; returns the request to re-publish when it was an infra failure with attempts left."""
+        req = self.pending.get(reward.rollout_id)
+        if req is None:
+            return None
+        if reward.status != RewardStatus.INFRA_FAILURE:
+            self.final[req.rollout_id] = reward
+            del self.pending[req.rollout_id]
+            return None
+        if req.attempt + 1 >= self.max_attempts:
+            self.gave_up[req.rollout_id] = reward
+            del self.pending[req.rollout_id]
+            return None
+        again = dataclasses.replace(req, attempt=req.attempt + 1, timestamp_ms=now_ms())
+        self.pending[req.rollout_id] = again
+        return again
+
+
+def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str:
+    """Per-harness eval table: rollouts, graded, mean reward, infra failures, ungraded, still pending."""
+    rows: dict[str, dict[str, float]] = {}
+    for rid, req in requests.items():
+        row = rows.setdefault(req.harness, {"n": 0, "graded": 0, "sum": 0.0, "infra": 0, "ungraded": 0, "pending": 0})
+        row["n"] += 1
+        reward = out.final.get(rid)
+        if reward is not None and reward.status == RewardStatus.OK and reward.reward is not None:
+            row["graded"] += 1
+            row["sum"] += reward.reward
+        elif reward is not None:
+            row["ungraded"] += 1
+        elif rid in out.gave_up:
+            row["infra"] += 1
+        else:
+            row["pending"] += 1
+    lines = ["| harness | rollouts | graded | mean reward | infra failures | ungraded | pending |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for h, r in sorted(rows.items()):
+        mean = f"{r['sum'] / r['graded']:.3f}" if r["graded"] else "n/a"
+        lines.append(f"| {h} | {r['n']} | {r['graded']} | {mean} | {r['infra']} | {r['ungraded']} | {r['pending']} |")
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""Rollout scheduler: publishes each training step's rollout requests, gated by policy lag; eval runs.
+
+Topics: out ``clawstream.rollout.requests`` (key rollout id); in ``clawstream.weights`` (newest policy version, read
+from the beginning) and ``clawstream.rewards`` (from the moment the scheduler starts: re-issues INFRA_FAILURE
+rollouts with ``attempt + 1``, up to ``max_attempts``; eval mode also collects the scores).
+Pure planning lives in ``producers.scheduler.plan``.
+
+Train mode: for step = start_step … steps−1, wait until the newest weight version ≥ step − max_policy_lag, then
+publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Eval mode (``--eval``): every task
+of ``eval_split`` (optionally the first ``eval_limit``) × each of ``eval_harnesses``, ``eval=True``, step −1; waits
+for the rewards (or ``eval_timeout_s``) and prints a per-harness score table.
+
+Run: ``python -m producers.scheduler.service [--eval] [--steps N]`` (env ``CLAWSTREAM_SCHEDULER_*``, Kafka from
+``CLAWSTREAM_KAFKA_*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import sys
+import time
+import uuid
+
+from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from clawstream.errors import CodecError
+from clawstream.kafka.clients import make_consumer, where
+from clawstream.kafka.publisher import KafkaPublisher
+from clawstream.settings import KafkaSettings, load_settings
+from producers.scheduler.plan import Outstanding, StepPlan, instance_requests, may_issue, plan_step, score_table
+from producers.tasks.catalog import SuiteCatalog
+from schemas.events import RewardEvent, RolloutRequest, WeightVersion
+from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
+
+log = logging.getLogger("clawstream.scheduler")
+
+
+class SchedulerSettings(BaseSettings):
+    """Rollout scheduler configuration (env prefix ``CLAWSTREAM_SCHEDULER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_SCHEDULER_", frozen=True, extra="forbid")
+
+    suite: str = Field(default="cpu_builtin", description="Suite name (a key of suites).")
+    suites: dict[str, str] = Field(
+        default_factory=lambda: {"cpu_builtin": "builtin:cpu"},
+        description="Suite name → spec, as the sandbox workers have them (JSON in env).",
+    )
+    split: str = Field(default="train", description="Split sampled for training steps.")
+    steps: int = Field(default=1, ge=0, description="Train until this step (exclusive).")
+    start_step: int = Field(default=0, ge=0, description="First step to issue.")
+    tasks_per_step: int = Field(default=32, ge=1, description="Training instances (task × harness) per step.")
+    group_size: int = Field(default=8, ge=1, description="Rollouts per instance (the GRPO group).")
+    harness_mix: dict[str, float] = Field(
+        default_factory=lambda: {"agentloop": 1.0}, description="Harness → ratio of a step's instances (JSON in env)."
+    )
+    max_policy_lag: int = Field(default=1, ge=0, description="Issue step s once weight version ≥ s − lag.")
+    initial_version: int = Field(default=0, description="Policy version assumed before any weights are published.")
+    max_attempts: int = Field(default=3, ge=1, description="Attempts per rollout incl. infra-failure re-issues.")
+    timeout_s: float | None = Field(default=None, description="Wall-clock limit per rollout (default: the task's).")
+    temperature: float = Field(default=1.0, description="Sampling temperature of rollouts.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling of rollouts.")
+    max_tokens: int = Field(default=2048, description="Generation cap per model call.")
+    seed: int = Field(default=0, description="Task / harness sampling seed.")
+    drain_timeout_s: float = Field(default=0.0, description="Train mode: wait this long for the last rewards.")
+    eval_split: str = Field(default="heldout", description="Split run by eval mode.")
+    eval_harnesses: list[str] = Field(default_factory=lambda: ["agentloop"], description="Harnesses eval runs.")
+    eval_limit: int = Field(default=0, ge=0, description="Eval only the first N tasks (0: all).")
+    eval_repeats: int = Field(default=1, ge=1, description="Rollouts per eval task × harness.")
+    eval_timeout_s: float = Field(default=1800.0, description="Eval gives up waiting for rewards after this.")
+    publish_timeout_s: float = Field(default=30.0, description="Delivery deadline of one request.")
+
+
+class Scheduler:
+    def __init__(self, settings: SchedulerSettings, kafka: KafkaSettings, catalog: SuiteCatalog | None = None) -> None:
+        self.s, self.kafka = settings, kafka
+        self.catalog = catalog or SuiteCatalog(settings.suites)
+        self.version = settings.initial_version
+        self.outstanding = Outstanding(settings.max_attempts)
+        self.issued: dict[str, RolloutRequest] = {}
+        self.rng = random.Random(settings.seed)
+        self.plan = StepPlan(settings.tasks_per_step, settings.group_size, settings.harness_mix, settings.timeout_s,
+                             settings.temperature, settings.top_p, settings.max_tokens)  # fmt: skip
+        self.publisher: KafkaPublisher | None = None
+        self.weights: Consumer | None = None
+        self.rewards: Consumer | None = None
+
+    # --- Kafka edges --------------------------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self.publisher = KafkaPublisher(self.kafka, self.s.publish_timeout_s)
+        tag = uuid.uuid4().hex[:8]
+        self.weights = make_consumer(self.kafka, f"scheduler-weights-{tag}")
+        self.weights.subscribe([self.kafka.topic(WEIGHTS)])
+        # Rewards from now on only (requests published later are answered later): assign at the high watermarks.
+        self.rewards = make_consumer(self.kafka, f"scheduler-rewards-{tag}")
+        topic = self.kafka.topic(REWARDS)
+        parts = self.rewards.list_topics(topic, timeout=30).topics[topic].partitions
+        self.rewards.assign([TopicPartition(topic, p, self._end_offset(topic, p)) for p in sorted(parts)])
+
+    def _end_offset(self, topic: str, partition: int) -> int:
+        """The partition's current end, retried while leadership settles (a fresh topic answers NOT_LEADER)."""
+        assert self.rewards is not None
+        for _ in range(50):
+            try:
+                return self.rewards.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
+            except KafkaException as exc:
+                log.debug("end offset of %s[%d]: %s (retrying)", topic, partition, exc)
+                time.sleep(0.2)
+        return OFFSET_END  # resolved lazily when fetching starts: good enough when the broker is this slow
+
+    def _close(self) -> None:
+        for c in (self.weights, self.rewards):
+            if c is not None:
+                c.close()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    async def publish(self, requests: list[RolloutRequest]) -> None:
+        assert self.publisher is not None
+        topic = self.kafka.topic(ROLLOUT_REQUESTS)
+        await asyncio.gather(*(self.publisher.publish(topic, r.rollout_id, r.to_bytes(), self.s.publish_timeout_s)
+                               for r in requests))  # fmt: skip
+        for r in requests:
+            self.issued[r.rollout_id] = r
+        self.outstanding.add(requests)
+
+    async def _drain(self) -> None:
+        """Apply every weight version and reward waiting in Kafka (non-blocking)."""
+        assert self.weights is not None and self.rewards is not None
+        while (msg := self.weights.poll(0)) is not None:
+            if msg.error():
+                continue
+            try:
+                version = WeightVersion.from_bytes(msg.value()).policy_version
+            except CodecError as exc:
+                log.warning("%s: undecodable weight version: %s", where(msg), exc)
+                continue
+            if version > self.version:
+                log.info("%s: policy version %d", where(msg), version)
+                self.version = version
+        while (msg := self.rewards.poll(0)) is not None:
+            if msg.error():
+                continue
+            try:
+                reward = RewardEvent.from_bytes(msg.value())
+            except CodecError as exc:
+                log.warning("%s: undecodable reward: %s", where(msg), exc)
+                continue
+            again = self.outstanding.on_reward(reward)
+            if again is not None:
+                log.info("%s: rollout %s infra failure (%s): re-issuing attempt %d", where(msg), reward.rollout_id,
+                         reward.reason, again.attempt)  # fmt: skip
+                await self.publish([again])
+
+    # --- modes --------------------------------------------------------------------------------------------------
+
+    async def train(self, stop: asyncio.Event | None = None) -> int:
+        stop = stop or asyncio.Event()
+        tasks = self.catalog.suite(self.s.suite).split(self.s.split)
+        await asyncio.to_thread(self._open)
+        try:
+            step = self.s.start_step
+            while step < self.s.steps and not stop.is_set():
+                await self._drain()
+                if may_issue(step, self.version, self.s.max_policy_lag):
+                    requests = plan_step(step, tasks, self.plan, self.rng, self.version)
+                    await self.publish(requests)
+                    log.info("step %d: %d requests (policy version %d)", step, len(requests), self.version)
+                    step += 1
+                else:
+                    await asyncio.sleep(0.2)
+            deadline = time.monotonic() + self.s.drain_timeout_s
+            while self.outstanding.pending and time.monotonic() < deadline and not stop.is_set():
+                await self._drain()
+                await asyncio.sleep(0.2)
+        finally:
+            self._close()
+        return step
+
+    def eval_requests(self) -> list[RolloutRequest]:
+        tasks = self.catalog.suite(self.s.suite).split(self.s.eval_split)
+        if self.s.eval_limit:
+            tasks = tasks[: self.s.eval_limit]
+        plan = StepPlan(len(tasks), self.s.eval_repeats, {}, self.s.timeout_s, self.s.temperature, self.s.top_p,
+                        self.s.max_tokens)  # fmt: skip
+        return [r for task in tasks for h in self.s.eval_harnesses
+                for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True)]  # fmt: skip
+
+    async def evaluate(self) -> str:
+        await asyncio.to_thread(self._open)
+        try:
+            await self._drain()
+            await self.publish(self.eval_requests())
+            deadline = time.monotonic() + self.s.eval_timeout_s
+            while self.outstanding.pending and time.monotonic() < deadline:
+                await self._drain()
+                await asyncio.sleep(0.2)
+        finally:
+            self._close()
+        return score_table(self.issued, self.outstanding)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m producers.scheduler.service", description=__doc__.split("\n")[0])
+    parser.add_argument("--eval", action="store_true", help="run the eval split and print a score table")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--suite")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    overrides = {k: v for k, v in {"steps": args.steps, "suite": args.suite}.items() if v is not None}
+    scheduler = Scheduler(load_settings(SchedulerSettings, **overrides), load_settings(KafkaSettings))
+    if args.eval:
+        print(asyncio.run(scheduler.evaluate()))
+    else:
+        asyncio.run(scheduler.train())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
