@@ -1,20 +1,23 @@
-"""Kafka client plumbing shared by every service: producer/consumer/admin configs and topic creation.
+"""Kafka client plumbing shared by every service: configs, reading a topic to its end, producing without loss,
+topic creation.
 
 Producers are idempotent with ``acks=all`` and zstd; consumers read large records; sizes match the broker recipe.
-Consumers log positions as ``topic[partition]@offset`` (see :func:`where`).
+Consumers log positions as ``topic[partition]@offset`` (see :func:`where`). :func:`read_to_end` is the one way a
+service reads what a topic held when it started (weights catch-up, resume, value pretraining);
+:func:`produce_reliably` the one way to produce when the local queue is full (wait for deliveries, never drop).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from clawstream.errors import ConfigError, TopicError
+from clawstream.errors import ClawstreamError, ConfigError, TopicError
 from clawstream.kafka.local import LocalKafka
 from clawstream.settings import KafkaSettings
 from schemas.topics import CATALOG, MAX_MESSAGE_BYTES, TopicSpec, co_partition_groups
@@ -68,6 +71,80 @@ def partitions_at_end(consumer: Consumer, topic: str, ends: dict[int, int]) -> s
     """
     positions = consumer.position([TopicPartition(topic, p) for p in ends])
     return {tp.partition for tp in positions if tp.offset >= ends[tp.partition]}
+
+
+def assign_from_beginning(consumer: Consumer, topic: str, timeout: float = 30.0) -> dict[int, int]:
+    """Assign every partition of ``topic`` from its beginning; return each partition's end offset (high watermark)
+    as of now. Partitions are assigned by hand: nothing is committed, no group rebalance is involved."""
+    try:
+        meta = consumer.list_topics(topic, timeout=timeout).topics[topic]
+        if meta.error is not None or not meta.partitions:
+            raise ClawstreamError(f"cannot read {topic}: {meta.error or 'no partitions yet'}")
+        partitions = sorted(meta.partitions)
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in partitions}
+    except KafkaException as exc:
+        raise ClawstreamError(f"cannot read {topic}: {exc}") from exc
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+    return ends
+
+
+def read_to_end(
+    consumer: Consumer,
+    topic: str,
+    ends: dict[int, int],
+    *,
+    timeout: float | None = 30.0,
+    poll_timeout: float = 0.2,
+    stop: Callable[[], bool] | None = None,
+) -> Iterator[Message]:
+    """Yield the records of ``topic`` (already assigned to ``consumer``) until every partition reaches ``ends``.
+
+    Completion is judged by consumer *positions* (:func:`partitions_at_end`), so a transactional topic whose last
+    offsets are commit markers still ends. Consumer errors are logged and skipped. Raises :class:`ClawstreamError`
+    when ``timeout`` seconds pass first; returns early when ``stop()`` turns true. The caller may stop iterating.
+    """
+    pending = {p for p, end in ends.items() if end > 0}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        if stop is not None and stop():
+            return
+        if deadline is not None and time.monotonic() > deadline:
+            left = ", ".join(f"{topic}[{p}]@{ends[p]}" for p in sorted(pending))
+            raise ClawstreamError(f"reading {topic} to its end ({left}) took over {timeout:.0f}s")
+        msg = consumer.poll(poll_timeout)
+        pending -= partitions_at_end(consumer, topic, {p: ends[p] for p in pending})
+        if msg is None:
+            continue
+        if msg.error() is not None:
+            log.warning("consumer error on %s: %s", topic, msg.error())
+            continue
+        yield msg
+
+
+def produce_reliably(
+    producer: Producer,
+    topic: str,
+    key: bytes | None,
+    value: bytes,
+    *,
+    on_delivery: Callable[..., None] | None = None,
+    timeout: float = 60.0,
+    wait: Callable[[float], object] | None = None,
+) -> None:
+    """``producer.produce`` that never drops a record: on a full local queue (``BufferError``) wait for deliveries
+    and retry, up to ``timeout`` seconds (then :class:`ClawstreamError`). ``wait`` defaults to ``producer.poll``;
+    pass ``time.sleep`` when another thread already polls the producer."""
+    wait = wait or producer.poll
+    deadline = time.monotonic() + timeout
+    kwargs = {"on_delivery": on_delivery} if on_delivery is not None else {}
+    while True:
+        try:
+            producer.produce(topic, key=key, value=value, **kwargs)
+            return
+        except BufferError:
+            if time.monotonic() > deadline:
+                raise ClawstreamError(f"producer queue for {topic} stayed full for {timeout:.0f}s") from None
+            wait(0.05)
 
 
 def producer_config(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:

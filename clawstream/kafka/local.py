@@ -32,7 +32,7 @@ from pathlib import Path
 from clawstream.errors import KafkaLocalError
 from clawstream.settings import clawstream_home
 
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "compose" / "kafka-local"
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "compose" / "kafka-local"
 MIN_JAVA = 17
 
 

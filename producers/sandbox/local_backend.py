@@ -150,7 +150,7 @@ class LocalSandbox(Sandbox):
         self.home = str(root / "home")
         self.grader_dir = str(root / "grader")
         self.python = sys.executable
-        self.clawstream_root = str(Path(__file__).resolve().parent.parent)
+        self.clawstream_root = str(Path(__file__).resolve().parents[2])
         self.pgids: set[int] = set()
         self._runs = 0
 
