@@ -12,7 +12,8 @@ is measured in-process (scheduler thread, no HTTP): ``k`` requests submitted at 
 ``--max-tokens`` tokens (eos ignored) at temperature 1; tokens/s = generated tokens / wall time, median of
 ``--rounds``. The naive baseline runs the same requests one after another with ``model.generate(do_sample=True)``
 (its own KV cache, batch 1). The swap part starts ``clawstream.kafka.local.LocalKafka`` in a temp home, follows
-the weights topic with ``consumers.inference.weight_follower.WeightsFollower``, publishes perturbed weights and times publish →
+the weights topic with ``consumers.inference.weight_follower.WeightsFollower``, publishes perturbed weights and times
+publish →
 ``engine.policy_version`` changing, idle and with 8 requests in flight (those finish on the old weights first).
 Results go to ``bench/results/engine.md`` and stdout.
 """

@@ -119,7 +119,9 @@ def check_telemetry(report: list[str]) -> bool:
         return True
     reader = getattr(telemetry, "gpu_readings", None) or getattr(telemetry, "read_gpu", None)
     if reader is None:
-        report.append(f"| GPU telemetry | no reader function in consumers.inference.telemetry ({dir(telemetry)}) | skipped |")
+        report.append(
+            f"| GPU telemetry | no reader function in consumers.inference.telemetry ({dir(telemetry)}) | skipped |"
+        )
         return True
     values = reader()
     passed = bool(values)

@@ -1,6 +1,7 @@
 """Learner benchmark: tree-packed vs per-path training on rollout trees shaped like real harness traffic.
 
-Trees are built by ``streams/tree.py`` from synthetic call sequences with the shapes HARNESSES.md describes:
+Trees are built by ``streams/tree.py`` from synthetic call sequences with the shapes
+docs/harnesses.md#prompt-sizes-and-prefix-sharing describes:
 - ``append-only`` (Claude Code, Codex, Qwen Code, opencode): every call = previous prompt + previous answer + tool
   result, plus one retry from an earlier point (a dead end the tree prunes) — one path, little sharing;
 - ``openclaw``: one internal-context message is removed and re-appended at the end of every call, so each call

@@ -32,9 +32,9 @@ from clawstream.settings import KafkaSettings  # noqa: E402
 from producers.sandbox.base import SandboxSettings  # noqa: E402
 from producers.sandbox.worker import SandboxWorker  # noqa: E402
 from producers.tasks.cpu import cpu_suite  # noqa: E402
-from tests.integration.test_proxy import running_proxy  # noqa: E402
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support import sandbox_helpers as S  # noqa: E402
+from tests.support.proxy_server import running_proxy  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "rollouts.md"

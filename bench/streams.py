@@ -1,7 +1,7 @@
 """Stream processors benchmark: call events/s through one worker, and settle → trajectory latency.
 
 One real worker (``python -m streams.app worker``, exactly-once and RocksDB by default) on a local Apache Kafka
-broker, fed synthetic rollouts (tests/integration/apps/stream_load.py: append-only call chains, one SIDE call in five,
+broker, fed synthetic rollouts (tests/support/stream_load.py: append-only call chains, one SIDE call in five,
 groups of 8 over two harnesses, no faults). Two phases:
 
 1. Throughput. A burst of rollouts is published as fast as the producer can; the clock runs from the first record
@@ -43,8 +43,8 @@ from clawstream.kafka.local import LocalKafka  # noqa: E402
 from clawstream.settings import KafkaSettings  # noqa: E402
 from schemas.events import CallEvent, Trajectory  # noqa: E402
 from schemas.topics import CALLS, TRAJECTORIES  # noqa: E402
-from tests.integration.apps.stream_harness import Collector, Feeder, Worker, produce  # noqa: E402
-from tests.integration.apps.stream_load import SynthRollout, interleave, make_groups  # noqa: E402
+from tests.support.stream_harness import Collector, Feeder, Worker, produce  # noqa: E402
+from tests.support.stream_load import SynthRollout, interleave, make_groups  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "streams.md"
 

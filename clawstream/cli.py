@@ -250,7 +250,8 @@ def harness_install(names: tuple[str, ...], timeout: float) -> None:
 @model.command("sft", context_settings=_PASSTHROUGH)
 @click.pass_context
 def model_sft(ctx: click.Context) -> None:
-    """SFT warm start on synthetic agent demonstrations of the CPU task suite (learner/warmstart/sft.py; --help for options)."""
+    """SFT warm start on synthetic agent demonstrations of the CPU task suite (learner/warmstart/sft.py; --help for
+    options)."""
     from learner.warmstart.sft import main as run
 
     sys.exit(run(ctx.args))

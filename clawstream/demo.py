@@ -40,7 +40,8 @@ def _say(message: str) -> None:
 
 
 def prepare_model(models: Path, *, sft_minutes: float) -> Path:
-    """The tiny base model, warm-started by SFT when ``learner.warmstart.sft`` is available (both cached under ``models``)."""
+    """The tiny base model, warm-started by SFT when ``learner.warmstart.sft`` is available (both cached under
+    ``models``)."""
     from policy.tiny_model import init_tiny_model
 
     base = models / "tiny-qwen3"

@@ -1,9 +1,9 @@
 """Shared settings: where Kafka is, how to authenticate, which topic prefix to use.
 
 Every service reads :class:`KafkaSettings` from ``CLAWSTREAM_KAFKA_*`` environment variables (or keyword arguments).
-When no bootstrap address is configured, the address of the broker started by ``clawstream kafka up`` is used,
-so a laptop needs no configuration at all (``clawstream.kafka.clients.bootstrap_servers`` resolves it). Validation errors are re-raised as :class:`ConfigError` naming the
-environment variable and the fix.
+When no bootstrap address is configured, the address of the broker started by ``clawstream kafka up`` is used
+(``clawstream.kafka.clients.bootstrap_servers`` resolves it), so a laptop needs no configuration at all.
+Validation errors are re-raised as :class:`ConfigError` naming the environment variable and the fix.
 """
 
 from __future__ import annotations

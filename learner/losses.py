@@ -5,7 +5,7 @@ rollout's prefix tree appears once, ``rollout_index`` (T,) says which rollout a 
 (T,) marks the trainable ones (generated tokens of kept calls). Per-rollout quantities (GRPO advantage, PPO return)
 are (R,) tensors indexed by ``rollout_index``.
 
-The pieces, as in ClawGym II (DESIGN.md, "Rewards and advantages", "Off-policy correction"):
+The pieces, as in ClawGym II (docs/method.md#advantages, docs/method.md#off-policy-correction):
 
 - clipped surrogate, per token: ``max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))`` with
   ``r_t = exp(logp_new - logp_old)``; separate low/high clip ("clip-higher", DAPO) and an optional dual clip

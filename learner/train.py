@@ -23,16 +23,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import make_consumer, make_producer, partitions_at_end, where
+from clawstream.kafka.clients import (
+    assign_from_beginning,
+    make_consumer,
+    make_producer,
+    produce_reliably,
+    read_to_end,
+    where,
+)
+from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
 from policy.weight_store import copy_into, load_checked, save_weights, value_head_path, verify_file
-from schemas.events import BatchRecord, BatchRecordKind, DeadLetter, Metric, Trajectory, WeightVersion, now_ms
+from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
 log = logging.getLogger("clawstream.learner")
@@ -192,30 +200,20 @@ class Learner:
         self.producer.send_offsets_to_transaction(offsets, self.consumer.consumer_group_metadata(), 60)
 
     def _produce(self, topic: str, key: str, value: bytes) -> None:
-        while True:
-            try:
-                self.producer.produce(self.kafka.topic(topic), key=key.encode(), value=value)
-                return
-            except BufferError:  # queue full: wait for deliveries, never drop
-                self.producer.poll(0.5)
+        produce_reliably(self.producer, self.kafka.topic(topic), key.encode(), value)
 
     def _dead_letter(self, batch: SealedBatch, reason: str) -> None:
         log.error("batch %s not trainable: %s; dead-lettered", batch.batch_id, reason)
-        letter = DeadLetter(timestamp_ms=now_ms(), source="learner", reason=reason, error_type="UntrainableBatch",
-                            original_topic=self.kafka.topic(BATCHES), policy_version=self.version,
-                            original_value=batch.seal.to_bytes())  # fmt: skip
+        letter = dead_letter("learner", reason, "UntrainableBatch", topic=self.kafka.topic(BATCHES),
+                             policy_version=self.version, value=batch.seal.to_bytes())  # fmt: skip
         self._produce(DEADLETTER, batch.batch_id, letter.to_bytes())
 
     def _dead_letter_raw(self, msg, exc: Exception) -> None:  # noqa: ANN001 - confluent_kafka.Message
         # Its own small transaction (a transactional producer cannot write outside one). The record's offset is
         # committed with the next sealed batch; a crash before that dead-letters it again (at-least-once is fine here).
-        letter = DeadLetter(
-            timestamp_ms=now_ms(), source="learner", reason=str(exc), error_type=type(exc).__name__,
-            original_topic=msg.topic(), original_partition=msg.partition(), original_offset=msg.offset(),
-            original_key=msg.key(), original_value=msg.value(),
-        )  # fmt: skip
+        letter = dead_letter_of(msg, "learner", str(exc), type(exc).__name__)
         self.producer.begin_transaction()
-        self.producer.produce(self.kafka.topic(DEADLETTER), key=msg.key(), value=letter.to_bytes())
+        produce_reliably(self.producer, self.kafka.topic(DEADLETTER), msg.key(), letter.to_bytes())
         self.producer.commit_transaction(60)
 
     def _resume(self) -> None:
@@ -237,36 +235,16 @@ def latest_weight_version(kafka: KafkaSettings, model_name: str, timeout: float 
     """Scan ``clawstream.weights`` (read_committed) to its end and return the newest version of ``model_name``."""
     consumer = make_consumer(kafka, f"clawstream-scan-{os.getpid()}-{time.monotonic_ns()}")
     topic = kafka.topic(WEIGHTS)
+    latest: WeightVersion | None = None
     try:
-        partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
-        latest: WeightVersion | None = None
-        for p in partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
-            if high <= low:
-                continue
-            consumer.assign([TopicPartition(topic, p, low)])
-            latest = _scan(consumer, TopicPartition(topic, p), high, model_name, latest, timeout)
-        return latest
-    except KafkaException as exc:
-        raise ClawstreamError(f"cannot read {topic}: {exc}") from exc
-    finally:
-        consumer.close()
-
-
-def _scan(
-    consumer: Consumer, tp: TopicPartition, high: int, model_name: str, latest: WeightVersion | None, timeout: float
-) -> WeightVersion | None:
-    """Read one partition up to ``high`` (its end when the scan started) and keep the newest version seen."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        msg = consumer.poll(0.2)
-        if msg is not None and not msg.error():
+        ends = assign_from_beginning(consumer, topic, timeout, missing_ok=True)
+        for msg in read_to_end(consumer, topic, ends, timeout=timeout):
             event = WeightVersion.from_bytes(msg.value())
             if event.model_name == model_name and (latest is None or event.policy_version >= latest.policy_version):
                 latest = event
-        if partitions_at_end(consumer, tp.topic, {tp.partition: high}):
-            return latest
-    raise ClawstreamError(f"reading {tp.topic}[{tp.partition}] to offset {high} took over {timeout:.0f}s")
+        return latest
+    finally:
+        consumer.close()
 
 
 def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | None

@@ -112,29 +112,22 @@ def pretrain_value(
 
 def read_scored_trajectories(kafka, limit: int, timeout: float = 30.0) -> list[tuple[Sequence, float]]:  # noqa: ANN001
     """Read back up to ``limit`` graded, trainable trajectories from ``clawstream.trajectories`` (read_committed)."""
-    from confluent_kafka import TopicPartition
-
-    from clawstream.kafka.clients import make_consumer, partitions_at_end
+    from clawstream.kafka.clients import assign_from_beginning, make_consumer, read_to_end
     from schemas.events import Trajectory, TrajectoryStatus
     from schemas.topics import TRAJECTORIES
 
     topic = kafka.topic(TRAJECTORIES)
     consumer = make_consumer(kafka, f"clawstream-value-{time.monotonic_ns()}")
+    out: list[tuple[Sequence, float]] = []
     try:
-        parts = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in parts}
-        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
-        out: list[tuple[Sequence, float]] = []
-        deadline = time.monotonic() + timeout
-        while len(out) < limit and time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and not msg.error():
-                traj = Trajectory.from_bytes(msg.value())
-                usable = traj.status in (TrajectoryStatus.COMPLETE, TrajectoryStatus.TIMED_OUT)
-                if usable and traj.reward is not None and traj.segments:
-                    out.append((traj.segments, traj.reward))
-            if partitions_at_end(consumer, topic, ends) == set(ends):
-                break
+        ends = assign_from_beginning(consumer, topic, timeout)
+        for msg in read_to_end(consumer, topic, ends, timeout=timeout, poll_timeout=0.5):
+            traj = Trajectory.from_bytes(msg.value())
+            usable = traj.status in (TrajectoryStatus.COMPLETE, TrajectoryStatus.TIMED_OUT)
+            if usable and traj.reward is not None and traj.segments:
+                out.append((traj.segments, traj.reward))
+                if len(out) >= limit:
+                    break
         return out
     finally:
         consumer.close()

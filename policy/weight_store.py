@@ -2,7 +2,8 @@
 
 Weights never travel through Kafka; ``clawstream.weights`` carries only the file's URI and sha256. Pure (torch +
 safetensors, no Kafka). The layout is ``<store>/<model_name>/v<version:06d>/model.safetensors`` — one directory per
-version, because vLLM's reload loads every ``*.safetensors`` of a directory (consumers/inference/vllm_adapter.py); writes are
+version, because vLLM's reload loads every ``*.safetensors`` of a directory (consumers/inference/vllm_adapter.py);
+writes are
 atomic (temp file + rename) so a reader never sees half a file, and re-saving a version (after a learner crash
 before the version was published) overwrites the unpublished file. Verification (:func:`verify_file`,
 :func:`load_checked`) raises :class:`WeightsRejected` whose ``kind`` names the reason (missing_file,

@@ -3,15 +3,16 @@
 Topics in: ``clawstream.calls``, ``clawstream.rollout.events``, ``clawstream.rewards``, ``clawstream.rollout.requests``
 (co-partitioned, key = rollout id), ``clawstream.weights``. Out: ``clawstream.trajectories``, ``clawstream.batches``,
 ``clawstream.metrics``, ``clawstream.deadletter``. Internal (names start with the app id, which starts with the Kafka
-topic prefix): two tick topics, ``…-by-group`` (trajectories re-keyed by group id), ``…-scored`` (one partition:
-scored groups for the batcher) — created by :func:`ensure_internal_topics` at start — and the tables' changelogs
-(``…-<table>-changelog``, declared by Faust itself).
+topic prefix): two tick topics, ``…-by-group`` (trajectories re-keyed by group id), ``…-scored-groups`` (one
+partition: scored groups for the batcher) — created by :func:`ensure_internal_topics` at start — and the tables'
+changelogs (``…-<table>-changelog``, declared by Faust itself).
 
-Agents only decode → call the pure core (``streams.assemble`` / ``group`` / ``batch``) → produce. Tables hold the
-state in RocksDB (``store="rocksdb://"``, rocksdict driver) or memory; with ``processing_guarantee="exactly_once"``
-(the default) every source partition's outputs, changelog writes and offsets commit in one Kafka transaction
-(``streams.eos``). Timers cannot write tables in Faust, so a timer sends each owned partition a tick and the agents
-check deadlines when the tick arrives, inside the partition's transaction.
+Agents only decode (a record that does not decode is dead-lettered: :func:`decode_or_dead_letter`) → call the pure
+core (``streams.assemble`` / ``group`` / ``batch``) → produce. Tables hold the state in RocksDB
+(``store="rocksdb://"``, rocksdict driver) or memory; with ``processing_guarantee="exactly_once"`` (the default) every
+source partition's outputs, changelog writes and offsets commit in one Kafka transaction (``streams.eos``). Timers
+cannot write tables in Faust, so a timer sends each owned partition a tick and the agents check deadlines when the
+tick arrives, inside the partition's transaction (``streams.state.Deadlines``).
 
 Run: ``python -m streams.app worker`` (Faust's CLI; settings from ``CLAWSTREAM_STREAMS_*`` and
 ``CLAWSTREAM_KAFKA_*``, see ``streams.settings``). The catalog topics must exist (``clawstream topics create``).
@@ -22,22 +23,23 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import faust
 from faust.types import EventT, StreamT
 
 from clawstream.kafka.clients import bootstrap_servers, create_topics
+from clawstream.kafka.dead_letter import dead_letter
 from clawstream.settings import KafkaSettings, load_settings
 from schemas.codec import default_codec
-from schemas.events import BatchRecord, DeadLetter, Event, Trajectory, WeightVersion
+from schemas.events import BatchRecord, Event, Trajectory, WeightVersion
 from schemas.topics import (
-    MAX_MESSAGE_BYTES,
     BATCHES,
     CALLS,
     DEADLETTER,
+    MAX_MESSAGE_BYTES,
     METRICS,
     REWARDS,
     ROLLOUT_EVENTS,
@@ -60,6 +62,7 @@ RAW: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
 # bytes (value_type=bytes makes Faust use the "raw" codec: a schema= argument would be ignored for the changelog).
 TABLE_TYPES: dict[str, Any] = {"key_type": str, "value_type": bytes}
 _ = CODEC_NAME  # importing streams.codec registers the project's Avro codec with Faust
+T = TypeVar("T")
 
 
 def now_ms() -> int:
@@ -77,6 +80,28 @@ def decode(value: bytes | None) -> Event:
 def where(event: EventT) -> str:
     msg = event.message
     return f"{msg.topic}[{msg.partition}]@{msg.offset}"
+
+
+async def send_dead_letter(
+    deadletter: faust.TopicT, event: EventT, source: str, reason: str, error_type: str, rollout_id: str | None = None
+) -> None:
+    """Send the event's record to the dead-letter topic, keyed like the original (built by the shared builder)."""
+    msg = event.message
+    log.warning("%s: %s → dead letter (%s): %s", source, where(event), error_type, reason)
+    record = dead_letter(source, reason, error_type, topic=msg.topic, partition=msg.partition, offset=msg.offset,
+                         key=msg.key, value=msg.value, rollout_id=rollout_id)  # fmt: skip
+    await deadletter.send(key=msg.key, value=record.to_bytes())
+
+
+async def decode_or_dead_letter(
+    deadletter: faust.TopicT, event: EventT, source: str, decoder: Callable[[bytes], T]
+) -> T | None:
+    """The event's value decoded, or None once it went to the dead-letter topic (the agent skips it)."""
+    try:
+        return decoder(event.message.value)
+    except Exception as exc:  # noqa: BLE001 - any undecodable record goes to the dead-letter topic, never stops the agent
+        await send_dead_letter(deadletter, event, source, str(exc), type(exc).__name__)
+        return None
 
 
 # Tables: name → (partitions, what it holds). Partitions match the source topics (Faust checks it).
@@ -106,7 +131,7 @@ def internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[str, Top
         "ticks-assemble": TopicSpec(f"{app_id}-ticks-assemble", "-", "-", ROLLOUT_PARTITIONS, hour),
         "ticks-group": TopicSpec(f"{app_id}-ticks-group", "-", "-", ROLLOUT_PARTITIONS, hour),
         "by-group": TopicSpec(f"{app_id}-by-group", "group_id", "Trajectory", ROLLOUT_PARTITIONS, big),
-        "scored": TopicSpec(f"{app_id}-scored", "group_id", "BatchRecord", 1, big),
+        "scored-groups": TopicSpec(f"{app_id}-scored-groups", "group_id", "BatchRecord", 1, big),
     }
 
 
@@ -155,11 +180,12 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         return app.topic(*(kafka.topic(n) for n in names), **RAW, **kw)
 
     own = {role: app.topic(spec.name, **RAW) for role, spec in internal_topics(cfg, kafka).items()}
-    a_ticks, g_ticks, by_group, scored = own["ticks-assemble"], own["ticks-group"], own["by-group"], own["scored"]
+    a_ticks, g_ticks, by_group = own["ticks-assemble"], own["ticks-group"], own["by-group"]
+    scored_groups = own["scored-groups"]
     assembler_in = app.topic(*(kafka.topic(n) for n in (CALLS, ROLLOUT_EVENTS, REWARDS, ROLLOUT_REQUESTS)),
                              a_ticks.get_topic_name(), **RAW)  # fmt: skip
     grouper_in = app.topic(by_group.get_topic_name(), g_ticks.get_topic_name(), **RAW)
-    batcher_in = app.topic(scored.get_topic_name(), kafka.topic(WEIGHTS), **RAW)
+    batcher_in = app.topic(scored_groups.get_topic_name(), kafka.topic(WEIGHTS), **RAW)
     trajectories, batches = topic(TRAJECTORIES), topic(BATCHES)
     metrics, deadletter = topic(METRICS), topic(DEADLETTER)
 
@@ -176,14 +202,6 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
     async def _listening(sender: Any, **_: Any) -> None:
         listening["since_ms"] = now_ms()
 
-    async def dead_letter(event: EventT, source: str, reason: str, error_type: str, rollout_id: str | None) -> None:
-        msg = event.message
-        log.warning("%s: %s → dead letter (%s): %s", source, where(event), error_type, reason)
-        record = DeadLetter(timestamp_ms=now_ms(), source=source, reason=reason, error_type=error_type,
-                            original_topic=msg.topic, original_partition=msg.partition, original_offset=msg.offset,
-                            rollout_id=rollout_id, original_key=msg.key, original_value=msg.value)  # fmt: skip
-        await deadletter.send(key=msg.key, value=record.to_bytes())
-
     async def send_all(channel: faust.TopicT, records: Sequence[Event], key: str, partition: int | None = None) -> None:
         for rec in records:
             await channel.send(key=str(getattr(rec, key)).encode(), value=rec.to_bytes(), partition=partition)
@@ -197,15 +215,14 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
             if msg.topic == a_ticks.get_topic_name():
                 result = assembler.on_tick(msg.partition, now, listening["since_ms"])
             else:
-                try:
-                    record = decode(msg.value)
-                except Exception as exc:  # noqa: BLE001 - any undecodable record goes to the dead-letter topic
-                    await dead_letter(event, "streams.assembler", str(exc), type(exc).__name__, None)
+                record = await decode_or_dead_letter(deadletter, event, "streams.assembler", decode)
+                if record is None:
                     continue
                 result = assembler.on_record(record, msg.value, msg.partition, now)
                 if result.rejected:
-                    await dead_letter(event, "streams.assembler", result.rejected.reason,
-                                      result.rejected.verdict.value, getattr(record, "rollout_id", None))  # fmt: skip
+                    rollout_id = getattr(record, "rollout_id", None)
+                    await send_dead_letter(deadletter, event, "streams.assembler", result.rejected.reason,
+                                           result.rejected.verdict.value, rollout_id)  # fmt: skip
             await send_all(trajectories, result.trajectories, "rollout_id", msg.partition)
             await eos.flush_changelog(app)
 
@@ -214,10 +231,8 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         """trajectories (key = rollout id) → by-group (key = group id)."""
         eos.start_agent(app)
         async for event in stream.events():
-            try:
-                t = Trajectory.from_bytes(event.message.value)
-            except Exception as exc:  # noqa: BLE001
-                await dead_letter(event, "streams.grouper", str(exc), type(exc).__name__, None)
+            t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
+            if t is None:
                 continue
             await by_group.send(key=t.group_id.encode(), value=event.message.value)
 
@@ -230,16 +245,14 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
             if msg.topic == g_ticks.get_topic_name():
                 out = grouper.on_tick(msg.partition, now, listening["since_ms"])
             else:
-                try:
-                    t = Trajectory.from_bytes(msg.value)
-                except Exception as exc:  # noqa: BLE001
-                    await dead_letter(event, "streams.grouper", str(exc), type(exc).__name__, None)
+                t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
+                if t is None:
                     continue
                 out = grouper.on_trajectory(t, msg.value, msg.partition, now)
                 if out.rejected:
-                    await dead_letter(event, "streams.grouper", out.rejected.reason, out.rejected.verdict.value,
-                                      t.rollout_id)  # fmt: skip
-            await send_all(scored, out.records, "batch_id")
+                    await send_dead_letter(deadletter, event, "streams.grouper", out.rejected.reason,
+                                           out.rejected.verdict.value, t.rollout_id)  # fmt: skip
+            await send_all(scored_groups, out.records, "batch_id")
             await send_all(metrics, out.metrics, "source")
             await eos.flush_changelog(app)
 
@@ -249,11 +262,10 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         eos.start_agent(app)
         async for event in stream.events():
             msg, now = event.message, now_ms()
-            is_group = msg.topic == scored.get_topic_name()
-            try:
-                record = BatchRecord.from_bytes(msg.value) if is_group else WeightVersion.from_bytes(msg.value)
-            except Exception as exc:  # noqa: BLE001
-                await dead_letter(event, "streams.batcher", str(exc), type(exc).__name__, None)
+            is_group = msg.topic == scored_groups.get_topic_name()
+            decoder = BatchRecord.from_bytes if is_group else WeightVersion.from_bytes
+            record = await decode_or_dead_letter(deadletter, event, "streams.batcher", decoder)
+            if record is None:
                 continue
             if isinstance(record, BatchRecord):
                 out = batcher.on_envelope(record, msg.value, now)
@@ -262,7 +274,7 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
             await send_all(batches, out.records, "batch_id")
             for group_id, reason in out.dropped:
                 kind = "StaleGroup" if reason.startswith("stale") else "IncompleteGroup"
-                await dead_letter(event, "streams.batcher", reason, kind, None)
+                await send_dead_letter(deadletter, event, "streams.batcher", reason, kind)
                 log.info("group %s dropped at %s", group_id, where(event))
             await eos.flush_changelog(app)
 
@@ -309,8 +321,30 @@ class _CleanShutdown:
         app.on_shutdown = on_shutdown  # type: ignore[method-assign]
 
 
+def usage() -> str:
+    """What ``--help`` prints: the command, then every setting with its environment variable and description."""
+    lines = [
+        "usage: python -m streams.app worker [faust worker options]   (clawstream streams [worker ...])",
+        "",
+        (__doc__ or "").split("\n")[0],
+        "",
+        "Settings (environment; Kafka itself: CLAWSTREAM_KAFKA_*, see `clawstream --help`):",
+    ]
+    prefix = str(StreamsSettings.model_config.get("env_prefix", ""))
+    for name, field in StreamsSettings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"  {prefix}{name.upper():<34} {field.description or ''} (default: {default!r})")
+    lines.append("\nFaust's own options: python -m streams.app worker --help (needs a reachable broker).")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m streams.app worker [...]``: settings from the environment, then Faust's CLI."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        # Answer without a broker: building the app resolves the bootstrap address and creates topics.
+        print(usage())
+        return
     cfg, kafka = load_settings(StreamsSettings), load_settings(KafkaSettings)
     ensure_internal_topics(cfg, kafka)
     app = create_app(cfg, kafka)

@@ -8,7 +8,7 @@ rollout id) and ``clawstream.deadletter`` (rejected and late records). The Faust
 Settle rule. A rollout is *ready* when it is an infrastructure failure (terminal FAILED, or a reward with status
 INFRA_FAILURE) or when its terminal lifecycle event (HARNESS_EXITED / TIMED_OUT with ``calls_served``), exactly
 ``calls_served`` distinct calls and its reward are all in. A ready rollout settles once no new record of it arrived for
-``settle_interval_s`` (DESIGN.md "Settling": the count stopped changing). A rollout that is not ready settles
+``settle_interval_s`` (docs/method.md#settling: the count stopped changing). A rollout that is not ready settles
 INCOMPLETE (with a ``drop_reason`` naming what is missing) ``settle_timeout_s`` after its terminal event, or — when the
 terminal event never came — after ``timeout_s`` of its request (``rollout_timeout_s`` if unknown) plus
 ``settle_timeout_s`` of silence. Times are processing times (persisted in the state, so a restarted worker keeps the
@@ -30,8 +30,9 @@ from the group id ``task|harness|step``; the request's metadata is copied (plus 
 
 State layout (three key → bytes maps, Faust tables in the app, dicts in tests): ``state[rollout_id]`` the JSON
 :class:`RolloutAccumulator`, ``calls[rollout_id + NUL + call_id]`` the call's original Avro bytes (so a call is
-written once, not re-written with every update), ``index[str(partition)]`` a :class:`DueIndex` of the partition's
-rollouts → the earliest time each may need attention (a lower bound; a tick re-checks and moves it).
+written once, not re-written with every update), ``index[str(partition)]`` a :class:`streams.state.DueIndex` of the
+partition's rollouts → the earliest time each may need attention (a lower bound; a tick re-checks and moves it, see
+:class:`streams.state.Deadlines`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import json
 import logging
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -59,26 +59,12 @@ from schemas.events import (
 )
 from schemas.lifecycle import can_transition
 from streams.settings import StreamsSettings
+from streams.state import TRAINABLE_STATUSES, Deadlines, Outcome, Verdict
 from streams.tree import TreeCall, TreeError, build_tree
 
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({RolloutState.HARNESS_EXITED, RolloutState.TIMED_OUT, RolloutState.FAILED})
-TRAINABLE_STATUSES = frozenset({TrajectoryStatus.COMPLETE, TrajectoryStatus.TIMED_OUT})
-
-
-class Verdict(StrEnum):
-    ACCEPTED = "accepted"
-    DUPLICATE = "duplicate"  # ignored
-    LATE = "late"  # the rollout already settled → dead letter
-    REJECTED = "rejected"  # contradicts what is known → dead letter
-    SUPERSEDES = "supersedes"  # a newer attempt started: settle the current one first, then apply again
-
-
-@dataclass(frozen=True)
-class Outcome:
-    verdict: Verdict
-    reason: str = ""
 
 
 def split_group_id(group_id: str) -> tuple[str, int]:
@@ -346,30 +332,6 @@ def build_trajectory(
     )  # fmt: skip
 
 
-class DueIndex:
-    """id → earliest time (ms) it may need attention, for one partition (JSON bytes in a table)."""
-
-    def __init__(self, entries: dict[str, int] | None = None) -> None:
-        self.entries = entries or {}
-
-    @classmethod
-    def load(cls, data: bytes | None) -> DueIndex:
-        return cls(json.loads(data) if data else None)
-
-    def to_bytes(self) -> bytes:
-        return json.dumps(self.entries, separators=(",", ":")).encode()
-
-    def lower(self, key: str, due_ms: int) -> bool:
-        """Record ``due_ms`` if it is earlier than what is stored (a later due is found when the tick re-checks)."""
-        if key in self.entries and self.entries[key] <= due_ms:
-            return False
-        self.entries[key] = due_ms
-        return True
-
-    def due(self, now_ms: int) -> list[str]:
-        return sorted((k for k, t in self.entries.items() if t <= now_ms), key=lambda k: (self.entries[k], k))
-
-
 @dataclass
 class Result:
     """What one record or tick produced: trajectories to emit and, for a rejected record, why."""
@@ -388,6 +350,7 @@ class Assembler:
     def __init__(self, cfg: StreamsSettings, state: MutableMapping[str, bytes], calls: MutableMapping[str, bytes],
                  index: MutableMapping[str, bytes]) -> None:  # fmt: skip
         self.cfg, self.state, self.calls, self.index = cfg, state, calls, index
+        self.deadlines = Deadlines(state, index)
 
     def _load(self, rollout_id: str, now_ms: int) -> RolloutAccumulator:
         data = self.state.get(rollout_id)
@@ -395,9 +358,7 @@ class Assembler:
 
     def _save(self, acc: RolloutAccumulator, partition: int) -> None:
         self.state[acc.rollout_id] = acc.to_bytes()
-        index = DueIndex.load(self.index.get(str(partition)))
-        if index.lower(acc.rollout_id, acc.deadline_ms(self.cfg)):
-            self.index[str(partition)] = index.to_bytes()
+        self.deadlines.schedule(partition, acc.rollout_id, acc.deadline_ms(self.cfg))
 
     def on_record(self, event: Event, raw: bytes, partition: int, now_ms: int) -> Result:
         """Apply one decoded record (call, lifecycle event, reward or request) of ``partition``."""
@@ -450,26 +411,17 @@ class Assembler:
 
         ``since_ms``: when this worker started listening to the partition (see :meth:`RolloutAccumulator.deadline_ms`).
         """
-        key = str(partition)
-        index = DueIndex.load(self.index.get(key))
         result = Result()
-        due = index.due(now_ms)
-        if not due:
-            return result
-        for rollout_id in due:
-            data = self.state.get(rollout_id)
-            if data is None:
-                index.entries.pop(rollout_id, None)
-                continue
+
+        def visit(rollout_id: str, data: bytes) -> int | None:
             acc = RolloutAccumulator.from_bytes(data)
             if acc.settled is not None and now_ms >= acc.deadline_ms(self.cfg):
-                del self.state[rollout_id]
-                index.entries.pop(rollout_id)
-                continue
+                return None  # settled long enough ago that no late record is expected: forget it
             if acc.due(now_ms, self.cfg, since_ms):
                 forced = None if acc.ready() else f"settle timeout: {acc.missing()}"
                 result.trajectories.append(self._settle(acc, now_ms, forced=forced))
                 self.state[rollout_id] = acc.to_bytes()
-            index.entries[rollout_id] = acc.deadline_ms(self.cfg, since_ms)
-        self.index[key] = index.to_bytes()
+            return acc.deadline_ms(self.cfg, since_ms)
+
+        self.deadlines.tick(partition, now_ms, visit)
         return result

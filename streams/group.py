@@ -13,12 +13,12 @@ replaces the first only when the first was an infrastructure failure of another 
 one is a duplicate (ignored); anything else is rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``)
 are not grouped.
 
-Advantages. GRPO (DESIGN.md): A = (R − μ) / (σ + ε), μ and σ (population standard deviation) over the group's
-rollouts that have a reward — infrastructure failures have none, so they never enter the statistics. Rollouts that
-were graded but are not trainable (DROPPED by the leaf cap, INCOMPLETE) do count in μ and σ: they are fair samples of
-the policy's reward, and leaving them out would bias the baseline. Only COMPLETE / TIMED_OUT rollouts with a reward
-and a tree are emitted for training. A group whose rewards are all equal has no signal: ``zero_variance="drop"``
-emits nothing for it, ``"keep"`` emits its rollouts with advantage 0.
+Advantages. GRPO (docs/method.md#advantages): A = (R − μ) / (σ + ε), μ and σ (population standard deviation) over
+the group's rollouts that have a reward — infrastructure failures have none, so they never enter the statistics.
+Rollouts that were graded but are not trainable (DROPPED by the leaf cap, INCOMPLETE) do count in μ and σ: they are
+fair samples of the policy's reward, and leaving them out would bias the baseline. Only COMPLETE / TIMED_OUT
+rollouts with a reward and a tree are emitted for training. A group whose rewards are all equal has no signal:
+``zero_variance="drop"`` emits nothing for it, ``"keep"`` emits its rollouts with advantage 0.
 
 Emission. Each trained rollout goes out as a :class:`BatchRecord` envelope (``batch_id`` = group id, kind TRAJECTORY,
 advantage, reward, the trajectory's original bytes), then one SEAL record (``index`` = rollout count,
@@ -26,7 +26,7 @@ advantage, reward, the trajectory's original bytes), then one SEAL record (``ind
 
 State layout (key → bytes maps, Faust tables in the app): ``groups[group_id]`` the JSON :class:`GroupState`,
 ``members[group_id + NUL + rollout_id]`` the original bytes of trainable trajectories, ``index[str(partition)]`` a
-:class:`streams.assemble.DueIndex` of timeouts and forget times.
+:class:`streams.state.DueIndex` of timeouts and forget times (the tick loop: :class:`streams.state.Deadlines`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, TrajectoryStatus
-from streams.assemble import TRAINABLE_STATUSES, DueIndex, Outcome, Verdict
 from streams.settings import StreamsSettings
+from streams.state import TRAINABLE_STATUSES, Deadlines, Outcome, Verdict
 
 log = logging.getLogger(__name__)
 SOURCE = "streams.grouper"
@@ -166,11 +166,7 @@ class Grouper:
     def __init__(self, cfg: StreamsSettings, groups: MutableMapping[str, bytes], members: MutableMapping[str, bytes],
                  index: MutableMapping[str, bytes]) -> None:  # fmt: skip
         self.cfg, self.groups, self.members, self.index = cfg, groups, members, index
-
-    def _touch_index(self, partition: int, group: GroupState) -> None:
-        index = DueIndex.load(self.index.get(str(partition)))
-        if index.lower(group.group_id, group.deadline_ms(self.cfg)):
-            self.index[str(partition)] = index.to_bytes()
+        self.deadlines = Deadlines(groups, index)
 
     def on_trajectory(self, t: Trajectory, raw: bytes, partition: int, now_ms: int) -> Emission:
         out = Emission()
@@ -194,32 +190,23 @@ class Grouper:
         if group.complete():
             self._close(group, now_ms, "complete", out)
         self.groups[group.group_id] = group.to_bytes()
-        self._touch_index(partition, group)
+        self.deadlines.schedule(partition, group.group_id, group.deadline_ms(self.cfg))
         return out
 
     def on_tick(self, partition: int, now_ms: int, since_ms: int = 0) -> Emission:
         """Close timed-out groups of the partition, forget closed ones past ``late_retention_s``."""
-        key = str(partition)
-        index = DueIndex.load(self.index.get(key))
         out = Emission()
-        due = index.due(now_ms)
-        if not due:
-            return out
-        for group_id in due:
-            data = self.groups.get(group_id)
-            if data is None:
-                index.entries.pop(group_id, None)
-                continue
+
+        def visit(group_id: str, data: bytes) -> int | None:
             group = GroupState.from_bytes(data)
             if now_ms >= group.deadline_ms(self.cfg, since_ms):
                 if group.closed:
-                    del self.groups[group_id]
-                    index.entries.pop(group_id)
-                    continue
+                    return None  # closed long enough ago that no late trajectory is expected: forget it
                 self._close(group, now_ms, "timeout", out)
                 self.groups[group_id] = group.to_bytes()
-            index.entries[group_id] = group.deadline_ms(self.cfg, since_ms)
-        self.index[key] = index.to_bytes()
+            return group.deadline_ms(self.cfg, since_ms)
+
+        self.deadlines.tick(partition, now_ms, visit)
         return out
 
     def _close(self, group: GroupState, now_ms: int, by: str, out: Emission) -> None:

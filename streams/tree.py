@@ -15,7 +15,7 @@ keep their trainable flag and their share of the logprobs). The rest of the prom
 (``trainable=False``) and the generation a trainable child of it. A generation that repeats an existing trainable
 segment from the same node (a deterministic retry) is shared with it; it never merges into context tokens.
 
-Filtering (DESIGN.md "Filtering"):
+Filtering (docs/method.md#filtering):
 
 * Kinds. Only ``main`` calls enter the tree. ``side``, ``subagent``, ``compaction`` (and any unknown kind) stay out
   of it entirely — none of their tokens is stored — but count in ``stats.calls`` and ``excluded_calls``; their

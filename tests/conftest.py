@@ -21,6 +21,9 @@ from clawstream.kafka.clients import create_topics
 from clawstream.kafka.local import LocalKafka
 from clawstream.settings import KafkaSettings
 
+# The shared helpers assert too (admin calls, leak checks): give them pytest's detailed failure messages.
+pytest.register_assert_rewrite("tests.support")
+
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def bootstrap_servers(settings: KafkaSettings) -> str:
-    """The bootstrap address to use: configured, else the local broker's (``clawstream kafka up``), else a clear error."""
+    """The bootstrap address: configured, else the local broker's (``clawstream kafka up``), else a clear error."""
     if settings.bootstrap_servers:
         return settings.bootstrap_servers
     bootstrap = LocalKafka().running_bootstrap()
@@ -73,11 +73,16 @@ def partitions_at_end(consumer: Consumer, topic: str, ends: dict[int, int]) -> s
     return {tp.partition for tp in positions if tp.offset >= ends[tp.partition]}
 
 
-def assign_from_beginning(consumer: Consumer, topic: str, timeout: float = 30.0) -> dict[int, int]:
+def assign_from_beginning(
+    consumer: Consumer, topic: str, timeout: float = 30.0, *, missing_ok: bool = False
+) -> dict[int, int]:
     """Assign every partition of ``topic`` from its beginning; return each partition's end offset (high watermark)
-    as of now. Partitions are assigned by hand: nothing is committed, no group rebalance is involved."""
+    as of now. Partitions are assigned by hand: nothing is committed, no group rebalance is involved. A topic that
+    does not exist (yet) is an error, or nothing to read with ``missing_ok``."""
     try:
         meta = consumer.list_topics(topic, timeout=timeout).topics[topic]
+        if missing_ok and not meta.partitions:
+            return {}
         if meta.error is not None or not meta.partitions:
             raise ClawstreamError(f"cannot read {topic}: {meta.error or 'no partitions yet'}")
         partitions = sorted(meta.partitions)

@@ -4,7 +4,7 @@ The jars come from Maven Central through the recipe in ``compose/kafka-local/pom
 cache), storage is formatted with ``kafka.tools.StorageTool`` and the broker runs as ``kafka.Kafka`` in its own
 session. State (pid, ports, cluster id) lives in ``<home>/state.json``; the data dir survives restarts.
 
-Run: ``clawstream kafka up [--port N] | down | status | logs [-n N] [-f]`` (or ``python -m clawstream.kafka.local``).
+Run: ``clawstream kafka up [--port N] | down | status | logs [-n N] [-f]`` (or ``python -m clawstream kafka ...``).
 Environment: ``CLAWSTREAM_HOME`` (default ``~/.cache/clawstream``) holds ``kafka/`` (data, logs, state) and
 ``jars/`` (the provisioned class path); ``CLAWSTREAM_KAFKA_HEAP`` (default ``512m``).
 """

@@ -1,9 +1,12 @@
-"""Publish the proxy's call events to Kafka from asyncio, waiting for each delivery (never dropping a record).
+"""Publish records to Kafka from asyncio, waiting for each delivery (never dropping a record).
+
+Used by every asyncio service: the proxy (call events), the sandbox worker (lifecycle, rewards, dead letters) and
+the scheduler (rollout requests).
 
 ``KafkaPublisher.publish`` produces one record (idempotent producer, ``acks=all``, zstd: see
 ``clawstream.kafka.clients``) and awaits its delivery report. A full local queue (``BufferError``) makes the caller
 wait and retry while the poll thread drains it; if the delivery is not confirmed within ``timeout`` seconds (broker
-unreachable, topic missing...) :class:`PublishError` is raised and the proxy answers 503. librdkafka's own
+unreachable, topic missing...) :class:`PublishError` is raised (the proxy then answers 503). librdkafka's own
 ``message.timeout.ms`` is set to the same deadline so a record the proxy gave up on is not delivered much later.
 A daemon thread calls ``producer.poll`` so delivery callbacks run while the event loop serves requests.
 """
@@ -16,7 +19,7 @@ import time
 from typing import Any, Protocol
 
 from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import make_producer
+from clawstream.kafka.clients import make_producer, produce_reliably
 from clawstream.settings import KafkaSettings
 
 
@@ -58,15 +61,13 @@ class KafkaPublisher:
             loop.call_soon_threadsafe(settle)
 
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._producer.produce(topic, key=key.encode(), value=value, on_delivery=on_delivery)
-                break
-            except BufferError:
-                # Local queue full: wait for the poll thread to drain it; never drop the record.
-                if time.monotonic() > deadline:
-                    raise PublishError(f"producer queue stayed full for {timeout:.0f}s") from None
-                await asyncio.sleep(0.02)
+        try:
+            # A full local queue blocks this call (and so the event loop) while the poll thread drains it: that is
+            # the backpressure we want, and it is rare (the queue holds 100k records).
+            produce_reliably(self._producer, topic, key.encode(), value, on_delivery=on_delivery, timeout=timeout,
+                             wait=time.sleep)  # fmt: skip
+        except ClawstreamError as exc:
+            raise PublishError(str(exc)) from exc
         try:
             await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:

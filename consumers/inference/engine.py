@@ -102,7 +102,7 @@ class SequenceOutput:
     prompt_index: int
     sample_index: int
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # log-prob of each sampled token (see consumers.inference.sampling)
+    logprobs: list[float] = field(default_factory=list)  # log-prob of each sampled token (see .sampling)
     # Per step when requested: [(sampled id, logprob), then the k most likely (id, logprob)], vLLM's order.
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"

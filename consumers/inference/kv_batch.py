@@ -1,6 +1,7 @@
 """Bookkeeping of a left-padded batch of sequences that share one transformers ``DynamicCache``.
 
-Pure torch (no model, no HTTP, no Kafka; topics: none); the engine (``consumers.inference.engine``) keeps its running batch
+Pure torch (no model, no HTTP, no Kafka; topics: none); the engine (``consumers.inference.engine``) keeps its running
+batch
 in a :class:`KVBatch` and uses :func:`left_pad`, :func:`select` and :func:`merge` to add and drop sequences
 without recomputing anyone's prefix. Layout: every row is right-aligned, so column T-1 holds each row's newest
 cached token; ``mask`` says which columns are real for a row; positions are per row, so padding never shifts a

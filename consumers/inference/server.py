@@ -6,7 +6,8 @@ every switch, "inference_stats" every ``metrics_interval_s``) and ``clawstream.d
 Two engines:
 
 * ``cpu`` (default): a Hugging Face causal LM loaded from a local directory runs in this process, behind the
-  continuous-batching scheduler of ``consumers.inference.engine`` (its own thread, so the aiohttp loop stays responsive).
+  continuous-batching scheduler of ``consumers.inference.engine`` (its own thread, so the aiohttp loop stays
+  responsive).
   HTTP: ``POST /v1/completions`` (the vLLM subset in ``consumers.inference.protocol``), ``GET /v1/models``,
   ``GET /health``. New weight versions are swapped in between decode steps (``consumers.inference.weight_follower``).
 * ``vllm``: the worker serves no completions; it applies each weight version to the vLLM server at

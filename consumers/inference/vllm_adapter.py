@@ -1,6 +1,7 @@
 """Thin adapter that applies clawstream weight versions to a running vLLM server over its HTTP API.
 
-Topics: none directly; ``consumers.inference.weight_follower.WeightsFollower`` feeds it ``clawstream.weights`` events when the
+Topics: none directly; ``consumers.inference.weight_follower.WeightsFollower`` feeds it ``clawstream.weights`` events
+when the
 worker runs with ``--engine vllm --engine-url URL`` (the worker then serves no completions itself: clients talk to
 vLLM's own ``/v1/completions``). UNTESTED AGAINST A REAL vLLM: no vLLM runs on the development machines; the unit
 tests check the exact requests against a real in-process HTTP server that records them.
@@ -67,7 +68,8 @@ def reload_calls(weights_dir: Path, *, pause: bool = True) -> list[VllmCall]:
 
 
 class VllmWeightsTarget:
-    """A :class:`consumers.inference.weight_follower.WeightsTarget` that reloads a vLLM server's weights from shared storage."""
+    """A :class:`consumers.inference.weight_follower.WeightsTarget` that reloads a vLLM server's weights from shared
+    storage."""
 
     def __init__(self, base_url: str, *, policy_version: int = 0, timeout_s: float = 600.0, pause: bool = True):
         self.base_url = base_url.rstrip("/")

@@ -13,7 +13,8 @@ Applying a version (``WeightVersion.uri`` + ``sha256``): resolve the URI (``file
 the file exists and its sha256, load the safetensors and check every tensor's name and shape against the served
 model (missing, unknown or mis-shaped tensors reject the file; tied weights may appear once) -- all before the
 served weights are touched -- then hand it to the target (:class:`EngineWeightsTarget` for the CPU engine, which
-swaps between decode steps, see ``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM server). A rejected
+swaps between decode steps, see ``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM
+server). A rejected
 version keeps the old weights, is logged with its reason and position (``topic[partition]@offset``) and goes to
 the dead-letter topic with the original key and value. An applied one publishes a "weights_applied" metric with
 the swap latency split into load (read + verify), drain wait (in-flight requests finishing on the old weights)
@@ -31,15 +32,23 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from confluent_kafka import OFFSET_BEGINNING, Message, TopicPartition
+from confluent_kafka import Message
 
 from clawstream.errors import ClawstreamError, CodecError
-from clawstream.kafka.clients import make_consumer, make_producer, partitions_at_end, where
+from clawstream.kafka.clients import (
+    assign_from_beginning,
+    make_consumer,
+    make_producer,
+    produce_reliably,
+    read_to_end,
+    where,
+)
+from clawstream.kafka.dead_letter import dead_letter_of
 from clawstream.settings import KafkaSettings
 from consumers.inference.engine import Engine, SwapOutcome, WeightSwap
 from consumers.inference.telemetry import gpu_readings
 from policy.weight_store import WeightsRejected, copy_into, load_checked, verify_file
-from schemas.events import DeadLetter, Metric, WeightVersion, now_ms
+from schemas.events import Metric, WeightVersion, now_ms
 from schemas.topics import DEADLETTER, METRICS, WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -107,23 +116,12 @@ class Reporter:
     def metric(self, name: str, policy_version: int, values: dict[str, float], *, labels: dict[str, str] | None = None,
                step: int | None = None) -> None:  # fmt: skip
         event = Metric(policy_version, now_ms(), self.source, name, values, step=step, labels=labels or {})
-        self.producer.produce(self.kafka.topic(METRICS), key=self.source.encode(), value=event.to_bytes())
+        produce_reliably(self.producer, self.kafka.topic(METRICS), self.source.encode(), event.to_bytes())
         self.producer.poll(0)
 
     def dead_letter(self, msg: Message, reason: str, error_type: str, policy_version: int | None) -> None:
-        event = DeadLetter(
-            timestamp_ms=now_ms(),
-            source=self.source,
-            reason=reason,
-            error_type=error_type,
-            original_topic=msg.topic() or "",
-            original_partition=msg.partition() if msg.partition() is not None else -1,
-            original_offset=msg.offset() if msg.offset() is not None else -1,
-            policy_version=policy_version,
-            original_key=msg.key(),
-            original_value=msg.value(),
-        )
-        self.producer.produce(self.kafka.topic(DEADLETTER), key=msg.key(), value=event.to_bytes())
+        event = dead_letter_of(msg, self.source, reason, error_type, policy_version=policy_version)
+        produce_reliably(self.producer, self.kafka.topic(DEADLETTER), msg.key(), event.to_bytes())
         self.producer.flush(10)
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -182,12 +180,7 @@ class WeightsFollower:
         # Group id only because librdkafka wants one; partitions are assigned by hand and nothing is committed.
         consumer = make_consumer(self.kafka, f"inference-worker-{uuid.uuid4().hex[:12]}")
         try:
-            meta = consumer.list_topics(self.topic, timeout=30).topics[self.topic]
-            if meta.error is not None or not meta.partitions:
-                raise ClawstreamError(f"cannot read {self.topic}: {meta.error or 'no partitions yet'}")
-            partitions = sorted(meta.partitions)
-            ends = {p: consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=30)[1] for p in partitions}
-            consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions])
+            ends = assign_from_beginning(consumer, self.topic, 30)
             log.info("following %s from the beginning (end offsets at startup: %s)", self.topic,
                      ", ".join(f"{self.topic}[{p}]@{o}" for p, o in ends.items()))  # fmt: skip
             self._catch_up(consumer, ends)
@@ -213,14 +206,10 @@ class WeightsFollower:
 
     def _catch_up(self, consumer: Any, ends: dict[int, int]) -> None:
         """Read what the topic held at startup; apply the newest version for our model (older ones as fallback)."""
-        pending = {p for p, end in ends.items() if end > 0}
         candidates: list[tuple[Message, WeightVersion]] = []
-        while pending and not self._stop.is_set():
-            msg = consumer.poll(self.poll_timeout)
-            # Positions, not record offsets: a transactional producer (the learner) ends the topic with markers.
-            pending -= partitions_at_end(consumer, self.topic, {p: ends[p] for p in pending})
-            if msg is None or msg.error() is not None:
-                continue
+        # No deadline: the engine keeps serving the version it has while this catches up, however long it takes.
+        for msg in read_to_end(consumer, self.topic, ends, timeout=None, poll_timeout=self.poll_timeout,
+                               stop=self._stop.is_set):  # fmt: skip
             event = self._decode(msg, quiet=True)
             if event is not None:
                 candidates.append((msg, event))

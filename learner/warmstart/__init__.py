@@ -2,4 +2,12 @@
 and an offline evaluation that grades through the one set of grading rules (``producers.tasks.grading``).
 
 Topics: none (offline). Run: ``clawstream model sft --model-dir DIR --out DIR`` or ``python -m learner.warmstart``.
+Modules: ``episodes`` (the agent loop against an in-process proxy, graded), ``demos`` (scripted correct episodes,
+task splits), ``sft`` (training, CLI), ``evaluate`` (greedy offline evaluation).
 """
+
+import os
+
+# Before any submodule pulls in transformers / huggingface_hub (they read it at import): the models are local
+# directories (policy.tiny_model output), so never reach for the Hub, not even to check for updates.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")

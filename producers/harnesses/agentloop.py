@@ -14,8 +14,9 @@ ADAPTER = HarnessAdapter(
     name="agentloop",
     description="built-in white-box agent loop, OpenAI Chat (paper's baseline)",
     dialect=Dialect.OPENAI_CHAT,
-    command=("${python}", "-m", "producers.harnesses.builtin_loop", "--dialect", "openai", "--base-url", "${base_url_v1}",
-             "--model", "${model}", "--workspace", "${workspace}", "${prompt}"),  # fmt: skip
+    command=("${python}", "-m", "producers.harnesses.builtin_loop", "--dialect", "openai",
+             "--base-url", "${base_url_v1}", "--model", "${model}", "--workspace", "${workspace}",
+             "${prompt}"),  # fmt: skip
     env=_ENV,
     call_kind_notes="one main agent, no side calls",
 )
@@ -24,8 +25,9 @@ ANTHROPIC_ADAPTER = HarnessAdapter(
     name="agentloop-anthropic",
     description="built-in agent loop variant, Anthropic Messages, other tool names and system prompt",
     dialect=Dialect.ANTHROPIC_MESSAGES,
-    command=("${python}", "-m", "producers.harnesses.builtin_loop", "--dialect", "anthropic", "--base-url", "${base_url}",
-             "--model", "${model}", "--workspace", "${workspace}", "${prompt}"),  # fmt: skip
+    command=("${python}", "-m", "producers.harnesses.builtin_loop", "--dialect", "anthropic",
+             "--base-url", "${base_url}", "--model", "${model}", "--workspace", "${workspace}",
+             "${prompt}"),  # fmt: skip
     env=_ENV,
     call_kind_notes="one main agent, no side calls",
 )

@@ -5,7 +5,8 @@ with :class:`string.Template` (``${name}``; JSON/TOML braces need no escaping) f
 
 ``base_url`` (``{proxy}/r/{rollout}``), ``base_url_v1`` (``.../v1``), ``secret``, ``model``, ``side_model``,
 ``workspace`` / ``home`` (paths *inside* the sandbox), ``prompt``, ``timeout_s``, ``exe`` (the installed executable
-of ``install``), ``python`` (the sandbox's Python) and ``clawstream_root`` (so ``python -m producers.harnesses.builtin_loop``
+of ``install``), ``python`` (the sandbox's Python) and ``clawstream_root`` (so ``python -m
+producers.harnesses.builtin_loop``
 imports inside a local sandbox).
 
 A config file path that is relative is relative to the sandbox HOME. The prompt only ever goes into argv (one

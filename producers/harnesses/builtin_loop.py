@@ -2,7 +2,8 @@
 
 Runs *inside the sandbox* (stdlib only, so any image with Python 3 runs it)::
 
-    AGENTLOOP_API_KEY=... python -m producers.harnesses.builtin_loop --dialect openai --base-url URL/v1 --model policy "PROMPT"
+    AGENTLOOP_API_KEY=... python -m producers.harnesses.builtin_loop --dialect openai --base-url URL/v1 \
+        --model policy "PROMPT"
 
 Two dialects with deliberately different surfaces, so two heterogeneous harnesses can be mixed on a CPU:
 
@@ -14,6 +15,10 @@ Two dialects with deliberately different surfaces, so two heterogeneous harnesse
 Paths are relative to ``--workspace`` (the cwd by default). The loop ends when the model calls the finish tool,
 answers without a tool call, or after ``--max-turns`` calls. Exit 0 then; exit 3 when the API fails (HTTP error,
 e.g. 401 after the rollout was sealed, or unreachable), with the reason on stderr. Non-streaming requests.
+
+The HTTP transport is a parameter of :func:`run_openai` / :func:`run_anthropic` (``post``, a :data:`Post`; default
+the urllib :func:`post`), so the warm start (``learner.warmstart``) can drive this very loop against an in-process
+stand-in of the serving proxy without patching the module.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +102,12 @@ class Tools:
         return f"error: unknown tool role {role}"
 
 
+# (url, JSON body, headers, timeout in seconds) -> the decoded JSON answer; raises ApiFailure when the API fails.
+Post = Callable[[str, dict[str, Any], dict[str, str], float], dict[str, Any]]
+
+
 def post(url: str, body: dict[str, Any], headers: dict[str, str], timeout: float) -> dict[str, Any]:
+    """The real transport: one JSON POST over urllib."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -111,7 +122,7 @@ def _args(tool: tuple, given: dict[str, Any]) -> list[Any]:
     return [given.get(name) for name in tool[3]]
 
 
-def run_openai(args: argparse.Namespace, tools: Tools, key: str) -> str:
+def run_openai(args: argparse.Namespace, tools: Tools, key: str, post: Post = post) -> str:
     url = args.base_url.rstrip("/") + "/chat/completions"
     schema = [{"type": "function", "function": {"name": n, "description": t[1], "parameters": t[2]}}
               for n, t in OPENAI_TOOLS.items()]  # fmt: skip
@@ -140,7 +151,7 @@ def run_openai(args: argparse.Namespace, tools: Tools, key: str) -> str:
     return "max turns"
 
 
-def run_anthropic(args: argparse.Namespace, tools: Tools, key: str) -> str:
+def run_anthropic(args: argparse.Namespace, tools: Tools, key: str, post: Post = post) -> str:
     url = args.base_url.rstrip("/") + "/v1/messages"
     schema = [{"name": n, "description": t[1], "input_schema": t[2]} for n, t in ANTHROPIC_TOOLS.items()]
     messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": args.prompt}]}]
@@ -165,7 +176,8 @@ def run_anthropic(args: argparse.Namespace, tools: Tools, key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m producers.harnesses.builtin_loop", description=__doc__.split("\n")[0])
+    prog = "python -m producers.harnesses.builtin_loop"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("prompt")
     parser.add_argument("--dialect", choices=("openai", "anthropic"), default="openai")
     parser.add_argument("--base-url", required=True, help="openai: .../v1; anthropic: the base without /v1")

@@ -1,6 +1,6 @@
 """Claude Code (``@anthropic-ai/claude-code``): Anthropic Messages at ``{base}/v1/messages?beta=true``.
 
-Facts (HARNESSES.md): refuses ``--dangerously-skip-permissions`` as root, so tools are allowed by name;
+Facts (docs/harnesses.md#claude-code): refuses ``--dangerously-skip-permissions`` as root, so tools are allowed by name;
 ``CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1`` stops 6 attempts per run to reach api.anthropic.com (and the title
 call); ``CLAUDE_CODE_ATTRIBUTION_HEADER=0`` keeps ``system[0]`` stable across prompts. Side (title) calls, when
 enabled, use ``ANTHROPIC_DEFAULT_HAIKU_MODEL``.

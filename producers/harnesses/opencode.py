@@ -1,6 +1,7 @@
 """opencode (``opencode-ai``): OpenAI Chat at ``{base}/v1/chat/completions`` through ``@ai-sdk/openai-compatible``.
 
-Facts (HARNESSES.md): config via ``OPENCODE_CONFIG``; ``OPENCODE_DISABLE_MODELS_FETCH=1``; it still tries the npm
+Facts (docs/harnesses.md#opencode):
+config via ``OPENCODE_CONFIG``; ``OPENCODE_DISABLE_MODELS_FETCH=1``; it still tries the npm
 registry at start. Its title call uses the main model even with ``small_model`` set (classified SIDE by the proxy's
 short-system-prompt rule).
 """

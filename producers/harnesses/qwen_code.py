@@ -1,6 +1,7 @@
 """Qwen Code (``@qwen-code/qwen-code``): OpenAI Chat at ``{base}/v1/chat/completions``.
 
-Facts (HARNESSES.md): ``privacy.usageStatisticsEnabled=false`` (else telemetry to an outside host); never set
+Facts (docs/harnesses.md#qwen-code):
+``privacy.usageStatisticsEnabled=false`` (else telemetry to an outside host); never set
 HTTP(S)_PROXY for it (it routes loopback through the proxy, fails, and still exits 0).
 """
 

@@ -110,12 +110,6 @@ class Rollout:
         }  # fmt: skip
 
 
-class EngineError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class Proxy:
     """One proxy process: rollouts, renderer, engine client, publisher, metrics."""
 

@@ -1,6 +1,7 @@
 """Emit a finished assistant turn in each dialect: a non-streaming JSON body, or its exact SSE event sequence.
 
-Pseudo-streaming (DESIGN.md "Safeguards"): the proxy parses the whole turn once, then streams it. Each dialect has
+Pseudo-streaming (docs/method.md#pseudo-streaming): the proxy parses the whole turn once, then streams it. Each
+dialect has
 a *preamble* (sent as soon as the stream opens, before the engine answers: it only needs the ids, the model name
 and the prompt length), a *keep-alive* (sent periodically while the engine works) and a *body* (the turn).
 

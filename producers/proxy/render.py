@@ -12,7 +12,7 @@ detected (the stub is not a prefix) and raises :class:`RenderError`.
 
 TITO. An assistant segment whose text/tool calls equal an answer the proxy returned earlier in the rollout is
 never re-encoded: it becomes ``generation prompt + generated ids + turn suffix`` (the suffix is ``\\n`` when the
-generation ended with ``<|im_end|>``, else ``<|im_end|>\\n``: see ``model_init.assistant_turn_suffix_ids``).
+generation ended with ``<|im_end|>``, else ``<|im_end|>\\n``: see ``policy.chat_template.assistant_turn_suffix_ids``).
 
 Cost. A request whose conversation *extends* an earlier call (that call's conversation + its answer + new
 messages; found by comparing the messages' keys with the conversations of the last ``match_window`` calls: tuple

@@ -3,7 +3,7 @@
 The sandbox worker calls :func:`execute` per request; this module has no Kafka import: events go to an
 :class:`EventSink` (the worker's publishes to Kafka and waits for the acknowledgement; tests may collect them).
 
-Statuses (DESIGN.md "Safeguards"; every state change goes through ``schemas.lifecycle.transition``):
+Statuses (docs/method.md#infrastructure-failures; every state change goes through ``schemas.lifecycle.transition``):
 
 * harness exits by itself (any exit code) → HARNESS_EXITED(exit_code, calls_served), graded;
 * harness killed at its wall-clock limit → TIMED_OUT(calls_served), graded;

@@ -31,6 +31,7 @@ from confluent_kafka import KafkaException, TopicPartition
 
 from clawstream.errors import ClawstreamError, CodecError
 from clawstream.kafka.clients import make_consumer, where
+from clawstream.kafka.dead_letter import dead_letter_of
 from clawstream.kafka.publisher import KafkaPublisher
 from clawstream.settings import KafkaSettings, load_settings
 from producers.harnesses.base import HarnessAdapter
@@ -41,7 +42,7 @@ from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker
 from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute
 from producers.tasks.catalog import SuiteCatalog
-from schemas.events import DeadLetter, RewardEvent, RolloutEvent, RolloutRequest, now_ms
+from schemas.events import RewardEvent, RolloutEvent, RolloutRequest
 from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 
 log = logging.getLogger("clawstream.sandbox_worker")
@@ -155,10 +156,7 @@ class SandboxWorker:
                  outcome.state, outcome.reward.reward if outcome.reward else None)  # fmt: skip
 
     async def _dead_letter(self, msg, reason: str) -> None:  # noqa: ANN001
-        record = DeadLetter(timestamp_ms=now_ms(), source="sandbox_worker", reason=reason, error_type="CodecError",
-                            original_topic=msg.topic(), original_partition=msg.partition(),
-                            original_offset=msg.offset(), original_key=msg.key(),
-                            original_value=msg.value())  # fmt: skip
+        record = dead_letter_of(msg, "sandbox_worker", reason, "CodecError")
         key = (msg.key() or b"").decode(errors="replace")
         await self.publisher.publish(self.kafka.topic(DEADLETTER), key, record.to_bytes(), self.s.publish_timeout_s)
 

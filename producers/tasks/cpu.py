@@ -1,14 +1,15 @@
 """The built-in CPU task suite: small workspace tasks a tiny model can learn, with partial-credit graders.
 
 Generated from templates with a seed (deterministic): exact file writes, copies, word replacements, appends,
-deletions and one-digit computations over files (sum, line count). Following DESIGN.md "Model for CPU runs", every
+deletions and one-digit computations over files (sum, line count). Following docs/method.md#task-design, every
 name and content in a prompt is quoted (so the model can copy it token for token into the tool call's JSON), names
 are whole words (``"notes.txt"``, ``"apple"``) and numbers have one digit. Each task is graded by one shared
 ``grade.py`` reading the task's ``checks.json`` (a list of checks: exists, absent, equals, lines); each check is one
 sub-score in {0, 1}, so a half-done task earns partial credit (reward = mean).
 
 Splits: ``train`` (``n_train`` tasks, seed ``seed``) and ``heldout`` (``n_heldout``, seed ``seed + 1``, never the
-same prompt as a train task). Export as native directories: ``python -m producers.tasks.model builtin:cpu --export DIR``.
+same prompt as a train task). Export as native directories: ``python -m producers.tasks.model builtin:cpu --export
+DIR``.
 """
 
 from __future__ import annotations

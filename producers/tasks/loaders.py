@@ -8,7 +8,8 @@ ClawGym-Bench (one directory per task)::
 
 The scripts hard-code the mount dir. Mapping: the grader files are copied into the sandbox's grader directory with
 every occurrence of ``input_mount_dir`` rewritten to the sandbox's real workspace path (``Grader.mount_dir_rewrite``,
-applied by ``producers.tasks.grading``), and ``reward.sh`` runs with its own directory as cwd and ``CLAWGYM_WORKSPACE`` /
+applied by ``producers.tasks.grading``), and ``reward.sh`` runs with its own directory as cwd and
+``CLAWGYM_WORKSPACE`` /
 ``WORKSPACE`` set. The prompt's mentions of the mount dir are rewritten the same way at launch. A container backend
 mounts the workspace at ``input_mount_dir`` itself, so there the rewrite is a no-op. Sub-scores: any line of the
 output that is a dict (JSON or a Python literal, as ``check.py`` prints) is reported as sub-scores.

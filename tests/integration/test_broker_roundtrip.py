@@ -12,7 +12,7 @@ from clawstream.kafka.clients import create_topics, make_admin, make_consumer, m
 from clawstream.settings import KafkaSettings
 from schemas.events import CallEvent
 from schemas.topics import BY_NAME, CATALOG, DEADLETTER
-from tests.factories import sample_events
+from tests.support.factories import sample_events
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """REAL agent harnesses through the serving proxy: "create hello.txt containing hi" in 2 model calls.
 
 Each harness is installed from the npm registry into ``$CLAWSTREAM_HOME/harnesses/<name>`` (once; see
-``producers.harnesses.install``) and run headless and offline (HARNESSES.md) against a real proxy (real Kafka
+``producers.harnesses.install``) and run headless and offline (docs/harnesses.md) against a real proxy (real Kafka
 broker) whose engine is the scripted engine: it answers the harness's first call with the tool call that harness
 needs (Claude Code ``Write{file_path,content}``, Codex ``exec_command{cmd,workdir}``, Qwen Code
 ``write_file{file_path,content}``, opencode ``write{filePath,content}``) and the follow-up with a final message,
@@ -29,8 +29,8 @@ import pytest
 from producers.harnesses.install import HarnessInstallError, install_harness, install_node24
 from schemas.events import CallKind
 from streams.tree import TreeCall, rebuild_prompts
-from tests.integration.test_proxy import consume_calls, register, running_proxy, seal
 from tests.support import proxy_helpers as H
+from tests.support.proxy_server import consume_calls, register, running_proxy, seal
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
 
 pytestmark = pytest.mark.integration
@@ -208,7 +208,8 @@ def _openclaw_command(exe: Path, node: Path, base: str, secret: str, home: Path,
 
 @pytest.mark.timeout(900)
 async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp_path: Path) -> None:
-    """OpenClaw moves its internal-context user message to the end on every call (HARNESSES.md), so call 2 is
+    """OpenClaw moves its internal-context user message to the end on every call (docs/harnesses.md#openclaw), so call
+    2 is
     not an append of call 1: the proxy must lay it out again (``full_render``), branch from call 1 at the longest
     common token prefix, and still keep call 1's generated ids verbatim (TITO) inside the re-ordered history."""
     exe = await asyncio.to_thread(_installed, "openclaw")

@@ -18,8 +18,8 @@ import pytest
 
 from producers.harnesses.install import HarnessInstallError, install_harness
 from schemas.events import RewardStatus, RolloutState
-from tests.integration.test_sandbox_worker import assert_clean, by_rollout, run_requests, stack
 from tests.support import sandbox_helpers as S
+from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
 pytestmark = pytest.mark.integration

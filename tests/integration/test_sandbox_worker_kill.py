@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from schemas.events import RewardStatus, RolloutState
-from tests.integration.test_proxy import running_proxy
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
+from tests.support.proxy_server import running_proxy
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.integration

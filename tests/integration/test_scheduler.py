@@ -18,7 +18,7 @@ from clawstream.kafka.clients import make_consumer, make_producer
 from producers.scheduler.service import Scheduler, SchedulerSettings
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, WeightVersion, now_ms
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
-from tests.integration.test_sandbox_worker import stack
+from tests.support.sandbox_stack import stack
 
 pytestmark = pytest.mark.integration
 

@@ -28,8 +28,8 @@ from schemas.events import (
     WeightVersion,
 )
 from schemas.topics import BATCHES, CALLS, DEADLETTER, METRICS, TRAJECTORIES, WEIGHTS
-from tests.integration.apps.stream_harness import Collector, Feeder, Worker, produce, produce_raw
-from tests.integration.apps.stream_load import SynthRollout, build, interleave, make_groups
+from tests.support.stream_harness import Collector, Feeder, Worker, produce, produce_raw
+from tests.support.stream_load import SynthRollout, build, interleave, make_groups
 
 pytestmark = pytest.mark.integration
 HARNESSES = ("claude-code", "openclaw")

@@ -1,6 +1,7 @@
 """Helpers for the serving-proxy tests: the tiny model, harness-shaped requests per dialect, an SSE reader.
 
-The request builders copy the shapes the real harnesses send (see /work/shared/HARNESSES.md): Claude Code's
+The request builders copy the shapes the real harnesses send (see docs/harnesses.md#what-the-proxy-must-accept):
+Claude Code's
 ``system`` blocks with ``cache_control`` plus a ``role:"system"`` message inside ``messages``, ``thinking`` /
 ``context_management`` / ``metadata`` fields; Codex's ``developer`` input items, ``reasoning``/``include``/``store``;
 Qwen Code's chat request with ``stream_options.include_usage``. Each builder turns the proxy's previous answer

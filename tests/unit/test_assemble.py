@@ -18,9 +18,10 @@ from schemas.events import (
     TrajectoryStatus,
 )
 from schemas.topics import CALLS, REWARDS, ROLLOUT_EVENTS
-from streams.assemble import Assembler, DueIndex, RolloutAccumulator, Verdict, split_group_id
+from streams.assemble import Assembler, RolloutAccumulator, split_group_id
 from streams.settings import StreamsSettings
-from tests.integration.apps.stream_load import SynthRollout, build
+from streams.state import DueIndex, Verdict
+from tests.support.stream_load import SynthRollout, build
 
 CFG = StreamsSettings(settle_interval_s=1.0, settle_timeout_s=10.0, rollout_timeout_s=100.0, late_retention_s=50.0,
                       store="memory://")  # fmt: skip
@@ -334,8 +335,6 @@ def test_silence_counts_only_while_the_worker_listens() -> None:
 def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> None:
     """Same request attempt number, new attempt id (the request was redelivered after the worker died mid-rollout):
     the unfinished attempt is settled as an infrastructure failure and the re-run is assembled."""
-    from schemas.events import RolloutEvent, RolloutState
-    from streams.assemble import RolloutAccumulator, Verdict
 
     def started(attempt_id: str) -> RolloutEvent:
         return RolloutEvent(rollout_id="r", policy_version=0, timestamp_ms=0, attempt_id=attempt_id,

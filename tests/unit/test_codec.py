@@ -17,7 +17,7 @@ from fastavro import parse_schema, schemaless_writer
 from clawstream.errors import CodecError, CorruptRecordError, UnknownSchemaError
 from schemas.codec import MARKER, SCHEMA_DIR, AvroCodec, default_codec, schema_fingerprint
 from schemas.events import ALL_EVENTS, CallEvent, Trajectory
-from tests.factories import sample_events
+from tests.support.factories import sample_events
 
 
 @pytest.mark.parametrize("event", sample_events(), ids=lambda e: type(e).__name__)

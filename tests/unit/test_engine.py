@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from consumers.inference import sampling
 from consumers.inference.engine import Engine, EngineError, GenerationResult, SamplingParams, SwapOutcome, WeightSwap
 from consumers.inference.kv_batch import KVBatch, cache_layers, left_pad, merge, select
-from tests.unit.tiny_lm import EOS, VOCAB, full_logprobs, greedy_reference, tiny_lm
+from tests.support.tiny_model import EOS, VOCAB, full_logprobs, greedy_reference, tiny_model
 
 PROMPTS = [[5, 17, 3], [40, 9, 23, 2, 11, 7, 30, 12], [8], [60, 61, 62, 63, 64]]
 
@@ -117,7 +117,7 @@ def test_merge_left_pads_the_shorter_batch_and_select_trims_unused_columns() -> 
 # ---- engine ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
-    return tiny_lm(0)
+    return tiny_model(0)
 
 
 def _engine(model: torch.nn.Module, **kwargs: object) -> Engine:
@@ -243,8 +243,8 @@ def test_batch_limit_queues_and_an_oversized_request_runs_alone(model: torch.nn.
 
 
 def test_swap_waits_for_in_flight_requests_then_serves_the_new_version(model: torch.nn.Module) -> None:
-    other = tiny_lm(1)
-    engine, got = Engine(tiny_lm(0), eos_token_ids=[EOS], policy_version=3), _Collect()
+    other = tiny_model(1)
+    engine, got = Engine(tiny_model(0), eos_token_ids=[EOS], policy_version=3), _Collect()
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     engine.submit([PROMPTS[1]], greedy, got("old"))
     engine.step()
@@ -288,7 +288,7 @@ def test_bad_input_and_model_failure(model: torch.nn.Module) -> None:
         engine.submit([[]], SamplingParams(), got("x"))
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
-    broken = Engine(tiny_lm(0), eos_token_ids=[EOS])
+    broken = Engine(tiny_model(0), eos_token_ids=[EOS])
     broken.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # type: ignore[method-assign]
     broken.submit([PROMPTS[0]], SamplingParams(), got("f"))
     broken.step()

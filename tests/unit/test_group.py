@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from schemas.events import BatchRecord, BatchRecordKind, Trajectory, TrajectoryStatus
-from streams.assemble import Verdict
 from streams.group import Emission, Grouper, advantages, expected_size
 from streams.settings import StreamsSettings
-from tests.factories import sample_trajectory
+from streams.state import Verdict
+from tests.support.factories import sample_trajectory
 
 CFG = StreamsSettings(group_size=4, group_timeout_s=30.0, settle_timeout_s=10.0, late_retention_s=100.0,
                       store="memory://")  # fmt: skip

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from dataclasses import dataclass, field
 from types import ModuleType
 from unittest import mock
 
@@ -26,18 +25,7 @@ from learner.losses import (  # noqa: E402
     value_loss,
 )
 from learner.pack import MicroBatch, pack_tree  # noqa: E402
-
-
-@dataclass
-class Seg:
-    """Mirror of streams.tree.Segment (the fields packing reads)."""
-
-    index: int
-    parent: int
-    tokens: list[int]
-    trainable: bool
-    logprobs: list[float] = field(default_factory=list)
-
+from tests.support.segments import Seg  # noqa: E402
 
 D = torch.float64  # hand-computed values are checked in fp64 so that 1e-12 tolerances are meaningful
 

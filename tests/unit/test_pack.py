@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -21,21 +21,20 @@ from learner.pack import (  # noqa: E402
     packed_forward,
     packed_logprobs,
 )
+from tests.support.segments import Seg  # noqa: E402
+from tests.support.tiny_model import tiny_model  # noqa: E402
 
 VOCAB = 64
-
-
-@dataclass
-class Seg:
-    """Mirror of streams.tree.Segment (only the fields packing reads, plus index)."""
-
-    index: int
-    parent: int
-    tokens: list[int]
-    trainable: bool
-    logprobs: list[float] = field(default_factory=list)
-    call_id: str | None = None
-    policy_version: int = 0
+# The packing checks' tiny model: its own vocabulary, an untied head, no pad row, and a large init so attention is far
+# from uniform and a wrong mask or position visibly changes the logprobs.
+PACK_MODEL = {
+    "vocab_size": VOCAB,
+    "initializer_range": 0.5,
+    "tie_word_embeddings": False,
+    "pad_token_id": None,
+    "eos_token_id": None,
+    "max_position_embeddings": 256,
+}
 
 
 def seg(index: int, parent: int, tokens: list[int], trainable: bool) -> Seg:
@@ -155,26 +154,6 @@ def test_budget_packing_rejects_oversized_tree() -> None:
 # ---------------------------------------------------------------- model checks
 
 
-def tiny_qwen3(attn_implementation: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        # Large init: attention is far from uniform, so a wrong mask or position visibly changes the logprobs.
-        initializer_range=0.5,
-        attn_implementation=attn_implementation,
-    )
-    model = transformers.Qwen3ForCausalLM(config).to(torch.float32).eval()
-    assert model.config._attn_implementation == attn_implementation
-    return model
-
-
 def rand_tokens(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
 
@@ -274,7 +253,7 @@ def check_against_paths(model: torch.nn.Module, mb: MicroBatch, trees: dict[int,
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_packed_logprobs_equal_per_path_logprobs(attn_implementation: str) -> None:
-    model = tiny_qwen3(attn_implementation)
+    model = tiny_model(0, attn_implementation, **PACK_MODEL)
     trees = random_trees()
     for tree in trees.values():
         mb = MicroBatch.from_trees([pack_tree(tree)], [0])
@@ -283,7 +262,7 @@ def test_packed_logprobs_equal_per_path_logprobs(attn_implementation: str) -> No
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 def test_several_trees_in_one_micro_batch(attn_implementation: str) -> None:
-    model = tiny_qwen3(attn_implementation)
+    model = tiny_model(0, attn_implementation, **PACK_MODEL)
     by_index = dict(enumerate(random_trees().values()))
     batches = pack_trees([by_index[i] for i in range(len(by_index))], token_budget=60)
     assert any(len(mb.tree_indices) >= 2 for mb in batches)
@@ -293,7 +272,7 @@ def test_several_trees_in_one_micro_batch(attn_implementation: str) -> None:
 
 def test_wrong_mask_would_be_caught() -> None:
     # Power check: a plain causal mask over the packed row (siblings see each other) changes branch logprobs.
-    model = tiny_qwen3("sdpa")
+    model = tiny_model(0, "sdpa", **PACK_MODEL)
     mb = MicroBatch.from_trees([pack_tree(random_trees()["root_branch"])], [0])
     with torch.no_grad():
         right = packed_logprobs(model, mb)
@@ -308,7 +287,7 @@ def test_wrong_mask_would_be_caught() -> None:
 
 
 def test_only_trainable_gradients_and_refusals() -> None:
-    model = tiny_qwen3("eager")
+    model = tiny_model(0, "eager", **PACK_MODEL)
     mb = MicroBatch.from_trees([pack_tree(random_trees()["mid_generated_branch"])], [0])
     lp = packed_logprobs(model, mb, only_trainable=True)
     assert bool((lp[~mb.loss_mask] == 0).all())

@@ -13,10 +13,25 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from learner.warmstart import sft  # noqa: E402
+from learner.warmstart.demos import (  # noqa: E402
+    HELDOUT_RESERVE,
+    build_demonstrations,
+    build_episodes,
+    heldout_tasks,
+    scripted_policy,
+    solution_calls,
+    tool_call_text,
+    train_tasks,
+)
+from learner.warmstart.episodes import DIALECTS, EpisodeResult, Policy, grade_workspace, run_episode  # noqa: E402
+from learner.warmstart.evaluate import evaluate_policy, greedy_policy  # noqa: E402
 from policy.chat_template import IM_END, render_chat  # noqa: E402
 from policy.tiny_model import init_tiny_model  # noqa: E402
+from producers.harnesses import builtin_loop  # noqa: E402
+from producers.proxy.render import TemplateRenderer  # noqa: E402
 from producers.proxy.tool_parse import parse_turn  # noqa: E402
-from producers.tasks.model import Task  # noqa: E402
+from producers.tasks.grading import GraderFailure  # noqa: E402
+from producers.tasks.model import Grader, GraderOutput, Task  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +49,22 @@ def tok(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def tasks() -> list[Task]:
-    return sft.train_tasks(8)  # round-robin: one task of each template
+    return train_tasks(8)  # round-robin: one task of each template
 
 
 @pytest.fixture(scope="module")
-def episodes(tok: Any, tasks: list[Task]) -> list[sft.EpisodeResult]:
-    return sft.build_episodes(tok, tasks)
+def episodes(tok: Any, tasks: list[Task]) -> list[EpisodeResult]:
+    return build_episodes(tok, tasks)
 
 
-def test_every_template_and_dialect_is_covered(episodes: list[sft.EpisodeResult], tasks: list[Task]) -> None:
+def test_every_template_and_dialect_is_covered(episodes: list[EpisodeResult], tasks: list[Task]) -> None:
     assert {t.metadata["template"] for t in tasks} == {"write", "write_two", "copy", "replace", "append", "delete",
                                                        "sum", "count"}  # fmt: skip
-    assert sorted(e.dialect for e in episodes) == sorted(list(sft.DIALECTS) * len(tasks))
+    assert sorted(e.dialect for e in episodes) == sorted(list(DIALECTS) * len(tasks))
     assert all(e.why == "finished" for e in episodes)
 
 
-def test_demonstrations_are_append_only(episodes: list[sft.EpisodeResult]) -> None:
+def test_demonstrations_are_append_only(episodes: list[EpisodeResult]) -> None:
     for ep in episodes:
         assert len(ep.turns) >= 2
         for (prompt, target), (nxt, _) in zip(ep.turns, ep.turns[1:], strict=False):
@@ -60,26 +75,24 @@ def test_demonstrations_are_append_only(episodes: list[sft.EpisodeResult]) -> No
 
 
 def test_build_demonstrations_flattens_turns(model_dir: Path) -> None:
-    demos = sft.build_demonstrations(model_dir, n_tasks=8)
-    assert len(demos) == sum(len(sft.solution_calls(t, d)) for t in sft.train_tasks(8) for d in sft.DIALECTS)
+    demos = build_demonstrations(model_dir, n_tasks=8)
+    assert len(demos) == sum(len(solution_calls(t, d)) for t in train_tasks(8) for d in DIALECTS)
     assert all(prompt and target for prompt, target in demos)
 
 
-def test_prompts_start_with_system_tools_and_generation_prompt(tok: Any, episodes: list[sft.EpisodeResult]) -> None:
+def test_prompts_start_with_system_tools_and_generation_prompt(tok: Any, episodes: list[EpisodeResult]) -> None:
     for ep in episodes:
         text = tok.decode(ep.turns[0][0])
-        system = sft.agentloop.OPENAI_SYSTEM if ep.dialect == "openai" else sft.agentloop.ANTHROPIC_SYSTEM
+        system = builtin_loop.OPENAI_SYSTEM if ep.dialect == "openai" else builtin_loop.ANTHROPIC_SYSTEM
         assert text.startswith(f"<|im_start|>system\n{system}\n\n# Tools")
         assert text.endswith("<|im_start|>assistant\n")
 
 
-def test_targets_parse_back_into_the_intended_calls(
-    tok: Any, episodes: list[sft.EpisodeResult], tasks: list[Task]
-) -> None:
+def test_targets_parse_back_into_the_intended_calls(tok: Any, episodes: list[EpisodeResult], tasks: list[Task]) -> None:
     by_id = {t.task_id: t for t in tasks}
     eos = tok.convert_tokens_to_ids(IM_END)
     for ep in episodes:
-        want = sft.solution_calls(by_id[ep.task_id], ep.dialect)
+        want = solution_calls(by_id[ep.task_id], ep.dialect)
         assert len(ep.turns) == len(want)
         for (_, target), (name, arguments) in zip(ep.turns, want, strict=True):
             assert target[-1] == eos
@@ -94,10 +107,10 @@ def test_target_markup_is_the_templates_own() -> None:
     stub = [{"role": "user", "content": "."}]
     before = render_chat(stub, add_generation_prompt=True)
     after = render_chat([*stub, {"role": "assistant", "content": "", "tool_calls": [call]}])
-    assert after[len(before) :] == sft.tool_call_text("write_file", args) + "\n"
+    assert after[len(before) :] == tool_call_text("write_file", args) + "\n"
 
 
-def test_shared_prefix_kv_gives_the_same_loss_and_gradient(model_dir: Path, episodes: list[sft.EpisodeResult]) -> None:
+def test_shared_prefix_kv_gives_the_same_loss_and_gradient(model_dir: Path, episodes: list[EpisodeResult]) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     seqs = [sft.episode_sequence(e.dialect, e.turns) for e in episodes if e.dialect == "anthropic"]
     prefix = sft._common_prefix(seqs)
@@ -126,34 +139,53 @@ def test_sft_steps_reduce_the_loss_and_save_a_loadable_model(model_dir: Path, tm
 
 
 def _scripted(tok: Any, wrong: bool) -> Any:
-    def make(task: Task, dialect: str) -> sft.Policy:
-        calls = sft.solution_calls(task, dialect)
+    def make(task: Task, dialect: str) -> Policy:
+        calls = solution_calls(task, dialect)
         if wrong:  # finish straight away: nothing is written or deleted
             calls = calls[-1:]
-        return sft.scripted_policy(tok, [sft.tool_call_text(n, a) for n, a in calls])
+        return scripted_policy(tok, [tool_call_text(n, a) for n, a in calls])
 
     return make
 
 
 def test_eval_solves_with_a_correct_policy_and_fails_with_a_wrong_one(tok: Any) -> None:
-    tasks = sft.heldout_tasks(8)
-    good = sft.evaluate_policy(_scripted(tok, wrong=False), tok, tasks)
+    tasks = heldout_tasks(8)
+    good = evaluate_policy(_scripted(tok, wrong=False), tok, tasks)
     assert good["all"] == {"mean_reward": 1.0, "solve_rate": 1.0, "n": 16}
-    bad = sft.evaluate_policy(_scripted(tok, wrong=True), tok, tasks)
+    bad = evaluate_policy(_scripted(tok, wrong=True), tok, tasks)
     assert bad["all"]["solve_rate"] == 0.0 and bad["all"]["mean_reward"] < 0.5
     assert bad["by_template"]["write"] == 0.0
 
 
 def test_greedy_model_episode_runs_end_to_end(model_dir: Path, tok: Any) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    policy = sft.greedy_policy(model, tok.convert_tokens_to_ids(IM_END), max_new_tokens=8)
-    result = sft.run_episode(sft.heldout_tasks(1)[0], "openai", policy, sft.TemplateRenderer(tok), max_turns=2)
+    policy = greedy_policy(model, tok.convert_tokens_to_ids(IM_END), max_new_tokens=8)
+    result = run_episode(heldout_tasks(1)[0], "openai", policy, TemplateRenderer(tok), max_turns=2)
     assert 0.0 <= (result.reward or 0.0) <= 1.0
     assert 1 <= len(result.turns) <= 2 and all(len(gen) <= 8 for _, gen in result.turns)
 
 
 def test_heldout_prompts_never_in_training() -> None:
-    held = {t.prompt for t in sft.heldout_tasks(sft.HELDOUT_RESERVE)}
-    train = sft.train_tasks(1200)
+    held = {t.prompt for t in heldout_tasks(HELDOUT_RESERVE)}
+    train = train_tasks(1200)
     assert len({t.task_id for t in train}) == 1200
     assert not held & {t.prompt for t in train}
+
+
+def _grader_task(script: str, output: GraderOutput = "subscores_json") -> Task:
+    grader = Grader("probe", {"check.py": script.encode()}, ("${python}", "${grader_dir}/check.py", "${workspace}"),
+                    output=output)  # fmt: skip
+    return Task("probe", "probe-0", "-", 10.0, {}, grader)
+
+
+def test_grade_workspace_runs_the_grader_through_the_shared_rules(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("x")
+    script = ("import json, os, sys; ws = sys.argv[1]; assert os.environ['WORKSPACE'] == ws; "
+              "assert json.load(open('transcript.json')) == []; "
+              "print(json.dumps({'a': float(os.path.exists(os.path.join(ws, 'a.txt'))), 'b': 0.0}))")  # fmt: skip
+    assert grade_workspace(_grader_task(script), tmp_path) == (0.5, {"a": 1.0, "b": 0.0})
+    assert grade_workspace(_grader_task("print(0.25)", "reward_float"), tmp_path) == (0.25, {})
+    with pytest.raises(GraderFailure, match="exited 1"):
+        grade_workspace(_grader_task("raise SystemExit(1)"), tmp_path)
+    with pytest.raises(GraderFailure, match="timed out"):
+        grade_workspace(_grader_task("import time; time.sleep(30)"), tmp_path, timeout_s=0.5)

@@ -21,7 +21,7 @@ from consumers.inference.vllm_adapter import VllmCall, VllmWeightsTarget, reload
 from consumers.inference.weight_follower import EngineWeightsTarget
 from policy.weight_store import WeightsRejected, load_checked, resolve_uri, verify_file
 from schemas.events import WeightVersion
-from tests.unit.tiny_lm import EOS, greedy_reference, tiny_lm
+from tests.support.tiny_model import EOS, greedy_reference, tiny_model
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> WeightVersion:
@@ -33,7 +33,7 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> WeightVersion:
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
-    sd = tiny_lm(seed).state_dict()
+    sd = tiny_model(seed).state_dict()
     sd.pop("lm_head.weight")  # tied to the embeddings: stored once, as save_pretrained does
     return sd
 
@@ -62,7 +62,7 @@ def test_verify_file_checks_existence_size_and_sha256(tmp_path: Path) -> None:
 
 
 def test_load_checked_rejects_wrong_names_and_shapes(tmp_path: Path) -> None:
-    model = tiny_lm(0)
+    model = tiny_model(0)
     good = _weights(1)
     assert set(load_checked(resolve_uri(_save(good, tmp_path / "ok.safetensors").uri), model)) == set(good)
     both = {**good, "lm_head.weight": good["model.embed_tokens.weight"].clone()}
@@ -84,7 +84,7 @@ def test_load_checked_rejects_wrong_names_and_shapes(tmp_path: Path) -> None:
 
 
 def test_engine_target_swaps_weights_between_steps(tmp_path: Path) -> None:
-    model, new = tiny_lm(0), tiny_lm(1)
+    model, new = tiny_model(0), tiny_model(1)
     engine = Engine(model, eos_token_ids=[EOS], policy_version=0)
     engine.start()
     try:

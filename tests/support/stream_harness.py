@@ -29,7 +29,7 @@ from clawstream.settings import KafkaSettings
 from schemas.events import Event
 from schemas.topics import BATCHES, DEADLETTER, METRICS, TRAJECTORIES
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 OUTPUTS = (TRAJECTORIES, BATCHES, DEADLETTER, METRICS)
 
 

@@ -1,0 +1,106 @@
+"""Types shared by the stages and the tick loop: verdicts on records, the due index and the per-partition deadlines.
+
+The assembler (``streams.assemble``) and the grouper (``streams.group``) keep their entities (rollouts, groups) in a
+key → bytes map and, per partition, a :class:`DueIndex` of when each entity may next need attention. A record of an
+entity *schedules* it (:meth:`Deadlines.schedule`: the index only ever moves earlier there); a tick *visits* the
+entities that are due (:meth:`Deadlines.tick`), which acts on them and reports their next due time, or that they can
+be forgotten. Ticks are the app's own tick topics (see ``streams.app``: Faust timers cannot write tables, so a timer
+sends each owned partition a tick and the agents check deadlines when it arrives, inside the partition's transaction).
+
+No topics of its own; pure: no Kafka, no Faust (the maps are Faust tables in the app, dicts in tests). Run through
+the app: ``python -m streams.app worker``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from schemas.events import TrajectoryStatus
+
+# Statuses a learner can train on (they carry tree segments); every other status is kept for statistics only.
+TRAINABLE_STATUSES = frozenset({TrajectoryStatus.COMPLETE, TrajectoryStatus.TIMED_OUT})
+
+
+class Verdict(StrEnum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"  # ignored
+    LATE = "late"  # the entity already settled / closed → dead letter
+    REJECTED = "rejected"  # contradicts what is known → dead letter
+    SUPERSEDES = "supersedes"  # a newer attempt started: settle the current one first, then apply again
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a stage made of one record; ``reason`` is the dead letter's reason when it is LATE or REJECTED."""
+
+    verdict: Verdict
+    reason: str = ""
+
+
+class DueIndex:
+    """id → earliest time (ms) it may need attention, for one partition (JSON bytes in a table)."""
+
+    def __init__(self, entries: dict[str, int] | None = None) -> None:
+        self.entries = entries or {}
+
+    @classmethod
+    def load(cls, data: bytes | None) -> DueIndex:
+        return cls(json.loads(data) if data else None)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.entries, separators=(",", ":")).encode()
+
+    def lower(self, key: str, due_ms: int) -> bool:
+        """Record ``due_ms`` if it is earlier than what is stored (a later due is found when the tick re-checks)."""
+        if key in self.entries and self.entries[key] <= due_ms:
+            return False
+        self.entries[key] = due_ms
+        return True
+
+    def due(self, now_ms: int) -> list[str]:
+        return sorted((k for k, t in self.entries.items() if t <= now_ms), key=lambda k: (self.entries[k], k))
+
+
+# A tick's visit of one due entity: (key, stored bytes) → its next due time, or None to forget it (state and index).
+Visit = Callable[[str, bytes], int | None]
+
+
+class Deadlines:
+    """The tick loop over a stage's entities: ``state[key]`` their bytes, ``index[str(partition)]`` a DueIndex."""
+
+    def __init__(self, state: MutableMapping[str, bytes], index: MutableMapping[str, bytes]) -> None:
+        self.state, self.index = state, index
+
+    def schedule(self, partition: int, key: str, due_ms: int) -> None:
+        """Make sure a tick visits ``key`` by ``due_ms``; the index is rewritten only when that moved it earlier
+        (one changelog write less per record: a later due is found when the tick re-checks)."""
+        index = DueIndex.load(self.index.get(str(partition)))
+        if index.lower(key, due_ms):
+            self.index[str(partition)] = index.to_bytes()
+
+    def tick(self, partition: int, now_ms: int, visit: Visit) -> None:
+        """Visit the partition's due entities, oldest due first; reschedule them or forget them as ``visit`` says.
+
+        ``visit`` writes the entity's state itself when it changed it. An index entry whose state is gone (forgotten
+        elsewhere) is dropped. The index is not rewritten when nothing was due (no changelog write per idle tick).
+        """
+        key = str(partition)
+        index = DueIndex.load(self.index.get(key))
+        due = index.due(now_ms)
+        if not due:
+            return
+        for entity in due:
+            data = self.state.get(entity)
+            if data is None:
+                index.entries.pop(entity, None)
+                continue
+            next_ms = visit(entity, data)
+            if next_ms is None:
+                del self.state[entity]
+                index.entries.pop(entity)
+            else:
+                index.entries[entity] = next_ms
+        self.index[key] = index.to_bytes()

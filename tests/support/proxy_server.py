@@ -1,0 +1,74 @@
+"""A real serving proxy on a free local port (tiny tokenizer, Kafka publisher), its admin calls, and a calls reader.
+
+For the integration tests and bench scripts that drive the proxy over HTTP: ``running_proxy`` yields the proxy and
+its URL, ``register`` / ``seal`` are the admin API a sandbox worker uses, ``consume_calls`` reads a rollout's call
+events back from the broker in ``seq`` order.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from clawstream.kafka.clients import make_consumer
+from clawstream.kafka.publisher import KafkaPublisher
+from clawstream.settings import KafkaSettings
+from producers.proxy.app import Proxy, ProxySettings
+from schemas.events import CallEvent
+from schemas.topics import CALLS
+from tests.support import proxy_helpers as H
+
+
+@asynccontextmanager
+async def running_proxy(kafka: KafkaSettings, engine_url: str, **overrides: Any) -> AsyncIterator[tuple[Proxy, str]]:
+    settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine_url, port=0, admin_token="admin",
+                             **{"keepalive_s": 0.2, "publish_timeout_s": 15, **overrides})  # fmt: skip
+    publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
+    proxy = Proxy(settings, publisher, kafka.topic(CALLS), tokenizer=H.tiny_tokenizer())
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    proxy.public_url = url
+    try:
+        yield proxy, url
+    finally:
+        await runner.cleanup()
+        publisher.close()
+
+
+async def register(http: aiohttp.ClientSession, url: str, **body: Any) -> dict[str, Any]:
+    async with http.post(f"{url}/admin/rollouts", json=body, headers={"Authorization": "Bearer admin"}) as r:
+        assert r.status == 201, await r.text()
+        return await r.json()
+
+
+async def seal(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, Any]:
+    async with http.post(f"{url}/admin/rollouts/{rid}/seal", headers={"Authorization": "Bearer admin"}) as r:
+        assert r.status == 200
+        return await r.json()
+
+
+def consume_calls(kafka: KafkaSettings, rollout_ids: set[str], n: int, timeout: float = 20.0) -> list[CallEvent]:
+    consumer = make_consumer(kafka, f"g-{uuid.uuid4().hex[:8]}")
+    consumer.subscribe([kafka.topic(CALLS)])
+    out: list[CallEvent] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and len(out) < n:
+            msg = consumer.poll(0.3)
+            if msg is None or msg.error():
+                continue
+            event = CallEvent.from_bytes(msg.value())
+            assert msg.key().decode() == event.rollout_id
+            if event.rollout_id in rollout_ids:
+                out.append(event)
+    finally:
+        consumer.close()
+    return sorted(out, key=lambda e: e.seq)
