@@ -9,5 +9,5 @@ faust-streaming), ``codec``, ``settings``.
 Topics: ``clawstream.calls``, ``clawstream.rollout.events``, ``clawstream.rewards``,
 ``clawstream.rollout.requests``, ``clawstream.weights`` in → ``clawstream.trajectories``, ``clawstream.batches``,
 ``clawstream.metrics``, ``clawstream.deadletter`` out.
-Run: ``clawstream streams worker`` or ``python -m streams.app worker``.
+Run: ``clawstream streams worker`` or ``python -m streams worker``.
 """

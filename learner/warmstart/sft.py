@@ -1,4 +1,4 @@
-"""Supervised warm start of the tiny policy on synthetic agent demonstrations, and an offline greedy evaluation.
+"""Supervised warm start of the tiny policy on synthetic agent demonstrations (``clawstream model sft``).
 
 RL through the built-in agent loops only has signal once the policy solves some tasks (docs/method.md#warm-start:
 a start of ~30-60%). This module trains the model with plain cross-entropy on the assistant tokens of a

@@ -1,4 +1,4 @@
-"""The project's own white-box agent loop (``producers.harnesses.builtin_loop``), in two heterogeneous variants.
+"""Adapters of the built-in white-box agent loop (``producers.harnesses.builtin_loop``), two different variants.
 
 ``agentloop``: OpenAI Chat, tools read_file / write_file / list_files / run / finish, a short system prompt.
 ``agentloop-anthropic``: Anthropic Messages, tools Read / Write / LS / Shell / Done, a different system prompt.

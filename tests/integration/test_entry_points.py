@@ -26,6 +26,7 @@ MODULES = [
     "learner.value",
     "learner.warmstart",
     "policy.tiny_model",
+    "streams",
     "streams.app",
 ]
 COMMANDS = [
