@@ -76,9 +76,10 @@ def partitions_at_end(consumer: Consumer, topic: str, ends: dict[int, int]) -> s
 def assign_from_beginning(
     consumer: Consumer, topic: str, timeout: float = 30.0, *, missing_ok: bool = False
 ) -> dict[int, int]:
-    """Assign every partition of ``topic`` from its beginning; return each partition's end offset (high watermark)
-    as of now. Partitions are assigned by hand: nothing is committed, no group rebalance is involved. A topic that
-    does not exist (yet) is an error, or nothing to read with ``missing_ok``."""
+    """Assign every partition of ``topic`` from its beginning; return the end offset (high watermark, as of now) of
+    each partition that holds records (an empty or fully expired one has nothing to read to). Partitions are
+    assigned by hand: nothing is committed, no group rebalance is involved. A topic that does not exist (yet) is an
+    error, or nothing to read with ``missing_ok``."""
     try:
         meta = consumer.list_topics(topic, timeout=timeout).topics[topic]
         if missing_ok and not meta.partitions:
@@ -86,11 +87,11 @@ def assign_from_beginning(
         if meta.error is not None or not meta.partitions:
             raise ClawstreamError(f"cannot read {topic}: {meta.error or 'no partitions yet'}")
         partitions = sorted(meta.partitions)
-        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in partitions}
+        marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in partitions}
     except KafkaException as exc:
         raise ClawstreamError(f"cannot read {topic}: {exc}") from exc
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-    return ends
+    return {p: high for p, (low, high) in marks.items() if high > low}
 
 
 def read_to_end(

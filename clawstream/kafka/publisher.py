@@ -62,12 +62,15 @@ class KafkaPublisher:
 
         deadline = time.monotonic() + timeout
         try:
-            # A full local queue blocks this call (and so the event loop) while the poll thread drains it: that is
-            # the backpressure we want, and it is rare (the queue holds 100k records).
-            produce_reliably(self._producer, topic, key.encode(), value, on_delivery=on_delivery, timeout=timeout,
-                             wait=time.sleep)  # fmt: skip
-        except ClawstreamError as exc:
-            raise PublishError(str(exc)) from exc
+            self._producer.produce(topic, key=key.encode(), value=value, on_delivery=on_delivery)
+        except BufferError:
+            # Local queue full (rare: it holds 100k records): wait in a thread while the poll thread drains it, so
+            # the event loop keeps serving (SSE keep-alives, other calls) meanwhile; never drop the record.
+            try:
+                await asyncio.to_thread(produce_reliably, self._producer, topic, key.encode(), value,
+                                        on_delivery=on_delivery, timeout=timeout, wait=time.sleep)  # fmt: skip
+            except ClawstreamError as exc:
+                raise PublishError(str(exc)) from exc
         try:
             await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
         except TimeoutError as exc:
