@@ -14,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from learner.losses import LossConfig
+from policy import DEFAULT_MODEL_NAME
 
 
 def _hp(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in the table below
@@ -67,7 +68,10 @@ class LearnerSettings(BaseSettings):
 
     model_dir: Path = Field(description="Initial policy in HF format (e.g. from `clawstream model init`).")
     weight_store: Path = Field(description="Directory where every published version's safetensors file is kept.")
-    model_name: str = Field(default="policy", description="Served model name; key of clawstream.weights records.")
+    model_name: str = Field(
+        default=DEFAULT_MODEL_NAME,
+        description="Served model name; key of clawstream.weights records (the engine follows its served name).",
+    )
     group_id: str = Field(
         default="", description="Consumer group for batches (default: <topic prefix>clawstream-learner-<model>)."
     )

@@ -39,6 +39,7 @@ from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
+from policy import DEFAULT_MODEL_NAME
 from policy.weight_store import copy_into, load_checked, save_weights, value_head_path, verify_file
 from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--weight-store", required=True)
-    parser.add_argument("--model-name", default="policy")
+    parser.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="key of the published weight versions")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     parser.add_argument("--tensorboard-dir", default=None)

@@ -49,6 +49,12 @@ from policy.corpus import iter_corpus
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+# Position range of the model (``max_position_embeddings``) and the tokenizer's ``model_max_length``: real harness
+# prompts reach ~40k tokens with this tokenizer (docs/harnesses.md), so 128k leaves room for long rollouts. The
+# inference engine's default ``max_model_len`` is the model's ``max_position_embeddings``.
+MAX_POSITIONS = 131072
+
+
 class ModelInitError(ClawstreamError):
     """The tiny model could not be built (bad settings, or the ML stack is missing or misbehaves)."""
 
@@ -105,7 +111,7 @@ def build_tokenizer(seed: int, vocab_size: int, num_documents: int) -> Any:
         unk_token=None,
         chat_template=CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
-        model_max_length=32768,
+        model_max_length=MAX_POSITIONS,
         split_special_tokens=False,
     )
 
@@ -156,7 +162,7 @@ def init_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     head_dim: int | None = None,
-    max_position_embeddings: int = 32768,
+    max_position_embeddings: int = MAX_POSITIONS,
     rope_theta: float = 1_000_000.0,
     num_documents: int = 6000,
     progress: Callable[[str], None] | None = print,

@@ -197,6 +197,9 @@ class CallEvent(Event):
     render_ms: float = 0.0
     engine_ms: float = 0.0
     total_ms: float = 0.0
+    cached_prompt_tokens: int | None = None  # engine's usage.prompt_tokens_details.cached_tokens; None: not reported
+    gpu_utilization: float | None = None  # engine GPU utilisation (%) when it answered; None: no NVML / CPU engine
+    gpu_memory_used_bytes: int | None = None  # engine GPU memory in use when it answered; None: as above
 
 
 @dataclass

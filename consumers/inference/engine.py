@@ -9,27 +9,37 @@ consumer around it); topics in → out: none. Use::
 
 How a step works
 ----------------
-All active sequences live in one batch with one shared KV cache (transformers ``DynamicCache``): keys/values
-(B, H, T, D), a 2-D attention mask (B, T) that marks which cache columns are real for each row, and each row's
-next position id. Rows are left-padded to a common length T, so the newest token of every row is in the last
-column. One scheduler step:
+A request's prompts are *prefilled* one chunk at a time, each in a cache of its own (one row, no padding), then
+join the *decode batch*: all generating sequences in one left-padded batch with one shared KV cache
+(``consumers.inference.kv_batch``): keys/values (B, H, T, D), a 2-D mask (B, T) of the real columns of each row and
+each row's next position id, the newest token of every row in the last column. One scheduler step:
 
-1. admits waiting requests (FIFO) while the batch has room (``max_batch_size`` rows, ``max_prefill_tokens``),
-   prefills them together in a left-padded group of their own, samples their first token, duplicates the prompt
-   cache ``n`` times (a prompt is prefilled once per request, not once per sample) and merges the group into the
-   running batch (the shorter of the two is left-padded with masked columns);
-2. decodes ONE token for every active row with a single forward pass over (B, 1) new tokens, reusing the cache;
-3. drops rows that finished (eos, a stop token, ``max_tokens``) or were aborted, trims cache columns no
-   remaining row uses, and completes requests whose sequences all finished.
+1. admits waiting requests (FIFO) while the batch has room (``max_batch_size`` rows, prefilling ones included);
+2. **chunked prefill** under a token budget (``max_prefill_tokens`` per step, less one per decoding row): each
+   prefilling prompt gets at most ``prefill_chunk_tokens`` — the oldest first, then the shortest remaining — so a
+   short request is never stuck behind a long prompt's prefill (it waits one chunk, not the whole prompt). Before
+   each chunk the prompt looks up the **prefix cache** and skips what is cached; after it, the chunk's full blocks
+   go into the cache (so concurrent requests share a prefix as soon as one has computed it). A finished prompt
+   samples its first token, is duplicated ``n`` times (a prompt is prefilled once per request, not per sample)
+   and merges into the decode batch;
+3. decodes ONE token for every decoding row with a single forward pass over (B, 1) new tokens;
+4. drops rows that finished (eos, a stop token, ``max_tokens``) or were aborted, caches the full blocks of each
+   finished sequence (prompt + answer: the next call of an agent rollout starts with exactly that), trims cache
+   columns no remaining row uses, and completes requests whose sequences all finished.
 
 A sequence never has its prefix recomputed. Positions are per row (prompt length + generated so far), so rotary
 embeddings see the same positions as an unpadded run, and padding never changes results beyond float rounding.
 
+Prefix caching (``consumers.inference.prefix_cache``): KV blocks keyed by the chain of tokens before them, an LRU
+pool within ``prefix_cache_bytes``. A prompt always recomputes at least its last token (its logits are needed),
+as vLLM does. Per result, ``cached_tokens`` says how many prompt tokens came from the cache.
+
 Weight swaps
 ------------
-``request_swap`` queues a new set of weights. From then on no request is admitted; the active rows finish on the
-old weights (none fails), and when the batch is empty the scheduler applies the swap between two steps, bumps
-``policy_version`` and admits again. Every response therefore comes from exactly one version (reported in
+``request_swap`` queues a new set of weights. From then on no request is admitted; the active rows (prefilling
+ones included) finish on the old weights (none fails), and when nothing is active the scheduler applies the swap
+between two steps, **drops every cached block** (KV computed by the old weights must never serve the new ones),
+bumps ``policy_version`` and admits again. Every response therefore comes from exactly one version (reported in
 ``GenerationResult.policy_version``). The cost is that new requests wait while in-flight ones drain; a second
 model copy would avoid the wait but double memory and need a forward pass per version per step.
 """
@@ -42,102 +52,32 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
-from clawstream.errors import ClawstreamError
 from consumers.inference import sampling
-from consumers.inference.kv_batch import KVBatch, left_pad, merge, select
+from consumers.inference.generation import (
+    Callback,
+    EngineError,
+    GenerationResult,
+    SamplingParams,
+    SequenceOutput,
+    SwapOutcome,
+    WeightSwap,
+)
+from consumers.inference.kv_batch import KVBatch, cache_layers, growing_cache, merge, select, use_engine_attention
+from consumers.inference.prefix_cache import PrefixCache
+
+__all__ = ["Engine", "EngineError", "GenerationResult", "SamplingParams", "SequenceOutput", "SwapOutcome",
+           "WeightSwap"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
-
-
-class EngineError(ClawstreamError):
-    """The engine could not run a request (stopped, or the model failed)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling settings (a subset of vLLM's ``SamplingParams``, same meanings and defaults)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None
-    n: int = 1
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # None: no top-logprobs; k >= 0: the sampled token + the k most likely
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < sampling.GREEDY_EPS
-
-
-@dataclass
-class SequenceOutput:
-    """One generated sequence (one OpenAI ``choice``)."""
-
-    prompt_index: int
-    sample_index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # log-prob of each sampled token (see .sampling)
-    # Per step when requested: [(sampled id, logprob), then the k most likely (id, logprob)], vLLM's order.
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
-    stop_reason: int | None = None  # the stop token id that ended it; None for eos or length (as vLLM)
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    prompts: list[list[int]]
-    outputs: list[SequenceOutput]  # prompt-major, then sample index: vLLM's choice order
-    policy_version: int
-    queued_s: float  # submit → admitted
-    total_s: float  # submit → finished
-
-
-@dataclass(frozen=True)
-class SwapOutcome:
-    version: int
-    error: BaseException | None
-    wait_s: float  # swap requested → batch drained (in-flight requests finishing on the old weights)
-    apply_s: float  # copying the new weights in
-
-
-@dataclass
-class WeightSwap:
-    """New weights to apply between steps: ``apply(model)`` copies them in; ``done`` hears how it went."""
-
-    version: int
-    apply: Callable[[torch.nn.Module], None]
-    done: Callable[[SwapOutcome], None]
-    requested_at: float = field(default_factory=time.monotonic)
-
-
-Callback = Callable[[GenerationResult | BaseException], None]
 
 
 @dataclass
@@ -152,6 +92,25 @@ class _Request:
     admitted: float = 0.0
     policy_version: int = 0
     cancelled: bool = False
+    cached: list[int] = field(default_factory=list)  # per prompt: tokens taken from the prefix cache
+
+
+@dataclass
+class _Prefill:
+    """One prompt of an admitted request, being prefilled chunk by chunk in a cache of its own."""
+
+    request: _Request
+    prompt_index: int
+    cache: Cache | None = None
+    done: int = 0  # prompt tokens whose KV is in ``cache``
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompts[self.prompt_index]
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.done
 
 
 @dataclass
@@ -171,19 +130,28 @@ class Engine:
         eos_token_ids: Iterable[int],
         policy_version: int = 0,
         max_batch_size: int = 32,
-        max_prefill_tokens: int = 8192,
+        max_prefill_tokens: int = 2048,
+        prefill_chunk_tokens: int = 512,
+        prefix_cache_bytes: int = 2 << 30,
+        prefix_block_size: int = 32,
         logprobs_mode: LogprobsMode = "processed_logprobs",
         pad_token_id: int = 0,
     ) -> None:
+        if prefill_chunk_tokens < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens and prefill_chunk_tokens must be at least 1")
         self.model = model.eval()
+        use_engine_attention(model)
         param = next(model.parameters())
         self.device = param.device
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.num_layers = int(model.config.get_text_config().num_hidden_layers)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.logprobs_mode = logprobs_mode
         self.pad_token_id = pad_token_id
+        self.prefix_cache = PrefixCache(prefix_block_size, prefix_cache_bytes)
         # transformers 5.24 renamed `past_key_values` to `cache` (the old name is deprecated, removed in 5.40).
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -192,10 +160,14 @@ class Engine:
         self._waiting: deque[_Request] = deque()
         self._live: dict[str, _Request] = {}  # submitted, not yet completed, failed or dropped
         self._swap: WeightSwap | None = None
+        self._prefilling: list[_Prefill] = []  # admission order
         self._batch: KVBatch | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.tokens_generated = 0
+        self.tokens_prefilled = 0  # prompt tokens computed (not taken from the cache)
+        self.prompt_tokens = 0  # prompt tokens of finished prefills
+        self.cached_prompt_tokens = 0  # ... of which came from the prefix cache
         self.requests_finished = 0
         self.steps = 0
 
@@ -206,8 +178,9 @@ class Engine:
 
     @property
     def active_sequences(self) -> int:
+        """Rows decoding plus rows (``n`` per prompt) still prefilling."""
         batch = self._batch
-        return len(batch.rows) if batch else 0
+        return (len(batch.rows) if batch else 0) + sum(p.request.params.n for p in list(self._prefilling))
 
     @property
     def queued_requests(self) -> int:
@@ -229,6 +202,7 @@ class Engine:
         request = _Request(request_id or f"cmpl-{uuid.uuid4().hex}", [list(map(int, p)) for p in prompts], params,
                            callback, time.monotonic())  # fmt: skip
         request.remaining = len(prompts) * params.n
+        request.cached = [0] * len(prompts)
         with self._cond:
             if self._stopping:
                 raise EngineError("engine is stopped")
@@ -242,7 +216,7 @@ class Engine:
         with self._cond:
             request = self._live.get(request_id)
             if request is not None:
-                request.cancelled = True  # dropped from the queue or the batch at the next step
+                request.cancelled = True  # dropped from the queue, the prefill or the batch at the next step
 
     def request_swap(self, swap: WeightSwap) -> None:
         """Apply new weights once the in-flight sequences have finished (a newer pending swap replaces an older)."""
@@ -265,74 +239,76 @@ class Engine:
         self._fail_everything(EngineError("engine stopped"))
 
     def stats(self) -> dict[str, float]:
+        cache = self.prefix_cache
         return {
             "tokens_generated": float(self.tokens_generated),
+            "tokens_prefilled": float(self.tokens_prefilled),
             "requests_finished": float(self.requests_finished),
             "steps": float(self.steps),
             "active_sequences": float(self.active_sequences),
             "queued_requests": float(self.queued_requests),
+            "prefix_cache_queries": float(self.prompt_tokens),
+            "prefix_cache_hits": float(self.cached_prompt_tokens),
+            "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prefix_cache_blocks": float(cache.blocks),
+            "prefix_cache_bytes": float(cache.bytes),
+            "prefix_cache_evictions": float(cache.stats.evicted_blocks),
         }
 
     # ---- scheduler ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not (self._waiting or self._batch or self._swap):
+                while not self._stopping and not (self._waiting or self._prefilling or self._batch or self._swap):
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
                     return
             self.step()
 
     def step(self) -> bool:
-        """One scheduler iteration (admit + prefill, decode one token for all); returns whether it did anything.
-
-        Called by the scheduler thread only (tests may call it directly instead of ``start``).
-        """
+        """One scheduler iteration (admit, prefill chunks, decode one token for all); returns whether it did
+        anything. Called by the scheduler thread only (tests may call it directly instead of ``start``)."""
         swap: WeightSwap | None = None
-        admitted: list[_Request] = []
         with self._cond:
             for request in [r for r in self._waiting if r.cancelled]:
                 self._waiting.remove(request)
                 self._live.pop(request.request_id, None)
             if self._swap is not None:
-                if self._batch is None:
+                if self._batch is None and not self._prefilling:
                     swap, self._swap = self._swap, None
             else:
-                admitted = self._take_admissible()
+                for request in self._take_admissible():
+                    self._prefilling.extend(_Prefill(request, i) for i in range(len(request.prompts)))
         if swap is not None:
             self._apply_swap(swap)
             return True
-        if not admitted and self._batch is None:
+        if not self._prefilling and self._batch is None:
             return False
         try:
             with torch.inference_mode():
-                if admitted:
-                    self._prefill(admitted)
+                self._prefill_chunks()
                 if self._batch is not None:
                     self._decode()
         except Exception as exc:  # the model failed: fail what was running rather than hang its clients
-            log.exception("engine step failed; failing %d active requests", self.active_sequences)
-            self._fail_everything(EngineError(f"generation failed: {exc!r}"), also=admitted)
+            log.exception("engine step failed; failing %d active sequences", self.active_sequences)
+            self._fail_everything(EngineError(f"generation failed: {exc!r}"))
         self.steps += 1
         return True
 
     def _take_admissible(self) -> list[_Request]:
         rows = self.active_sequences
-        tokens = 0
         taken: list[_Request] = []
         while self._waiting:
             request = self._waiting[0]
             need = len(request.prompts) * request.params.n
-            prompt_tokens = sum(len(p) for p in request.prompts)
             alone = rows == 0 and not taken  # an oversized request still runs, alone
-            if not alone and (rows + need > self.max_batch_size or tokens + prompt_tokens > self.max_prefill_tokens):
+            if not alone and rows + need > self.max_batch_size:
                 break
             self._waiting.popleft()
             request.admitted = time.monotonic()
             request.policy_version = self._policy_version
             taken.append(request)
             rows += need
-            tokens += prompt_tokens
         return taken
 
     def _apply_swap(self, swap: WeightSwap) -> None:
@@ -345,41 +321,79 @@ class Engine:
         except Exception as exc:  # keep serving the old weights
             log.exception("applying weights version %d failed", swap.version)
             error = exc
+        # Even a failed apply may have copied some tensors in: no cached KV is trusted after any attempt.
+        self.prefix_cache.clear()
         outcome = SwapOutcome(swap.version, error, drained - swap.requested_at, time.monotonic() - drained)
         swap.done(outcome)
 
-    def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
-    ) -> torch.Tensor:
-        """Run ids (B, S) with mask (B, T+S) and positions (B, S); returns the last position's logits (B, V)."""
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: Cache) -> Any:
+        """Run ids (B, S) with mask (B, T+S) or None (one unpadded row), positions (B, S); returns the last
+        position's logits (B, V)."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache})  # fmt: skip
         return out.logits[:, -1, :]
 
-    def _prefill(self, requests: list[_Request]) -> None:
-        prompts = [p for r in requests for p in r.prompts]
-        ids, mask, positions = left_pad(prompts, self.pad_token_id, self.device)  # (G, L) each
-        cache = DynamicCache()
-        logits = self._forward(ids, mask, positions, cache)  # (G, V)
+    # ---- prefill --------------------------------------------------------------------------------------------
+    def _prefill_chunks(self) -> None:
+        """Advance the prefilling prompts by at most ``max_prefill_tokens`` tokens in all (see the module doc)."""
+        dropped = [p for p in self._prefilling if p.request.cancelled]
+        if dropped:
+            with self._cond:
+                self._prefilling = [p for p in self._prefilling if not p.request.cancelled]
+                for unit in dropped:
+                    self._live.pop(unit.request.request_id, None)
+        if not self._prefilling:
+            return
+        budget = max(self.max_prefill_tokens - (len(self._batch.rows) if self._batch else 0), 1)
+        oldest, *others = self._prefilling
+        for unit in [oldest, *sorted(others, key=lambda u: u.remaining)]:
+            if budget <= 0:
+                break
+            budget -= self._prefill_one(unit, min(budget, self.prefill_chunk_tokens))
 
-        source: list[int] = []  # prompt row each new sequence row comes from
+    def _prefill_one(self, unit: _Prefill, limit: int) -> int:
+        """Reuse the cached prefix, compute the next ``limit`` prompt tokens at most; returns tokens computed."""
+        tokens = unit.tokens
+        # At least the last token is computed: its logits give the first generated token.
+        if self.prefix_cache.cached_tokens(tokens[: len(tokens) - 1]) > unit.done:
+            hit = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1, count=False)
+            unit.cache, unit.done = growing_cache(hit.layers), hit.tokens
+            unit.request.cached[unit.prompt_index] = hit.tokens
+        if unit.cache is None:
+            unit.cache = growing_cache(num_layers=self.num_layers)
+        start, end = unit.done, min(len(tokens), unit.done + limit)
+        ids = torch.tensor([tokens[start:end]], device=self.device)  # (1, S)
+        positions = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, S)
+        logits = self._forward(ids, None, positions, unit.cache)  # (1, V)
+        unit.done = end
+        self.tokens_prefilled += end - start
+        self.prefix_cache.insert(tokens[:end], cache_layers(unit.cache))
+        if end == len(tokens):
+            self._start_decoding(unit, logits)
+        return end - start
+
+    def _start_decoding(self, unit: _Prefill, logits: torch.Tensor) -> None:
+        """The prompt is in its cache: sample the first token of its ``n`` samples, move them to the batch."""
+        request, n = unit.request, unit.request.params.n
         rows: list[_Row] = []
-        prompt_row = 0
-        for request in requests:
-            for p_index in range(len(request.prompts)):
-                for s_index in range(request.params.n):
-                    output = SequenceOutput(prompt_index=p_index, sample_index=s_index)
-                    request.outputs.append(output)
-                    rows.append(_Row(request, output, self._generator(request.params, s_index)))
-                    source.append(prompt_row)
-                prompt_row += 1
-        index = torch.tensor(source, device=self.device)
-        # Positions of the first generated token = prompt lengths; `pending` is filled in after sampling.
-        group = select(KVBatch(cache, mask, mask.sum(dim=1), mask.sum(dim=1), []), index, rows)
-        group.pending = self._sample_and_record(rows, logits.index_select(0, index))
-        self._batch = group if self._batch is None else merge(self._batch, group)
+        for s_index in range(n):
+            output = SequenceOutput(prompt_index=unit.prompt_index, sample_index=s_index)
+            request.outputs.append(output)
+            rows.append(_Row(request, output, self._generator(request.params, s_index)))
+        length = len(unit.tokens)
+        assert unit.cache is not None
+        one = KVBatch(unit.cache, torch.ones((1, length), dtype=torch.long, device=self.device),
+                      torch.tensor([length], device=self.device), torch.zeros(1, dtype=torch.long), [])  # fmt: skip
+        group = select(one, torch.zeros(n, dtype=torch.long, device=self.device), rows)  # (n, ...) copies
+        group.pending = self._sample_and_record(rows, logits.expand(n, -1))
+        with self._cond:
+            self._prefilling.remove(unit)
+            self._batch = group if self._batch is None else merge(self._batch, group)
+        self.prompt_tokens += length
+        self.cached_prompt_tokens += request.cached[unit.prompt_index]
         self._retire_finished()
 
+    # ---- decode ---------------------------------------------------------------------------------------------
     def _decode(self) -> None:
         batch = self._batch
         assert batch is not None
@@ -438,9 +452,11 @@ class Engine:
         batch = self._batch
         assert batch is not None
         keep = [i for i, row in enumerate(batch.rows) if row.output.finish_reason is None and not row.request.cancelled]
-        finished = [row for row in batch.rows if row.output.finish_reason is not None and not row.request.cancelled]
         if len(keep) == len(batch.rows):
             return
+        finished = [i for i, row in enumerate(batch.rows)
+                    if row.output.finish_reason is not None and not row.request.cancelled]  # fmt: skip
+        self._cache_sequences(batch, finished)
         with self._cond:
             for row in batch.rows:
                 if row.request.cancelled:
@@ -450,17 +466,34 @@ class Engine:
                 self._batch = select(batch, index, [batch.rows[i] for i in keep])
             else:
                 self._batch = None
-        for row in finished:
-            request = row.request
+        for i in finished:
+            request = batch.rows[i].request
             request.remaining -= 1
             if request.remaining == 0:
                 self._complete(request)
+
+    def _cache_sequences(self, batch: KVBatch, finished: list[int]) -> None:
+        """Put the full blocks of finished sequences (prompt + answer but its last token, which was never fed)
+        into the prefix cache: the next call of an agent rollout starts with exactly these tokens."""
+        layers = cache_layers(batch.cache)
+        width = batch.mask.shape[1]
+        for i in finished:
+            row = batch.rows[i]
+            tokens = row.request.prompts[row.output.prompt_index] + row.output.token_ids[:-1]
+            length = len(tokens)  # == batch.positions[i]: the row's real columns are the last `length`
+            if length // self.prefix_cache.block_size <= len(row.request.prompts[row.output.prompt_index]) // (
+                self.prefix_cache.block_size
+            ):
+                continue  # no full block beyond the prompt's, which are cached already
+            self.prefix_cache.insert(tokens, [(k[i : i + 1, :, width - length :], v[i : i + 1, :, width - length :])
+                                              for k, v in layers])  # fmt: skip
 
     def _complete(self, request: _Request) -> None:
         now = time.monotonic()
         outputs = sorted(request.outputs, key=lambda o: (o.prompt_index, o.sample_index))
         result = GenerationResult(request.request_id, request.prompts, outputs, request.policy_version,
-                                  request.admitted - request.arrival, now - request.arrival)  # fmt: skip
+                                  request.admitted - request.arrival, now - request.arrival,
+                                  list(request.cached))  # fmt: skip
         self.requests_finished += 1
         with self._cond:
             self._live.pop(request.request_id, None)
@@ -473,14 +506,15 @@ class Engine:
         except Exception:  # a broken callback must not take the scheduler down
             log.exception("callback of request %s failed", request.request_id)
 
-    def _fail_everything(self, error: BaseException, also: list[_Request] | None = None) -> None:
+    def _fail_everything(self, error: BaseException) -> None:
         with self._cond:
             requests: dict[str, _Request] = {}
             for row in self._batch.rows if self._batch else ():
                 requests[row.request.request_id] = row.request
-            for request in (also or []) + list(self._waiting):
+            for request in [p.request for p in self._prefilling] + list(self._waiting):
                 requests[request.request_id] = request
             self._batch = None
+            self._prefilling = []
             self._waiting.clear()
             for request_id in requests:
                 self._live.pop(request_id, None)

@@ -1,11 +1,16 @@
-"""Bookkeeping of a left-padded batch of sequences that share one transformers ``DynamicCache``.
+"""Bookkeeping of a left-padded batch of sequences that share one KV cache, and the cache itself.
 
 Pure torch (no model, no HTTP, no Kafka; topics: none); the engine (``consumers.inference.engine``) keeps its running
-batch
-in a :class:`KVBatch` and uses :func:`left_pad`, :func:`select` and :func:`merge` to add and drop sequences
+batch in a :class:`KVBatch` and uses :func:`left_pad`, :func:`select` and :func:`merge` to add and drop sequences
 without recomputing anyone's prefix. Layout: every row is right-aligned, so column T-1 holds each row's newest
 cached token; ``mask`` says which columns are real for a row; positions are per row, so padding never shifts a
 rotary position.
+
+The cache is a transformers ``Cache`` of :class:`GrowingLayer` s: transformers' ``DynamicLayer`` concatenates the
+whole history on every step (``torch.cat``: at 35k tokens that copy costs more than the attention of a decode
+step), this layer writes into a buffer with spare capacity and returns views of it. :func:`attention` is SDPA with
+grouped-query heads passed through (``enable_gqa``) instead of transformers' ``repeat_kv`` copy when a mask is
+present; both are numerically the same attention.
 """
 
 from __future__ import annotations
@@ -15,14 +20,81 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "clawstream_sdpa"  # the name our attention function is registered under
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys/values (B, H_kv, T, D) are views of a buffer grown by doubling."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None
+        self.length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if self._k is None or end > self._k.shape[-2]:
+            # Grow by a quarter: amortised O(1) copies per token without doubling a 35k-token cache for a reply.
+            old = self._k.shape[-2] if self._k is not None else 0
+            capacity = max(end, old + old // 4, 64)
+            b, h, _, d = key_states.shape
+            k = key_states.new_empty((b, h, capacity, d))
+            v = value_states.new_empty((b, h, capacity, value_states.shape[-1]))
+            if self.length:
+                k[:, :, : self.length] = self.keys
+                v[:, :, : self.length] = self.values
+            self._k, self._v = k, v
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+
+def growing_cache(layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, num_layers: int = 0) -> Cache:
+    """A cache of ``num_layers`` empty :class:`GrowingLayer` s, or holding ``layers`` ((K, V) per layer)."""
+    cache = Cache(layers=[GrowingLayer() for _ in range(len(layers) if layers else num_layers)])
+    for i, (k, v) in enumerate(layers or []):
+        cache.layers[i].update(k, v)
+    return cache
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+    """SDPA for query (B, H, S, D) over key/value (B, H_kv, T, D) and a bool mask (B, 1, S, T) or None (causal)."""
+    is_causal = attention_mask is None and query.shape[2] > 1
+    if is_causal and key.shape[2] != query.shape[2]:  # SDPA's causal mask is top-left aligned: spell it out
+        t, s = key.shape[2], query.shape[2]
+        attention_mask = torch.ones((s, t), dtype=torch.bool, device=query.device).tril(diagonal=t - s)
+        is_causal = False
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=is_causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )  # fmt: skip  # (B, H, S, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def use_engine_attention(model: torch.nn.Module) -> None:
+    """Switch a model on transformers' SDPA attention to :func:`attention` (same maths, no K/V copies)."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(ATTENTION)
 
 
 @dataclass
 class KVBatch:
     """One row per active sequence, left-padded to a common cache length T."""
 
-    cache: DynamicCache  # per layer keys/values (B, H_kv, T, D)
+    cache: Cache  # per layer keys/values (B, H_kv, T, D)
     mask: torch.Tensor  # (B, T) int64, 1 where the cache column is a real token of that row
     positions: torch.Tensor  # (B,) position id of each row's pending token (= real tokens cached so far)
     pending: torch.Tensor  # (B,) last sampled token, not yet in the cache
@@ -41,7 +113,7 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str =
     return ids.to(device), mask.to(device), positions.to(device)
 
 
-def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_layers(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(keys, values) of every layer, each (B, H_kv, T, D)."""
     return [(layer.keys, layer.values) for layer in cache.layers]
 
@@ -56,7 +128,7 @@ def select(batch: KVBatch, index: torch.Tensor, rows: list[Any]) -> KVBatch:
         for k, v in cache_layers(batch.cache)
     ]
     return KVBatch(
-        DynamicCache(ddp_cache_data=layers),
+        growing_cache(layers),
         mask[:, start:],
         batch.positions.index_select(0, index),
         batch.pending.index_select(0, index),
@@ -81,7 +153,7 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
         ))  # fmt: skip
     mask = torch.cat([_pad_left(a.mask, width - a.mask.shape[1], 1), _pad_left(b.mask, width - b.mask.shape[1], 1)])
     return KVBatch(
-        DynamicCache(ddp_cache_data=layers),
+        growing_cache(layers),
         mask,
         torch.cat([a.positions, b.positions]),
         torch.cat([a.pending, b.pending]),

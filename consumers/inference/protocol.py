@@ -10,7 +10,8 @@ vllm/entrypoints/openai/completion/serving.py (``request_output_to_completion_re
   (default 16; null means 16), ``temperature`` (1.0), ``top_p`` (1.0), ``top_k``, ``seed``, ``n``,
   ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (int, at most ``max_logprobs`` = 20), ``return_token_ids``;
 * response: ``id`` ("cmpl-..."), ``object`` "text_completion", ``created``, ``model``, ``choices``,
-  ``system_fingerprint``, ``usage`` {``prompt_tokens``, ``completion_tokens``, ``total_tokens``}; each choice has
+  ``system_fingerprint``, ``usage`` {``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
+  ``prompt_tokens_details`` {``cached_tokens``}}; each choice has
   ``index``, ``text``, ``logprobs``, ``finish_reason`` ("stop" | "length"), ``stop_reason`` (the stop token id,
   null for eos/length), ``token_ids`` and ``prompt_token_ids`` (vLLM >= 0.10.2 with ``return_token_ids``: both
   inside each choice, null otherwise) and ``prompt_logprobs`` (always null here). Choices are numbered
@@ -18,21 +19,31 @@ vllm/entrypoints/openai/completion/serving.py (``request_output_to_completion_re
 * ``choices[i].logprobs`` = {``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``}:
   ``top_logprobs[t]`` maps token text → log-prob for the sampled token followed by the ``logprobs`` most likely
   tokens (so up to ``logprobs + 1`` entries, fewer when texts collide); ``-inf`` is written as -9999.0.
+* ``usage.prompt_tokens_details.cached_tokens``: prompt tokens whose KV came from the prefix cache (vLLM's
+  ``PromptTokenUsageInfo``). vLLM reports it only when started with ``--enable-prompt-tokens-details``, leaves the
+  whole object null when nothing was cached, and takes the count of the last prompt only; here it is always
+  present (0 when nothing was cached) and sums every prompt of the request.
+* model names: the request's ``model`` must be the served name or one of its aliases (vLLM answers to every name
+  given to ``--served-model-name``); the response's ``model`` is always the served name (vLLM's first name).
 * errors: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400 ``BadRequestError`` for an invalid
   request and 404 ``NotFoundError`` for an unknown model (vLLM's ``ErrorResponse``/``ErrorInfo``).
 
 Our additions: a top-level ``policy_version`` (the weight version that produced every choice of the response; the
-server also sends it as the ``X-Policy-Version`` header). Departures: streaming, ``echo``, stop strings, penalties,
-``min_p``, ``logit_bias``, ``prompt_logprobs`` and the other options listed in ``UNSUPPORTED`` are rejected with
-400 instead of being honoured; unknown fields are ignored (as vLLM does). Which log-probs are reported is
-explained in ``consumers.inference.sampling`` (processed by default, vLLM's default is raw).
+server also sends it as the ``X-Policy-Version`` header) and a top-level ``engine_telemetry``: the engine's GPU
+readings when the response was built, ``{"gpu_utilization": percent, "gpu_memory_used_bytes": int}``, or null
+(no NVML, or the engine runs on the CPU). The proxy copies both onto the call event.
+
+Departures: streaming, ``echo``, stop strings, penalties, ``min_p``, ``logit_bias``, ``prompt_logprobs`` and the
+other options listed in ``UNSUPPORTED`` are rejected with 400 instead of being honoured; unknown fields are ignored
+(as vLLM does). Which log-probs are reported is explained in ``consumers.inference.sampling`` (processed by
+default, vLLM's default is raw).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,12 +166,16 @@ def parse_completion_request(
     max_model_len: int,
     encode: Callable[[str], list[int]] | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    aliases: Collection[str] = (),
 ) -> CompletionRequest:
-    """Validate a ``/v1/completions`` JSON body; raises :class:`ProtocolError` (400, or 404 for the model)."""
+    """Validate a ``/v1/completions`` JSON body; raises :class:`ProtocolError` (400, or 404 for the model).
+
+    ``model`` may be absent, the served name or one of ``aliases``; the request is answered as the served name.
+    """
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model != served_model_name:
+    if model is not None and model != served_model_name and model not in aliases:
         raise ProtocolError(f"The model `{model}` does not exist.", status=404, err_type="NotFoundError", param="model")
     for name, neutral in UNSUPPORTED.items():
         value = body.get(name)
@@ -230,8 +245,10 @@ def completion_response(
     decode: Callable[[list[int]], str],
     token_text: Callable[[int], str],
     created: int | None = None,
+    engine_telemetry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``/v1/completions`` JSON for a finished generation (vLLM's ``CompletionResponse`` + ``policy_version``)."""
+    """The ``/v1/completions`` JSON for a finished generation (vLLM's ``CompletionResponse`` + ``policy_version``
+    and ``engine_telemetry``)."""
     choices = []
     for index, out in enumerate(result.outputs):
         logprobs = None
@@ -260,17 +277,26 @@ def completion_response(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_prompt_tokens(result)},
         },
         "policy_version": result.policy_version,
+        "engine_telemetry": engine_telemetry,
     }
 
 
-def models_response(served_model_name: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
-    """``GET /v1/models`` as vLLM answers it (``ModelList`` of one ``ModelCard``)."""
+def cached_prompt_tokens(result: GenerationResult) -> int:
+    """Prompt tokens of ``result`` served from the prefix cache, summed over its prompts (0 when not reported)."""
+    return sum(int(n) for n in getattr(result, "cached_tokens", None) or ())
+
+
+def models_response(served_model_name: str, root: str, max_model_len: int, created: int,
+                    aliases: Collection[str] = ()) -> dict[str, Any]:  # fmt: skip
+    """``GET /v1/models`` as vLLM answers it (``ModelList`` of one ``ModelCard`` per name, the served name first)."""
+    names = [served_model_name, *(a for a in aliases if a != served_model_name)]
     return {
         "object": "list",
         "data": [{
-            "id": served_model_name,
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "clawstream",
@@ -278,5 +304,5 @@ def models_response(served_model_name: str, root: str, max_model_len: int, creat
             "parent": None,
             "max_model_len": max_model_len,
             "permission": [],
-        }],
+        } for name in names],
     }  # fmt: skip

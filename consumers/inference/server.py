@@ -9,18 +9,29 @@ Two engines:
   continuous-batching scheduler of ``consumers.inference.engine`` (its own thread, so the aiohttp loop stays
   responsive).
   HTTP: ``POST /v1/completions`` (the vLLM subset in ``consumers.inference.protocol``), ``GET /v1/models``,
-  ``GET /health``. New weight versions are swapped in between decode steps (``consumers.inference.weight_follower``).
+  ``GET /health``, ``GET /metrics`` (Prometheus: prefix-cache hit rate, cached prompt tokens, throughput, GPU;
+  ``consumers.inference.metrics``). New weight versions are swapped in between decode steps
+  (``consumers.inference.weight_follower``).
 * ``vllm``: the worker serves no completions; it applies each weight version to the vLLM server at
   ``--engine-url`` (``consumers.inference.vllm_adapter``) and answers ``GET /health`` only.
 
 Every HTTP response carries the ``X-Policy-Version`` header: the weight version that produced it (completions;
-their JSON also has a top-level ``policy_version``), or the version served right now (other endpoints).
+their JSON also has a top-level ``policy_version``), or the version served right now (other endpoints). Each
+completion also reports its cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``) and the engine's
+GPU readings (top-level ``engine_telemetry``, null without NVML or on the CPU); the proxy copies both onto the call
+event.
+
+Model name: the engine serves ``policy`` (``policy.DEFAULT_MODEL_NAME``) unless ``--served-model-name`` says
+otherwise, the name the proxy asks for and the learner publishes weight versions under by default, so
+``clawstream infer`` and ``clawstream proxy`` work together without flags. The CPU engine also answers requests
+naming the model directory (an alias, as vLLM answers to every name given to ``--served-model-name``); weight
+versions are followed under the served name only.
 
 Run (the ``clawstream infer`` command calls :func:`main`)::
 
-    HF_HUB_OFFLINE=1 python -m consumers.inference.server --model models/tiny --port 8100
+    HF_HUB_OFFLINE=1 python -m consumers.inference.server --model models/tiny --port 8100   # serves 'policy'
     python -m consumers.inference.server --model models/tiny --port 8100 --no-weights     # no Kafka at all
-    python -m consumers.inference.server --engine vllm --engine-url http://gpu-host:8000 --served-model-name tiny
+    python -m consumers.inference.server --engine vllm --engine-url http://gpu-host:8000  # vLLM serving 'policy'
 
 Configuration: :class:`InferenceWorkerSettings` (environment ``CLAWSTREAM_INFER_*``; flags override), Kafka from
 ``CLAWSTREAM_KAFKA_*`` (``clawstream.settings.KafkaSettings``).
@@ -49,14 +60,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from clawstream.errors import ClawstreamError, ConfigError
 from clawstream.kafka.clients import bootstrap_servers
 from clawstream.settings import KafkaSettings, load_settings
+from consumers.inference.metrics import EngineMetrics, ServedCounters, stats_values
 from consumers.inference.protocol import (
     DEFAULT_MAX_LOGPROBS,
     ProtocolError,
+    cached_prompt_tokens,
     completion_response,
     error_body,
     models_response,
     parse_completion_request,
 )
+from consumers.inference.telemetry import engine_telemetry, gpu_readings, gpu_uuids, nvml_index
+from policy import DEFAULT_MODEL_NAME
 
 # Everything is loaded from local files; never let transformers try to reach the (unreachable) hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,9 +87,11 @@ class InferenceWorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_INFER_", frozen=True, extra="forbid")
 
     model: Path | None = Field(default=None, description="Local Hugging Face model directory (required for cpu).")
-    served_model_name: str | None = Field(
-        default=None,
-        description="Name in /v1/models and the WeightVersion.model_name followed; default: the model dir's name.",
+    served_model_name: str = Field(
+        default=DEFAULT_MODEL_NAME,
+        description="Name served (/v1/models, responses) and the WeightVersion.model_name followed; the proxy's "
+        "--engine-model and the learner's --model-name default to the same name. The CPU engine also accepts "
+        "the model directory's name in requests.",
     )
     engine: Literal["cpu", "vllm"] = Field(default="cpu", description="cpu: serve here; vllm: drive a vLLM server.")
     engine_url: str | None = Field(default=None, description="Base URL of the vLLM server (engine=vllm).")
@@ -109,12 +126,16 @@ class InferenceWorkerSettings(BaseSettings):
             raise ValueError("engine=cpu needs the model directory: --model DIR or CLAWSTREAM_INFER_MODEL")
         if self.engine == "vllm" and not self.engine_url:
             raise ValueError("engine=vllm needs the server's URL: --engine-url URL or CLAWSTREAM_INFER_ENGINE_URL")
-        if self.engine == "vllm" and not (self.served_model_name or self.model):
-            raise ValueError("engine=vllm needs --served-model-name (the model name its weight versions use)")
         return self
 
     def name(self) -> str:
-        return self.served_model_name or Path(self.model or "").resolve().name
+        """The served model name (also the model name of the weight versions followed)."""
+        return self.served_model_name
+
+    def aliases(self) -> tuple[str, ...]:
+        """Other names the CPU engine answers to: the model directory's name (what it served by default before)."""
+        alias = Path(self.model).resolve().name if self.model else ""
+        return (alias,) if alias and alias != self.served_model_name else ()
 
 
 # ---- HTTP ------------------------------------------------------------------------------------------------------
@@ -127,8 +148,17 @@ class CompletionServer:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.name = settings.name()
+        self.aliases = settings.aliases()
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self.served = ServedCounters()
+        self.gpu_index = nvml_index(settings.device, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                    gpu_uuids() if settings.device.startswith("cuda") else ())  # fmt: skip
+        self.metrics = EngineMetrics(engine, self.served, gpu_readings)
+
+    def telemetry(self) -> dict[str, Any] | None:
+        """The engine GPU's readings now (``engine_telemetry`` of a response); ``None`` on the CPU or without NVML."""
+        return None if self.gpu_index is None else engine_telemetry(gpu_readings(), self.gpu_index)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -146,7 +176,7 @@ class CompletionServer:
             raise ProtocolError(f"invalid JSON body: {exc}") from exc
         parsed = parse_completion_request(body, served_model_name=self.name, vocab_size=self.engine.vocab_size,
                                           max_model_len=self.max_model_len, encode=self._encode,
-                                          max_logprobs=self.settings.max_logprobs)  # fmt: skip
+                                          max_logprobs=self.settings.max_logprobs, aliases=self.aliases)  # fmt: skip
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
 
@@ -164,12 +194,18 @@ class CompletionServer:
             log.error("request %s failed: %s", request_id, outcome)
             body = error_body(f"generation failed: {outcome}", status=500, err_type="InternalServerError")
             return web.json_response(body, status=500)
-        payload = completion_response(outcome, parsed, decode=self._decode, token_text=self.token_text)
+        payload = completion_response(outcome, parsed, decode=self._decode, token_text=self.token_text,
+                                      engine_telemetry=self.telemetry())  # fmt: skip
+        self.served.record(payload["usage"]["prompt_tokens"], cached_prompt_tokens(outcome))
         return web.json_response(payload, headers={POLICY_HEADER: str(outcome.policy_version)})
 
     async def models(self, request: web.Request) -> web.Response:
         root = str(self.settings.model) if self.settings.model else self.name
-        return web.json_response(models_response(self.name, root, self.max_model_len, self.created))
+        return web.json_response(models_response(self.name, root, self.max_model_len, self.created, self.aliases))
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -201,6 +237,7 @@ def build_app(current_version: Any, server: CompletionServer | None = None) -> w
     if server is not None:
         app.router.add_post("/v1/completions", server.completions)
         app.router.add_get("/v1/models", server.models)
+        app.router.add_get("/metrics", server.prometheus)
     return app
 
 
@@ -223,14 +260,12 @@ def load_policy(settings: InferenceWorkerSettings) -> tuple[Any, Any, list[int]]
 
 
 async def _report_stats(reporter: Any, engine: Any, interval: float) -> None:
-    from consumers.inference.telemetry import gpu_readings
-
-    last_tokens, last_t = engine.tokens_generated, time.monotonic()
+    last_stats, last_t = engine.stats(), time.monotonic()
     while True:
         await asyncio.sleep(interval)
-        now, tokens = time.monotonic(), engine.tokens_generated
-        values = {**engine.stats(), "tokens_per_s": (tokens - last_tokens) / max(now - last_t, 1e-9), **gpu_readings()}
-        last_tokens, last_t = tokens, now
+        now, stats = time.monotonic(), engine.stats()
+        values = {**stats_values(stats, last_stats, now - last_t), **gpu_readings()}
+        last_stats, last_t = stats, now
         await asyncio.to_thread(reporter.metric, "inference_stats", engine.policy_version, values)
 
 
@@ -294,7 +329,8 @@ async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m consumers.inference.server", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face model directory (engine cpu)")
-    p.add_argument("--served-model-name", help="model name served and followed on clawstream.weights")
+    p.add_argument("--served-model-name",
+                   help=f"model name served and followed on clawstream.weights (default {DEFAULT_MODEL_NAME!r})")
     p.add_argument("--engine", choices=["cpu", "vllm"])
     p.add_argument("--engine-url", help="vLLM server base URL (engine vllm)")
     p.add_argument("--host")

@@ -7,5 +7,6 @@ call as a call event. Modules: ``app`` (aiohttp app, admin API, engine calls), `
 ``render``, ``tool_parse``, ``emit``, ``metrics``.
 
 Topics: HTTP from harnesses in → ``clawstream.calls`` out.
-Run: ``clawstream proxy --model DIR --engine-url URL --port N`` or ``python -m producers.proxy``.
+Run: ``clawstream proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` or
+``python -m producers.proxy`` (the engine model defaults to ``policy``, the name ``clawstream infer`` serves).
 """

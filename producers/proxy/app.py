@@ -10,13 +10,20 @@ temperature?, top_p?, max_tokens?, seed?} → {rollout_id, secret, base_url, exp
 flight and returns {calls_served, status: ok | infra_failure, infra_failure}; ``DELETE`` forgets it.
 Sealing semantics: a call after the seal is rejected with **401** in the caller's dialect (the secret is revoked),
 because the SDKs retry 409 but never 401, so the harness stops instead of hammering a finished rollout.
-Out: engine ``POST {engine_url}/v1/completions`` (vLLM subset: token-id prompt, logprobs, return_token_ids), and
-one Avro ``CallEvent`` per served call to ``clawstream.calls`` keyed by rollout id, published (acks=all) *before* the
-answer is released. Errors in the dialect's format: 400 bad JSON/schema, 401 auth, 413 too large, 502 engine,
-503 Kafka (the rollout is flagged infrastructure failure). ``GET /metrics``: Prometheus.
+Out: engine ``POST {engine_url}/v1/completions`` (vLLM subset: token-id prompt, logprobs, return_token_ids) for
+the model ``--engine-model`` (default ``policy``, the name ``clawstream infer`` serves by default), and one Avro
+``CallEvent`` per served call to ``clawstream.calls`` keyed by rollout id, published (acks=all) *before* the
+answer is released. From the engine's answer (:func:`engine_reply`) the proxy also takes the cached prompt tokens
+(``usage.prompt_tokens_details.cached_tokens``: our CPU engine always reports it, vLLM when started with
+``--enable-prompt-tokens-details``) and the engine's GPU readings (top-level ``engine_telemetry``, our CPU engine
+on a GPU with NVML): both go onto the call event (``cached_prompt_tokens``, ``gpu_utilization``,
+``gpu_memory_used_bytes``; null when the engine did not report them), and the cached count is reported to the
+harness in its dialect's own usage field (``producers.proxy.emit``).
+Errors in the dialect's format: 400 bad JSON/schema, 401 auth, 413 too large, 502 engine, 503 Kafka (the rollout
+is flagged infrastructure failure). ``GET /metrics``: Prometheus.
 
-Run: ``python -m producers.proxy.app --model DIR --engine-url URL --port N`` (env ``CLAWSTREAM_PROXY_*``,
-Kafka from ``CLAWSTREAM_KAFKA_*``).
+Run: ``python -m producers.proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` (env
+``CLAWSTREAM_PROXY_*``, Kafka from ``CLAWSTREAM_KAFKA_*``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 import sys
 import time
@@ -36,11 +44,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawstream.kafka.publisher import KafkaPublisher, Publisher, PublishError
 from clawstream.settings import KafkaSettings, load_settings
+from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
 from producers.proxy.conversation import CallKindRules, Message, ToolCall, classify_call, system_fingerprint
 from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custom_tool_names, error_body
@@ -56,11 +65,19 @@ log = logging.getLogger("clawstream.proxy")
 class ProxySettings(BaseSettings):
     """Serving-proxy configuration (env prefix ``CLAWSTREAM_PROXY_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_PROXY_", frozen=True, extra="forbid")
+    # validate_by_name: keyword arguments use the field names; the aliases only name the environment variables.
+    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_PROXY_", frozen=True, extra="forbid",
+                                      validate_by_name=True)  # fmt: skip
 
     model: Path = Field(description="Model directory whose tokenizer + chat template render prompts.")
     engine_url: str = Field(default="http://127.0.0.1:8000", description="Inference engine base URL (vLLM API).")
-    served_model_name: str = Field(default="policy", description="'model' field sent to the engine.")
+    engine_model: str = Field(
+        default=DEFAULT_MODEL_NAME,
+        # CLAWSTREAM_PROXY_SERVED_MODEL_NAME: the variable's earlier name, still read.
+        validation_alias=AliasChoices("CLAWSTREAM_PROXY_ENGINE_MODEL", "CLAWSTREAM_PROXY_SERVED_MODEL_NAME"),
+        description="'model' sent to the engine: its served model name (the engine's --served-model-name, "
+        "default the same).",
+    )
     host: str = Field(default="127.0.0.1", description="Interface to listen on.")
     port: int = Field(default=8100, description="Port to listen on (0: any free port).")
     public_url: str | None = Field(default=None, description="Base URL harnesses reach; default http://host:port.")
@@ -301,7 +318,8 @@ class Proxy:
         async def work() -> emit.Answer:
             max_tokens = min(parsed.max_tokens or rollout.max_tokens, rollout.max_tokens)
             t_engine = time.perf_counter()
-            gen, logprobs, finish, version = await self._engine(rollout, rendered.prompt_ids, max_tokens)
+            reply = await self._engine(rollout, rendered.prompt_ids, max_tokens)
+            gen, finish = reply.token_ids, reply.finish
             times["engine_ms"] = (time.perf_counter() - t_engine) * 1000
             turn = parse_turn(self.template.decode(gen))
             id_prefix = "toolu_" if dialect == Dialect.ANTHROPIC_MESSAGES else "call_"
@@ -311,14 +329,16 @@ class Proxy:
             seq = rollout.next_seq
             rollout.next_seq += 1
             event = CallEvent(
-                rollout_id=rollout.rollout_id, policy_version=version, timestamp_ms=received_ms, call_id=call_id,
-                seq=seq, dialect=dialect, requested_model=parsed.model, call_kind=kind,
+                rollout_id=rollout.rollout_id, policy_version=reply.policy_version, timestamp_ms=received_ms,
+                call_id=call_id, seq=seq, dialect=dialect, requested_model=parsed.model, call_kind=kind,
                 new_tokens=rendered.new_tokens, prompt_len=len(rendered.prompt_ids), generated_tokens=gen,
-                logprobs=logprobs, finish_reason="tool_calls" if turn.tool_calls and finish == "stop" else finish,
+                logprobs=reply.logprobs, finish_reason="tool_calls" if turn.tool_calls and finish == "stop" else finish,
                 system_fingerprint=system_fingerprint(parsed.conversation.system),
                 parent_call_id=rendered.parent_call_id, shared_prefix_len=rendered.shared_prefix_len,
                 flags=rendered.flags + turn.flags, received_ms=times["received_ms"], render_ms=times["render_ms"],
                 engine_ms=times["engine_ms"], total_ms=(time.perf_counter() - t0) * 1000,
+                cached_prompt_tokens=reply.cached_tokens, gpu_utilization=reply.gpu_utilization,
+                gpu_memory_used_bytes=reply.gpu_memory_used_bytes,
             )  # fmt: skip
             try:
                 await self.publisher.publish(self.topic, rollout.rollout_id, event.to_bytes(), self.s.publish_timeout_s)
@@ -329,10 +349,11 @@ class Proxy:
             rollout.renderer.record(call_id, seq, rendered, gen, answer_msg)
             rollout.calls_served += 1
             self.metrics.record_call(dialect.value, kind.value, len(rendered.prompt_ids), len(rendered.new_tokens),
-                                     len(gen), rendered.rendered_tokens, times["render_ms"] / 1000)  # fmt: skip
+                                     len(gen), rendered.rendered_tokens, times["render_ms"] / 1000,
+                                     cached=reply.cached_tokens or 0)  # fmt: skip
             return emit.Answer(
                 turn, finish, len(rendered.prompt_ids), len(gen), parsed.model, response_id, created, ids,
-                custom_tool_names(body),
+                custom_tool_names(body), cached_tokens=min(reply.cached_tokens or 0, len(rendered.prompt_ids)),
             )  # fmt: skip
 
         rollout.in_flight += 1
@@ -394,11 +415,9 @@ class Proxy:
         await resp.write_eof()
         return resp
 
-    async def _engine(
-        self, rollout: Rollout, prompt: list[int], max_tokens: int
-    ) -> tuple[list[int], list[float], str, int]:
+    async def _engine(self, rollout: Rollout, prompt: list[int], max_tokens: int) -> EngineReply:
         payload: dict[str, Any] = {
-            "model": self.s.served_model_name, "prompt": prompt, "max_tokens": max_tokens,
+            "model": self.s.engine_model, "prompt": prompt, "max_tokens": max_tokens,
             "temperature": rollout.temperature, "top_p": rollout.top_p, "stop_token_ids": [self.template.im_end_id],
             "logprobs": 1, "return_token_ids": True, "skip_special_tokens": False,
         }  # fmt: skip
@@ -416,17 +435,52 @@ class Proxy:
                 header_version = resp.headers.get("X-Policy-Version")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise ApiError(502, f"inference engine unavailable at {self.s.engine_url}: {exc!r}") from exc
-        try:
-            choice = data["choices"][0]
-            gen = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
-            finish = str(choice.get("finish_reason") or "stop")
-            version = int(data.get("policy_version", header_version or 0))
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ApiError(502, f"inference engine sent an unexpected answer: {exc!r}") from exc
-        if len(logprobs) != len(gen):
-            raise ApiError(502, f"inference engine sent {len(logprobs)} logprobs for {len(gen)} tokens")
-        return gen, logprobs, ("length" if finish == "length" else "stop"), version
+        return engine_reply(data, header_version)
+
+
+@dataclass(frozen=True)
+class EngineReply:
+    """What the proxy takes from the engine's ``/v1/completions`` answer (its first choice)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: str  # "stop" | "length"
+    policy_version: int
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
+    gpu_utilization: float | None = None  # engine_telemetry.gpu_utilization (percent); None: not reported
+    gpu_memory_used_bytes: int | None = None  # engine_telemetry.gpu_memory_used_bytes; None: not reported
+
+
+def _optional(value: Any, kind: type[int] | type[float]) -> Any:
+    """A reported number as ``kind``, or ``None`` when absent, null or not a number (extras never fail a call)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        return None
+    return kind(value)
+
+
+def engine_reply(data: Any, header_version: str | None = None) -> EngineReply:
+    """Read the engine's answer: tokens, log-probs, finish reason and version (missing → :class:`ApiError` 502),
+    plus the optional cached prompt tokens and GPU readings (missing or malformed → ``None``)."""
+    try:
+        choice = data["choices"][0]
+        gen = [int(t) for t in choice["token_ids"]]
+        logprobs = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        finish = str(choice.get("finish_reason") or "stop")
+        version = int(data.get("policy_version", header_version or 0))
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ApiError(502, f"inference engine sent an unexpected answer: {exc!r}") from exc
+    if len(logprobs) != len(gen):
+        raise ApiError(502, f"inference engine sent {len(logprobs)} logprobs for {len(gen)} tokens")
+    usage = data.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    telemetry = data.get("engine_telemetry")
+    telemetry = telemetry if isinstance(telemetry, dict) else {}
+    return EngineReply(
+        gen, logprobs, "length" if finish == "length" else "stop", version,
+        cached_tokens=_optional(details.get("cached_tokens"), int) if isinstance(details, dict) else None,
+        gpu_utilization=_optional(telemetry.get("gpu_utilization"), float),
+        gpu_memory_used_bytes=_optional(telemetry.get("gpu_memory_used_bytes"), int),
+    )  # fmt: skip
 
 
 async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
@@ -449,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producers.proxy.app", description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="model directory (tokenizer + chat template)")
     parser.add_argument("--engine-url", help="inference engine base URL")
+    parser.add_argument("--engine-model", help=f"model name sent to the engine (default {DEFAULT_MODEL_NAME!r})")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--admin-token")

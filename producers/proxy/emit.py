@@ -14,6 +14,14 @@ and the prompt length), a *keep-alive* (sent periodically while the engine works
   output_text events, function_call with function_call_arguments events), ``response.completed`` (or
   ``response.incomplete`` when cut by the length limit).
 
+Cached prompt tokens (``Answer.cached_tokens``, what the engine reported served from its prefix cache) go where
+each API reports them: Anthropic ``usage.cache_read_input_tokens``, with ``input_tokens`` the *uncached* rest
+(Anthropic's input total is ``input_tokens + cache_creation_input_tokens + cache_read_input_tokens``, which is what
+Claude Code counts as context); OpenAI Chat ``usage.prompt_tokens_details.cached_tokens`` and OpenAI Responses
+``usage.input_tokens_details.cached_tokens``, both a part of the prompt/input total. The count is known only once
+the engine has answered: the streaming preambles (Anthropic ``message_start``) report 0 cached, the closing usage
+(``message_delta``, the Chat usage chunk, ``response.completed``) the engine's count.
+
 Pure: standard library only.
 """
 
@@ -41,6 +49,7 @@ class Answer:
     created: int  # unix seconds
     tool_call_ids: list[str] = field(default_factory=list)  # one per turn.tool_calls
     custom_tools: frozenset[str] = frozenset()  # Responses free-form tools
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache (≤ prompt_tokens)
 
 
 def sse(data: Any, event: str | None = None) -> bytes:
@@ -58,12 +67,13 @@ def anthropic_stop_reason(ans: Answer) -> str:
     return "max_tokens" if ans.finish == "length" else "end_turn"
 
 
-def _anthropic_usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+def _anthropic_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
+    """Anthropic usage: ``input_tokens`` excludes the cache reads (their sum is the prompt)."""
     return {
-        "input_tokens": input_tokens,
+        "input_tokens": prompt_tokens - cached_tokens,
         "output_tokens": output_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
 
 
@@ -87,7 +97,7 @@ def anthropic_message(ans: Answer) -> dict[str, Any]:
         "content": _anthropic_blocks(ans),
         "stop_reason": anthropic_stop_reason(ans),
         "stop_sequence": None,
-        "usage": _anthropic_usage(ans.prompt_tokens, ans.completion_tokens),
+        "usage": _anthropic_usage(ans.prompt_tokens, ans.completion_tokens, ans.cached_tokens),
     }
 
 
@@ -120,7 +130,7 @@ def anthropic_body(ans: Answer) -> bytes:
             out.append(sse({"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta"))
         out.append(sse({"type": "content_block_stop", "index": i}, "content_block_stop"))
     delta = {"stop_reason": anthropic_stop_reason(ans), "stop_sequence": None}
-    usage = _anthropic_usage(ans.prompt_tokens, ans.completion_tokens)
+    usage = _anthropic_usage(ans.prompt_tokens, ans.completion_tokens, ans.cached_tokens)
     out.append(sse({"type": "message_delta", "delta": delta, "usage": usage}, "message_delta"))
     out.append(sse({"type": "message_stop"}, "message_stop"))
     return b"".join(out)
@@ -139,9 +149,10 @@ def chat_finish_reason(ans: Answer) -> str:
     return "length" if ans.finish == "length" else "stop"
 
 
-def _chat_usage(ans: Answer) -> dict[str, int]:
+def _chat_usage(ans: Answer) -> dict[str, Any]:
     total = ans.prompt_tokens + ans.completion_tokens
-    return {"prompt_tokens": ans.prompt_tokens, "completion_tokens": ans.completion_tokens, "total_tokens": total}
+    return {"prompt_tokens": ans.prompt_tokens, "completion_tokens": ans.completion_tokens, "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": ans.cached_tokens}}  # fmt: skip
 
 
 def _chat_tool_calls(ans: Answer) -> list[dict[str, Any]]:
@@ -299,7 +310,7 @@ def responses_output(ans: Answer) -> list[dict[str, Any]]:
 
 def responses_object(ans: Answer) -> dict[str, Any]:
     usage = {
-        "input_tokens": ans.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens": ans.prompt_tokens, "input_tokens_details": {"cached_tokens": ans.cached_tokens},
         "output_tokens": ans.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": ans.prompt_tokens + ans.completion_tokens,
     }  # fmt: skip

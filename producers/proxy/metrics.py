@@ -2,7 +2,8 @@
 
 Exposed at ``GET /metrics``: calls by dialect and kind, errors by dialect and status, request latency, render time,
 and tokens by dialect and type (prompt, new = not shared with the parent call, generated, rendered = produced by
-the template + tokenizer for this call, the proxy's CPU-cost driver).
+the template + tokenizer for this call, the proxy's CPU-cost driver, cached = prompt tokens the engine reported
+served from its prefix cache).
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ class ProxyMetrics:
         self.tokens = Counter("clawstream_proxy_tokens", "Tokens by type.", ["dialect", "type"], registry=r)
         self.rollouts = Gauge("clawstream_proxy_rollouts", "Registered rollouts.", registry=r)
 
-    def record_call(
-        self, dialect: str, kind: str, prompt: int, new: int, generated: int, rendered: int, render_s: float
-    ) -> None:
+    def record_call(self, dialect: str, kind: str, prompt: int, new: int, generated: int, rendered: int,
+                    render_s: float, cached: int = 0) -> None:  # fmt: skip
         self.calls.labels(dialect, kind).inc()
         self.render_time.observe(render_s)
-        for name, value in (("prompt", prompt), ("new", new), ("generated", generated), ("rendered", rendered)):
+        counts = (("prompt", prompt), ("new", new), ("generated", generated), ("rendered", rendered),
+                  ("cached", cached))  # fmt: skip
+        for name, value in counts:
             self.tokens.labels(dialect, name).inc(value)
 
     def exposition(self) -> tuple[bytes, str]:

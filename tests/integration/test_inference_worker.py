@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import torch
 from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -94,14 +95,19 @@ async def test_concurrent_requests_have_vllm_shapes(worker: Worker, reference: t
     for (status, headers, body), prompt in zip(results, prompts, strict=True):
         assert status == 200, body
         assert headers["X-Policy-Version"] == "0" and body["policy_version"] == 0
-        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
+        # "tiny" (the model directory's name) is accepted; the answer names the served model, "policy" by default
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "policy"
         assert isinstance(body["created"], int) and "system_fingerprint" in body
+        assert body["engine_telemetry"] is None  # on the CPU: no GPU readings
         [choice] = body["choices"]
         assert set(choice) == CHOICE_FIELDS and choice["index"] == 0
         assert choice["finish_reason"] in ("stop", "length") and choice["prompt_token_ids"] == prompt
         ids = choice["token_ids"]
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert isinstance(cached, int) and 0 <= cached < len(prompt)
         assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                                 "total_tokens": len(prompt) + len(ids)}  # fmt: skip
+                                 "total_tokens": len(prompt) + len(ids),
+                                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
         lp = choice["logprobs"]
         assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
@@ -166,9 +172,41 @@ async def test_malformed_requests_get_openai_errors(worker: Worker) -> None:
         assert status == 404 and body["error"]["type"] == "NotFoundError"
         async with session.get(f"{worker.url}/v1/models") as resp:
             models = await resp.json()
-            assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
+            assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["policy", "tiny"]
         async with session.get(f"{worker.url}/health") as resp:
             assert resp.status == 200 and resp.headers["X-Policy-Version"] == "0"
+
+
+def _scrape(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+async def test_cached_prompt_tokens_per_response_and_in_metrics(worker: Worker) -> None:
+    """Each response reports its cached prompt tokens (vLLM's usage.prompt_tokens_details); /metrics counts them
+    and exposes the engine's prefix-cache counters. With the engine's prefix cache on, a repeated long prompt is
+    served mostly from the cache (the last prompt token is always computed)."""
+    prompt = [(i * 37) % 1500 + 10 for i in range(300)]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{worker.url}/metrics") as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
+            before = _scrape(await resp.text())
+        first, second = [await _post(session, worker.url, body) for _ in range(2)]
+        async with session.get(f"{worker.url}/metrics") as resp:
+            after = _scrape(await resp.text())
+    cached = [r[2]["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second)]
+    assert all(isinstance(c, int) and 0 <= c < len(prompt) for c in cached)
+
+    def delta(name: str) -> float:
+        return after[f"clawstream_engine_{name}"] - before[f"clawstream_engine_{name}"]
+
+    assert delta("requests_total") == 2 and delta("prompt_tokens_total") == 2 * len(prompt)
+    assert delta("cached_prompt_tokens_total") == sum(cached)
+    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_hit_rate",
+                 "generation_tokens_total", "requests_running", "policy_version"):  # fmt: skip
+        assert f"clawstream_engine_{name}" in after, name
+    if delta("prefix_cache_queries_total") > 0:  # the engine has a prefix cache
+        assert cached[1] >= len(prompt) // 2 and delta("prefix_cache_hits_total") >= cached[1]
 
 
 async def test_a_client_that_goes_away_is_aborted(worker: Worker) -> None:

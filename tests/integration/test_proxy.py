@@ -2,8 +2,10 @@
 
 Each dialect runs a 2-call tool-use episode streaming and non-streaming; the call events on the broker must show
 call 2's prompt = call 1's prompt + call 1's generated ids + turn suffix + new ids (rebuilt with
-``streams.tree.rebuild_prompts``), and equal what the engine received. Every bad-input row answers in the
-caller's dialect and publishes nothing.
+``streams.tree.rebuild_prompts``), and equal what the engine received; the engine's cached prompt tokens and GPU
+readings reach the call event, and the cached tokens the harness in its dialect's usage field. Every bad-input
+row answers in the caller's dialect and publishes nothing. Last, the proxy and the real CPU engine, both started
+with their default settings (no model-name flag), serve calls together.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import aiohttp
 import pytest
 
 from clawstream.settings import KafkaSettings
+from policy import DEFAULT_MODEL_NAME
 from schemas.events import CallKind
 from streams.tree import TreeCall, rebuild_prompts
 from tests.support import proxy_helpers as H
+from tests.support.inference import Worker
 from tests.support.proxy_server import consume_calls, register, running_proxy, seal
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
 
@@ -47,6 +51,26 @@ def request_body(dialect: str, history: list[dict[str, Any]], stream: bool) -> d
 def followup(dialect: str, answer: dict[str, Any]) -> list[dict[str, Any]]:
     fn = {"anthropic": H.claude_followup, "chat": H.qwen_followup, "responses": H.codex_followup}[dialect]
     return fn(answer, "wrote hello.txt")
+
+
+def cached_in_usage(dialect: str, raw: bytes, stream: bool) -> tuple[int, int]:
+    """(cached prompt tokens, whole prompt) as the dialect's final usage reports them to the harness."""
+    if not stream:
+        usage = json.loads(raw)["usage"]
+    else:
+        events, _ = H.read_sse(raw)
+        data = [d for _, d in events if d != "[DONE]"]
+        if dialect == "anthropic":
+            usage = next(d["usage"] for d in data if d["type"] == "message_delta")
+        elif dialect == "chat":
+            usage = next(d["usage"] for d in data if d.get("usage"))
+        else:
+            usage = next(d["response"]["usage"] for d in data if d["type"] == "response.completed")
+    if dialect == "anthropic":  # input_tokens is the uncached rest
+        return usage["cache_read_input_tokens"], usage["input_tokens"] + usage["cache_read_input_tokens"]
+    if dialect == "chat":
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+    return usage["input_tokens_details"]["cached_tokens"], usage["input_tokens"]
 
 
 def check_stream_shape(dialect: str, raw: bytes) -> int:
@@ -81,8 +105,10 @@ async def call(http, url: str, rid: str, secret: str, dialect: str, body: Any, r
 @pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
 async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings, dialect, stream) -> None:
     tok = H.tiny_tokenizer()
+    telemetry = {"gpu_utilization": 61.0, "gpu_memory_used_bytes": 5_368_709_120}
     async with (
-        ScriptedEngine(tok, [TOOL_TEXT[dialect], DONE], delay_s=0.5 if stream else 0) as engine,
+        ScriptedEngine(tok, [TOOL_TEXT[dialect], DONE], delay_s=0.5 if stream else 0, prefix_cache=True,
+                       engine_telemetry=telemetry) as engine,
         running_proxy(kafka_settings, engine.url) as (proxy, url),
         aiohttp.ClientSession() as http,
     ):  # fmt: skip
@@ -93,9 +119,11 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
             assert r.status == 200
         history: list[dict[str, Any]] = []
         answers = []
+        usages = []
         for _ in range(2):
             status, raw = await call(http, url, rid, secret, dialect, request_body(dialect, history, stream))
             assert status == 200, raw
+            usages.append(cached_in_usage(dialect, raw, stream))
             if stream:
                 assert check_stream_shape(dialect, raw) >= 1  # keep-alives while the engine worked
                 answer = H.answer_from_sse(dialect, raw)
@@ -133,6 +161,11 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
         assert len(e.logprobs) == len(e.generated_tokens) > 0 and e.prompt_len == len(prompts[e.call_id])
         assert e.requested_model == "policy" and e.engine_ms > 0 and e.total_ms >= e.engine_ms
     assert [e.finish_reason for e in events] == ["tool_calls", "stop"]
+    # the engine's prefix-cache report: call 2 reuses call 1's prompt + answer, to the harness and on the event
+    assert engine.cached[0] == 0 and engine.cached[1] >= len(p1) + len(g1)
+    assert [e.cached_prompt_tokens for e in events] == engine.cached
+    assert usages == [(c, e.prompt_len) for c, e in zip(engine.cached, events, strict=True)]
+    assert all(e.gpu_utilization == 61.0 and e.gpu_memory_used_bytes == 5_368_709_120 for e in events)
     assert engine.requests[0].body["temperature"] == 0.9 and engine.requests[0].body["max_tokens"] == 512
 
 
@@ -209,3 +242,34 @@ async def test_kafka_unreachable_is_503_and_flags_the_rollout(kafka_settings) ->
         sealed = await seal(http, url, "k-1")
         assert sealed["status"] == "infra_failure" and "not confirmed" in sealed["infra_failure"]
         assert sealed["calls_served"] == 0
+
+
+async def test_proxy_and_cpu_engine_work_together_with_default_settings(kafka_settings) -> None:
+    """``clawstream infer --model DIR`` and ``clawstream proxy --model DIR --engine-url URL`` as the README shows
+    them, without a model-name flag: the proxy asks for the model the engine serves (``policy``), the engine
+    follows weight versions under that name, and its cached-token report reaches the harness and the call event."""
+    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
+           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
+    worker = await asyncio.to_thread(Worker, ["--model", str(H.tiny_model_dir())], env)
+    try:
+        assert f"cpu engine serving '{DEFAULT_MODEL_NAME}'" in worker.log()
+        async with running_proxy(kafka_settings, worker.url or "") as (proxy, url), aiohttp.ClientSession() as http:
+            assert proxy.s.engine_model == DEFAULT_MODEL_NAME
+            reg = await register(http, url, rollout_id="defaults", max_tokens=8, temperature=0.0)
+            body = request_body("chat", [], False)
+            raws = []
+            for _ in range(2):  # the same request twice, as a harness retrying it
+                status, raw = await call(http, url, reg["rollout_id"], reg["secret"], "chat", body)
+                assert status == 200, raw
+                raws.append(raw)
+            metrics = await (await http.get(f"{worker.url}/metrics")).text()
+        events = consume_calls(kafka_settings, {reg["rollout_id"]}, 2)
+    finally:
+        await asyncio.to_thread(worker.stop)
+    assert [e.seq for e in events] == [0, 1] and all(e.policy_version == 0 for e in events)
+    usages = [cached_in_usage("chat", raw, False) for raw in raws]
+    assert usages == [(e.cached_prompt_tokens, e.prompt_len) for e in events]  # the CPU engine always reports it
+    assert all(e.gpu_utilization is None and e.gpu_memory_used_bytes is None for e in events)  # CPU: no readings
+    if "clawstream_engine_prefix_cache_queries_total 0.0" not in metrics:  # the engine has a prefix cache
+        cached, prompt = usages[1]
+        assert cached >= prompt // 2, usages

@@ -4,7 +4,10 @@ It answers each request with text chosen by the test (a list consumed in order, 
 prompt), encoded through the real tokenizer, followed by ``<|im_end|>`` (``finish_reason="stop"``) unless
 ``max_tokens`` cuts it (``"length"``). Logprobs are fake but valid (negative, one per token). It records every
 request, reports ``policy_version`` in the body and the ``X-Policy-Version`` header, and can be slowed down
-(``delay_s``) to exercise keep-alives. Shared by the proxy tests, the real-harness tests and ``bench/proxy.py``.
+(``delay_s``) to exercise keep-alives. With ``prefix_cache=True`` it reports ``usage.prompt_tokens_details.
+cached_tokens`` as a prefix cache would (the longest common prefix with an earlier prompt + its answer), and with
+``engine_telemetry`` it adds that top-level object (the CPU engine's GPU readings). Shared by the proxy tests, the
+real-harness tests and ``bench/proxy.py``.
 
 Use::
 
@@ -49,6 +52,8 @@ class ScriptedEngine:
         delay_s: float = 0.0,
         host: str = "127.0.0.1",
         port: int = 0,
+        prefix_cache: bool = False,
+        engine_telemetry: dict[str, Any] | None = None,
     ) -> None:
         self.tok = tokenizer
         self.script = script if script is not None else []
@@ -57,6 +62,10 @@ class ScriptedEngine:
         self.host, self.port = host, port
         self.requests: list[EngineRequest] = []
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.prefix_cache = prefix_cache
+        self.engine_telemetry = engine_telemetry
+        self.cached: list[int] = []  # cached_tokens reported per request (prefix_cache=True)
+        self._seen: list[list[int]] = []  # prompt + answer of every earlier request
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -101,6 +110,13 @@ class ScriptedEngine:
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)},
             "policy_version": self.policy_version,
         }
+        if self.prefix_cache:
+            cached = max((_common_prefix(prompt, seen) for seen in self._seen), default=0)
+            self.cached.append(cached)
+            out["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+            self._seen.append(prompt + ids)
+        if self.engine_telemetry is not None:
+            out["engine_telemetry"] = self.engine_telemetry
         return web.json_response(out, headers={"X-Policy-Version": str(self.policy_version)})
 
     async def _health(self, _request: web.Request) -> web.Response:
@@ -130,6 +146,15 @@ class ScriptedEngine:
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.stop()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return min(n, len(a) - 1)  # as vLLM: the last prompt token is always computed
 
 
 class ThreadedServer:

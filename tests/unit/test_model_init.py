@@ -177,6 +177,11 @@ def test_config_is_small_qwen3(model_dir: Path, model: Any, tok: Any) -> None:
     assert gen["top_k"] == 0 and gen["top_p"] == 1.0 and gen["temperature"] == 1.0
 
 
+def test_context_covers_the_longest_harness_prompts(model: Any, tok: Any) -> None:
+    """Real harness prompts reach ~40k tokens with this tokenizer: model and tokenizer both allow 128k (≥ 64k)."""
+    assert model.config.max_position_embeddings == tok.model_max_length == model_init.MAX_POSITIONS == 131072
+
+
 def test_bad_shapes_raise(tmp_path: Path) -> None:
     with pytest.raises(model_init.ModelInitError):
         init_tiny_model(tmp_path, hidden_size=100, num_heads=3, progress=None)

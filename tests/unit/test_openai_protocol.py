@@ -80,6 +80,15 @@ def test_unknown_model_is_404() -> None:
     assert info.value.message == "The model `gpt-9` does not exist."
 
 
+def test_aliases_are_accepted_and_answered_as_the_served_name() -> None:
+    """Like vLLM's several --served-model-name values: any is accepted, the response names the first."""
+    req = _parse({"model": "models-dir", "prompt": [1]}, served_model_name="policy", aliases=("models-dir",))
+    assert req.model == "policy"
+    with pytest.raises(ProtocolError) as info:
+        _parse({"model": "models-dir", "prompt": [1]}, served_model_name="policy")
+    assert info.value.status == 404
+
+
 def _result() -> GenerationResult:
     outputs = [
         SequenceOutput(0, 0, [3, 4], [-0.5, float("-inf")], [[(3, -0.5), (9, -0.1)], [(4, float("-inf")), (9, -0.2)]],
@@ -95,10 +104,11 @@ def test_response_has_vllm_shapes_and_our_policy_version() -> None:
     body = completion_response(_result(), req, decode=lambda ids: "".join(f"<{i}>" for i in ids),
                                token_text=lambda i: f"t{i}", created=123)  # fmt: skip
     assert set(body) == {"id", "object", "created", "model", "choices", "system_fingerprint", "usage",
-                         "policy_version"}  # fmt: skip
+                         "policy_version", "engine_telemetry"}  # fmt: skip
     assert (body["id"], body["object"], body["created"], body["model"]) == ("cmpl-x", "text_completion", 123, "tiny")
-    assert body["policy_version"] == 6
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["policy_version"] == 6 and body["engine_telemetry"] is None
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     first, second, third = body["choices"]
     assert set(first) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
                           "prompt_logprobs", "prompt_token_ids"}  # fmt: skip
@@ -120,8 +130,21 @@ def test_without_logprobs_or_token_ids_the_fields_are_null() -> None:
                for c in body["choices"])  # fmt: skip
 
 
+def test_cached_tokens_are_summed_over_prompts_as_prompt_tokens_details() -> None:
+    """vLLM's ``usage.prompt_tokens_details.cached_tokens``; the engine reports one count per prompt."""
+    result = _result()
+    result.cached_tokens = [2, 0]  # type: ignore[attr-defined]  # GenerationResult.cached_tokens (prefix cache)
+    req = _parse({"prompt": [[1, 2], [8]], "n": 2})
+    telemetry = {"gpu_utilization": 37.0, "gpu_memory_used_bytes": 1 << 30}
+    body = completion_response(result, req, decode=str, token_text=str, engine_telemetry=telemetry)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert body["usage"]["prompt_tokens"] == 3 and body["engine_telemetry"] == telemetry
+
+
 def test_models_response() -> None:
     body = models_response("tiny", "/models/tiny", 512, 99)
     assert body["object"] == "list"
     card = {"id": "tiny", "object": "model", "created": 99, "owned_by": "clawstream", "root": "/models/tiny"}
-    assert body["data"][0] == {**card, "parent": None, "max_model_len": 512, "permission": []}
+    assert body["data"] == [{**card, "parent": None, "max_model_len": 512, "permission": []}]
+    with_alias = models_response("policy", "/models/tiny", 512, 99, aliases=("tiny",))
+    assert [c["id"] for c in with_alias["data"]] == ["policy", "tiny"]
