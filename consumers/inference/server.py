@@ -100,7 +100,18 @@ class InferenceWorkerSettings(BaseSettings):
     device: str = Field(default="cpu", description="torch device of the CPU engine's model (cpu, cuda, cuda:1).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description="Model dtype.")
     max_batch_size: int = Field(default=32, ge=1, description="Most sequences decoded together.")
-    max_prefill_tokens: int = Field(default=8192, ge=1, description="Most prompt tokens prefilled in one step.")
+    max_prefill_tokens: int = Field(
+        default=2048, ge=1, description="Token budget of one scheduler step (prompt chunks + one per decoding row)."
+    )
+    prefill_chunk_tokens: int = Field(
+        default=512, ge=1,
+        description="Most tokens of ONE prompt prefilled per step: a short request waits one such chunk, not a "
+        "whole long prompt (lower: shorter waits, slightly slower long prefills).",
+    )  # fmt: skip
+    prefix_cache_gib: float = Field(
+        default=2.0, ge=0, description="Memory for cached prompt KV blocks (automatic prefix caching; 0: off)."
+    )
+    prefix_block_size: int = Field(default=32, ge=1, description="Tokens per cached KV block.")
     max_model_len: int | None = Field(
         default=None, ge=1, description="Longest prompt + completion; default: the model's max_position_embeddings."
     )
@@ -286,6 +297,9 @@ async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
         max_model_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 32768))
         engine = Engine(model, eos_token_ids=eos_ids, policy_version=settings.policy_version,
                         max_batch_size=settings.max_batch_size, max_prefill_tokens=settings.max_prefill_tokens,
+                        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                        prefix_cache_bytes=int(settings.prefix_cache_gib * (1 << 30)),
+                        prefix_block_size=settings.prefix_block_size,
                         logprobs_mode=settings.logprobs_mode, pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
         engine.start()
         target: Any = EngineWeightsTarget(engine)
@@ -338,6 +352,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device (cpu, cuda, ...)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's positions)")
+    p.add_argument("--max-prefill-tokens", type=int, help="token budget of one scheduler step (default 2048)")
+    p.add_argument("--prefill-chunk-tokens", type=int, help="most tokens of one prompt per step (default 512)")
+    p.add_argument("--prefix-cache-gib", type=float, help="memory for cached prompt KV blocks; 0: off (default 2)")
     p.add_argument("--policy-version", type=int, help="version of the weights in --model")
     p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"])
     p.add_argument("--worker-id")
