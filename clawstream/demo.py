@@ -42,10 +42,14 @@ def _say(message: str) -> None:
 def prepare_model(models: Path, *, sft_minutes: float) -> Path:
     """The tiny base model, warm-started by SFT when ``learner.warmstart.sft`` is available (both cached under
     ``models``)."""
-    from policy.tiny_model import init_tiny_model
+    import shutil
 
-    base = models / "tiny-qwen3"
-    if not (base / "config.json").exists():
+    from policy.tiny_model import init_tiny_model, is_current
+
+    base, warm = models / "tiny-qwen3", models / "tiny-qwen3-sft"
+    if not is_current(base):  # missing, or built by an older builder (e.g. fewer positions): rebuild both
+        shutil.rmtree(warm, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
         _say(f"==> building the tiny Qwen3-architecture model into {base}")
         init_tiny_model(base, seed=0, progress=lambda _msg: None)
     if sft_minutes <= 0:
@@ -55,7 +59,6 @@ def prepare_model(models: Path, *, sft_minutes: float) -> Path:
     except ImportError:
         _say("    (no SFT warm start in this build: RL starts from the random model, rewards stay near 0)")
         return base
-    warm = models / "tiny-qwen3-sft"
     if not (warm / "config.json").exists():
         _say(f"==> SFT warm start on synthetic agent demonstrations ({sft_minutes:g} min, once) → {warm}")
         sft.main(["--model-dir", str(base), "--out", str(warm), "--minutes", str(sft_minutes)])

@@ -53,6 +53,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # prompts reach ~40k tokens with this tokenizer (docs/harnesses.md), so 128k leaves room for long rollouts. The
 # inference engine's default ``max_model_len`` is the model's ``max_position_embeddings``.
 MAX_POSITIONS = 131072
+# Bumped whenever a build with the same seed would differ (2: 131072 positions, was 32768); caches of built models
+# (the quickstart's) compare it with the ``builder_version`` in ``clawstream_model.json`` and rebuild when stale.
+BUILDER_VERSION = 2
 
 
 class ModelInitError(ClawstreamError):
@@ -242,6 +245,7 @@ def init_tiny_model(
     # Deterministic (no timings) so two builds with one seed produce identical directories.
     info = {
         "builder": "policy.tiny_model.init_tiny_model",
+        "builder_version": BUILDER_VERSION,
         "seed": seed,
         "num_documents": num_documents,
         "num_parameters": n_params,
@@ -254,6 +258,15 @@ def init_tiny_model(
     (out_dir / "clawstream_model.json").write_text(json.dumps(info, indent=2) + "\n")
     say(f"[model-init] wrote {out_dir} in {time.perf_counter() - t0:.1f}s")
     return out_dir
+
+
+def is_current(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a tiny model built by this version of the builder (a cache can be reused)."""
+    try:
+        info = json.loads((Path(model_dir) / "clawstream_model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("builder_version") == BUILDER_VERSION and (Path(model_dir) / "config.json").is_file()
 
 
 def main(argv: list[str] | None = None) -> int:
