@@ -399,7 +399,11 @@ class Engine:
         assert batch is not None
         ones = torch.ones((len(batch.rows), 1), dtype=batch.mask.dtype, device=self.device)
         mask = torch.cat([batch.mask, ones], dim=1)  # (B, T+1)
-        logits = self._forward(batch.pending.unsqueeze(1), mask, batch.positions.unsqueeze(1), batch.cache)
+        # No padding column (one row, or rows of equal length): no mask, so SDPA takes its unmasked kernel, which
+        # is ~1.7x faster at 35k cached tokens (where attention is most of a decode step).
+        padded = bool(batch.mask[:, 0].eq(0).any())  # rows are right-aligned: padding shows in column 0
+        logits = self._forward(batch.pending.unsqueeze(1), mask if padded else None, batch.positions.unsqueeze(1),
+                               batch.cache)  # fmt: skip
         batch.mask = mask
         batch.positions = batch.positions + 1
         batch.pending = self._sample_and_record(batch.rows, logits)
