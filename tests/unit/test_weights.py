@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from consumers.inference.engine import Engine, SamplingParams
 from consumers.inference.telemetry import gpu_readings
 from consumers.inference.vllm_adapter import VllmCall, VllmWeightsTarget, reload_calls
+from consumers.inference.vllm_server import EXTENSION_CLS
 from consumers.inference.weight_follower import EngineWeightsTarget
 from policy.weight_store import WeightsRejected, load_checked, resolve_uri, verify_file
 from schemas.events import WeightVersion
@@ -142,12 +143,23 @@ def test_gpu_readings_are_omitted_without_nvml() -> None:
 
 
 # ---- vLLM adapter --------------------------------------------------------------------------------------------
-class _RecordingServer:
-    """A real aiohttp server on a background loop that records every request (path, query, JSON body)."""
+def _server_info(device: str = "cpu", extension: str = EXTENSION_CLS) -> dict:
+    """The part of vLLM 0.32's ``GET /server_info?config_format=json`` answer the adapter reads."""
+    config = {"device_config": {"device": device}, "parallel_config": {"worker_extension_cls": extension}}
+    return {"vllm_config": config, "vllm_env": {}, "system_env": {}}
 
-    def __init__(self, fail_path: str | None = None) -> None:
+
+class _RecordingServer:
+    """A real aiohttp server on a background loop that records every request (method, path + query, JSON body) and
+    answers as vLLM 0.32 does where the adapter reads the answer (``/server_info``, ``/reset_prefix_cache``)."""
+
+    def __init__(self, fail_path: str | None = None, *, info: dict | None = None, status: dict[str, int] | None = None,
+                 answers: dict[str, object] | None = None) -> None:  # fmt: skip
         self.requests: list[tuple[str, str, dict | None]] = []
         self.fail_path = fail_path
+        self.status = status or {}
+        self.answers = {"/server_info": info or _server_info(), "/reset_prefix_cache": {"success": True},
+                        **(answers or {})}  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.url = ""
@@ -157,7 +169,9 @@ class _RecordingServer:
         self.requests.append((request.method, request.path_qs, body))
         if request.path == self.fail_path:
             return web.json_response({"error": "reload failed"}, status=500)
-        return web.json_response({"ok": True})
+        if request.path in self.status:
+            return web.json_response({"detail": "Not Found"}, status=self.status[request.path])
+        return web.json_response(self.answers.get(request.path, {"ok": True}))
 
     async def _start(self) -> None:
         app = web.Application()
@@ -186,26 +200,60 @@ def version_dir(tmp_path: Path) -> Iterator[tuple[WeightVersion, Path]]:
     yield _save(_weights(1), path), path.parent
 
 
+INFO = ("GET", "/server_info?config_format=json", None)
+
+
 def test_reload_calls_in_order(tmp_path: Path) -> None:
-    calls = reload_calls(tmp_path)
-    assert [c.path for c in calls] == ["/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    calls = reload_calls(tmp_path, refresh_tied=True, version=7)
+    assert [c.path for c in calls] == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache",
+                                       "/update_weight_version", "/resume"]  # fmt: skip
     assert calls[1] == VllmCall("/collective_rpc", {"method": "reload_weights",
                                                     "kwargs": {"weights_path": str(tmp_path)}})  # fmt: skip
+    assert calls[2] == VllmCall("/collective_rpc", {"method": "clawstream_refresh_tied_weights"})
+    assert calls[4] == VllmCall("/update_weight_version", {"new_version": "7"})
     assert [c.path for c in reload_calls(tmp_path, pause=False)] == ["/collective_rpc", "/reset_prefix_cache"]
 
 
 def test_vllm_target_sends_the_documented_requests(version_dir: tuple[WeightVersion, Path]) -> None:
+    """A CPU vLLM with clawstream's worker extension (what `clawstream vllm serve` starts): the full sequence."""
     event, directory = version_dir
     with _RecordingServer() as server:
         target = VllmWeightsTarget(server.url + "/", policy_version=0, timeout_s=10)
         report = target.apply(target.prepare(event), event)
-    assert server.requests == [
+        target.apply(target.prepare(event), event)  # the server is asked what it is once
+    sequence = [
         ("POST", "/pause?mode=wait", None),
         ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}}),
+        ("POST", "/collective_rpc", {"method": "clawstream_refresh_tied_weights"}),
         ("POST", "/reset_prefix_cache", None),
+        ("POST", "/update_weight_version", {"new_version": "1"}),
         ("POST", "/resume", None),
     ]
+    assert server.requests == [INFO, *sequence, *sequence]
     assert target.policy_version == 1 and report.wait_s >= 0
+
+
+def test_vllm_target_on_gpu_without_extension_skips_the_refresh(version_dir: tuple[WeightVersion, Path]) -> None:
+    event, _ = version_dir
+    with _RecordingServer(info=_server_info("cuda", "")) as server:
+        target = VllmWeightsTarget(server.url, timeout_s=10)
+        target.apply(target.prepare(event), event)
+    assert [(r[1], (r[2] or {}).get("method")) for r in server.requests] == [
+        ("/server_info?config_format=json", None), ("/pause?mode=wait", None), ("/collective_rpc", "reload_weights"),
+        ("/reset_prefix_cache", None), ("/update_weight_version", None), ("/resume", None)]  # fmt: skip
+
+
+def test_vllm_target_refuses_servers_it_cannot_reload(version_dir: tuple[WeightVersion, Path]) -> None:
+    """A CPU server without the extension (stale tied head) or without dev endpoints: refused before any POST."""
+    event, _ = version_dir
+    for kwargs, needle in [({"info": _server_info("cpu", "")}, "worker extension"),
+                           ({"status": {"/server_info": 404}}, "VLLM_SERVER_DEV_MODE=1")]:  # fmt: skip
+        with _RecordingServer(**kwargs) as server:
+            target = VllmWeightsTarget(server.url, timeout_s=10)
+            with pytest.raises(WeightsRejected) as info:
+                target.prepare(event)
+        assert info.value.kind == "vllm_unsupported" and needle in info.value.reason
+        assert server.requests == [INFO] and target.policy_version == 0
 
 
 def test_vllm_target_fails_closed_and_checks_before_calling(version_dir: tuple[WeightVersion, Path]) -> None:
@@ -215,7 +263,7 @@ def test_vllm_target_fails_closed_and_checks_before_calling(version_dir: tuple[W
         with pytest.raises(WeightsRejected) as info:
             target.apply(target.prepare(event), event)
         assert info.value.kind == "vllm_error" and "500" in info.value.reason
-        assert [r[1] for r in server.requests] == ["/pause?mode=wait", "/collective_rpc"]  # left paused, no resume
+        assert [r[1] for r in server.requests] == [INFO[1], "/pause?mode=wait", "/collective_rpc"]  # left paused
         assert target.policy_version == 0
         server.requests.clear()
         with pytest.raises(WeightsRejected) as info:
@@ -225,6 +273,12 @@ def test_vllm_target_fails_closed_and_checks_before_calling(version_dir: tuple[W
         with pytest.raises(WeightsRejected) as info:
             target.prepare(event)
         assert info.value.kind == "bad_layout" and server.requests == []
+    with _RecordingServer(answers={"/reset_prefix_cache": {"success": False}}) as server:  # blocks still in use
+        target = VllmWeightsTarget(server.url, timeout_s=10)
+        (directory / "other.safetensors").unlink()
+        with pytest.raises(WeightsRejected) as info:
+            target.apply(target.prepare(event), event)
+        assert "reset_prefix_cache" in info.value.reason and server.requests[-1][1] == "/reset_prefix_cache"
     with pytest.raises(WeightsRejected) as info:  # server gone
         VllmWeightsTarget(server.url, timeout_s=2)._send(VllmCall("/resume"))
     assert info.value.kind == "vllm_unreachable"
