@@ -6,6 +6,7 @@ Run ``clawstream --help`` (or ``python -m clawstream --help``) for the list of c
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -203,6 +204,11 @@ def vllm_serve(model_dir: Path, port: int, host: str, max_model_len: int, kv_cac
                    threads=threads, served_model_name=served_model_name, startup_timeout_s=startup_timeout,
                    home=home)  # fmt: skip
     click.echo(f"serving; stop with Ctrl-C (log: {server.log_path})")
+
+    def _terminate(_signum: int, _frame: object) -> None:  # a supervisor's SIGTERM stops vLLM too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         while server.alive():
             time.sleep(1)
@@ -324,12 +330,14 @@ def model_sft(ctx: click.Context) -> None:
 @click.option("--sft-minutes", type=float, default=8.0, show_default=True,
               help="SFT warm start budget (once; cached). 0 skips it: RL from a random model.")  # fmt: skip
 @click.option("--timeout", type=float, default=1800.0, show_default=True, help="Give up after this many seconds.")
-def demo(steps: int, tasks_per_step: int, group_size: int, sft_minutes: float, timeout: float) -> None:
+@click.option("--engine", type=click.Choice(["cpu", "vllm"]), default="cpu", show_default=True,
+              help="Inference engine: the project's CPU engine, or real vLLM (`clawstream vllm install` first).")
+def demo(steps: int, tasks_per_step: int, group_size: int, sft_minutes: float, timeout: float, engine: str) -> None:
     """CPU quickstart: broker, engine, proxy, streams, sandbox worker, learner and scheduler, training end to end."""
     from clawstream.demo import run_demo
 
     run_demo(steps=steps, tasks_per_step=tasks_per_step, group_size=group_size, sft_minutes=sft_minutes,
-             timeout_s=timeout)  # fmt: skip
+             timeout_s=timeout, engine=engine)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -65,8 +65,32 @@ def prepare_model(models: Path, *, sft_minutes: float) -> Path:
     return warm
 
 
+def _start_engine(stack: Stack, engine: str, model: Path) -> str:
+    """Start the inference engine; returns the URL the proxy calls.
+
+    ``cpu``: the project's CPU engine, which also follows weight versions. ``vllm``: a real vLLM server
+    (``clawstream vllm serve``; needs ``clawstream vllm install``) plus the inference worker in vLLM mode, which
+    applies each weight version to it (``consumers/inference/vllm_adapter.py``).
+    """
+    if engine == "cpu":
+        found = stack.start(Service("engine", ["consumers.inference.server", "--model", str(model), "--port", "0",
+                                               "--max-batch-size", "16"],
+                                    ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+        return str(found.found)
+    from consumers.inference.vllm_server import is_installed
+
+    if not is_installed():
+        raise ClawstreamError("--engine vllm needs vLLM installed once: `clawstream vllm install` (or `make vllm`)")
+    vllm = stack.start(Service("vllm", ["clawstream", "vllm", "serve", "--model", str(model), "--port", "0",
+                                        "--max-model-len", "16384"],
+                               ready_line=r"vLLM ready at (http://\S+:\d+)/v1"), timeout=900)  # fmt: skip
+    stack.start(Service("engine", ["consumers.inference.server", "--engine", "vllm", "--engine-url", str(vllm.found),
+                                   "--port", "0"], ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+    return str(vllm.found)
+
+
 def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sft_minutes: float = 8.0,
-             timeout_s: float = 1800.0) -> dict[str, object]:  # fmt: skip
+             timeout_s: float = 1800.0, engine: str = "cpu") -> dict[str, object]:  # fmt: skip
     """Run the loop; returns what happened (topic prefix, per-step metrics, versions the engine applied)."""
     home = clawstream_home()
     run = time.strftime("%Y%m%d-%H%M%S")
@@ -89,10 +113,8 @@ def run_demo(*, steps: int = 3, tasks_per_step: int = 4, group_size: int = 4, sf
                                          "CLAWSTREAM_KAFKA_TOPIC_PREFIX": prefix})  # fmt: skip
     try:
         _say(f"==> starting services (logs in {run_dir / 'logs'})")
-        engine = stack.start(Service("engine", ["consumers.inference.server", "--model", str(model), "--port", "0",
-                                                "--served-model-name", "policy", "--max-batch-size", "16"],
-                                     ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
-        stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", str(engine.found),
+        engine_url = _start_engine(stack, engine, model)
+        stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", engine_url,
                                       "--port", str(proxy_port), "--admin-token", token],
                             ready_url=f"http://127.0.0.1:{proxy_port}/metrics"))  # fmt: skip
         stack.start(Service("streams", ["streams.app", "--datadir", str(run_dir / "faust"), "worker", "--loglevel",
