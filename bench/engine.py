@@ -254,12 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     engines = [e for e in args.engines.split(",") if e]
     if engines:
         scenario = engine_rollout.scenario(len(tokenizer), first=args.first_prompt, calls=args.calls)
-        runs = []
+        calls = {e: args.nocache_calls if e == "cpu-nocache" else args.calls for e in engines}
+        print(f"rollout scenario on {', '.join(engines)}:", flush=True)
         with tempfile.TemporaryDirectory(prefix="bench-engine-logs-") as logs:
-            for engine in engines:
-                print(f"rollout scenario on {engine}:", flush=True)
-                calls = args.nocache_calls if engine == "cpu-nocache" else args.calls
-                runs.append(engine_rollout.measure(engine, model_dir, scenario, calls, Path(logs)))
+            runs = engine_rollout.measure(engines, model_dir, scenario, calls, Path(logs))
         rollout = engine_rollout.report(runs, scenario)
     thr, swaps, skipped = None, None, None
     if args.skip_throughput:

@@ -89,22 +89,31 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 36
     return list(answer["choices"][0]["token_ids"]), cached if cached is not None else (0 if details == {} else None)
 
 
-def run_rollout(url: str, s: Scenario, calls: int, say: Any = print) -> list[Call]:
-    """Call 1, then ``calls`` follow-ups (each previous prompt + its answer + a tool result), then the branch."""
-    out: list[Call] = []
-    prompt = list(s.first)
-    for k in range(calls + 1):
+def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], say: Any = print) -> dict[str, list[Call]]:
+    """Per engine: call 1, then ``calls[engine]`` follow-ups (each the previous prompt + its answer + a tool result),
+    then the branch. Interleaved — call k goes to every engine before call k+1 goes to any — so a load spike on
+    this shared machine hits all engines alike."""
+    prompts = {e: list(s.first) for e in urls}
+    out: dict[str, list[Call]] = {e: [] for e in urls}
+    for k in range(max(calls.values()) + 1):
+        for engine, url in urls.items():
+            if k > calls[engine]:
+                continue
+            prompt = prompts[engine]
+            t0 = time.perf_counter()
+            answer, cached = complete(url, prompt, s.max_tokens)
+            out[engine].append(Call(f"call {k + 1}", len(prompt), cached, time.perf_counter() - t0))
+            say(f"    {engine} call {k + 1}: {len(prompt)} prompt tokens, cached {cached}, "
+                f"{out[engine][-1].latency_s:.2f} s")  # fmt: skip
+            if k < calls[engine]:
+                prompts[engine] = prompt + answer + s.additions[k]
+    for engine, url in urls.items():
+        prompt = prompts[engine]
+        branched = prompt[: len(prompt) - BRANCH_BACK] + s.branch
         t0 = time.perf_counter()
-        answer, cached = complete(url, prompt, s.max_tokens)
-        out.append(Call(f"call {k + 1}", len(prompt), cached, time.perf_counter() - t0))
-        say(f"    {out[-1].name}: {len(prompt)} prompt tokens, cached {cached}, {out[-1].latency_s:.2f} s")
-        if k < calls:
-            prompt = prompt + answer + s.additions[k]
-    branched = prompt[: len(prompt) - BRANCH_BACK] + s.branch
-    t0 = time.perf_counter()
-    _, cached = complete(url, branched, s.max_tokens)
-    out.append(Call("branch", len(branched), cached, time.perf_counter() - t0))
-    say(f"    branch: {len(branched)} prompt tokens, cached {cached}, {out[-1].latency_s:.2f} s")
+        _, cached = complete(url, branched, s.max_tokens)
+        out[engine].append(Call("branch", len(branched), cached, time.perf_counter() - t0))
+        say(f"    {engine} branch: {len(branched)} prompt tokens, cached {cached}, {out[engine][-1].latency_s:.2f} s")
     return out
 
 
@@ -181,42 +190,50 @@ def start_cpu_engine(model_dir: Path, port: int, prefix_cache_gib: float, max_mo
 ENGINES = ("cpu", "cpu-nocache", "vllm")
 
 
-def measure(engine: str, model_dir: Path, s: Scenario, calls: int, workdir: Path, say: Any = print) -> EngineRun:
-    """Start ``engine`` on ``model_dir``, run the rollout and the short-during-prefill check, stop it."""
-    from consumers.inference.vllm_server import free_port
+def measure(engines: list[str], model_dir: Path, s: Scenario, calls: dict[str, int], workdir: Path,
+            say: Any = print) -> list[EngineRun]:  # fmt: skip
+    """Start every engine on ``model_dir``, run the rollout on all of them interleaved, then each one's
+    short-during-prefill check alone; stop them. An engine that fails is reported, the others still run."""
+    from consumers.inference.vllm_server import free_port, is_installed, serve
 
-    run = EngineRun(engine)
+    runs = {engine: EngineRun(engine) for engine in engines}
+    urls: dict[str, str] = {}
+    pids: dict[str, int] = {}
+    stops: list[Any] = []
     max_model_len = 1 << 16
-    stop: Any
-    t0 = time.perf_counter()
     try:
-        if engine == "vllm":
-            from consumers.inference.vllm_server import is_installed, serve
-
-            if not is_installed():
-                run.error = "vLLM is not installed (`clawstream vllm install`)"
-                return run
-            server = serve(model_dir, 0, max_model_len=max_model_len, kv_cache_gib=2.0, progress=say)
-            url, pid, stop = server.url, server.process.pid, server.stop
-        else:
-            port = free_port()
-            process = start_cpu_engine(model_dir, port, 2.0 if engine == "cpu" else 0.0, max_model_len,
-                                       workdir / f"{engine}.log")  # fmt: skip
-            url, pid, stop = f"http://127.0.0.1:{port}", process.pid, process.kill
-        run.startup_s = time.perf_counter() - t0
-        say(f"  {engine}: ready after {run.startup_s:.0f} s")
-        try:
-            run.calls = run_rollout(url, s, calls, say)
+        for engine in engines:
+            t0 = time.perf_counter()
+            try:
+                if engine == "vllm":
+                    if not is_installed():
+                        raise RuntimeError("vLLM is not installed (`clawstream vllm install`)")
+                    server = serve(model_dir, 0, max_model_len=max_model_len, kv_cache_gib=2.0, progress=say)
+                    stops.append(server.stop)
+                    urls[engine], pids[engine] = server.url, server.process.pid
+                else:
+                    port = free_port()
+                    process = start_cpu_engine(model_dir, port, 2.0 if engine == "cpu" else 0.0, max_model_len,
+                                               workdir / f"{engine}.log")  # fmt: skip
+                    stops.append(process.kill)
+                    urls[engine], pids[engine] = f"http://127.0.0.1:{port}", process.pid
+                runs[engine].startup_s = time.perf_counter() - t0
+                say(f"  {engine}: ready after {runs[engine].startup_s:.0f} s")
+            except Exception as exc:  # one engine failing must not lose the others' numbers
+                runs[engine].error = f"{type(exc).__name__}: {exc}"
+                say(f"  {engine} failed to start: {runs[engine].error}")
+        for engine, got in run_rollouts(urls, s, {e: calls[e] for e in urls}, say).items():
+            runs[engine].calls = got
+        for engine, url in urls.items():
+            run = runs[engine]
             run.short_ttft_s, run.fresh_prefill_s = short_during_prefill(url, s)
-            say(f"    10-token request during a {len(s.fresh)}-token prefill: {run.short_ttft_s:.2f} s "
+            say(f"    {engine}: 10-token request during a {len(s.fresh)}-token prefill: {run.short_ttft_s:.2f} s "
                 f"(the prefill: {run.fresh_prefill_s:.1f} s)")  # fmt: skip
-            run.peak_rss_mb = tree_peak_rss_mb(pid)
-        finally:
+            run.peak_rss_mb = tree_peak_rss_mb(pids[engine])
+    finally:
+        for stop in stops:
             stop()
-    except Exception as exc:  # one engine failing must not lose the others' numbers
-        run.error = f"{type(exc).__name__}: {exc}"
-        say(f"  {engine} failed: {run.error}")
-    return run
+    return [runs[e] for e in engines]
 
 
 def _median(values: list[float]) -> float:
@@ -235,9 +252,10 @@ def report(runs: list[EngineRun], s: Scenario) -> list[str]:
         f"and a tool result (150-800 new tokens per call in all), then one OpenClaw-style branch rewrites the "
         f"history {BRANCH_BACK} tokens before the end. Same requests to every engine over HTTP (`/v1/completions`, "
         "token-id prompts). Prefilled = prompt tokens not served from the prefix cache (`usage.prompt_tokens_"
-        "details.cached_tokens`). The cache-off engine runs only the first follow-ups (each re-reads the whole "
-        "history). 'Short request': a 10-token prompt, 1 answer token, sent while another 35k-token prompt is "
-        "being prefilled.",
+        "details.cached_tokens`). All engines run at once and the calls are interleaved (call k goes to every "
+        "engine before call k+1), so load on this shared machine hits them alike. The cache-off engine runs only "
+        "the first follow-ups (each re-reads the whole history). 'Short request': a 10-token prompt, 1 answer "
+        "token, sent while another 35k-token prompt is being prefilled (each engine alone).",
         "",
         "| engine | start-up | call 1 | calls ≥ 2: median (max) | branch | prefilled ≥ 2 (median) | hit rate ≥ 2 "
         "| short request during a 35k prefill | peak RSS |",

@@ -69,7 +69,15 @@ from consumers.inference.generation import (
     SwapOutcome,
     WeightSwap,
 )
-from consumers.inference.kv_batch import KVBatch, cache_layers, growing_cache, merge, select, use_engine_attention
+from consumers.inference.kv_batch import (
+    KVBatch,
+    adopting_cache,
+    cache_layers,
+    growing_cache,
+    merge,
+    select,
+    use_engine_attention,
+)
 from consumers.inference.prefix_cache import PrefixCache
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "SamplingParams", "SequenceOutput", "SwapOutcome",
@@ -355,12 +363,15 @@ class Engine:
         """Reuse the cached prefix, compute the next ``limit`` prompt tokens at most; returns tokens computed."""
         tokens = unit.tokens
         # At least the last token is computed: its logits give the first generated token.
+        # Room for the rest of the prompt and the answer: the buffer never regrows for this sequence.
+        room = len(tokens) + unit.request.params.max_tokens + 1
         if self.prefix_cache.cached_tokens(tokens[: len(tokens) - 1]) > unit.done:
-            hit = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1, count=False)
-            unit.cache, unit.done = growing_cache(hit.layers), hit.tokens
+            hit = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1, count=False, reserve=room - len(tokens))
+            assert hit.buffer is not None
+            unit.cache, unit.done = adopting_cache(hit.buffer, hit.tokens), hit.tokens
             unit.request.cached[unit.prompt_index] = hit.tokens
         if unit.cache is None:
-            unit.cache = growing_cache(num_layers=self.num_layers)
+            unit.cache = growing_cache(num_layers=self.num_layers, reserve=room)
         start, end = unit.done, min(len(tokens), unit.done + limit)
         ids = torch.tensor([tokens[start:end]], device=self.device)  # (1, S)
         positions = torch.arange(start, end, device=self.device).unsqueeze(0)  # (1, S)
@@ -384,7 +395,11 @@ class Engine:
         assert unit.cache is not None
         one = KVBatch(unit.cache, torch.ones((1, length), dtype=torch.long, device=self.device),
                       torch.tensor([length], device=self.device), torch.zeros(1, dtype=torch.long), [])  # fmt: skip
-        group = select(one, torch.zeros(n, dtype=torch.long, device=self.device), rows)  # (n, ...) copies
+        if n == 1:  # the prompt's own cache becomes the row's (no copy)
+            one.rows = rows
+            group = one
+        else:
+            group = select(one, torch.zeros(n, dtype=torch.long, device=self.device), rows)  # (n, ...) copies
         group.pending = self._sample_and_record(rows, logits.expand(n, -1))
         with self._cond:
             self._prefilling.remove(unit)

@@ -25,10 +25,15 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "clawstream_sdpa"  # the name our attention function is registered under
+DECODE_RESERVE = 256  # spare columns of a rebuilt batch cache: most answers finish before it has to grow
 
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values (B, H_kv, T, D) are views of a buffer grown by doubling."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.capacity_hint = capacity  # columns of the first allocation (a prompt + answer's known size)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -42,7 +47,7 @@ class GrowingLayer(DynamicLayer):
         if self._k is None or end > self._k.shape[-2]:
             # Grow by a quarter: amortised O(1) copies per token without doubling a 35k-token cache for a reply.
             old = self._k.shape[-2] if self._k is not None else 0
-            capacity = max(end, old + old // 4, 64)
+            capacity = max(end, old + old // 4, 64, self.capacity_hint)
             b, h, _, d = key_states.shape
             k = key_states.new_empty((b, h, capacity, d))
             v = value_states.new_empty((b, h, capacity, value_states.shape[-1]))
@@ -57,11 +62,33 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def growing_cache(layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, num_layers: int = 0) -> Cache:
-    """A cache of ``num_layers`` empty :class:`GrowingLayer` s, or holding ``layers`` ((K, V) per layer)."""
-    cache = Cache(layers=[GrowingLayer() for _ in range(len(layers) if layers else num_layers)])
-    for i, (k, v) in enumerate(layers or []):
-        cache.layers[i].update(k, v)
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take buffers (B, H_kv, capacity, D) whose first ``length`` columns are filled, without copying."""
+        self.lazy_initialization(keys, values)
+        self._k, self._v, self.length = keys, values, length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+
+def growing_cache(layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, num_layers: int = 0,
+                  reserve: int = 0) -> Cache:  # fmt: skip
+    """A cache of ``num_layers`` empty :class:`GrowingLayer` s (first allocation ``reserve`` columns), or holding a
+    copy of ``layers`` ((K, V) per layer) with room for ``reserve`` more columns."""
+    cache = Cache(layers=[GrowingLayer(reserve) for _ in range(len(layers) if layers else num_layers)])
+    for layer, (k, v) in zip(cache.layers, layers or [], strict=False):
+        t = k.shape[2]
+        kb = k.new_empty((*k.shape[:2], t + reserve, k.shape[3]))
+        vb = v.new_empty((*v.shape[:2], t + reserve, v.shape[3]))
+        kb[:, :, :t], vb[:, :, :t] = k, v
+        layer.adopt(kb, vb, t)
+    return cache
+
+
+def adopting_cache(buffer: torch.Tensor, length: int) -> Cache:
+    """A cache over ``buffer`` (L, 2, H_kv, capacity, D) — per layer its keys and values, the first ``length``
+    columns filled — without copying it."""
+    cache = Cache(layers=[GrowingLayer() for _ in range(buffer.shape[0])])
+    for i, layer in enumerate(cache.layers):
+        layer.adopt(buffer[i, 0].unsqueeze(0), buffer[i, 1].unsqueeze(0), length)
     return cache
 
 
@@ -128,7 +155,7 @@ def select(batch: KVBatch, index: torch.Tensor, rows: list[Any]) -> KVBatch:
         for k, v in cache_layers(batch.cache)
     ]
     return KVBatch(
-        growing_cache(layers),
+        growing_cache(layers, reserve=DECODE_RESERVE),
         mask[:, start:],
         batch.positions.index_select(0, index),
         batch.pending.index_select(0, index),
@@ -153,7 +180,7 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
         ))  # fmt: skip
     mask = torch.cat([_pad_left(a.mask, width - a.mask.shape[1], 1), _pad_left(b.mask, width - b.mask.shape[1], 1)])
     return KVBatch(
-        growing_cache(layers),
+        growing_cache(layers, reserve=DECODE_RESERVE),
         mask,
         torch.cat([a.positions, b.positions]),
         torch.cat([a.pending, b.pending]),

@@ -54,6 +54,7 @@ class Hit:
 
     tokens: int
     layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (K, V) each (1, H_kv, T, D)
+    buffer: torch.Tensor | None = None  # (L, 2, H_kv, T + reserve, D): ``layers`` are views of its first T columns
 
 
 @dataclass
@@ -115,9 +116,10 @@ class PrefixCache:
         """How many leading tokens of ``tokens`` are cached (no stats, no LRU touch)."""
         return len(self._chain(tokens)) * self.block_size
 
-    def lookup(self, tokens: Sequence[int], *, limit: int | None = None, count: bool = True) -> Hit:
+    def lookup(self, tokens: Sequence[int], *, limit: int | None = None, count: bool = True, reserve: int = 0) -> Hit:
         """The longest cached prefix of ``tokens`` (at most ``limit`` tokens, rounded down to whole blocks), its KV
-        copied out. ``count`` adds the query to the hit-rate statistics."""
+        copied out into ``Hit.buffer`` (L, 2, H_kv, T + ``reserve``, D), the rest of which is left for the caller
+        to fill. ``count`` adds the query to the hit-rate statistics."""
         chain = self._chain(tokens if limit is None else tokens[:limit])
         if count:
             self.stats.queries += len(tokens)
@@ -125,9 +127,12 @@ class PrefixCache:
         if not chain:
             return Hit(0)
         self._touch(chain)
-        kv = torch.cat([block.kv for block in chain], dim=3)  # (L, 2, H_kv, T, D)
-        layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(kv.shape[0])]
-        return Hit(len(chain) * self.block_size, layers)
+        first = chain[0].kv
+        t = len(chain) * self.block_size
+        buffer = first.new_empty((*first.shape[:3], t + reserve, first.shape[4]))  # (L, 2, H_kv, T + reserve, D)
+        torch.cat([block.kv for block in chain], dim=3, out=buffer[:, :, :, :t])
+        layers = [(buffer[i, 0, :, :t].unsqueeze(0), buffer[i, 1, :, :t].unsqueeze(0)) for i in range(len(buffer))]
+        return Hit(t, layers, buffer)
 
     def insert(self, tokens: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Cache every full block of ``tokens`` whose KV is in ``layers`` (one unpadded row: (K, V) each
