@@ -1,0 +1,261 @@
+"""The REAL Claude Code runs a multi-call rollout through the real proxy into a real engine (the project's CPU engine,
+then a real vLLM CPU server), both with prefix caching at their default settings: its second main call is ≥ 95 %
+cached.
+
+Parts, all real: Claude Code from npm (``install_harness("claude-code")``, launched with the ``claude-code`` adapter's
+own argv and environment, in a scrubbed environment like the local sandbox's); the serving proxy
+(``tests.support.proxy_server.running_proxy``) publishing to the session's Kafka broker; the engine as a subprocess on
+the project's tiny model (``policy.tiny_model.init_tiny_model``, random weights): ``python -m consumers.inference.server
+--model DIR --port 0 --no-weights`` with nothing else set, or ``consumers.inference.vllm_server.serve`` (vLLM CPU,
+``--enable-prefix-caching --enable-prompt-tokens-details``; skipped, with the reason, when `clawstream vllm install`
+has not run). The call events are read back from the calls topic.
+
+How a random policy gets a second main call that extends the first one's history: Claude Code's own output-token-
+limit recovery. The rollout is registered with ``max_tokens=8``, so the proxy caps Claude Code's ``max_tokens: 32000``
+at 8 and the gibberish answer stops with Anthropic ``stop_reason: "max_tokens"``. Claude Code (2.1.197: in its query
+loop, ``transition.reason = "max_output_tokens_recovery"``) then re-sends the whole history plus its cut answer and a
+meta user message "Output token limit hit. Resume directly …", up to 3 times (``maxOutputTokensRecoveryCount < 3``), so
+one ``claude -p`` run makes 4 MAIN calls, each the previous prompt + its 8 generated tokens + ~100 new tokens. After
+the third recovery it gives up: the run ends with ``is_error: true``, the result "API Error: Claude's response
+exceeded the 32000 output token maximum …" and **exit code 1** — Claude Code's normal outcome for a policy that never
+ends its turn, not an infrastructure failure (``api_error_status`` is null: every HTTP call succeeded). Exit code 0
+needs a turn that ends with ``<|im_end|>`` (``end_turn``), which random weights sample with probability ~1/2048 per
+token; a session continuation (``--session-id`` then ``--resume``) does not avoid the exit code either, since each
+``claude -p`` run would again end in the same recovery. The recovery is preferred: no second process, one session
+and one conversation, so the history is append-only exactly as in a tool loop. If the policy does happen to end its
+first turn (no recovery, exit 0), the test continues the session with ``claude -p … --resume <session>`` to get call 2.
+
+Asserted: ≥ 2 MAIN call events; call 2's ``cached_prompt_tokens / prompt_len ≥ 0.95``; Claude Code received the same
+counts (``usage.cache_read_input_tokens`` of each assistant message in its session transcript
+``~/.claude/projects/*/<session>.jsonl`` equals the call event's cached count, and ``input_tokens +
+cache_read_input_tokens`` its prompt length; the run's summed ``usage`` in the ``--output-format json`` result equals
+the sum over the calls); the harness exited 0, or 1 for exactly the reason above; no call failed at the proxy.
+Latencies and cached fractions are printed (``-s``). Cached counts are whole KV blocks of prompt + generated tokens
+(the CPU engine's 32 tokens; vLLM 0.32 on CPU defaults to 128, not 16), so call 2 measures ~99.7 % cached on the CPU
+engine and ~99.4 % on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from consumers.inference import vllm_server
+from producers.harnesses.base import LaunchContext, launch_spec
+from producers.harnesses.catalog import ADAPTERS
+from producers.harnesses.install import HarnessInstallError, install_harness
+from producers.sandbox.local_backend import default_path
+from schemas.events import CallEvent, CallKind
+from tests.support import proxy_helpers as H
+from tests.support.inference import Worker
+from tests.support.proxy_server import consume_calls, register, running_proxy
+
+pytestmark = pytest.mark.integration
+
+ROLLOUT_MAX_TOKENS = 8  # the proxy caps every call here: the answer stops with stop_reason "max_tokens"
+MIN_CACHED = 0.95
+PROMPT = "Say hello."
+RESUME_PROMPT = "Continue."
+LIMIT_MESSAGE = "output token maximum"  # Claude Code's result text once its max_tokens recovery gave up
+
+
+# ---- the harness ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def claude_exe() -> str:
+    if shutil.which("npm") is None:
+        pytest.skip("claude-code: npm is not on PATH, cannot install the real harness")
+    try:
+        return str(install_harness("claude-code"))
+    except HarnessInstallError as exc:
+        pytest.skip(f"claude-code: install failed: {exc}")
+
+
+@dataclass
+class Run:
+    returncode: int
+    result: dict[str, Any]  # the --output-format json result object
+    stderr: str
+    seconds: float
+
+
+async def run_claude(exe: str, base_url: str, secret: str, box: Path, prompt: str, timeout_s: float,
+                     extra: tuple[str, ...] = ()) -> Run:  # fmt: skip
+    """One ``claude -p`` run as the claude-code adapter launches it, in a scrubbed environment (like the local
+    sandbox's: PATH, HOME, TMPDIR, LANG, USER + the adapter's variables), stdin closed, its own process group."""
+    home, workspace, tmp = box / "home", box / "workspace", box / "tmp"
+    for d in (home, workspace, tmp):
+        d.mkdir(parents=True, exist_ok=True)
+    ctx = LaunchContext(base_url=base_url, secret=secret, workspace=str(workspace), home=str(home), prompt=prompt,
+                        timeout_s=timeout_s, exe=exe)  # fmt: skip
+    spec = launch_spec(ADAPTERS["claude-code"], ctx)
+    env = {"PATH": default_path(), "HOME": str(home), "TMPDIR": str(tmp), "LANG": "C.UTF-8", "USER": "sandbox",
+           **spec.env}  # fmt: skip
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *spec.argv, *extra, cwd=str(workspace), env=env, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        raise AssertionError(f"claude -p did not finish within {timeout_s:.0f} s") from None
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.decode(errors="replace").strip()
+    try:
+        result = json.loads(text.splitlines()[-1]) if text else {}
+    except ValueError:
+        result = {}
+    assert result.get("type") == "result", f"no JSON result (exit {proc.returncode}): {text[-2000:]}\n{err[-2000:]!r}"
+    return Run(proc.returncode, result, err.decode(errors="replace"), time.monotonic() - t0)
+
+
+def transcript_usage(home: Path, session_id: str) -> list[dict[str, Any]]:
+    """``usage`` of every model answer Claude Code stored in its session transcript, in order (its own API-error
+    messages, which it makes up without a call, left out)."""
+    (path,) = (home / ".claude" / "projects").glob(f"*/{session_id}.jsonl")
+    usages = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("type") == "assistant" and not entry.get("isApiErrorMessage"):
+            usages.append(entry["message"]["usage"])
+    return usages
+
+
+# ---- one rollout ----------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    runs: list[Run]
+    calls: list[CallEvent]  # every call event of the rollout, in seq order
+    usages: list[dict[str, Any]]  # Claude Code's stored usage per answer, in order
+    status: dict[str, Any]  # the proxy's rollout status at the seal
+
+    @property
+    def main(self) -> list[CallEvent]:
+        return [c for c in self.calls if c.call_kind == CallKind.MAIN]
+
+
+async def rollout(kafka, engine_url: str, exe: str, box: Path, harness_timeout_s: float) -> Outcome:
+    rid = f"cc-cache-{uuid.uuid4().hex[:10]}"
+    async with running_proxy(kafka, engine_url, keepalive_s=2.0) as (_proxy, url), aiohttp.ClientSession() as http:
+        reg = await register(http, url, rollout_id=rid, max_tokens=ROLLOUT_MAX_TOKENS)
+        runs = [await run_claude(exe, reg["base_url"], reg["secret"], box, PROMPT, harness_timeout_s)]
+        session = runs[0].result["session_id"]
+        status = await _status(http, url, rid)
+        if status["calls_served"] == 1 and runs[0].returncode == 0:
+            # The policy ended its first turn (<|im_end|> sampled), so no recovery call: continue the session.
+            runs.append(await run_claude(exe, reg["base_url"], reg["secret"], box, RESUME_PROMPT, harness_timeout_s,
+                                         ("--resume", session)))  # fmt: skip
+        async with http.post(f"{url}/admin/rollouts/{rid}/seal", headers={"Authorization": "Bearer admin"}) as r:
+            assert r.status == 200, await r.text()
+            status = await r.json()
+    calls = await asyncio.to_thread(consume_calls, kafka, {rid}, status["calls_served"], 60.0)
+    return Outcome(runs, calls, transcript_usage(box / "home", session), status)
+
+
+async def _status(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, Any]:
+    async with http.get(f"{url}/admin/rollouts/{rid}", headers={"Authorization": "Bearer admin"}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def check(outcome: Outcome, engine: str) -> None:
+    calls, main = outcome.calls, outcome.main
+    print(f"\n[{engine}] Claude Code runs: " + "; ".join(
+        f"exit {r.returncode} in {r.seconds:.1f} s, is_error={r.result.get('is_error')}, "
+        f"result={str(r.result.get('result'))[:90]!r}" for r in outcome.runs))  # fmt: skip
+    for c in calls:
+        frac = (c.cached_prompt_tokens or 0) / c.prompt_len
+        print(f"[{engine}] call {c.seq} {c.call_kind.value}: prompt {c.prompt_len} tokens, cached "
+              f"{c.cached_prompt_tokens} ({frac:.2%}), new {len(c.new_tokens)}, generated {len(c.generated_tokens)} "
+              f"({c.finish_reason}), engine {c.engine_ms / 1000:.2f} s, total {c.total_ms / 1000:.2f} s")  # fmt: skip
+
+    # The rollout: every call served and recorded, at least two main calls, the second extends the first.
+    assert outcome.status["status"] == "ok" and outcome.status["errors"] == {}, outcome.status
+    assert len(calls) == outcome.status["calls_served"], (len(calls), outcome.status)
+    assert len(main) >= 2, f"only {len(main)} main call(s): {[(c.seq, c.call_kind) for c in calls]}"
+    first, second = main[0], main[1]
+    extends = second.parent_call_id == first.call_id and second.shared_prefix_len >= first.prompt_len
+    assert extends, ("call 2 does not extend call 1", second.parent_call_id, second.shared_prefix_len, first.prompt_len)
+
+    # The engine's prefix cache: call 2 re-uses (nearly) all of call 1.
+    assert second.cached_prompt_tokens is not None, "the engine reported no cached tokens"
+    fraction = second.cached_prompt_tokens / second.prompt_len
+    assert fraction >= MIN_CACHED, f"call 2: {second.cached_prompt_tokens}/{second.prompt_len} cached ({fraction:.2%})"
+
+    # Claude Code received the cached counts, per call (its transcript) and summed (its JSON result).
+    assert len(outcome.usages) == len(calls), (len(outcome.usages), len(calls))
+    for c, usage in zip(calls, outcome.usages, strict=True):
+        assert usage["cache_read_input_tokens"] == c.cached_prompt_tokens, (c.seq, usage, c.cached_prompt_tokens)
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == c.prompt_len, (c.seq, usage)
+        assert usage["output_tokens"] == len(c.generated_tokens), (c.seq, usage)
+    total_read = sum(r.result["usage"]["cache_read_input_tokens"] for r in outcome.runs)
+    assert total_read == sum(c.cached_prompt_tokens or 0 for c in calls), (total_read, [r.result for r in outcome.runs])
+
+    # The harness: exit 0, or 1 because its max_tokens recovery gave up (see the module docstring); nothing else.
+    for r in outcome.runs:
+        assert r.result.get("api_error_status") is None, r.result
+        if r.returncode != 0:
+            gave_up = r.returncode == 1 and r.result["is_error"] and LIMIT_MESSAGE in r.result["result"]
+            assert gave_up, (r.returncode, r.result, r.stderr[-2000:])
+        else:
+            assert not r.result["is_error"], r.result
+
+
+# ---- the two engines ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return H.tiny_model_dir()  # the proxy renders with this model's tokenizer too
+
+
+@pytest.fixture
+def cpu_engine(model_dir: Path) -> Iterator[str]:
+    worker = Worker(["--model", str(model_dir), "--no-weights"])  # default settings: prefix cache on, 2 GiB
+    try:
+        yield worker.url or ""
+    finally:
+        worker.stop()
+
+
+@pytest.fixture
+def vllm_engine(model_dir: Path, tmp_path: Path) -> Iterator[str]:
+    if not vllm_server.is_installed():
+        reason = (f"vLLM is not installed in {vllm_server.venv_dir()}: run `make vllm` (or `clawstream vllm "
+                  "install`) to run Claude Code through the proxy into a real vLLM")  # fmt: skip
+        warnings.warn(reason, pytest.PytestWarning, stacklevel=1)  # the warnings summary prints it without -rs
+        pytest.skip(reason)
+    # Claude Code's prompt is ~37k tokens with this tokenizer; 64k leaves room. KV: 4 KiB a token, 64k = 256 MiB.
+    server = vllm_server.serve(model_dir, 0, max_model_len=65536, kv_cache_gib=1, log_path=tmp_path / "vllm.log",
+                               startup_timeout_s=900, progress=print)  # fmt: skip
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(1200)
+async def test_claude_code_second_call_cached_cpu_engine(kafka_settings, cpu_engine, claude_exe, tmp_path) -> None:
+    outcome = await rollout(kafka_settings, cpu_engine, claude_exe, tmp_path / "box", harness_timeout_s=900)
+    check(outcome, "cpu")
+
+
+@pytest.mark.timeout(2700)
+async def test_claude_code_second_call_cached_vllm(kafka_settings, vllm_engine, claude_exe, tmp_path) -> None:
+    outcome = await rollout(kafka_settings, vllm_engine, claude_exe, tmp_path / "box", harness_timeout_s=1500)
+    check(outcome, "vllm")
