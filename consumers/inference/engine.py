@@ -16,8 +16,9 @@ each row's next position id, the newest token of every row in the last column. O
 
 1. admits waiting requests (FIFO) while the batch has room (``max_batch_size`` rows, prefilling ones included);
 2. **chunked prefill** under a token budget (``max_prefill_tokens`` per step, less one per decoding row): each
-   prefilling prompt gets at most ``prefill_chunk_tokens`` — the oldest first, then the shortest remaining — so a
-   short request is never stuck behind a long prompt's prefill (it waits one chunk, not the whole prompt). Before
+   prefilling prompt gets at most ``prefill_chunk_tokens``, shortest remaining first (the oldest always gets its
+   chunk, so none starves) — so a short request is never stuck behind a long prompt's prefill (it waits for at
+   most one chunk, not the whole prompt). Before
    each chunk the prompt looks up the **prefix cache** and skips what is cached; after it, the chunk's full blocks
    go into the cache (so concurrent requests share a prefix as soon as one has computed it). A finished prompt
    samples its first token, is duplicated ``n`` times (a prompt is prefilled once per request, not per sample)
@@ -139,7 +140,7 @@ class Engine:
         policy_version: int = 0,
         max_batch_size: int = 32,
         max_prefill_tokens: int = 2048,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int = 256,
         prefix_cache_bytes: int = 2 << 30,
         prefix_block_size: int = 32,
         logprobs_mode: LogprobsMode = "processed_logprobs",
@@ -352,12 +353,15 @@ class Engine:
                     self._live.pop(unit.request.request_id, None)
         if not self._prefilling:
             return
-        budget = max(self.max_prefill_tokens - (len(self._batch.rows) if self._batch else 0), 1)
-        oldest, *others = self._prefilling
-        for unit in [oldest, *sorted(others, key=lambda u: u.remaining)]:
-            if budget <= 0:
-                break
-            budget -= self._prefill_one(unit, min(budget, self.prefill_chunk_tokens))
+        budget = self.max_prefill_tokens - (len(self._batch.rows) if self._batch else 0)
+        oldest = self._prefilling[0]
+        # Shortest remaining first: a short prompt finishes (and is answered) before a long prompt's chunk runs.
+        # The oldest prompt always gets its chunk, even past the budget, so a stream of short ones cannot starve it.
+        for unit in sorted(self._prefilling, key=lambda u: u.remaining):
+            if unit is not oldest and budget <= 0:
+                continue
+            budget -= self._prefill_one(unit, max(1, min(budget, self.prefill_chunk_tokens)) if unit is not oldest
+                                        else self.prefill_chunk_tokens)  # fmt: skip
 
     def _prefill_one(self, unit: _Prefill, limit: int) -> int:
         """Reuse the cached prefix, compute the next ``limit`` prompt tokens at most; returns tokens computed."""

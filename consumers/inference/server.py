@@ -104,7 +104,7 @@ class InferenceWorkerSettings(BaseSettings):
         default=2048, ge=1, description="Token budget of one scheduler step (prompt chunks + one per decoding row)."
     )
     prefill_chunk_tokens: int = Field(
-        default=512, ge=1,
+        default=256, ge=1,
         description="Most tokens of ONE prompt prefilled per step: a short request waits one such chunk, not a "
         "whole long prompt (lower: shorter waits, slightly slower long prefills).",
     )  # fmt: skip
@@ -354,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int)
     p.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's positions)")
     p.add_argument("--max-prefill-tokens", type=int, help="token budget of one scheduler step (default 2048)")
-    p.add_argument("--prefill-chunk-tokens", type=int, help="most tokens of one prompt per step (default 512)")
+    p.add_argument("--prefill-chunk-tokens", type=int, help="most tokens of one prompt per step (default 256)")
     p.add_argument("--prefix-cache-gib", type=float, help="memory for cached prompt KV blocks; 0: off (default 2)")
     p.add_argument("--policy-version", type=int, help="version of the weights in --model")
     p.add_argument("--logprobs-mode", choices=["processed_logprobs", "raw_logprobs"])
