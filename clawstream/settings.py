@@ -1,13 +1,16 @@
 """Shared settings: where Kafka is, how to authenticate, which topic prefix to use.
 
-Every service reads :class:`KafkaSettings` from ``CLAWSTREAM_KAFKA_*`` environment variables (or keyword arguments).
-When no bootstrap address is configured, the address of the broker started by ``clawstream kafka up`` is used
-(``clawstream.kafka.clients.bootstrap_servers`` resolves it), so a laptop needs no configuration at all.
-Validation errors are re-raised as :class:`ConfigError` naming the environment variable and the fix.
+Every service reads :class:`KafkaSettings` from ``CLAWSTREAM_KAFKA_*`` environment variables (or keyword arguments);
+its command line adds ``--bootstrap`` / ``--topic-prefix`` (:func:`add_kafka_arguments`, :func:`kafka_settings`),
+which win over the environment. When no bootstrap address is configured, the address of the broker started by
+``clawstream kafka up`` is used (``clawstream.kafka.clients.bootstrap_servers`` resolves it), so a laptop needs no
+configuration at all. Validation errors are re-raised as :class:`ConfigError` naming the environment variable (or
+flag) and the fix.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -102,3 +105,22 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
             message = err["msg"].removeprefix("Value error, ")
             lines.append(f"{field} ({env}): {message}")
         raise ConfigError(f"invalid {cls.__name__}:\n  " + "\n  ".join(lines)) from exc
+
+
+def add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--bootstrap`` and ``--topic-prefix`` on a service's command line (they override ``CLAWSTREAM_KAFKA_*``)."""
+    group = parser.add_argument_group("Kafka (flags override the CLAWSTREAM_KAFKA_* environment variables)")
+    group.add_argument("--bootstrap", metavar="HOST:PORT[,...]", default=None,
+                       help="broker address (env CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS; default: the broker of "
+                       "`clawstream kafka up`, found under $CLAWSTREAM_HOME/kafka)")  # fmt: skip
+    group.add_argument("--topic-prefix", metavar="PREFIX", default=None,
+                       help="prepended to every topic name (env CLAWSTREAM_KAFKA_TOPIC_PREFIX; default: none)")
+
+
+def kafka_settings(args: argparse.Namespace | None = None, **overrides: Any) -> KafkaSettings:
+    """:class:`KafkaSettings` from the environment, the flags of :func:`add_kafka_arguments` (when given) on top."""
+    if args is not None and getattr(args, "bootstrap", None):
+        overrides.setdefault("bootstrap_servers", args.bootstrap)
+    if args is not None and getattr(args, "topic_prefix", None) is not None:
+        overrides.setdefault("topic_prefix", args.topic_prefix)
+    return load_settings(KafkaSettings, **overrides)

@@ -28,6 +28,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from clawstream.errors import ClawstreamError
 from clawstream.kafka.clients import (
     assign_from_beginning,
+    check_broker,
     make_consumer,
     make_producer,
     produce_reliably,
@@ -262,7 +263,7 @@ def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | N
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from clawstream.settings import load_settings
+    from clawstream.settings import add_kafka_arguments, kafka_settings, load_settings
 
     parser = argparse.ArgumentParser(prog="python -m learner.train", description=__doc__.splitlines()[0],
                                      epilog="hyperparameters (--hp NAME=VALUE):\n" + LearnerConfig.help_table(),
@@ -275,13 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensorboard-dir", default=None)
     parser.add_argument("--value-head", default=None, help="PPO: pretrained value head (python -m learner.value)")
     parser.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
+    add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = load_settings(LearnerSettings, model_dir=args.model_dir, weight_store=args.weight_store,
                              model_name=args.model_name, max_steps=args.max_steps, idle_exit_s=args.idle_exit,
                              tensorboard_dir=args.tensorboard_dir, value_head=args.value_head)  # fmt: skip
     config = parse_hparams(args.hp)
-    steps = Learner(settings, config, load_settings(KafkaSettings)).run()
+    kafka = kafka_settings(args)
+    log.info("Kafka at %s", check_broker(kafka))
+    steps = Learner(settings, config, kafka).run()
     log.info("trained %d batches", steps)
     return 0
 

@@ -136,7 +136,8 @@ def read_scored_trajectories(kafka, limit: int, timeout: float = 30.0) -> list[t
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
-    from clawstream.settings import KafkaSettings, load_settings
+    from clawstream.kafka.clients import check_broker
+    from clawstream.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(prog="python -m learner.value", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, type=Path, help="the policy (HF format)")
@@ -144,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--limit", type=int, default=512, help="at most this many trajectories")
+    add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa")
-    trees = read_scored_trajectories(load_settings(KafkaSettings), args.limit)
+    kafka = kafka_settings(args)
+    log.info("Kafka at %s", check_broker(kafka))
+    trees = read_scored_trajectories(kafka, args.limit)
     log.info("pretraining the value head on %d trajectories", len(trees))
     head = ValueHead.for_model(model)
     losses = pretrain_value(model, head, trees, steps=args.steps, lr=args.lr)

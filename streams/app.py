@@ -20,6 +20,7 @@ Run: ``python -m streams.app worker`` (Faust's CLI; settings from ``CLAWSTREAM_S
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
@@ -32,7 +33,7 @@ from faust.types import EventT, StreamT
 
 from clawstream.kafka.clients import bootstrap_servers, create_topics
 from clawstream.kafka.dead_letter import dead_letter
-from clawstream.settings import KafkaSettings, load_settings
+from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from schemas.codec import default_codec
 from schemas.events import BatchRecord, Event, Trajectory, WeightVersion
 from schemas.topics import (
@@ -324,11 +325,16 @@ class _CleanShutdown:
 def usage() -> str:
     """What ``--help`` prints: the command, then every setting with its environment variable and description."""
     lines = [
-        "usage: python -m streams.app worker [faust worker options]   (clawstream streams [worker ...])",
+        "usage: python -m streams.app worker [--bootstrap HOST:PORT] [--topic-prefix PREFIX] [faust worker options]"
+        "   (clawstream streams [worker ...])",
         "",
         (__doc__ or "").split("\n")[0],
         "",
-        "Settings (environment; Kafka itself: CLAWSTREAM_KAFKA_*, see `clawstream --help`):",
+        "Kafka: --bootstrap HOST:PORT[,...] (env CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS; default: the broker of "
+        "`clawstream kafka up`), --topic-prefix PREFIX (env CLAWSTREAM_KAFKA_TOPIC_PREFIX); other CLAWSTREAM_KAFKA_*",
+        "settings from the environment.",
+        "",
+        "Settings (environment):",
     ]
     prefix = str(StreamsSettings.model_config.get("env_prefix", ""))
     for name, field in StreamsSettings.model_fields.items():
@@ -345,7 +351,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Answer without a broker: building the app resolves the bootstrap address and creates topics.
         print(usage())
         return
-    cfg, kafka = load_settings(StreamsSettings), load_settings(KafkaSettings)
+    flags = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_kafka_arguments(flags)
+    known, args = flags.parse_known_args(args)  # --bootstrap / --topic-prefix are ours, the rest is Faust's
+    cfg, kafka = load_settings(StreamsSettings), kafka_settings(known)
     ensure_internal_topics(cfg, kafka)
     app = create_app(cfg, kafka)
     if cfg.store.startswith("rocksdb://"):
@@ -355,8 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"streams: no clean-shutdown marker in {tabledir}: wiping local tables, they are rebuilt from the "
                   "changelogs", file=sys.stderr)  # fmt: skip
         _CleanShutdown(app)
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *args]
     app.main()
 
 

@@ -29,12 +29,28 @@ def bootstrap_servers(settings: KafkaSettings) -> str:
     """The bootstrap address: configured, else the local broker's (``clawstream kafka up``), else a clear error."""
     if settings.bootstrap_servers:
         return settings.bootstrap_servers
-    bootstrap = LocalKafka().running_bootstrap()
+    local = LocalKafka()
+    bootstrap = local.running_bootstrap()
     if bootstrap is None:
         raise ConfigError(
-            "bootstrap_servers is unset and no local broker is running: "
-            "run `clawstream kafka up` or set CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=host:port"
+            f"no Kafka bootstrap address given, and no local broker runs under {local.home} (where `clawstream "
+            "kafka up` keeps it; one started with another --home or CLAWSTREAM_HOME is not found there): pass "
+            "--bootstrap host:port, set CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=host:port, or run `clawstream kafka up`"
         )
+    return bootstrap
+
+
+def check_broker(settings: KafkaSettings, timeout: float = 15.0) -> str:
+    """The bootstrap address, once a broker there has answered; a :class:`ConfigError` naming the address tried
+    (and where it came from) when none answers within ``timeout`` seconds."""
+    bootstrap = bootstrap_servers(settings)
+    source = "--bootstrap / CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS" if settings.bootstrap_servers else (
+        f"the local broker's state in {LocalKafka().home}")  # fmt: skip
+    try:
+        AdminClient(client_config(settings)).list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise ConfigError(f"no Kafka broker answered at {bootstrap} (from {source}) within {timeout:g}s: "
+                          f"{exc.args[0] if exc.args else exc}") from exc  # fmt: skip
     return bootstrap
 
 

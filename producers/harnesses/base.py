@@ -43,6 +43,10 @@ class HarnessAdapter:
     model: str = "policy"
     side_models: tuple[str, ...] = ()
     call_kind_notes: str = ""
+    # Where under HOME the harness writes its own session transcripts in OpenClaw's format (OpenClaw:
+    # ".openclaw/agents", i.e. <agent>/sessions/<id>.jsonl); None: it writes none, so graders that read such a
+    # transcript get one built from the conversation the proxy saw (producers.tasks.transcript).
+    session_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Facts (docs/harnesses.md#openclaw): ``openclaw agent exec --config cfg.json5 --model clawstream/policy --json
 --timeout N``; its
 system prompt embeds date/time and a session id, and it re-appends an internal-context user message on every call
-(histories are not append-only: the proxy's prefix tree branches at the longest common token prefix).
+(histories are not append-only: the proxy's prefix tree branches at the longest common token prefix). It writes its
+session transcript to ``$HOME/.openclaw/agents/<agent>/sessions/<session id>.jsonl`` (index ``sessions.json``), the
+file PinchBench's checks read (``session_dir``; ``producers.tasks.transcript``).
 """
 
 from producers.harnesses.base import ConfigFile, HarnessAdapter
@@ -30,4 +32,5 @@ ADAPTER = HarnessAdapter(
              "--json", "--timeout", "${timeout_s}", "${prompt}"),  # fmt: skip
     files=(ConfigFile("openclaw.json5", CONFIG),),
     call_kind_notes="internal-context user message moves each call: expect branching, not appends",
+    session_dir=".openclaw/agents",  # $HOME/.openclaw/agents/<agent>/sessions/<session id>.jsonl (+ sessions.json)
 )

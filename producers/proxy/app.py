@@ -7,7 +7,8 @@ API key (``x-api-key`` or ``Authorization: Bearer``).
 Admin (``Authorization: Bearer <admin token>``): ``POST /admin/rollouts`` registers a rollout ({rollout_id?, ttl_s?,
 temperature?, top_p?, max_tokens?, seed?} → {rollout_id, secret, base_url, expires_at_ms}); ``GET
 /admin/rollouts/{id}`` shows its state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits for calls in
-flight and returns {calls_served, status: ok | infra_failure, infra_failure}; ``DELETE`` forgets it.
+flight and returns {calls_served, status: ok | infra_failure, infra_failure, messages} (``messages``: the last
+main-agent call's conversation plus its answer, OpenAI Chat shaped); ``DELETE`` forgets it.
 Sealing semantics: a call after the seal is rejected with **401** in the caller's dialect (the secret is revoked),
 because the SDKs retry 409 but never 401, so the harness stops instead of hammering a finished rollout.
 Out: engine ``POST {engine_url}/v1/completions`` (vLLM subset: token-id prompt, logprobs, return_token_ids) for
@@ -51,12 +52,20 @@ from clawstream.kafka.publisher import KafkaPublisher, Publisher, PublishError
 from clawstream.settings import KafkaSettings, load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
-from producers.proxy.conversation import CallKindRules, Message, ToolCall, classify_call, system_fingerprint
+from producers.proxy.conversation import (
+    CallKindRules,
+    Conversation,
+    Message,
+    ToolCall,
+    classify_call,
+    system_fingerprint,
+    transcript_messages,
+)
 from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custom_tool_names, error_body
 from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.render import RenderError, RolloutRenderer, TemplateRenderer
 from producers.proxy.tool_parse import parse_turn
-from schemas.events import CallEvent, Dialect, now_ms
+from schemas.events import CallEvent, CallKind, Dialect, now_ms
 from schemas.topics import CALLS
 
 log = logging.getLogger("clawstream.proxy")
@@ -117,6 +126,8 @@ class Rollout:
     sealed: bool = False
     infra_failure: str | None = None
     errors: dict[int, int] = field(default_factory=dict)
+    # The last main-agent call's conversation and the answer it got: the run's transcript, reported at seal.
+    last_main: tuple[Conversation, Message] | None = None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -236,7 +247,10 @@ class Proxy:
         if rollout.in_flight and not rollout.infra_failure:
             rollout.infra_failure = f"{rollout.in_flight} call(s) still in flight at seal"
         rollout.renderer = RolloutRenderer(self.template)  # free the token state; the rollout is over
-        return web.json_response(rollout.status())
+        body = rollout.status()
+        if rollout.last_main is not None:  # what the grader's transcript is built from (producers.tasks.transcript)
+            body["messages"] = transcript_messages(*rollout.last_main)
+        return web.json_response(body)
 
     async def _forget(self, request: web.Request) -> web.Response:
         rollout = self._rollout_or_404(request)
@@ -347,6 +361,8 @@ class Proxy:
                 log.error("rollout %s: %s", rollout.rollout_id, exc)
                 raise ApiError(503, "the call could not be recorded (Kafka unavailable); retry later") from exc
             rollout.renderer.record(call_id, seq, rendered, gen, answer_msg)
+            if kind == CallKind.MAIN:
+                rollout.last_main = (parsed.conversation, answer_msg)
             rollout.calls_served += 1
             self.metrics.record_call(dialect.value, kind.value, len(rendered.prompt_ids), len(rendered.new_tokens),
                                      len(gen), rendered.rendered_tokens, times["render_ms"] / 1000,

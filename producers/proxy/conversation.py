@@ -118,6 +118,19 @@ class Conversation:
         return "\n".join(reversed(parts))
 
 
+def transcript_messages(conv: Conversation, answer: Message) -> list[dict[str, Any]]:
+    """A call's conversation plus the answer it got, as OpenAI Chat shaped dicts (``Message.to_template`` with the
+    tool messages' ``tool_call_id`` / ``name``): what the rollout's transcript is built from
+    (``producers.tasks.transcript.session_transcript``) when the seal reports the last main-agent call's."""
+    out = []
+    for msg in (*conv.messages, answer):
+        d = msg.to_template()
+        if msg.role == "tool":
+            d.update({"tool_call_id": msg.tool_call_id, **({"name": msg.name} if msg.name else {})})
+        out.append(d)
+    return out
+
+
 def function_tool(name: str, description: str = "", parameters: Any = None) -> dict[str, Any]:
     """A tool schema in the OpenAI function form the template renders."""
     params = parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}

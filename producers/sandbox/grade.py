@@ -1,70 +1,160 @@
 """Grading a finished rollout in its sandbox: the task's grader runs *inside* the sandbox, or an LLM judge is asked.
 
-The grader files are copied into the sandbox's grader directory only now (after the harness ended, so the harness
-never sees them). The command runs with the same backend and isolation as the harness, with
-``grader_timeout_s``. The grading rules themselves (invocation, output parsing, judge) are
-``producers.tasks.grading``; a grader that fails is a :class:`GraderFailure` (an infrastructure failure of the
-attempt, never a 0).
+The grader files are copied in only now, after the harness ended, so the harness never sees them: into the
+sandbox's grader directory, or — for a grader that expects them inside the workspace (ClawGym-Bench's ``reward/``) —
+into that folder of the workspace, after clearing whatever the agent left under that name, and removed again once
+graded. The command runs with the same backend and isolation as the harness, with ``grader_timeout_s``. The grading
+rules themselves (invocation, output parsing, judge) are ``producers.tasks.grading``; a grader that fails is a
+:class:`GraderFailure` (an infrastructure failure of the attempt, never a 0). :func:`grade_directory` grades a
+workspace directory the same way, in a fresh local sandbox (``clawstream tasks grade``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from producers.sandbox.base import Sandbox, SandboxSettings
+from producers.sandbox.base import Sandbox, SandboxBackend, SandboxError, SandboxSettings, inside
+from producers.tasks import pinchbench
 from producers.tasks.grading import (
     GradeResult,
     GraderFailure,
     Judge,
-    ask_judge,
+    final_message,
     grader_invocation,
-    judge_prompt,
+    judge_score,
     parse_grader_output,
+    reward_payload,
     transcript_from_stdout,
 )
-from producers.tasks.model import Task
-from schemas.events import RewardStatus
+from producers.tasks.model import Task, TaskError
+from producers.tasks.transcript import (
+    OPENCLAW_AGENTS_DIR,
+    final_answer_messages,
+    find_openclaw_session,
+    parse_session_jsonl,
+    session_transcript,
+)
+from schemas.events import RewardStatus, now_ms
 
 
 async def run_grader(task: Task, box: Sandbox, transcript: list[dict[str, Any]], timeout_s: float) -> GradeResult:
     inv = grader_invocation(task, python=box.python, grader_dir=box.grader_dir, workspace=box.workspace)
-    box.write_files(box.grader_dir, inv.files)
-    box.write_text(inv.transcript_path, json.dumps(transcript))
-    result = await box.run(inv.argv, inv.env, box.grader_dir, timeout_s)
+    host_ws = box.host_path(box.workspace)
+    try:
+        for name in inv.workspace_entries:  # whatever the agent left under these names (it cannot pre-plant checks)
+            _remove(host_ws / name)
+        box.write_files(inv.files_dir, inv.files)
+        box.write_files(box.grader_dir, inv.support_files)
+        for rel in inv.support_files:
+            box.host_path(inside(box.grader_dir, rel)).chmod(0o755)
+        box.write_text(inv.transcript_path, json.dumps(transcript))
+        if inv.payload_path:
+            box.host_path(inv.payload_path).write_bytes(reward_payload(task, transcript))
+        result = await box.run(inv.argv, inv.env, inv.cwd, timeout_s, extra_path=inv.extra_path)
+        captured = _tail(box.host_path(inv.capture_path)) if inv.capture_path else None
+    finally:
+        for name in inv.workspace_entries:  # the grader's files never outlive grading
+            with contextlib.suppress(OSError):
+                _remove(host_ws / name)
     if result.timed_out:
         raise GraderFailure(f"grader {task.grader.name} timed out after {timeout_s:.0f}s")
-    return parse_grader_output(task, result.exit_code, result.stdout, result.stderr)
+    return parse_grader_output(task, result.exit_code, result.stdout, result.stderr, captured=captured)
 
 
-def workspace_listing(box: Sandbox, limit: int = 4000) -> str:
-    root = box.host_path(box.workspace)
-    parts = []
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            body = p.read_bytes()[:limit].decode(errors="replace")
-            parts.append(f"## {p.relative_to(root)}\n{body}")
-    return "\n".join(parts) or "(empty)"
+def _remove(path: Path) -> None:
+    """Remove a file, link (not its target) or directory tree, if there."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
 
 
-async def grade(task: Task, box: Sandbox, stdout: str, settings: SandboxSettings) -> GradeResult:
-    """Grade a rollout (raises :class:`GraderFailure` on a grader/judge crash)."""
-    transcript = transcript_from_stdout(stdout)
+def _tail(path: Path, limit: int = 1 << 20) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return None
+
+
+def run_transcript(
+    task: Task, box: Sandbox, stdout: str, *, messages: list[dict[str, Any]] | None = None,
+    session_dir: str | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The transcript the task's grader reads (``Grader.transcript``). ``stdout``: the harness's output;
+    ``messages``: the conversation the proxy saw (the last main-agent call's messages plus its answer, OpenAI Chat
+    shaped); ``session_dir``: where under HOME the harness writes its own OpenClaw session files (OpenClaw only).
+
+    ``openclaw_session``: the harness's own session file when it writes one, else session records built from
+    ``messages``; with neither (a proxy that does not report the conversation, or no main-agent call recorded) the
+    prompt and the final answer the harness printed, if any (its ``result``: Claude Code's and Qwen Code's last
+    text; agentloop prints why it stopped there)."""
+    records = transcript_from_stdout(stdout)
+    if task.grader.transcript != "openclaw_session":
+        return records
+    if session_dir:
+        own = find_openclaw_session(box.host_path(box.home), session_dir)
+        if own is not None:
+            return parse_session_jsonl(own.read_text(encoding="utf-8", errors="replace"))
+    if not messages:
+        messages = final_answer_messages(task.prompt.replace(task.mount_dir, box.workspace), final_message(records))
+    return session_transcript(messages, cwd=box.workspace, start_ms=now_ms())
+
+
+async def grade(
+    task: Task, box: Sandbox, stdout: str, settings: SandboxSettings, *,
+    messages: list[dict[str, Any]] | None = None, session_dir: str | None = None,
+) -> GradeResult:  # fmt: skip
+    """Grade a rollout (raises :class:`GraderFailure` on a grader/judge crash); ``messages`` / ``session_dir``: where
+    the transcript comes from (:func:`run_transcript`)."""
+    transcript = run_transcript(task, box, stdout, messages=messages, session_dir=session_dir)
     g = task.grader
     auto = None
     if g.grading_type != "llm_judge":
         auto = await run_grader(task, box, transcript, settings.grader_timeout_s)
         if g.grading_type == "automated":
             return auto
-    subs = dict(auto.sub_scores) if auto else {}
     if not settings.judge_url:
+        subs = dict(auto.sub_scores) if auto else {}
         return GradeResult(RewardStatus.UNGRADED, g.name, None, subs, f"{g.grading_type} task and no judge_url")
     judge = Judge(settings.judge_url, settings.judge_model, settings.judge_api_key, settings.grader_timeout_s)
-    score = await ask_judge(judge, judge_prompt(task, transcript, workspace_listing(box)))
-    subs["llm_judge"] = score
+    score, breakdown = await judge_score(judge, task, transcript)
     if auto is None:
-        return GradeResult(RewardStatus.OK, g.name, score, subs)
-    w_auto = float(task.metadata.get("weight_automated", 0.5))
-    w_judge = float(task.metadata.get("weight_llm_judge", 0.5))
-    reward = (w_auto * (auto.reward or 0.0) + w_judge * score) / ((w_auto + w_judge) or 1.0)
+        return GradeResult(RewardStatus.OK, g.name, score, breakdown)
+    reward, subs = pinchbench.combine(task, auto.reward or 0.0, auto.sub_scores, score, breakdown)
     return GradeResult(RewardStatus.OK, g.name, reward, subs)
+
+
+async def grade_directory(
+    task: Task, workspace: Path, backend: SandboxBackend, settings: SandboxSettings, *, stdout: str = "",
+    session: str | None = None,
+) -> GradeResult:  # fmt: skip
+    """Grade a workspace directory exactly as a rollout's workspace is graded: a fresh sandbox of ``backend`` gets a
+    copy of the directory as its workspace (the directory itself is left as it is), the task's grader runs in it,
+    then the sandbox is destroyed. The transcript: ``stdout`` (the harness's output) for graders that read it, or
+    ``session`` (an OpenClaw session file's text, JSON lines) for graders that read OpenClaw's session format."""
+    if not workspace.is_dir():
+        raise TaskError(f"workspace {workspace} is not a directory")
+    box = await backend.create(f"grade-{task.task_id[:24]}", replace(task, files={}))
+    try:
+        await asyncio.to_thread(shutil.copytree, workspace, box.host_path(box.workspace), symlinks=True,
+                                dirs_exist_ok=True)  # fmt: skip
+        session_dir = None
+        if session is not None:  # where OpenClaw keeps it, so the grader finds it as it finds OpenClaw's own
+            box.write_text(inside(box.home, OPENCLAW_AGENTS_DIR, "main", "sessions", "given.jsonl"), session)
+            session_dir = OPENCLAW_AGENTS_DIR
+        result = await grade(task, box, stdout, settings, session_dir=session_dir)
+    finally:
+        report = await box.destroy()
+    if not report.clean:
+        raise SandboxError(f"sandbox {box.sandbox_id} not clean after grading: {report}")
+    return result

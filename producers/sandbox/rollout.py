@@ -219,7 +219,9 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             await a.move(RolloutState.HARNESS_EXITED, exit_code=result.exit_code, calls_served=calls, reason=reason)
         t["grade_start"] = time.monotonic()
         try:
-            graded = await grade(task, box, result.stdout, ctx.settings)
+            messages = sealed.get("messages")  # the conversation the proxy saw, when it reports it
+            graded = await grade(task, box, result.stdout, ctx.settings, session_dir=adapter.session_dir,
+                                 messages=messages if isinstance(messages, list) else None)  # fmt: skip
         except (GraderFailure, SandboxError, OSError) as exc:
             await a.fail(f"grader: {exc}")
             return out

@@ -30,10 +30,10 @@ from collections.abc import Mapping
 from confluent_kafka import KafkaException, TopicPartition
 
 from clawstream.errors import ClawstreamError, CodecError
-from clawstream.kafka.clients import make_consumer, where
+from clawstream.kafka.clients import check_broker, make_consumer, where
 from clawstream.kafka.dead_letter import dead_letter_of
 from clawstream.kafka.publisher import KafkaPublisher
-from clawstream.settings import KafkaSettings, load_settings
+from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.harnesses.base import HarnessAdapter
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
@@ -233,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--proxy-url")
     parser.add_argument("--proxy-admin-token")
     parser.add_argument("--group-id")
+    add_kafka_arguments(parser)
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    own = ("concurrency", "backend", "proxy_url", "proxy_admin_token", "group_id")
+    overrides = {k: v for k, v in vars(args).items() if k in own and v is not None}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = load_settings(SandboxSettings, **overrides)
-    kafka = load_settings(KafkaSettings)
+    kafka = kafka_settings(args)
+    log.info("Kafka at %s", check_broker(kafka))
 
     async def serve() -> int:
         stop = asyncio.Event()

@@ -29,9 +29,9 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawstream.errors import CodecError
-from clawstream.kafka.clients import make_consumer, where
+from clawstream.kafka.clients import check_broker, make_consumer, where
 from clawstream.kafka.publisher import KafkaPublisher
-from clawstream.settings import KafkaSettings, load_settings
+from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.scheduler.plan import Outstanding, StepPlan, instance_requests, may_issue, plan_step, score_table
 from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardEvent, RolloutRequest, WeightVersion
@@ -210,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval", action="store_true", help="run the eval split and print a score table")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--suite")
+    add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     overrides = {k: v for k, v in {"steps": args.steps, "suite": args.suite}.items() if v is not None}
-    scheduler = Scheduler(load_settings(SchedulerSettings, **overrides), load_settings(KafkaSettings))
+    kafka = kafka_settings(args)
+    log.info("Kafka at %s", check_broker(kafka))
+    scheduler = Scheduler(load_settings(SchedulerSettings, **overrides), kafka)
     if args.eval:
         print(asyncio.run(scheduler.evaluate()))
     else:

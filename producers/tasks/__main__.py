@@ -1,7 +1,7 @@
-"""``python -m producers.tasks``: same as ``python -m producers.tasks.catalog``."""
+"""``python -m producers.tasks``: ``list SPEC`` (a suite's tasks) and ``show TASK`` (one task); see ``--help``."""
 
 import sys
 
-from producers.tasks.catalog import main
+from producers.tasks.describe import main
 
 sys.exit(main())

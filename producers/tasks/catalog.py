@@ -1,20 +1,18 @@
 """The suite catalog: suite specs → loaded suites, as the sandbox worker and the scheduler resolve them.
 
 Suite specs (:func:`load_suite`): ``builtin:cpu`` | ``native:DIR`` | ``clawgym:DIR`` | ``pinchbench:DIR`` | a bare
-``DIR`` (layout detected). Run ``python -m producers.tasks.catalog SPEC`` to list a suite's tasks.
+``DIR`` (layout detected). ``python -m producers.tasks list SPEC`` lists a suite's tasks (``producers.tasks.describe``).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
 from producers.tasks import cpu, loaders
 from producers.tasks.model import Suite, Task, TaskError
-from producers.tasks.native import _task_config, load_native_suite, write_native_task
+from producers.tasks.native import _task_config, load_native_suite
 
 
 def detect_layout(path: Path) -> str:
@@ -68,20 +66,3 @@ class SuiteCatalog:
 
     def task(self, suite: str, task_id: str) -> Task:
         return self.suite(suite).get(task_id)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m producers.tasks.catalog", description="List a suite or export it.")
-    parser.add_argument("spec", help="builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR | DIR")
-    parser.add_argument("--export", type=Path, help="write the suite's tasks in the native format under this dir")
-    args = parser.parse_args(argv)
-    suite = load_suite(args.spec)
-    for task in suite.tasks.values():
-        print(f"{task.split:8} {task.task_id:28} {task.timeout_s:6.0f}s  {task.prompt[:70]!r}")
-        if args.export:
-            write_native_task(task, args.export / task.task_id)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ are whole words (``"notes.txt"``, ``"apple"``) and numbers have one digit. Each 
 sub-score in {0, 1}, so a half-done task earns partial credit (reward = mean).
 
 Splits: ``train`` (``n_train`` tasks, seed ``seed``) and ``heldout`` (``n_heldout``, seed ``seed + 1``, never the
-same prompt as a train task). Export as native directories: ``python -m producers.tasks.model builtin:cpu --export
+same prompt as a train task). Export as native directories: ``python -m producers.tasks list builtin:cpu --export
 DIR``.
 """
 

@@ -2,18 +2,26 @@
 
 This is the one place that knows a grader's contract; ``producers.sandbox.grade`` runs it inside a rollout's
 sandbox and the warm start (``learner.warmstart``) runs it in a temporary directory, both through
-:func:`grader_invocation` and :func:`parse_grader_output`. The grader files are laid out in a grader directory,
-with the task's hard-coded mount dir rewritten to the workspace path where the task asks for it (ClawGym-Bench);
-the command runs with cwd = the grader dir and ``WORKSPACE`` / ``CLAWGYM_WORKSPACE`` set. Outputs:
+:func:`grader_invocation` and :func:`parse_grader_output`. The grader files are laid out in a grader directory
+outside the workspace, with the task's hard-coded mount dir rewritten to the workspace path where the task asks for
+it; the command runs with cwd = the grader dir and ``WORKSPACE`` / ``CLAWGYM_WORKSPACE`` set. Outputs:
 
 * ``subscores_json``: the last stdout line that is a JSON object → sub-scores; reward = their mean.
-* ``reward_float``: the last stdout line that is a number → reward; any dict line (JSON or Python literal, as
-  ClawGym's ``check.py`` prints) → sub-scores.
+* ``reward_float``: the last stdout line that is a number → reward; any dict line (JSON or Python literal) →
+  sub-scores.
+
+ClawGym-Bench, as its own harness grades (``Grader.workspace_folder`` / ``subscores_script`` / ``reward_payload``):
+the files go to ``<workspace>/reward/`` (cleared first: nothing the agent put there survives), the run payload
+``{final_message, metadata, transcript}`` to ``<workspace>/.openclaw_reward_payload.json`` ($OPENCLAW_REWARD_PAYLOAD),
+``bash <workspace>/reward/reward.sh`` runs in the workspace and prints the reward; ``check.py``'s sub-scores, which
+``reward.sh`` pipes into its averaging one-liner, are captured by a stand-in ``python3`` first on PATH
+(:data:`SUBSCORES_SHIM`) that tees that script's stdout; reward folder and payload are removed after grading.
 
 Every score must lie in [0, 1]. A grader that exits non-zero, times out, prints nothing usable or out-of-range
 values raises :class:`GraderFailure` — the attempt is then an infrastructure failure, never a 0.
-LLM judge (PinchBench ``llm_judge`` / ``hybrid``): an OpenAI-compatible chat call (``judge_url``) asked for
-``{"score": x}``; without a judge URL such tasks are UNGRADED (hybrid keeps the automated sub-scores for reference).
+LLM judge (PinchBench ``llm_judge`` / ``hybrid``): an OpenAI-compatible chat call (``judge_url``) given the
+benchmark's judge prompt and read as the benchmark reads the reply (:func:`judge_score`); without a judge URL such
+tasks are UNGRADED (hybrid keeps the automated sub-scores for reference).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from typing import Any
 import aiohttp
 
 from clawstream.errors import ClawstreamError
+from producers.tasks import pinchbench
 from producers.tasks.model import Task
 from schemas.events import RewardStatus
 
@@ -120,12 +129,45 @@ def transcript_from_stdout(stdout: str) -> list[dict[str, Any]]:
 
 @dataclass(frozen=True)
 class GraderInvocation:
-    """What to lay out and run for one grading: files for the grader dir, the command line, its environment."""
+    """What to lay out and run for one grading, as paths inside the sandbox.
+
+    ``files`` go under ``files_dir`` (the grader dir, or a folder inside the workspace); ``support_files`` under the
+    grader dir; the command ``argv`` runs in ``cwd`` with ``env`` and ``extra_path`` in front of PATH.
+    ``workspace_entries`` (names relative to the workspace) are what grading puts into the workspace: cleared before
+    (so nothing the agent left under those names survives) and removed after. ``capture_path`` is where the
+    sub-scores script's own stdout is kept, ``payload_path`` where the run payload goes (both None when unused).
+    """
 
     files: dict[str, bytes]
     argv: list[str]
     env: dict[str, str]
     transcript_path: str
+    files_dir: str = ""
+    cwd: str = ""
+    support_files: dict[str, bytes] = field(default_factory=dict)
+    extra_path: str = ""
+    workspace_entries: tuple[str, ...] = ()
+    capture_path: str | None = None
+    payload_path: str | None = None
+
+
+# Stands in for python3 on PATH while a grader runs that prints its sub-scores only through a pipe (ClawGym-Bench's
+# reward.sh: `python3 …/reward/check.py … | python3 -c '<mean>'`). It runs the real python3 (the next one on PATH)
+# unchanged; when the script is the sub-scores script, it also appends that script's stdout to a capture file.
+SUBSCORES_SHIM = """#!/usr/bin/env bash
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+IFS=: read -r -a dirs <<< "$PATH"
+rest=""
+for d in "${dirs[@]}"; do [ "$d" = "$here" ] || rest="${rest:+$rest:}$d"; done
+export PATH="$rest"
+case "${1:-}" in
+  "$CLAWSTREAM_SUBSCORES_SCRIPT")
+    set -o pipefail
+    python3 "$@" | tee -a "$CLAWSTREAM_SUBSCORES_OUT"
+    exit $? ;;
+esac
+exec python3 "$@"
+"""
 
 
 def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: str) -> GraderInvocation:
@@ -139,30 +181,96 @@ def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: st
     values = {"python": python, "grader_dir": grader_dir, "workspace": workspace, "transcript": transcript_path}
     argv = [string.Template(a).substitute(values) for a in g.argv]
     env = {"WORKSPACE": workspace, "CLAWGYM_WORKSPACE": workspace, "PYTHONDONTWRITEBYTECODE": "1"}
-    return GraderInvocation(files, argv, env, transcript_path)
+    if not g.workspace_folder:
+        return GraderInvocation(files, argv, env, transcript_path, files_dir=grader_dir, cwd=grader_dir)
+    entries = [g.workspace_folder]
+    support: dict[str, bytes] = {}
+    extra_path, capture_path, payload_path = "", None, None
+    if g.subscores_script:
+        support["bin/python3"] = SUBSCORES_SHIM.encode()
+        extra_path = inside(grader_dir, "bin")
+        capture_path = inside(grader_dir, "subscores.out")
+        env["CLAWSTREAM_SUBSCORES_SCRIPT"] = inside(workspace, g.workspace_folder, g.subscores_script)
+        env["CLAWSTREAM_SUBSCORES_OUT"] = capture_path
+    if g.reward_payload:
+        entries.append(g.reward_payload)
+        payload_path = inside(workspace, g.reward_payload)
+        env["OPENCLAW_REWARD_PAYLOAD"] = payload_path
+    return GraderInvocation(
+        files, argv, env, transcript_path, files_dir=inside(workspace, g.workspace_folder), cwd=workspace,
+        support_files=support, extra_path=extra_path, workspace_entries=tuple(entries), capture_path=capture_path,
+        payload_path=payload_path,
+    )  # fmt: skip
 
 
-def parse_grader_output(task: Task, exit_code: int, stdout: str, stderr: str) -> GradeResult:
-    """The grade a finished grader process reports (raises :class:`GraderFailure` when it reports none)."""
+def final_message(transcript: list[dict[str, Any]]) -> str:
+    """The agent's last answer in a transcript: a ``result`` record (Claude Code, Qwen Code) or the last assistant
+    message's text (OpenClaw session lines, OpenAI/Anthropic-shaped messages); "" when none is found."""
+    for record in reversed(transcript):
+        if isinstance(record.get("result"), str):
+            return record["result"]
+        msg = record.get("message") if isinstance(record.get("message"), dict) else record
+        if msg.get("role") != "assistant":
+            continue
+        content = msg.get("content")
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            text = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+            if text:
+                return text
+    return ""
+
+
+def reward_payload(task: Task, transcript: list[dict[str, Any]]) -> bytes:
+    """The run payload ClawGym-Bench's harness hands ``reward.sh`` (``{final_message, metadata, transcript}``)."""
+    try:
+        metadata = json.loads(task.metadata.get("metadata", "{}"))
+    except ValueError:
+        metadata = {}
+    body = {"final_message": final_message(transcript), "metadata": metadata, "transcript": transcript}
+    return json.dumps(body).encode()
+
+
+def parse_captured_subscores(text: str) -> dict[str, float]:
+    """Sub-scores from what a sub-scores script printed: the last JSON object in it (one line or indented over
+    several); numbers and booleans become floats, other values (notes, lists) are left out."""
+    decoder = json.JSONDecoder()
+    found: dict[str, Any] | None = None
+    for i, ch in enumerate(text):
+        if ch != "{" or (i and text[i - 1] not in "\n"):
+            continue
+        try:
+            value, _ = decoder.raw_decode(text, i)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            found = value
+    if found is None:  # a Python literal (print(dict)) on one line
+        found = next((d for d in map(_dict_line, reversed(text.splitlines())) if d is not None), None)
+    if found is None:
+        return {}
+    return {str(k): float(v) for k, v in found.items() if isinstance(v, int | float) and not math.isnan(float(v))}
+
+
+def parse_grader_output(
+    task: Task, exit_code: int | None, stdout: str, stderr: str, *, captured: str | None = None
+) -> GradeResult:
+    """The grade a finished grader process reports (raises :class:`GraderFailure` when it reports none).
+    ``captured``: what the sub-scores script printed (when the grader has one); its dict gives the sub-scores."""
     g = task.grader
     if exit_code != 0:
         raise GraderFailure(f"grader {g.name} exited {exit_code}: {stderr[-500:]}")
     parse = parse_subscores if g.output == "subscores_json" else parse_reward_float
     reward, subs = parse(stdout)
+    if captured:
+        subs = parse_captured_subscores(captured) or subs
     return GradeResult(RewardStatus.OK, g.name, reward, subs)
-
-
-def judge_prompt(task: Task, transcript: list[dict[str, Any]], workspace_listing: str) -> str:
-    return (
-        "You grade an AI agent's work. Reply with a JSON object {\"score\": x} with x in [0, 1] and nothing else.\n\n"
-        f"# Task\n{task.prompt}\n\n# Rubric\n{task.grader.judge_rubric}\n\n"
-        f"# Workspace after the run\n{workspace_listing[:20000]}\n\n# Transcript\n{json.dumps(transcript)[-20000:]}"
-    )
 
 
 @dataclass(frozen=True)
 class Judge:
-    """An OpenAI-compatible chat endpoint asked for ``{"score": x}``."""
+    """An OpenAI-compatible chat endpoint (any server: a hosted model, a local vLLM, this project's engine)."""
 
     url: str
     model: str
@@ -170,7 +278,8 @@ class Judge:
     timeout_s: float = 120.0
 
 
-async def ask_judge(judge: Judge, prompt: str) -> float:
+async def ask_judge(judge: Judge, prompt: str) -> str:
+    """The judge's reply to ``prompt`` (one user message, temperature 0); :class:`GraderFailure` when it gives none."""
     url = judge.url.rstrip("/") + "/chat/completions"
     body = {"model": judge.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0}
     headers = {"Authorization": f"Bearer {judge.api_key}"} if judge.api_key else {}
@@ -179,11 +288,16 @@ async def ask_judge(judge: Judge, prompt: str) -> float:
             async with http.post(url, json=body, headers=headers) as resp:
                 if resp.status >= 400:
                     raise GraderFailure(f"judge answered {resp.status}: {(await resp.text())[:300]}")
-                text = (await resp.json())["choices"][0]["message"]["content"] or ""
-    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, ValueError) as exc:
+                return str((await resp.json())["choices"][0]["message"]["content"] or "")
+    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise GraderFailure(f"judge at {judge.url} failed: {exc!r}") from exc
-    start, end = text.find("{"), text.rfind("}")
-    found = _dict_line(text[start : end + 1]) if start >= 0 else None
-    if not found or "score" not in found:
-        raise GraderFailure(f"judge gave no {{'score': x}}: {text[:200]!r}")
-    return _score(found["score"], "judge score")
+
+
+async def judge_score(judge: Judge, task: Task, transcript: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
+    """The judge's score of a run and its per-criterion scores, asked and read as PinchBench asks and reads them
+    (``producers.tasks.pinchbench``); a reply without a score in [0, 1] is a :class:`GraderFailure`."""
+    reply = await ask_judge(judge, pinchbench.judge_prompt(task, transcript))
+    total, scores, _notes = pinchbench.parse_judge_reply(reply)
+    if total is None:
+        raise GraderFailure(f"the judge gave no score: {reply[:300]!r}")
+    return _score(total, "judge total"), scores

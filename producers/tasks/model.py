@@ -18,6 +18,7 @@ from clawstream.errors import ClawstreamError
 
 GraderOutput = Literal["subscores_json", "reward_float"]
 GradingType = Literal["automated", "llm_judge", "hybrid"]
+TranscriptFormat = Literal["stdout", "openclaw_session"]
 DEFAULT_MOUNT_DIR = "/workspace"
 
 
@@ -28,7 +29,8 @@ class TaskError(ClawstreamError):
 @dataclass(frozen=True)
 class Grader:
     """How a task is graded. ``argv`` is templated (``string.Template``) with ``python``, ``grader_dir``,
-    ``workspace`` and ``transcript`` (a JSON file of the harness's parsed stdout) by ``producers.tasks.grading``."""
+    ``workspace`` and ``transcript`` (a JSON file of the run's transcript, see ``transcript``) by
+    ``producers.tasks.grading``."""
 
     name: str
     files: Mapping[str, bytes]
@@ -39,6 +41,23 @@ class Grader:
     # sandbox's copies of the files (ClawGym-Bench scripts hard-code /root/.openclaw/workspace).
     mount_dir_rewrite: str | None = None
     judge_rubric: str = ""  # llm_judge / hybrid: what the judge is told to check
+    judge_context: str = ""  # llm_judge / hybrid: what the agent was expected to do (PinchBench: Expected Behavior)
+    # What ${transcript} holds: "stdout" → the harness's machine-readable stdout as a list of dicts; "openclaw_session"
+    # → the run as OpenClaw session records (OpenClaw's own session file, else built from the conversation the proxy
+    # saw: producers.tasks.transcript), the transcript PinchBench's checks and judge read.
+    transcript: TranscriptFormat = "stdout"
+    # Where the files are laid out for grading: None → the sandbox's grader dir, outside the workspace; a relative
+    # folder → that folder *inside* the workspace (ClawGym-Bench: "reward", where its reward.sh calls check.py).
+    # Either way only after the harness ended; a folder inside the workspace is first cleared of whatever the agent
+    # left under that name, and removed again after grading.
+    workspace_folder: str | None = None
+    # One of the files whose own stdout carries the sub-scores when the command prints only the reward
+    # (ClawGym-Bench: "check.py", which reward.sh pipes into an averaging one-liner); captured as it prints them.
+    subscores_script: str | None = None
+    # A file the grader reads the run from, written into the workspace under this name for grading only and named
+    # by $OPENCLAW_REWARD_PAYLOAD (ClawGym-Bench: ".openclaw_reward_payload.json" = final_message, metadata,
+    # transcript).
+    reward_payload: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,8 @@ class Task:
 class Suite:
     name: str
     tasks: Mapping[str, Task]
+    # Tasks of the suite's directory that could not be loaded: task id → why (the rest of the suite still loads).
+    unavailable: Mapping[str, str] = field(default_factory=dict)
 
     def split(self, split: str) -> list[Task]:
         return [t for t in self.tasks.values() if t.split == split]
@@ -70,6 +91,9 @@ class Suite:
         try:
             return self.tasks[task_id]
         except KeyError:
+            if task_id in self.unavailable:
+                raise TaskError(f"task {task_id!r} of suite {self.name!r} is unavailable: "
+                                f"{self.unavailable[task_id]}") from None  # fmt: skip
             raise TaskError(f"suite {self.name!r} has no task {task_id!r}") from None
 
 

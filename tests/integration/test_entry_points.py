@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +34,7 @@ MODULES = [
 COMMANDS = [
     ["demo"], ["kafka"], ["kafka", "up"], ["topics", "create"], ["model", "init"], ["model", "sft"], ["infer"],
     ["proxy"], ["streams"], ["sandbox-worker"], ["schedule"], ["learner"], ["harness", "install"], ["vllm"],
-    ["vllm", "install"], ["vllm", "serve"],
+    ["vllm", "install"], ["vllm", "serve"], ["tasks"], ["tasks", "list"], ["tasks", "show"], ["tasks", "grade"],
 ]  # fmt: skip
 
 
@@ -57,9 +59,47 @@ def test_cli_help(command: list[str]) -> None:
     assert "usage" in proc.stdout.lower(), proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize("module", ["producers.sandbox", "producers.scheduler", "learner", "learner.value", "streams"])
+def test_services_take_kafka_flags(module: str) -> None:
+    """Kafka settings come from flags too (the environment stays supported)."""
+    proc = _run([sys.executable, "-m", module, "--help"])
+    assert "--bootstrap" in proc.stdout and "--topic-prefix" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_harness_table() -> None:
     """``python -m producers.harnesses`` prints one row per built-in adapter."""
     proc = _run([sys.executable, "-m", "producers.harnesses"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in ("claude-code", "codex", "qwen-code", "openclaw", "opencode", "agentloop", "agentloop-anthropic"):
         assert name in proc.stdout
+
+
+def test_tasks_commands(tmp_path: Path) -> None:
+    """``tasks list`` / ``show`` / ``grade`` on the real ClawGym-Bench fixture: the grade of an untouched workspace is
+    its true low value, of a solved one 1.0, with check.py's sub-scores; the graded directory is left as it was."""
+    if not CLI.exists():
+        pytest.skip(f"{CLI} is not installed (pip install -e .)")
+    suite = ROOT / "tests" / "fixtures" / "clawgym"
+    listed = _run([str(CLI), "tasks", "list", str(suite)])
+    assert listed.returncode == 0 and "task_0078" in listed.stdout and "3 available, 0 unavailable" in listed.stdout
+    shown = _run([str(CLI), "tasks", "show", "task_0078", "--suite", f"clawgym:{suite}"])
+    assert shown.returncode == 0 and "backup_date.txt" in shown.stdout and "reward.sh" in shown.stdout
+    assert "/root/.openclaw/workspace/reward/" in shown.stdout
+    module = _run([sys.executable, "-m", "producers.tasks", "show", str(suite / "task_0078")])
+    assert module.returncode == 0 and module.stdout == shown.stdout
+    task = suite / "task_0078"
+    untouched = tmp_path / "untouched"
+    shutil.copytree(task / "input_files", untouched)
+    solved = tmp_path / "solved"
+    shutil.copytree(task / "input_files", solved)
+    shutil.copytree(ROOT / "tests" / "fixtures" / "clawgym_solutions" / "task_0078", solved, dirs_exist_ok=True)
+    before = sorted(p.relative_to(solved) for p in solved.rglob("*"))
+    low = _run([str(CLI), "tasks", "grade", str(task), str(untouched)])
+    assert low.returncode == 0, low.stderr[-2000:]
+    assert low.stdout.startswith("reward 0.083333 "), low.stdout
+    assert "no_writes_outside_output" in low.stdout and "changelog_header" in low.stdout
+    high = _run([str(CLI), "tasks", "grade", str(task), str(solved)])
+    assert high.returncode == 0 and high.stdout.startswith("reward 1.0 "), high.stdout
+    assert sorted(p.relative_to(solved) for p in solved.rglob("*")) == before  # no reward/ or payload left behind
+    as_json = _run([str(CLI), "tasks", "grade", str(task), str(untouched), "--json"])
+    assert json.loads(as_json.stdout)["sub_scores"]["no_writes_outside_output"] == 1.0

@@ -159,7 +159,7 @@ async def test_docker_container_spec_and_calls(tmp_path: Path) -> None:
     assert spec["pids_limit"] == 128 and spec["network"] == "sbx-net" and spec["cap_drop"] == ["ALL"]
     assert spec["security_opt"] == ["no-new-privileges"] and spec["environment"]["CLAWSTREAM_SANDBOX_ID"] == "sb1"
     assert spec["labels"]["clawstream.sandbox"] == "sb1"
-    clawgym = SuiteCatalog({"c": str(S.FIXTURES / "clawgym")}).task("c", "task_0001")
+    clawgym = SuiteCatalog({"c": str(S.FIXTURES / "clawgym")}).task("c", "task_0078")
     assert container_spec(settings, "sb2", clawgym, tmp_path)["working_dir"] == "/root/.openclaw/workspace"
     assert exec_argv(["python3", "x.py"], 30, 2) == ["timeout", "-s", "TERM", "-k", "2", "30", "python3", "x.py"]
 

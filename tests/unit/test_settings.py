@@ -1,12 +1,15 @@
-"""Settings: env parsing and errors that name the field, the variable and the fix."""
+"""Settings: env parsing, the services' --bootstrap / --topic-prefix flags, and errors that name the field, the
+variable, the broker address tried and the fix."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
 from clawstream.errors import ConfigError
-from clawstream.kafka.clients import bootstrap_servers, client_config
-from clawstream.settings import KafkaSettings, load_settings
+from clawstream.kafka.clients import bootstrap_servers, check_broker, client_config
+from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 
 
 def test_env_and_passthrough(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,5 +54,24 @@ def test_errors_name_field_and_fix(overrides: dict, needles: list[str]) -> None:
 
 def test_unset_bootstrap_without_local_broker_says_what_to_do(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("CLAWSTREAM_HOME", str(tmp_path))
-    with pytest.raises(ConfigError, match="clawstream kafka up"):
+    with pytest.raises(ConfigError, match="clawstream kafka up") as info:
         bootstrap_servers(KafkaSettings())
+    assert f"under {tmp_path / 'kafka'}" in str(info.value) and "--bootstrap" in str(info.value)
+
+
+def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS", "env:1")
+    monkeypatch.setenv("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "env.")
+    parser = argparse.ArgumentParser()
+    add_kafka_arguments(parser)
+    assert kafka_settings(parser.parse_args([])).bootstrap_servers == "env:1"  # no flags: the environment
+    got = kafka_settings(parser.parse_args(["--bootstrap", "flag:2", "--topic-prefix", "run7."]))
+    assert got.bootstrap_servers == "flag:2" and got.topic_prefix == "run7."
+    assert kafka_settings(parser.parse_args(["--topic-prefix", ""])).topic_prefix == ""
+    with pytest.raises(ConfigError, match="CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS"):
+        kafka_settings(parser.parse_args(["--bootstrap", "nohostport"]))
+
+
+def test_unreachable_broker_names_the_address() -> None:
+    with pytest.raises(ConfigError, match=r"no Kafka broker answered at 127\.0\.0\.1:9 \(from --bootstrap"):
+        check_broker(KafkaSettings(bootstrap_servers="127.0.0.1:9"), timeout=2)
