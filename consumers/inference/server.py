@@ -58,8 +58,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawstream.errors import ClawstreamError, ConfigError
-from clawstream.kafka.clients import bootstrap_servers
-from clawstream.settings import KafkaSettings, load_settings
+from clawstream.kafka.clients import check_broker
+from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from consumers.inference.metrics import EngineMetrics, ServedCounters, stats_values
 from consumers.inference.protocol import (
     DEFAULT_MAX_LOGPROBS,
@@ -361,11 +361,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id")
     p.add_argument("--metrics-interval-s", type=float)
     p.add_argument("--no-weights", action="store_true", help="do not follow clawstream.weights (no Kafka needed)")
+    add_kafka_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = vars(_parser().parse_args(argv))
+    namespace = _parser().parse_args(argv)
+    args = {k: v for k, v in vars(namespace).items() if k not in ("bootstrap", "topic_prefix")}
     no_weights = args.pop("no_weights")
     overrides = {k: v for k, v in args.items() if v is not None}
     if no_weights:
@@ -375,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(InferenceWorkerSettings, **overrides)
         kafka = None
         if settings.follow_weights:
-            kafka = load_settings(KafkaSettings)
-            bootstrap_servers(kafka)  # fail now, not in the follower thread
+            kafka = kafka_settings(namespace)
+            check_broker(kafka)  # fail now (naming the address tried), not in the follower thread
     except ConfigError as exc:
         hint = " (or pass --no-weights to serve without following weight versions)" if "bootstrap" in str(exc) else ""
         print(f"error: {exc}{hint}", file=sys.stderr)

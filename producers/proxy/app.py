@@ -48,8 +48,10 @@ from aiohttp import web
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from clawstream.errors import ConfigError
+from clawstream.kafka.clients import check_broker
 from clawstream.kafka.publisher import KafkaPublisher, Publisher, PublishError
-from clawstream.settings import KafkaSettings, load_settings
+from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
 from producers.proxy.conversation import (
@@ -523,11 +525,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--admin-token")
+    add_kafka_arguments(parser)
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    overrides = {k: v for k, v in vars(args).items() if v is not None and k not in ("bootstrap", "topic_prefix")}
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = load_settings(ProxySettings, **overrides)
-    kafka = load_settings(KafkaSettings)
+    try:
+        settings = load_settings(ProxySettings, **overrides)
+        kafka = kafka_settings(args)
+        log.info("Kafka at %s", check_broker(kafka))  # fail now, naming the address tried
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(serve(settings, kafka))
     except KeyboardInterrupt:
