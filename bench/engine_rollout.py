@@ -89,10 +89,11 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 36
     return list(answer["choices"][0]["token_ids"]), cached if cached is not None else (0 if details == {} else None)
 
 
-def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], say: Any = print) -> dict[str, list[Call]]:
+def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], pids: dict[str, int],
+                 say: Any = print) -> dict[str, list[Call]]:  # fmt: skip
     """Per engine: call 1, then ``calls[engine]`` follow-ups (each the previous prompt + its answer + a tool result),
     then the branch. Interleaved — call k goes to every engine before call k+1 goes to any — so a load spike on
-    this shared machine hits all engines alike."""
+    this shared machine hits all engines alike; after each call the next waits until that engine is quiet."""
     prompts = {e: list(s.first) for e in urls}
     out: dict[str, list[Call]] = {e: [] for e in urls}
     for k in range(max(calls.values()) + 1):
@@ -103,6 +104,7 @@ def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], say: 
             t0 = time.perf_counter()
             answer, cached = complete(url, prompt, s.max_tokens)
             out[engine].append(Call(f"call {k + 1}", len(prompt), cached, time.perf_counter() - t0))
+            wait_quiet(pids[engine])
             say(f"    {engine} call {k + 1}: {len(prompt)} prompt tokens, cached {cached}, "
                 f"{out[engine][-1].latency_s:.2f} s")  # fmt: skip
             if k < calls[engine]:
@@ -113,6 +115,7 @@ def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], say: 
         t0 = time.perf_counter()
         _, cached = complete(url, branched, s.max_tokens)
         out[engine].append(Call("branch", len(branched), cached, time.perf_counter() - t0))
+        wait_quiet(pids[engine])
         say(f"    {engine} branch: {len(branched)} prompt tokens, cached {cached}, {out[engine][-1].latency_s:.2f} s")
     return out
 
@@ -151,19 +154,55 @@ def wait_running(url: str, timeout_s: float = 120) -> None:
     raise RuntimeError(f"no request running at {url} after {timeout_s} s")
 
 
-def tree_peak_rss_mb(pid: int) -> float:
-    """Sum of VmHWM over the process and its descendants (kB in /proc → MB)."""
-    total, todo = 0, [pid]
+def tree_pids(pid: int) -> list[int]:
+    """The process and its descendants."""
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
+        found.append(p)
+        try:
+            todo.extend(int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split())
+        except OSError:
+            continue
+    return found
+
+
+def tree_peak_rss_mb(pid: int) -> float:
+    """Sum of VmHWM over the process and its descendants (kB in /proc → MB)."""
+    total = 0
+    for p in tree_pids(pid):
         try:
             status = Path(f"/proc/{p}/status").read_text()
             total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
-            children = Path(f"/proc/{p}/task/{p}/children").read_text().split()
         except (OSError, StopIteration):
             continue
-        todo.extend(int(c) for c in children)
     return total / 1024
+
+
+def _cpu_ticks(pids: list[int]) -> int:
+    total = 0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+        except (OSError, IndexError):
+            continue
+    return total
+
+
+def wait_quiet(pid: int, timeout_s: float = 15.0) -> float:
+    """Until the server's process tree uses < 10 % of a core over 0.2 s (vLLM's engine busy-polls a core for ~1 s
+    after each request; the next engine's call must not share the machine with that). Returns the seconds waited."""
+    pids = tree_pids(pid)
+    t0 = time.monotonic()
+    last = _cpu_ticks(pids)
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(0.2)
+        now = _cpu_ticks(pids)
+        if now - last <= 2:  # ticks are 1/100 s: ≤ 0.02 s of CPU in 0.2 s
+            break
+        last = now
+    return time.monotonic() - t0
 
 
 def start_cpu_engine(model_dir: Path, port: int, prefix_cache_gib: float, max_model_len: int,
@@ -222,10 +261,12 @@ def measure(engines: list[str], model_dir: Path, s: Scenario, calls: dict[str, i
             except Exception as exc:  # one engine failing must not lose the others' numbers
                 runs[engine].error = f"{type(exc).__name__}: {exc}"
                 say(f"  {engine} failed to start: {runs[engine].error}")
-        for engine, got in run_rollouts(urls, s, {e: calls[e] for e in urls}, say).items():
+        for engine, got in run_rollouts(urls, s, {e: calls[e] for e in urls}, pids, say).items():
             runs[engine].calls = got
         for engine, url in urls.items():
             run = runs[engine]
+            for other in pids.values():
+                wait_quiet(other)
             run.short_ttft_s, run.fresh_prefill_s = short_during_prefill(url, s)
             say(f"    {engine}: 10-token request during a {len(s.fresh)}-token prefill: {run.short_ttft_s:.2f} s "
                 f"(the prefill: {run.fresh_prefill_s:.1f} s)")  # fmt: skip
@@ -253,7 +294,8 @@ def report(runs: list[EngineRun], s: Scenario) -> list[str]:
         f"history {BRANCH_BACK} tokens before the end. Same requests to every engine over HTTP (`/v1/completions`, "
         "token-id prompts). Prefilled = prompt tokens not served from the prefix cache (`usage.prompt_tokens_"
         "details.cached_tokens`). All engines run at once and the calls are interleaved (call k goes to every "
-        "engine before call k+1), so load on this shared machine hits them alike. The cache-off engine runs only "
+        "engine before call k+1, each once the previous engine is quiet again: vLLM busy-polls a core for ~1 s after "
+        "each request), so load on this shared machine hits them alike. The cache-off engine runs only "
         "the first follow-ups (each re-reads the whole history). 'Short request': a 10-token prompt, 1 answer "
         "token, sent while another 35k-token prompt is being prefilled (each engine alone).",
         "",
