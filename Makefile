@@ -25,13 +25,13 @@ demo: $(STAMP)
 	$(VENV)/bin/clawstream demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests
 
 unit: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests/unit
 
 integration: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests/integration
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

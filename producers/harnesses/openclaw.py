@@ -1,11 +1,13 @@
 """OpenClaw (``openclaw``, needs Node >= 24): OpenAI Chat (``openai-completions`` provider) at ``{base}/v1``.
 
-Facts (docs/harnesses.md#openclaw): ``openclaw agent exec --config cfg.json5 --model clawstream/policy --json
---timeout N``; its
-system prompt embeds date/time and a session id, and it re-appends an internal-context user message on every call
-(histories are not append-only: the proxy's prefix tree branches at the longest common token prefix). It writes its
-session transcript to ``$HOME/.openclaw/agents/<agent>/sessions/<session id>.jsonl`` (index ``sessions.json``), the
-file PinchBench's checks read (``session_dir``; ``producers.tasks.transcript``).
+Facts (docs/harnesses.md#openclaw): ``openclaw agent exec --config cfg.json5 --state-dir DIR --model
+clawstream/policy --json --timeout N``; its system prompt embeds date/time and a session id, and it re-appends an
+internal-context user message on every call (histories are not append-only: the proxy's prefix tree branches at the
+longest common token prefix). ``agent exec`` deletes its state (and with it the transcript) unless ``--state-dir``
+names an existing directory, and keeps transcripts in SQLite there; the wrapper
+``producers.harnesses.openclaw_session`` creates ``$HOME/.openclaw`` and afterwards exports the run's session to
+``$HOME/.openclaw/agents/<agent>/sessions/<session id>.jsonl`` (index ``sessions.json``), the file PinchBench's checks
+read (``session_dir``; ``producers.tasks.transcript``).
 """
 
 from producers.harnesses.base import ConfigFile, HarnessAdapter
@@ -28,8 +30,13 @@ ADAPTER = HarnessAdapter(
     dialect=Dialect.OPENAI_CHAT,
     install="openclaw",
     node24=True,
-    command=("${exe}", "agent", "exec", "--config", "${home}/openclaw.json5", "--model", "clawstream/${model}",
-             "--json", "--timeout", "${timeout_s}", "${prompt}"),  # fmt: skip
+    # OpenClaw keeps its transcript only in a retained state dir, in SQLite: the wrapper exports it as the session
+    # files PinchBench reads (producers.harnesses.openclaw_session; stdlib only, run by path: no PYTHONPATH for the
+    # agent's own commands to inherit).
+    command=("${python}", "${clawstream_root}/producers/harnesses/openclaw_session.py", "--state-dir",
+             "${home}/.openclaw", "--",
+             "${exe}", "agent", "exec", "--config", "${home}/openclaw.json5", "--state-dir", "${home}/.openclaw",
+             "--model", "clawstream/${model}", "--json", "--timeout", "${timeout_s}", "${prompt}"),  # fmt: skip
     files=(ConfigFile("openclaw.json5", CONFIG),),
     call_kind_notes="internal-context user message moves each call: expect branching, not appends",
     session_dir=".openclaw/agents",  # $HOME/.openclaw/agents/<agent>/sessions/<session id>.jsonl (+ sessions.json)

@@ -1,8 +1,11 @@
 """Qwen Code (``@qwen-code/qwen-code``): OpenAI Chat at ``{base}/v1/chat/completions``.
 
 Facts (docs/harnesses.md#qwen-code):
-``privacy.usageStatisticsEnabled=false`` (else telemetry to an outside host); never set
-HTTP(S)_PROXY for it (it routes loopback through the proxy, fails, and still exits 0).
+``privacy.usageStatisticsEnabled=false`` (else telemetry to an outside host);
+``memory.enableManagedAutoMemory=false`` (else, after the agent's answer, a "managed memory extraction" subagent —
+its own ~18k-token prompt and tools — makes one more model call per run and may write memory files under
+``~/.qwen/projects``); never set HTTP(S)_PROXY for it (it routes loopback through the proxy, fails, and still exits
+0).
 """
 
 from producers.harnesses.base import ConfigFile, HarnessAdapter
@@ -11,7 +14,8 @@ from schemas.events import Dialect
 SETTINGS = """{
   "security": {"auth": {"selectedType": "openai"}},
   "model": {"name": "${model}"},
-  "privacy": {"usageStatisticsEnabled": false}
+  "privacy": {"usageStatisticsEnabled": false},
+  "memory": {"enableManagedAutoMemory": false}
 }
 """
 
