@@ -21,6 +21,7 @@ from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardStatus
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
+from tests.support.sandbox_helpers import ListSink
 from tests.support.scripted_engine import ScriptedEngine
 
 PINCH = S.FIXTURES / "pinchbench"
@@ -35,18 +36,6 @@ class MemoryPublisher:
 
     def close(self) -> None:
         return None
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.events: list = []
-        self.rewards: list = []
-
-    async def event(self, event) -> None:  # noqa: ANN001
-        self.events.append(event)
-
-    async def reward(self, reward) -> None:  # noqa: ANN001
-        self.rewards.append(reward)
 
 
 def responder(silent: bool):

@@ -127,3 +127,17 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+class ListSink:
+    """A rollout EventSink that keeps what the rollout reports (producers.sandbox.rollout.EventSink)."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self.rewards: list = []
+
+    async def event(self, event) -> None:  # noqa: ANN001
+        self.events.append(event)
+
+    async def reward(self, reward) -> None:  # noqa: ANN001
+        self.rewards.append(reward)

@@ -34,7 +34,7 @@ from producers.tasks.model import TaskError
 from producers.tasks.transcript import session_transcript
 from schemas.events import RewardStatus
 from tests.support import sandbox_helpers as S
-from tests.support.sandbox_helpers import FIXTURES
+from tests.support.sandbox_helpers import FIXTURES, ListSink
 
 PINCH = FIXTURES / "pinchbench"
 # git blob ids of the published files (github.com/pinchbench/skill @ 14b2993): the fixture is byte for byte
@@ -263,18 +263,6 @@ async def test_worker_grades_from_the_sealed_conversation(tmp_path: Path) -> Non
     assert await reward_of(None) == 1.0  # a proxy that reports no conversation: the printed final answer
     assert ADAPTERS["openclaw"].session_dir == ".openclaw/agents"
     assert all(a.session_dir is None for name, a in ADAPTERS.items() if name != "openclaw")
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.events: list = []
-        self.rewards: list = []
-
-    async def event(self, event) -> None:  # noqa: ANN001
-        self.events.append(event)
-
-    async def reward(self, reward) -> None:  # noqa: ANN001
-        self.rewards.append(reward)
 
 
 def openclaw_home(records: list[dict]):
