@@ -212,72 +212,76 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         """calls / lifecycle events / rewards / requests (+ ticks) → trajectories."""
         eos.start_agent(app)
         async for event in stream.events():
-            msg, now = event.message, now_ms()
-            if msg.topic == a_ticks.get_topic_name():
-                result = assembler.on_tick(msg.partition, now, listening["since_ms"])
-            else:
-                record = await decode_or_dead_letter(deadletter, event, "streams.assembler", decode)
-                if record is None:
-                    continue
-                result = assembler.on_record(record, msg.value, msg.partition, now)
-                if result.rejected:
-                    rollout_id = getattr(record, "rollout_id", None)
-                    await send_dead_letter(deadletter, event, "streams.assembler", result.rejected.reason,
-                                           result.rejected.verdict.value, rollout_id)  # fmt: skip
-            await send_all(trajectories, result.trajectories, "rollout_id", msg.partition)
-            await eos.flush_changelog(app)
+            async with eos.processing(app):
+                msg, now = event.message, now_ms()
+                if msg.topic == a_ticks.get_topic_name():
+                    result = assembler.on_tick(msg.partition, now, listening["since_ms"])
+                else:
+                    record = await decode_or_dead_letter(deadletter, event, "streams.assembler", decode)
+                    if record is None:
+                        continue
+                    result = assembler.on_record(record, msg.value, msg.partition, now)
+                    if result.rejected:
+                        rollout_id = getattr(record, "rollout_id", None)
+                        await send_dead_letter(deadletter, event, "streams.assembler", result.rejected.reason,
+                                               result.rejected.verdict.value, rollout_id)  # fmt: skip
+                await send_all(trajectories, result.trajectories, "rollout_id", msg.partition)
+                await eos.flush_changelog(app)
 
     @app.agent(trajectories, name="rekey")
     async def rekey(stream: StreamT) -> None:
         """trajectories (key = rollout id) → by-group (key = group id)."""
         eos.start_agent(app)
         async for event in stream.events():
-            t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
-            if t is None:
-                continue
-            await by_group.send(key=t.group_id.encode(), value=event.message.value)
+            async with eos.processing(app):
+                t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
+                if t is None:
+                    continue
+                await by_group.send(key=t.group_id.encode(), value=event.message.value)
 
     @app.agent(grouper_in, name="group")
     async def group(stream: StreamT) -> None:
         """by-group trajectories (+ ticks) → scored groups (BatchRecord envelopes + SEAL) and group metrics."""
         eos.start_agent(app)
         async for event in stream.events():
-            msg, now = event.message, now_ms()
-            if msg.topic == g_ticks.get_topic_name():
-                out = grouper.on_tick(msg.partition, now, listening["since_ms"])
-            else:
-                t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
-                if t is None:
-                    continue
-                out = grouper.on_trajectory(t, msg.value, msg.partition, now)
-                if out.rejected:
-                    await send_dead_letter(deadletter, event, "streams.grouper", out.rejected.reason,
-                                           out.rejected.verdict.value, t.rollout_id)  # fmt: skip
-            await send_all(scored_groups, out.records, "batch_id")
-            await send_all(metrics, out.metrics, "source")
-            await eos.flush_changelog(app)
+            async with eos.processing(app):
+                msg, now = event.message, now_ms()
+                if msg.topic == g_ticks.get_topic_name():
+                    out = grouper.on_tick(msg.partition, now, listening["since_ms"])
+                else:
+                    t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
+                    if t is None:
+                        continue
+                    out = grouper.on_trajectory(t, msg.value, msg.partition, now)
+                    if out.rejected:
+                        await send_dead_letter(deadletter, event, "streams.grouper", out.rejected.reason,
+                                               out.rejected.verdict.value, t.rollout_id)  # fmt: skip
+                await send_all(scored_groups, out.records, "batch_id")
+                await send_all(metrics, out.metrics, "source")
+                await eos.flush_changelog(app)
 
     @app.agent(batcher_in, name="batch")
     async def batch(stream: StreamT) -> None:
         """scored groups + weight versions → training batches (TRAJECTORY records, then SEAL)."""
         eos.start_agent(app)
         async for event in stream.events():
-            msg, now = event.message, now_ms()
-            is_group = msg.topic == scored_groups.get_topic_name()
-            decoder = BatchRecord.from_bytes if is_group else WeightVersion.from_bytes
-            record = await decode_or_dead_letter(deadletter, event, "streams.batcher", decoder)
-            if record is None:
-                continue
-            if isinstance(record, BatchRecord):
-                out = batcher.on_envelope(record, msg.value, now)
-            else:
-                out = batcher.on_weights(record.policy_version, now)
-            await send_all(batches, out.records, "batch_id")
-            for group_id, reason in out.dropped:
-                kind = "StaleGroup" if reason.startswith("stale") else "IncompleteGroup"
-                await send_dead_letter(deadletter, event, "streams.batcher", reason, kind)
-                log.info("group %s dropped at %s", group_id, where(event))
-            await eos.flush_changelog(app)
+            async with eos.processing(app):
+                msg, now = event.message, now_ms()
+                is_group = msg.topic == scored_groups.get_topic_name()
+                decoder = BatchRecord.from_bytes if is_group else WeightVersion.from_bytes
+                record = await decode_or_dead_letter(deadletter, event, "streams.batcher", decoder)
+                if record is None:
+                    continue
+                if isinstance(record, BatchRecord):
+                    out = batcher.on_envelope(record, msg.value, now)
+                else:
+                    out = batcher.on_weights(record.policy_version, now)
+                await send_all(batches, out.records, "batch_id")
+                for group_id, reason in out.dropped:
+                    kind = "StaleGroup" if reason.startswith("stale") else "IncompleteGroup"
+                    await send_dead_letter(deadletter, event, "streams.batcher", reason, kind)
+                    log.info("group %s dropped at %s", group_id, where(event))
+                await eos.flush_changelog(app)
 
     @app.timer(interval=cfg.tick_interval_s)
     async def tick() -> None:

@@ -1,10 +1,15 @@
-"""Exactly-once for the Faust app: one Kafka transaction per *source* partition (as Kafka Streams does it), plus a
-fix to Faust's resume order that both processing guarantees need.
+"""Exactly-once for the Faust app: one Kafka transaction per partition number of the co-partitioned topics (Kafka
+Streams' task), committed only between two records, plus a fix to Faust's resume order that both processing
+guarantees need.
 
 What works out of the box: aiokafka 0.14 transactions against Kafka 4.1 (init, produce, send_offsets_to_transaction,
 commit, abort; read_committed consumers see only committed records), and faust-streaming 0.15 with
-``processing_guarantee="exactly_once"`` starts one transactional producer per assigned (topic group, partition) and
-commits input offsets in it. What does not, found with the fault test (SIGKILL mid-stream, restart):
+``processing_guarantee="exactly_once"`` starts one transactional producer per (topic group, partition number) and
+commits input offsets in it. Faust's topic groups are the subscribed topics with the same partition count, so the
+co-partitioned inputs (requests, lifecycle events, calls, rewards), the tick topics, ``trajectories``, ``by-group``
+and the 8-partition changelogs share *one* transaction per partition number (a worker's log says "Starting 9
+transactional producers for 116 assigned partitions": 8 partition numbers + the one-partition batcher): a rollout's
+state, outputs and input offsets are in the same transaction. What does not work, found with the fault tests:
 
 1. Faust picks a send's transaction by the *destination* partition (``TransactionManager.send``). An output to a
    topic the app does not consume goes out with no transaction at all (the consumer has no metadata for it), and an
@@ -12,11 +17,17 @@ commits input offsets in it. What does not, found with the fault test (SIGKILL m
    from the input offsets that caused it: a crash between the two commits duplicates or loses the output.
 2. Table changelog writes go through an in-memory buffer drained by a background task, and the transactional commit
    does not drain it first: a changelog write can miss the transaction of the offsets that caused it.
-3. (Both guarantees.) When a rebalance or recovery completes, Faust resumes the stream partitions, *then* seeks them
+3. Faust commits from a background task while agents are in the middle of a record. The offsets to commit are taken
+   first, then the commit awaits the broker (changelog flush, AddOffsetsToTxn, EndTxn); a record processed in that
+   window puts its outputs (and possibly its table writes) into the committing transaction without its offset. After
+   a crash the record is replayed: with its table writes missing it settles the rollout a second time (a duplicate
+   trajectory); with them present it finds its own rollout settled (a spurious "late" dead letter). A send made while
+   the transaction is already ending fails outright (aiokafka: "Can't send messages while not in transaction").
+4. (Both guarantees.) When a rebalance or recovery completes, Faust resumes the stream partitions, *then* seeks them
    to the committed offsets, *then* calls ``flow_control.resume()``, which empties every agent's queue. Records
    fetched in between are dropped without a new seek and later offsets get committed past them: the fault test lost
    a few records per partition on every restart.
-4. RocksDB tables are local files written before the transaction commits, so after an unclean stop they can hold
+5. RocksDB tables are local files written before the transaction commits, so after an unclean stop they can hold
    aborted writes that the changelog does not have.
 
 Fixes. (1) :class:`SourcePartitionTransactionManager` sends everything produced while processing an event in the
@@ -24,19 +35,24 @@ transaction of that event's source partition (changelog writes name their source
 routing); sends made outside any event (the tick timer) go without a transaction. (2) :class:`ChangelogBuffer` takes
 table changelog writes away from the background task: agents call :func:`flush_changelog` before they finish an
 event, so its state changes are in its transaction before its offset can be committed; the commit flushes too.
-(3) :func:`patch_faust_resume` seeks first, empties and resumes the flow, and only then resumes the stream
-partitions. (4) :func:`prepare_rocksdb` wipes the local tables at start unless the previous run left a clean-shutdown
-marker; they are rebuilt from the committed changelogs. Each source partition's outputs, changelog writes and input
-offsets then commit or abort together, and a restarted worker continues exactly where the last commit left off.
-Known cost: after a crash, recovery waits ~10 s (two empty 5 s polls) before Faust accepts that a changelog's tail
-holds only aborted records.
+(3) :class:`CommitGate`: every agent processes a record inside :func:`processing`, and a commit (:class:`EosConsumer`)
+first stops new records from starting, waits until the records in progress are finished and acknowledged, and only
+then reads the offsets and commits (all partitions with acknowledged records, whatever subset Faust asked for: a
+transaction holds every record processed since the last one). (4) :func:`patch_faust_resume` seeks first, empties and
+resumes the flow, and only then resumes the stream partitions. (5) :func:`prepare_rocksdb` wipes the local tables at
+start unless the previous run left a clean-shutdown marker; they are rebuilt from the committed changelogs. Each
+partition number's outputs, changelog writes and input offsets then commit or abort together at a record boundary,
+and a restarted worker continues exactly where the last commit left off. Known cost: after a crash, recovery waits
+~10 s (two empty 5 s polls) before Faust accepts that a changelog's tail holds only aborted records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -78,8 +94,65 @@ class SourcePartitionTransactionManager(TransactionManager):
         return await super().commit(offsets, start_new_transaction=start_new_transaction)
 
 
+class CommitGate:
+    """Commits happen between records (module docstring, point 3): records wait while a commit runs, a commit waits
+    until the records in progress are done. Records of different agents still run concurrently with each other."""
+
+    def __init__(self) -> None:
+        self.in_progress = 0
+        self.committing = False
+        self.commits = 0  # finished commits (tests read it)
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def record(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self.committing)
+            self.in_progress += 1
+        try:
+            yield
+        finally:
+            # Faust acknowledges the record synchronously when the agent's loop asks for the next one, before the
+            # agent yields to the event loop again: a commit woken here reads the offsets after that acknowledgement.
+            async with self._changed:
+                self.in_progress -= 1
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def commit(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self.committing)
+            self.committing = True
+            await self._changed.wait_for(lambda: self.in_progress == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.committing = False
+                self.commits += 1
+                self._changed.notify_all()
+
+
+_GATES: dict[int, CommitGate] = {}
+
+
+def gate(app: AppT) -> CommitGate:
+    return _GATES.setdefault(id(app), CommitGate())
+
+
+class EosConsumer(faust_aiokafka.Consumer):
+    """Faust's consumer whose commits pass through the app's :class:`CommitGate`."""
+
+    async def force_commit(self, topics: Any = None, start_new_transaction: bool = True) -> bool:
+        async with gate(self.app).commit():
+            # All partitions, not just ``topics``: the transactions being committed hold every record processed since
+            # the last commit, so every acknowledged offset must go with them.
+            return await super().force_commit(None, start_new_transaction=start_new_transaction)
+
+
 class EosTransport(faust_aiokafka.Transport):
     TransactionManager = SourcePartitionTransactionManager
+    Consumer = EosConsumer
 
 
 class ChangelogBuffer:
@@ -119,6 +192,17 @@ def _buffer(app: AppT) -> ChangelogBuffer | None:
 def start_agent(app: AppT) -> None:
     """Call at the top of every agent (before any table write) so changelog writes are captured."""
     _buffer(app)
+
+
+@contextlib.asynccontextmanager
+async def processing(app: AppT) -> AsyncIterator[None]:
+    """Wrap the processing of one record (decode → state → outputs → :func:`flush_changelog`): no commit runs inside
+    it (module docstring, point 3). A no-op without exactly-once."""
+    if not app.in_transaction:
+        yield
+        return
+    async with gate(app).record():
+        yield
 
 
 async def flush_changelog(app: AppT) -> None:

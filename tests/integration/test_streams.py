@@ -77,11 +77,6 @@ def late_duplicate(d: DeadLetter, want: dict[str, SynthRollout]) -> bool:
     return d.error_type == "late" and r is not None and r.fault == "dup" and "settled as" in d.reason
 
 
-def replayed_after_settle(d: DeadLetter, want: dict[str, SynthRollout]) -> bool:
-    """A record replayed after the kill that found its rollout already settled: late, never a second trajectory."""
-    return d.error_type == "late" and d.rollout_id in want and "settled as" in d.reason
-
-
 def wait_for(collector: Collector, worker: Worker, done: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not done():  # type: ignore[operator]
@@ -219,33 +214,49 @@ def test_streams_end_to_end(kafka_settings: KafkaSettings, group_id: str, tmp_pa
 def test_worker_killed_mid_stream_recovers_exactly_once(
     kafka_settings: KafkaSettings, group_id: str, tmp_path: Path, store: str
 ) -> None:
+    """SIGKILL the worker once trajectories are committed and more are in flight, restart it: nothing lost or doubled.
+
+    The kill is placed by the stream's state, not by time: the feeder publishes the first part of the records and
+    holds the rest; the worker is killed as soon as ``KILL_AFTER`` trajectories are committed (read_committed) and
+    while rollouts of the first part are still unsettled. A commit every 0.1 s makes commits overlap processing as
+    often as possible: a record processed while its partition's transaction commits must not get its outputs into
+    that transaction without its offset and table writes (before the fix, the replay re-settled such rollouts and
+    emitted a second trajectory).
+    """
     groups = make_groups(12, HARNESSES, group_size=8, seed=9)
     rollouts = [r for members in groups for r in members]
     records = interleave(rollouts, seed=9, window=24)  # 24 sandboxes at a time
+    hold_at = len(records) * 11 // 20
+    first_part = {e.rollout_id for _, e in records[:hold_at]}  # type: ignore[attr-defined]
+    complete_in_first = first_part - {e.rollout_id for _, e in records[hold_at:]}  # type: ignore[attr-defined]
+    kill_after = 15
+    assert len(complete_in_first) >= 2 * kill_after  # the kill finds rollouts still to settle in the first part
     exp = expected(groups, set())
     # No rollout is absent here, so groups close when complete; a long group timeout keeps the restart's pause
     # (session timeout + recovery) from closing groups early.
-    settings = SETTINGS | {"store": store, "group_timeout_s": 90.0}
+    settings = SETTINGS | {"store": store, "group_timeout_s": 90.0, "commit_interval_s": 0.1}
     worker = Worker(kafka_settings, tmp_path, app_id=f"streams-{group_id}", **settings)
     worker.start()
     collector = Collector(kafka_settings, group_id)
-    feeder = Feeder(kafka_settings, records, rate=60.0)  # ~12 s of stream: the kill lands in the middle
+    feeder = Feeder(kafka_settings, records, rate=60.0, hold_at=hold_at)
     try:
         feeder.start()
-        wait_for(collector, worker, lambda: collector.count(TRAJECTORIES) >= 15, 90, "the first trajectories")
-        before = collector.count(TRAJECTORIES)
-        assert feeder.is_alive(), "the stream ended before the kill: make it longer"
+        wait_for(collector, worker, lambda: collector.count(TRAJECTORIES) >= kill_after, 90, "the first trajectories")
         worker.kill()
+        before = collector.count(TRAJECTORIES)
+        assert feeder.holding.wait(60), "the feeder never reached its hold point"
         worker.start()
+        feeder.release()
         feeder.join()
         wait_for(collector, worker, lambda: collector.count(TRAJECTORIES) >= len(rollouts)
                  and collector.count(METRICS) >= len(groups), 150, "every trajectory after the restart")  # fmt: skip
         collector.poll(5.0)
     finally:
+        feeder.release()
         collector.close()
         worker.stop()
         feeder.join()
-    assert 0 < before < len(rollouts)
+    assert kill_after <= before < len(complete_in_first)  # killed with first-part rollouts still unsettled
     got = [Trajectory.from_bytes(o.value) for o in collector.got[TRAJECTORIES]]
     counts = Counter(t.rollout_id for t in got)
     assert set(counts) == {r.rollout_id for r in rollouts}, "lost trajectories"
@@ -258,10 +269,8 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     assert set(metrics) == {m[0].group_id for m in groups} and max(metrics.values()) == 1
     check_batches([BatchRecord.from_bytes(o.value) for o in collector.got[BATCHES]], exp)
     dead = [DeadLetter.from_bytes(o.value) for o in collector.got[DEADLETTER]]
-    # Besides the injected duplicates, a record whose transaction was aborted by the kill is replayed after the
-    # restart; if another partition's transaction had already settled its rollout (from the uncommitted table state),
-    # the replay is dead-lettered as late. The trajectory is still emitted exactly once (checked above); see the
-    # streams issue note: transactions are per source topic-partition, not per co-partitioned task.
-    assert all(late_duplicate(d, want) or replayed_after_settle(d, want) for d in dead), [d.reason for d in dead]
+    # Only the injected duplicates may be dead-lettered. A record replayed after the restart never finds its rollout
+    # settled: a partition's table writes, outputs and input offsets commit together, between two records.
+    assert all(late_duplicate(d, want) for d in dead), [(d.rollout_id, d.reason) for d in dead]
     if store == "rocksdb://":
         assert "wiping local tables" in worker.log_tail(100_000)  # the killed run left no clean-shutdown marker

@@ -102,23 +102,40 @@ def produce(kafka: KafkaSettings, records: Iterable[tuple[str, Event]], *, flush
 
 
 class Feeder(threading.Thread):
-    """Publishes records in the background at about ``rate`` records/s (one producer), recording send times."""
+    """Publishes records in the background at about ``rate`` records/s (one producer), recording send times.
 
-    def __init__(self, kafka: KafkaSettings, records: list[tuple[str, Event]], rate: float, chunk: int = 20) -> None:
+    ``hold_at``: publish only the first ``hold_at`` records, then wait until :meth:`release` before the rest (a fault
+    test places its kill by the stream's state while the feeder holds the remainder, never by wall-clock).
+    """
+
+    def __init__(self, kafka: KafkaSettings, records: list[tuple[str, Event]], rate: float, chunk: int = 20,
+                 hold_at: int | None = None) -> None:  # fmt: skip
         super().__init__(daemon=True)
         self.kafka, self.records, self.rate, self.chunk = kafka, records, rate, chunk
+        self.hold_at = len(records) if hold_at is None else hold_at
         self.sent_at: dict[str, float] = {}  # rollout id → monotonic time its last record was flushed
+        self.holding = threading.Event()  # set once the first ``hold_at`` records are flushed
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
 
     def run(self) -> None:
         producer = make_producer(self.kafka)
         start = time.monotonic()
-        for i in range(0, len(self.records), self.chunk):
-            part = self.records[i:i + self.chunk]
-            produce(self.kafka, part, producer=producer)
-            now = time.monotonic()
-            for _, event in part:
-                self.sent_at[event.rollout_id] = now  # type: ignore[attr-defined]
-            time.sleep(max(0.0, start + (i + len(part)) / self.rate - now))
+        for lo, hi in ((0, self.hold_at), (self.hold_at, len(self.records))):
+            if lo > 0:
+                self.holding.set()
+                self._released.wait()
+                start = time.monotonic() - lo / self.rate
+            for i in range(lo, hi, self.chunk):
+                part = self.records[i:min(i + self.chunk, hi)]
+                produce(self.kafka, part, producer=producer)
+                now = time.monotonic()
+                for _, event in part:
+                    self.sent_at[event.rollout_id] = now  # type: ignore[attr-defined]
+                time.sleep(max(0.0, start + (i + len(part)) / self.rate - now))
+        self.holding.set()
 
 
 def produce_raw(kafka: KafkaSettings, topic: str, key: bytes, value: bytes) -> None:

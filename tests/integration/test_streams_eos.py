@@ -1,0 +1,80 @@
+"""Exactly-once at the record boundary (``streams.eos.CommitGate``), on the real broker with a real Faust worker.
+
+The probe app (``tests/support/eos_probe.py``) starts a commit while it is in the middle of a record, finishes the
+record and dies right after the commit (exit 9). Its restart must not replay the record: its outputs, table write
+and offset were committed together. Before commits waited for records, the commit took the offsets first and the
+record's outputs joined the committing transaction without its offset: the restart replayed it and the committed
+output held it twice (``trigger:1``, ``trigger:1:after``, then ``trigger:2``, ``trigger:2:after``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clawstream.kafka.clients import bootstrap_servers, create_topics, make_consumer
+from clawstream.settings import KafkaSettings
+from schemas.topics import TopicSpec
+from tests.support.stream_harness import ROOT, produce_raw
+
+pytestmark = pytest.mark.integration
+
+
+def run_probe(kafka: KafkaSettings, app_id: str, workdir: Path, crash_on: str | None, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tests.support.eos_probe", "--bootstrap", bootstrap_servers(kafka),
+           "--app-id", app_id, "--source", kafka.topic("probe.in"), "--sink", kafka.topic("probe.out"),
+           "--datadir", str(workdir)]  # fmt: skip
+    if crash_on:
+        cmd += ["--crash-on", crash_on]
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def read_until(kafka: KafkaSettings, group_id: str, last: bytes, proc: subprocess.Popen, log: Path) -> list[bytes]:
+    """The committed output (read_committed) up to and including ``last``."""
+    consumer = make_consumer(kafka, group_id)
+    consumer.subscribe([kafka.topic("probe.out")])
+    got: list[bytes] = []
+    deadline = time.monotonic() + 120
+    try:
+        while last not in got:
+            assert proc.poll() is None, f"probe exited {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
+            assert time.monotonic() < deadline, f"no {last!r} after 120 s; got {got}\n{log.read_text()[-3000:]}"
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                got.append(msg.value())
+    finally:
+        consumer.close()
+    return got
+
+
+def test_commit_waits_for_the_record_in_progress(kafka_settings: KafkaSettings, group_id: str, tmp_path: Path) -> None:
+    app_id = kafka_settings.topic_prefix + "probe"
+    create_topics(kafka_settings, [TopicSpec("probe.in", "key", "bytes", 1), TopicSpec("probe.out", "key", "bytes", 1)])
+    unprefixed = kafka_settings.model_copy(update={"topic_prefix": ""})
+    create_topics(unprefixed, [TopicSpec(f"{app_id}-counts-changelog", "key", "bytes", 1,
+                                         {"cleanup.policy": "compact"})])  # fmt: skip
+    for key in (b"a", b"b", b"trigger"):
+        produce_raw(kafka_settings, "probe.in", key, b"x")
+
+    first = run_probe(kafka_settings, app_id, tmp_path / "data", "trigger", tmp_path / "probe-1.log")
+    try:
+        assert first.wait(120) == 9, (tmp_path / "probe-1.log").read_text(errors="replace")[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+
+    second = run_probe(kafka_settings, app_id, tmp_path / "data", None, tmp_path / "probe-2.log")
+    try:
+        produce_raw(kafka_settings, "probe.in", b"c", b"x")  # processed after anything replayed: marks the end
+        got = read_until(kafka_settings, group_id, b"c:1", second, tmp_path / "probe-2.log")
+    finally:
+        second.terminate()
+        second.wait(60)
+    assert got == [b"a:1", b"b:1", b"trigger:1", b"trigger:1:after", b"c:1"]
