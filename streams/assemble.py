@@ -298,6 +298,7 @@ def build_trajectory(
     if req:
         metadata.setdefault("suite", req["suite"])
         metadata.setdefault("eval", "true" if req["eval"] else "false")
+        metadata.setdefault("attempt", str(req.get("attempt", 0)))
     segments: list[TreeSegment] = []
     stats = {"leaves": 0, "unique_tokens": 0, "path_tokens": 0, "prefix_reuse_ratio": 1.0}
     excluded: dict[str, int] = {}

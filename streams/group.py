@@ -5,20 +5,27 @@ topic, and the app's tick topic. Out: the app's internal ``scored-groups`` topic
 ``clawstream.metrics`` (one ``group`` metric per closed group) and ``clawstream.deadletter``. The Faust agents live in
 ``streams.app`` (run ``python -m streams.app worker``); this module is the pure core: no Kafka, no Faust.
 
-Closing. A group closes when it holds as many rollouts (any status, infrastructure failures included: they are
-terminal) as its expected size — the trajectory's ``metadata["group_size"]`` when it is a positive integer (the
-scheduler copies it from the rollout request), else ``StreamsSettings.group_size`` — or ``group_timeout_s`` after its
-first trajectory. Trajectories of a closed group are late (dead-lettered). A second trajectory of the same rollout
-replaces the first only when the first was an infrastructure failure of another attempt (a re-issue); an identical
-one is a duplicate (ignored); anything else is rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``)
+Closing. A group closes when it holds as many finished rollouts as its expected size — the trajectory's
+``metadata["group_size"]`` when it is a positive integer (the scheduler copies it from the rollout request), else
+``StreamsSettings.group_size`` — or ``group_timeout_s`` after its first trajectory. An infrastructure failure is
+finished unless the scheduler will re-issue it (``metadata["attempt"]`` + 1 < ``metadata["max_attempts"]``, both
+copied from the request): then its place waits for the re-issued attempt, which replaces it. Trajectories of a
+closed group are late (dead-lettered). A second trajectory of the same rollout replaces the first only when the first
+was an infrastructure failure of another attempt (a re-issue); an identical one is a duplicate (ignored); anything
+else is rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``)
 are not grouped.
 
 Advantages. GRPO (docs/method.md#advantages): A = (R − μ) / (σ + ε), μ and σ (population standard deviation) over
 the group's rollouts that have a reward — infrastructure failures have none, so they never enter the statistics.
-Rollouts that were graded but are not trainable (DROPPED by the leaf cap, INCOMPLETE) do count in μ and σ: they are
-fair samples of the policy's reward, and leaving them out would bias the baseline. Only COMPLETE / TIMED_OUT
+INCOMPLETE rollouts that were graded count in μ and σ (fair samples of the policy's reward). DROPPED ones (the tree
+filter: leaf cap, no trainable tokens) do not: the cap removes the longest, most branched episodes, and counting
+their rewards in the baseline of rollouts that are trained would bias it towards short ones. Only COMPLETE / TIMED_OUT
 rollouts with a reward and a tree are emitted for training. A group whose rewards are all equal has no signal:
 ``zero_variance="drop"`` emits nothing for it, ``"keep"`` emits its rollouts with advantage 0.
+
+PPO (``advantage_estimator="ppo"``, the paper's one rollout per task): the learner forms A_t = R − V(s_t) from each
+rollout's reward, so every trainable rollout is emitted whatever its group's size or variance (a group of one, equal
+rewards); the record's advantage is the GRPO value when the group has reward variance, else 0 (informational).
 
 Emission. Each trained rollout goes out as a :class:`BatchRecord` envelope (``batch_id`` = group id, kind TRAJECTORY,
 advantage, reward, the trajectory's original bytes), then one SEAL record (``index`` = rollout count,
@@ -51,6 +58,14 @@ def expected_size(trajectory: Trajectory, default: int) -> int:
     """The group size the trajectory's metadata announces, else ``default``."""
     raw = trajectory.metadata.get("group_size", "")
     return int(raw) if raw.isdigit() and int(raw) > 0 else default
+
+
+def awaits_reissue(trajectory: Trajectory) -> bool:
+    """An infrastructure failure the scheduler will re-issue (attempts left, as the request announced)."""
+    if trajectory.status is not TrajectoryStatus.INFRA_FAILURE:
+        return False
+    attempt, most = trajectory.metadata.get("attempt", ""), trajectory.metadata.get("max_attempts", "")
+    return attempt.isdigit() and most.isdigit() and int(attempt) + 1 < int(most)
 
 
 def is_eval(trajectory: Trajectory) -> bool:
@@ -92,7 +107,7 @@ class GroupState:
         return int(max(self.first_ms + cfg.group_timeout_s * 1000, since_ms + cfg.settle_timeout_s * 1000))
 
     def complete(self) -> bool:
-        return len(self.members) >= self.expected
+        return sum(not m.get("reissue", False) for m in self.members.values()) >= self.expected
 
     def add(self, t: Trajectory) -> Outcome:
         """Record a trajectory; ACCEPTED means the caller stores its bytes when ``trainable(t)``."""
@@ -108,7 +123,7 @@ class GroupState:
                 return Outcome(Verdict.REJECTED, f"second trajectory of rollout {t.rollout_id} ({why})")
         self.members[t.rollout_id] = {
             "attempt_id": t.attempt_id, "status": t.status.value, "reward": t.reward, "harness": t.harness,
-            "policy_version": t.policy_version, "trainable": trainable(t),
+            "policy_version": t.policy_version, "trainable": trainable(t), "reissue": awaits_reissue(t),
         }  # fmt: skip
         self.harness, self.step = self.harness or t.harness, t.step if self.step < 0 else self.step
         return Outcome(Verdict.ACCEPTED)
@@ -127,13 +142,14 @@ class Scored:
     std: float | None
     scored: int  # rollouts with a reward (the statistics' sample)
     infra: int
-    outcome: str  # trained | zero_variance_dropped | zero_variance_kept | no_reward | nothing_trainable
+    outcome: str  # trained | zero_variance_dropped | zero_variance_kept | no_reward | nothing_trainable | ppo
 
 
 def score(group: GroupState, cfg: StreamsSettings) -> Scored:
     """GRPO statistics and advantages of a group (rules in the module docstring)."""
     members = group.members
-    with_reward = {rid: m["reward"] for rid, m in members.items() if m["reward"] is not None}
+    with_reward = {rid: m["reward"] for rid, m in members.items()
+                   if m["reward"] is not None and m["status"] != TrajectoryStatus.DROPPED}  # fmt: skip
     infra = sum(m["status"] == TrajectoryStatus.INFRA_FAILURE for m in members.values())
     if not with_reward:
         return Scored({}, None, None, 0, infra, "no_reward")
@@ -141,9 +157,12 @@ def score(group: GroupState, cfg: StreamsSettings) -> Scored:
     adv, mu, sigma = advantages([with_reward[r] for r in ids], cfg.advantage_eps)
     train = [r for r in ids if members[r]["trainable"]]
     zero = max(with_reward.values()) == min(with_reward.values())  # exact: float noise in σ must not decide this
+    by_id = dict(zip(ids, adv, strict=True))
+    if cfg.advantage_estimator == "ppo":  # the learner uses R − V(s_t): no variance needed, nothing dropped
+        result = {r: 0.0 if zero else by_id[r] for r in train}
+        return Scored(result, mu, sigma, len(ids), infra, "ppo" if train else "nothing_trainable")
     if zero and cfg.zero_variance == "drop":
         return Scored({}, mu, sigma, len(ids), infra, "zero_variance_dropped")
-    by_id = dict(zip(ids, adv, strict=True))
     result = {r: 0.0 if zero else by_id[r] for r in train}
     outcome = "zero_variance_kept" if zero else "trained"
     return Scored(result, mu, sigma, len(ids), infra, outcome if train else "nothing_trainable")

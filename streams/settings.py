@@ -84,6 +84,11 @@ class StreamsSettings(BaseSettings):
         default=900.0, gt=0,
         description="A group closes this long after its first trajectory even if rollouts are missing.",
     )  # fmt: skip
+    advantage_estimator: Literal["grpo", "ppo"] = Field(
+        default="grpo",
+        description="The learner's algorithm (--hp algorithm=...). 'ppo' (one rollout per task, A = R − V(s)) "
+        "emits every trainable rollout: groups of one and equal-reward groups are kept, zero_variance does not apply.",
+    )
     zero_variance: Literal["drop", "keep"] = Field(
         default="drop",
         description="Groups whose rewards are all equal carry no GRPO signal: 'drop' them, or 'keep' them with "

@@ -26,20 +26,26 @@ Filtering (docs/method.md#filtering):
   (``len(prompt) + len(generated)``; ties go to the later ``seq``) — the paper's "leaf with the longest valid
   continuation". A call whose ``finish_reason`` is in :data:`INVALID_FINISH_REASONS` (``error``) is never a winner.
 * Dead ends (``prune="carried"``, the default). The rule keeps each winner, and each valid call served before its
-  segment's winner whose generated tokens occur verbatim (TITO) in the winner's prompt: the harness carried that
-  turn forward, so it is history re-laid out (OpenClaw's re-ordered message), not a branch it abandoned. The kept
-  tree is the union of the root→end paths of these calls; everything else is removed (a pruned branch contributes
-  no tokens, not even context) and segment splits made only for pruned branches are merged back. A main call
-  counts as kept when its whole prompt + generation lies in the kept tree (the earlier steps of an append-only
-  chain, an error call that generated nothing); every other main call is a pruned dead end. For append-only
-  harnesses (Claude Code) this is the literal rule, one leaf per compaction segment. For a harness that re-orders
-  every call it keeps one leaf per carried call, so every generated turn is trained once, conditioned on its real
-  prompt; the leaf cap counts those leaves.
+  segment's winner whose generated tokens occur verbatim (TITO) in the winner's prompt *at its branch point*: where
+  the winner's prompt leaves the call's prompt (their longest common prefix), give or take :data:`CARRY_WINDOW`
+  tokens (a role header). Such a turn was carried forward: history re-laid out (OpenClaw removes a reminder message
+  and re-appends it at the end, so its history departs from the previous prompt exactly where the previous answer
+  now sits), not a branch it abandoned. A dead retry whose text the model happens to repeat verbatim later in the
+  episode is not carried: the repeat is far from the branch point. The kept tree is the union of the root→end paths
+  of these calls; everything else is removed (a pruned branch contributes no tokens, not even context) and segment
+  splits made only for pruned branches are merged back. A main call counts as kept when its whole prompt +
+  generation lies in the kept tree (the earlier steps of an append-only chain, an error call that generated
+  nothing); every other main call is a pruned dead end. For append-only harnesses (Claude Code) this is the literal
+  rule, one leaf per compaction segment. For a harness that re-orders every call it keeps one leaf per carried
+  call, so every generated turn is trained once, conditioned on its real prompt.
 * ``prune="strict"`` keeps only the winners (literally one path per compaction segment; for OpenClaw this trains
   only the last generation of each segment). ``prune="none"`` keeps every main call (debugging, property tests).
-* Leaf cap. If the kept tree has more than ``max_leaves`` leaves the rollout is dropped: ``dropped_reason`` says
-  why, ``segments`` is empty (nothing downstream can train on it by mistake) and ``stats`` describes the dropped tree.
-  A tree without trainable tokens is dropped the same way.
+* Leaf cap. The cap counts *branch leaves* (``stats.branch_leaves``): kept leaves where a winner or an uncarried
+  call ends — compaction segments and, with ``prune="none"``, retries — not the leaves of carried calls, which are
+  one path of history re-laid out (otherwise every OpenClaw rollout longer than the cap would be dropped; the
+  paper's cap is against pathological branching). If they exceed ``max_leaves`` the rollout is dropped:
+  ``dropped_reason`` says why, ``segments`` is empty (nothing downstream can train on it by mistake) and ``stats``
+  describes the dropped tree. A tree without trainable tokens is dropped the same way.
 
 Generated tokens on a kept path stay trainable even when the call that produced them is not itself kept (a kept
 prompt may run into the middle of an earlier generation and diverge there). A harness that rewrites earlier turns
@@ -66,6 +72,9 @@ PruneMode = Literal["carried", "strict", "none"]
 _PRUNE_MODES: frozenset[str] = frozenset({"carried", "strict", "none"})
 # Key in ``excluded_calls`` for main calls removed as retry dead ends (schemas/trajectory.avsc documents it).
 PRUNED_KEY = "pruned"
+# Tokens a carried turn may sit after its branch point in the winner's prompt: the role header between where the
+# re-laid-out history departs (OpenClaw's moved reminder message) and the answer now in its place.
+CARRY_WINDOW = 16
 
 
 class TreeError(ClawstreamError):
@@ -111,6 +120,7 @@ class TreeStats:
     compaction_segments: int = 0  # 1 + compaction calls when the rollout has main calls, else 0
     raw_leaves: int = 0  # leaves before dead-end pruning
     leaves: int = 0  # leaves kept (candidate trajectories)
+    branch_leaves: int = 0  # kept leaves that are real branches (not carried calls): what the leaf cap counts
     unique_tokens: int = 0  # Σ len(segment.tokens): each shared prefix once
     path_tokens: int = 0  # Σ over root-to-leaf paths of their token count
     trainable_tokens: int = 0  # unique trainable tokens
@@ -278,27 +288,31 @@ def _packed(tokens: Sequence[int]) -> bytes:
     return array("q", tokens).tobytes()
 
 
-def _contains(haystack: bytes, needle: bytes) -> bool:
-    """True if needle occurs in haystack at a whole-token offset (both packed by :func:`_packed`)."""
+def _contains(haystack: bytes, needle: bytes, start: int = 0, end: int | None = None) -> bool:
+    """True if needle occurs in haystack[start:end] (token offsets) at a whole-token offset (packed by
+    :func:`_packed`)."""
     itemsize = array("q").itemsize
-    i = haystack.find(needle)
+    lo, hi = start * itemsize, len(haystack) if end is None else end * itemsize
+    i = haystack.find(needle, lo, hi)
     while i != -1:
         if i % itemsize == 0:
             return True
-        i = haystack.find(needle, i + 1)
+        i = haystack.find(needle, i + 1, hi)
     return False
 
 
 def _chosen_calls(
     main: list[TreeCall], prompts: dict[str, list[int]], compaction_seqs: list[int], prune: PruneMode
-) -> set[str]:
-    """Ids of the main calls the dead-end rule keeps (see the module docstring); their paths make the kept tree."""
+) -> tuple[set[str], set[str]]:
+    """Ids of the main calls the dead-end rule keeps (see the module docstring; their paths make the kept tree), and
+    the subset kept only as carried turns (not winners)."""
     if prune == "none":
-        return {c.call_id for c in main}
+        return {c.call_id for c in main}, set()
     by_segment: dict[int, list[TreeCall]] = {}
     for call in main:
         by_segment.setdefault(bisect_left(compaction_seqs, call.seq), []).append(call)
     kept: set[str] = set()
+    carried: set[str] = set()
     for calls in by_segment.values():
         valid = [c for c in calls if c.finish_reason.lower() not in INVALID_FINISH_REASONS]
         if not valid:
@@ -307,11 +321,16 @@ def _chosen_calls(
         kept.add(winner.call_id)
         if prune == "strict":
             continue
-        history = _packed(prompts[winner.call_id])
+        winner_prompt = prompts[winner.call_id]
+        history = _packed(winner_prompt)
         for call in valid:
-            if call.seq < winner.seq and call.generated_tokens and _contains(history, _packed(call.generated_tokens)):
-                kept.add(call.call_id)
-    return kept
+            if call.seq >= winner.seq or not call.generated_tokens:
+                continue
+            branch = _lcp(winner_prompt, 0, prompts[call.call_id])
+            end = branch + CARRY_WINDOW + len(call.generated_tokens)
+            if _contains(history, _packed(call.generated_tokens), branch, end):
+                carried.add(call.call_id)
+    return kept | carried, carried
 
 
 def _count_leaves(root: _Node) -> int:
@@ -391,45 +410,6 @@ def _emit(root: _Node, end_of: dict[int, list[str]]) -> tuple[list[Segment], dic
     return segments, call_nodes
 
 
-def paths(segments: Sequence[Segment]) -> list[list[int]]:
-    """Every root-to-leaf path as segment indices (root first), one per leaf, in leaf index order.
-
-    Works on any segment list with ``parent`` (the decoded Avro ``TreeSegment`` too): positions are list indices."""
-    has_child = [False] * len(segments)
-    for seg in segments:
-        if seg.parent >= 0:
-            has_child[seg.parent] = True
-    result: list[list[int]] = []
-    for position in range(len(segments)):
-        if has_child[position]:
-            continue
-        path, cursor = [], position
-        while cursor >= 0:
-            path.append(cursor)
-            cursor = segments[cursor].parent
-        result.append(path[::-1])
-    return result
-
-
-def path_to(segments: Sequence[Segment], index: int) -> list[int]:
-    """Segment indices from the root down to (and including) segment ``index``."""
-    path: list[int] = []
-    while index >= 0:
-        path.append(index)
-        index = segments[index].parent
-    return path[::-1]
-
-
-def path_tokens(segments: Sequence[Segment], path: Sequence[int]) -> list[int]:
-    """The token ids along a path (as returned by :func:`paths`)."""
-    return [tok for i in path for tok in segments[i].tokens]
-
-
-def path_trainable_mask(segments: Sequence[Segment], path: Sequence[int]) -> list[bool]:
-    """Per token along a path: True where the token is trained on (a generated token of a kept main call)."""
-    return [segments[i].trainable for i in path for _ in segments[i].tokens]
-
-
 def tree_stats(segments: Sequence[Segment], **counts: int) -> TreeStats:
     """Token statistics of a segment list; ``counts`` fills the call-count fields (calls, main_calls...)."""
     depth = [0] * len(segments)
@@ -452,6 +432,16 @@ def tree_stats(segments: Sequence[Segment], **counts: int) -> TreeStats:
     )
 
 
+def _branch_leaves(segments: Sequence[Segment], call_nodes: dict[str, int], carried: set[str]) -> int:
+    """Kept leaves where some call other than a carried turn ends (what the leaf cap counts)."""
+    has_child = {seg.parent for seg in segments}
+    ending: dict[int, list[str]] = {}
+    for call_id, index in call_nodes.items():
+        ending.setdefault(index, []).append(call_id)
+    leaves = [seg.index for seg in segments if seg.index not in has_child]
+    return sum(not ending.get(i) or any(c not in carried for c in ending[i]) for i in leaves)
+
+
 def build_tree(calls: Iterable[TreeCall], *, max_leaves: int | None = 64, prune: PruneMode = "carried") -> TreeResult:
     """Build the filtered prefix tree of one rollout (rules in the module docstring); raises TreeError."""
     if prune not in _PRUNE_MODES:
@@ -470,7 +460,8 @@ def build_tree(calls: Iterable[TreeCall], *, max_leaves: int | None = 64, prune:
     root = _Node([], [], False, None, 0, None)
     ends = {call.call_id: _insert(root, call, prompts[call.call_id]) for call in main}
     raw_leaves = _count_leaves(root)
-    kept, end_of = _prune_and_merge(root, ends, _chosen_calls(main, prompts, compaction_seqs, prune))
+    chosen, carried = _chosen_calls(main, prompts, compaction_seqs, prune)
+    kept, end_of = _prune_and_merge(root, ends, chosen)
     segments, call_nodes = _emit(root, end_of)
 
     excluded = Counter(_kind(c) for c in ordered if _kind(c) != MAIN)
@@ -484,6 +475,7 @@ def build_tree(calls: Iterable[TreeCall], *, max_leaves: int | None = 64, prune:
         kept_calls=len(kept),
         compaction_segments=len(compaction_seqs) + 1 if main else 0,
         raw_leaves=raw_leaves,
+        branch_leaves=_branch_leaves(segments, call_nodes, carried),
     )
     result = TreeResult(
         segments=segments,
@@ -493,8 +485,8 @@ def build_tree(calls: Iterable[TreeCall], *, max_leaves: int | None = 64, prune:
         pruned_call_ids=pruned_ids,
         call_nodes=call_nodes,
     )
-    if max_leaves is not None and stats.leaves > max_leaves:
-        result.dropped_reason = f"leaf count {stats.leaves} > cap {max_leaves}"
+    if max_leaves is not None and stats.branch_leaves > max_leaves:
+        result.dropped_reason = f"branch leaf count {stats.branch_leaves} > cap {max_leaves} ({stats.leaves} leaves)"
     elif stats.trainable_tokens == 0:
         result.dropped_reason = f"no trainable tokens ({len(main)} main calls, {len(kept)} kept)"
     if result.dropped_reason is not None:

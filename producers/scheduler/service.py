@@ -84,7 +84,8 @@ class Scheduler:
         self.issued: dict[str, RolloutRequest] = {}
         self.rng = random.Random(settings.seed)
         self.plan = StepPlan(settings.tasks_per_step, settings.group_size, settings.harness_mix, settings.timeout_s,
-                             settings.temperature, settings.top_p, settings.max_tokens)  # fmt: skip
+                             settings.temperature, settings.top_p, settings.max_tokens,
+                             settings.max_attempts)  # fmt: skip
         self.publisher: KafkaPublisher | None = None
         self.weights: Consumer | None = None
         self.rewards: Consumer | None = None
@@ -187,7 +188,7 @@ class Scheduler:
         if self.s.eval_limit:
             tasks = tasks[: self.s.eval_limit]
         plan = StepPlan(len(tasks), self.s.eval_repeats, {}, self.s.timeout_s, self.s.temperature, self.s.top_p,
-                        self.s.max_tokens)  # fmt: skip
+                        self.s.max_tokens, self.s.max_attempts)  # fmt: skip
         return [r for task in tasks for h in self.s.eval_harnesses
                 for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True)]  # fmt: skip
 

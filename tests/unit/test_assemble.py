@@ -208,7 +208,7 @@ def test_leaf_cap_drops_the_tree_but_keeps_the_reward() -> None:
     rig.tick(rig.feed(records, 0) + 1000)
     [t] = rig.out
     assert t.status is TrajectoryStatus.DROPPED and t.reward == 0.75 and t.segments == []
-    assert t.drop_reason == "leaf count 2 > cap 1"
+    assert t.drop_reason == "branch leaf count 2 > cap 1 (2 leaves)"
 
 
 def test_late_records_are_rejected_with_the_reason() -> None:

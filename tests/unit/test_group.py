@@ -98,14 +98,15 @@ def test_infra_failures_count_for_closing_but_not_in_statistics_or_training() ->
     assert rig.emitted.metrics[0].values["infra"] == 1 and rig.emitted.metrics[0].values["scored"] == 3
 
 
-def test_graded_but_untrainable_rollouts_count_in_statistics_only() -> None:
+def test_incomplete_rollouts_count_in_statistics_only_and_capped_ones_not_at_all() -> None:
     rig = Rig()
-    rig.feed([traj(0, 1.0), traj(1, 0.0, TrajectoryStatus.DROPPED, drop_reason="leaf cap"),
+    rig.feed([traj(0, 1.0), traj(1, 0.0, TrajectoryStatus.DROPPED, drop_reason="branch leaf count 70 > cap 64"),
               traj(2, 0.0, TrajectoryStatus.INCOMPLETE), traj(3, 0.0, TrajectoryStatus.TIMED_OUT)])  # fmt: skip
     adv = rig.advantages()
     assert set(adv) == {"r-0", "r-3"}
-    full = manual([1.0, 0.0, 0.0, 0.0])
-    assert adv["r-0"] == pytest.approx(full[0]) and adv["r-3"] == pytest.approx(full[3])
+    stats = manual([1.0, 0.0, 0.0])  # r-0, r-2 (incomplete, graded), r-3; the capped r-1 is not a sample
+    assert adv["r-0"] == pytest.approx(stats[0]) and adv["r-3"] == pytest.approx(stats[2])
+    assert rig.emitted.metrics[0].values["scored"] == 3
 
 
 @pytest.mark.parametrize("policy", ["drop", "keep"])
@@ -183,3 +184,49 @@ def test_restart_mid_group_keeps_state() -> None:
     assert BatchRecord.from_bytes(restarted.emitted.records[0].to_bytes()).advantage == pytest.approx(
         float(np.float64(manual([1.0, 0.0, 0.5, 1.0])[0]))
     )
+
+
+def test_ppo_keeps_groups_of_one_and_equal_rewards() -> None:
+    """The paper's PPO runs one rollout per task: GRPO's rules would emit nothing; PPO emits every trainable rollout."""
+    ppo = Rig(CFG.model_copy(update={"advantage_estimator": "ppo"}))
+    grpo = Rig()
+    single = [traj(0, 1.0, metadata={"group_size": "1"}, group_id="suite/t9|openclaw|3")]
+    equal = [traj(i, 0.5) for i in range(1, 5)]
+    for rig in (ppo, grpo):
+        rig.feed(single + equal)
+    assert ppo.advantages() == {"r-0": 0.0, "r-1": 0.0, "r-2": 0.0, "r-3": 0.0, "r-4": 0.0}
+    assert {r.reward for r in ppo.emitted.records if r.kind is BatchRecordKind.TRAJECTORY} == {1.0, 0.5}
+    assert [m.labels["outcome"] for m in ppo.emitted.metrics] == ["ppo", "ppo"]
+    assert grpo.emitted.records == []  # the same data under GRPO: both groups have no reward variance
+    assert [m.labels["outcome"] for m in grpo.emitted.metrics] == ["zero_variance_dropped"] * 2
+
+
+def test_ppo_group_with_variance_carries_the_grpo_value() -> None:
+    rig = Rig(CFG.model_copy(update={"advantage_estimator": "ppo"}))
+    rig.feed([traj(i, r) for i, r in enumerate([1.0, 0.0, 0.5, 1.0])])
+    assert list(rig.advantages().values()) == pytest.approx(manual([1.0, 0.0, 0.5, 1.0]))
+
+
+def reissued(i: int, attempt: int, max_attempts: int) -> dict[str, object]:
+    return {"attempt_id": f"a-{i}.{attempt}", "metadata": {"attempt": str(attempt), "max_attempts": str(max_attempts)}}
+
+
+def test_an_infra_failure_that_will_be_reissued_keeps_its_place_for_the_replacement() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 0, 3)), traj(2, 0.0),
+              traj(3, 0.5)])  # fmt: skip
+    assert rig.emitted.records == [] and rig.emitted.metrics == []  # 3 finished + 1 awaiting its re-issue: open
+    rig.feed([traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 1, 3))])  # the re-issue failed too
+    assert rig.emitted.metrics == []
+    rig.feed([traj(1, 0.25, **reissued(1, 2, 3))])  # the last attempt succeeds and takes the place
+    assert rig.rejected == []
+    assert rig.advantages() == pytest.approx(dict(zip(["r-0", "r-1", "r-2", "r-3"], manual([1.0, 0.25, 0.0, 0.5]),
+                                                      strict=True)))  # fmt: skip
+    assert rig.emitted.metrics[0].values["infra"] == 0 and rig.emitted.metrics[0].labels["closed_by"] == "complete"
+
+
+def test_an_infra_failure_on_its_last_attempt_is_final() -> None:
+    rig = Rig()
+    rig.feed([traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 2, 3)), traj(2, 0.0),
+              traj(3, 0.5)])  # fmt: skip
+    assert set(rig.advantages()) == {"r-0", "r-2", "r-3"} and rig.emitted.metrics[0].values["infra"] == 1

@@ -18,12 +18,9 @@ from streams.tree import (
     TreeCall,
     TreeError,
     build_tree,
-    path_to,
-    path_tokens,
-    path_trainable_mask,
-    paths,
     rebuild_prompts,
 )
+from streams.tree_paths import path_to, path_tokens, path_trainable_mask, paths
 
 S = [1, 2, 3, 4, 5]
 U = [10, 11, 12]
@@ -338,13 +335,64 @@ def test_openclaw_retry_is_still_a_dead_end() -> None:
     assert all(102 not in s.tokens for s in result.segments)
 
 
-def test_leaf_cap_drops_rollout() -> None:
-    dropped = build_tree(openclaw().calls, max_leaves=2)
-    assert dropped.dropped_reason == "leaf count 3 > cap 2"
+def long_openclaw(turns: int, header: Sequence[int] = ()) -> Rollout:
+    """OpenClaw over ``turns`` calls: each removes the reminder M and re-appends it at the end; ``header``: role
+    tokens the template puts before an answer in history."""
+    r = Rollout()
+    history = S + U
+    for i in range(turns):
+        r.add(f"c{i}", history + M, [1000 + i], parent=f"c{i - 1}" if i else None)
+        history = history + list(header) + [1000 + i, 2000 + i]  # the answer, then its tool result
+    return r
+
+
+def test_leaf_cap_counts_branches_not_openclaw_rewrites() -> None:
+    """70 OpenClaw calls make 70 leaves, one per carried turn, but one path of history: kept under the cap of 64."""
+    for header in ((), (7, 8, 9)):
+        result = build_tree(long_openclaw(70, header).calls)
+        assert result.dropped_reason is None, result.dropped_reason
+        assert (result.stats.leaves, result.stats.branch_leaves) == (70, 1)
+        assert len(result.kept_call_ids) == 70 and result.stats.trainable_tokens == 70
+
+
+def retries(n: int) -> Rollout:
+    """n retries of the first turn from the same prompt (real branching), then the turn that continues."""
+    r = Rollout()
+    for i in range(n):
+        r.add(f"t{i}", S + U, [500 + i], parent=None)
+    r.add("w", S + U + [500 + n - 1, 600], [700], parent=f"t{n - 1}")
+    return r
+
+
+def test_leaf_cap_drops_real_branching() -> None:
+    dropped = build_tree(retries(4).calls, max_leaves=3, prune="none")
+    assert dropped.dropped_reason == "branch leaf count 4 > cap 3 (4 leaves)"
     assert dropped.segments == [] and dropped.call_nodes == {}
-    assert dropped.stats.leaves == 3  # stats describe the dropped tree
-    assert build_tree(openclaw().calls, max_leaves=3).dropped_reason is None
-    assert build_tree(openclaw().calls, max_leaves=None).dropped_reason is None
+    assert dropped.stats.leaves == dropped.stats.branch_leaves == 4  # stats describe the dropped tree
+    assert build_tree(retries(4).calls, max_leaves=4, prune="none").dropped_reason is None
+    assert build_tree(retries(4).calls, max_leaves=None, prune="none").dropped_reason is None
+    kept = build_tree(retries(4).calls, max_leaves=1)  # the default rule prunes the dead retries: one branch left
+    assert kept.dropped_reason is None and kept.pruned_call_ids == ["t0", "t1", "t2"]
+
+
+def test_compaction_segments_count_for_the_leaf_cap() -> None:
+    r = compaction_rollout()
+    assert build_tree(r.calls).stats.branch_leaves == 2
+    assert build_tree(r.calls, max_leaves=1).dropped_reason == "branch leaf count 2 > cap 1 (2 leaves)"
+
+
+def test_dead_retry_repeated_later_is_still_a_dead_end() -> None:
+    """The dead attempt's text reappears verbatim later in the winner's prompt, far from where the winner's history
+    left the dead call's prompt: the attempt is not carried and must not be trained with the rollout's reward."""
+    tool = list(range(300, 330))  # a tool result (30 tokens): the repeat is past the carried-turn window
+    r = Rollout()
+    r.add("c1", S + U, [100, 101])  # dead: the harness retries from the same prompt
+    r.add("c2", S + U, [110, 111], parent="c1")  # the retry that is carried on
+    r.add("c3", S + U + [110, 111] + tool, [100, 101], parent="c2")  # the model now says what c1 said
+    r.add("c4", S + U + [110, 111] + tool + [100, 101, 211], [120], parent="c3")
+    result = build_tree(r.calls)
+    assert result.pruned_call_ids == ["c1"] and result.kept_call_ids == ["c2", "c3", "c4"]
+    assert result.stats.leaves == 1
 
 
 def test_nothing_trainable_is_dropped() -> None:
