@@ -79,7 +79,7 @@ def test_complete_rollout_settles_after_the_quiet_period() -> None:
         7,
     )
     assert t.calls == 3 and t.leaves == 1 and t.segments and t.metadata["group_size"] == "8"
-    assert t.metadata["suite"] == "synth" and t.metadata["eval"] == "false"
+    assert t.metadata["suite"] == "synth" and t.metadata["eval"] == "false" and t.metadata["attempt"] == "0"
     # The single path is prompt + every generation + tool results, i.e. the last call's prompt + generation.
     calls = [ev for topic, ev in r.records if topic == CALLS]
     last_call = calls[-1]

@@ -277,7 +277,7 @@ def test_harness_ratios_and_groups() -> None:
     assert harness_counts(5, {"a": 1, "b": 1}) in ({"a": 3, "b": 2}, {"a": 2, "b": 3})
     assert sum(harness_counts(7, {"a": 1, "b": 1, "c": 1}).values()) == 7
     tasks = cpu_suite().split("train")
-    plan = StepPlan(tasks_per_step=8, group_size=4, mix={"agentloop": 1, "agentloop-anthropic": 1})
+    plan = StepPlan(tasks_per_step=8, group_size=4, mix={"agentloop": 1, "agentloop-anthropic": 1}, max_attempts=3)
     reqs = plan_step(3, tasks, plan, random.Random(0), policy_version=2)
     assert len(reqs) == 32 and len({r.rollout_id for r in reqs}) == 32
     groups: dict[str, list] = {}
@@ -285,6 +285,7 @@ def test_harness_ratios_and_groups() -> None:
         groups.setdefault(r.group_id, []).append(r)
         assert r.group_id == f"cpu_builtin/{r.task_id}|{r.harness}|3" and r.step == 3
         assert r.metadata["group_size"] == "4" and r.policy_version == 2 and not r.eval
+        assert r.metadata["max_attempts"] == "3" and r.attempt == 0  # the grouper keeps an infra failure's place
     assert len(groups) == 8 and all(len(g) == 4 for g in groups.values())
     per_harness = {h: sum(1 for g in groups.values() if g[0].harness == h) for h in plan.mix}
     assert per_harness == {"agentloop": 4, "agentloop-anthropic": 4}
