@@ -200,6 +200,7 @@ class CallEvent(Event):
     cached_prompt_tokens: int | None = None  # engine's usage.prompt_tokens_details.cached_tokens; None: not reported
     gpu_utilization: float | None = None  # engine GPU utilisation (%) when it answered; None: no NVML / CPU engine
     gpu_memory_used_bytes: int | None = None  # engine GPU memory in use when it answered; None: as above
+    attempt_id: str | None = None  # the attempt registered with the proxy; None: the registration named none
 
 
 @dataclass

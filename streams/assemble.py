@@ -19,9 +19,12 @@ waited the full interval.
 Records. Duplicates (same call id, same lifecycle state, same reward) are ignored. A record of a settled rollout is
 *late* and goes to the dead-letter topic with the reason — except the STARTED event of a re-issued attempt after an
 infrastructure failure, which reopens the rollout (a STARTED of a newer attempt also supersedes an unsettled attempt,
-which then settles as INFRA_FAILURE first). Calls carry no attempt id, so calls of a re-issue that arrive before its
-STARTED event are dead-lettered as late. Lifecycle moves that ``schemas.lifecycle`` forbids are rejected (a terminal
-event without STARTED is accepted: STARTED may be lost).
+which then settles as INFRA_FAILURE first). Calls carry their attempt id (from the proxy registration): a call of
+another attempt than the one being assembled is held apart — a re-issue's or re-run's calls that arrive before its
+STARTED event — and joins when its attempt becomes the assembled one; the superseded attempt's trajectory holds
+exactly its own calls. Held calls of an attempt that never starts are forgotten with the rollout. Calls without an
+attempt id (older records) count for whichever attempt is assembled. Lifecycle moves that ``schemas.lifecycle``
+forbids are rejected (a terminal event without STARTED is accepted: STARTED may be lost).
 
 Trajectory. Status: INFRA_FAILURE (reward null; never trained on, never in statistics), DROPPED (ungraded, leaf cap,
 inconsistent calls: not trainable, reward kept when graded), TIMED_OUT (killed at the limit, graded, trainable),
@@ -90,6 +93,8 @@ class RolloutAccumulator:
     reward: dict[str, Any] | None = None
     request: dict[str, Any] | None = None
     settled: dict[str, Any] | None = None  # status, at_ms, attempt_id once the trajectory went out
+    call_attempts: dict[str, str] = field(default_factory=dict)  # call id → attempt id, taken before it was known
+    held: dict[str, list[str]] = field(default_factory=dict)  # attempt id → its calls, while another is assembled
 
     # ---- serialisation ----------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -168,13 +173,40 @@ class RolloutAccumulator:
         return Outcome(Verdict.DUPLICATE)
 
     def on_call(self, call: CallEvent, now_ms: int) -> Outcome:
+        attempt = call.attempt_id
         if self.settled:
+            if (attempt and attempt != self.settled["attempt_id"]
+                    and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE):  # fmt: skip
+                return self._hold(attempt, call.call_id)  # a re-issue's call before its STARTED reopens the rollout
             known = " (a duplicate of an included call)" if call.call_id in self.call_ids else ""
             return self._late(f"call {call.call_id} seq {call.seq}{known}", now_ms)
+        if attempt and self.attempt_id is not None and attempt != self.attempt_id:
+            return self._hold(attempt, call.call_id)
         if call.call_id in self.call_ids:
             return self._duplicate()
         self.call_ids.append(call.call_id)
+        if attempt and self.attempt_id is None:
+            self.call_attempts[call.call_id] = attempt
         return self._touch(now_ms)
+
+    def _hold(self, attempt_id: str, call_id: str) -> Outcome:
+        calls = self.held.setdefault(attempt_id, [])
+        if call_id in calls:
+            return self._duplicate()
+        calls.append(call_id)
+        return Outcome(Verdict.ACCEPTED)
+
+    def _assemble_attempt(self, attempt_id: str) -> None:
+        """``attempt_id`` is now the attempt being assembled: its held calls join, other attempts' calls are held."""
+        self.attempt_id = attempt_id
+        for cid in [c for c in self.call_ids if self.call_attempts.get(c, attempt_id) != attempt_id]:
+            self.call_ids.remove(cid)
+            self.held.setdefault(self.call_attempts[cid], []).append(cid)
+        self.call_attempts = {}
+        self.call_ids += [c for c in self.held.pop(attempt_id, []) if c not in self.call_ids]
+
+    def held_call_ids(self) -> list[str]:
+        return [c for calls in self.held.values() for c in calls]
 
     def on_request(self, req: RolloutRequest, now_ms: int) -> Outcome:
         if self.settled and not (self.settled["status"] == TrajectoryStatus.INFRA_FAILURE
@@ -211,7 +243,9 @@ class RolloutAccumulator:
         if not (lenient or can_transition(current, ev.state)):
             return Outcome(Verdict.REJECTED, f"lifecycle {current.value if current else 'start'} → {ev.state.value} "
                                              "is not allowed (schemas/lifecycle.py)")  # fmt: skip
-        self.attempt, self.attempt_id = ev.attempt, ev.attempt_id
+        self.attempt = ev.attempt
+        if ev.attempt_id != self.attempt_id:
+            self._assemble_attempt(ev.attempt_id)
         info = {"attempt_id": ev.attempt_id, "harness": ev.harness, "group_id": ev.group_id,
                 "policy_version": ev.policy_version}  # fmt: skip
         if ev.state is RolloutState.STARTED:
@@ -237,7 +271,8 @@ class RolloutAccumulator:
         if self.attempt_id is not None and rew.attempt_id != self.attempt_id:
             return Outcome(Verdict.REJECTED, f"reward of attempt {rew.attempt_id}, but rollout {self.rollout_id} "
                                              f"is assembling attempt {self.attempt_id}")  # fmt: skip
-        self.attempt_id = rew.attempt_id
+        if rew.attempt_id != self.attempt_id:
+            self._assemble_attempt(rew.attempt_id)
         self.reward = {"attempt_id": rew.attempt_id, "status": rew.status.value, "reward": rew.reward,
                        "reason": rew.reason, "grader": rew.grader}  # fmt: skip
         return self._touch(now_ms)
@@ -245,7 +280,7 @@ class RolloutAccumulator:
     def _reopen(self, now_ms: int) -> None:
         """A re-issued attempt starts after an infrastructure failure: forget the failed attempt (not the request)."""
         log.info("rollout %s reopened for a new attempt after %s", self.rollout_id, self.settled)
-        fresh = RolloutAccumulator(self.rollout_id, now_ms, now_ms, request=self.request)
+        fresh = RolloutAccumulator(self.rollout_id, now_ms, now_ms, request=self.request, held=self.held)
         self.__dict__.update(fresh.__dict__)
 
     # ---- settling ---------------------------------------------------------------------------------------------
@@ -417,6 +452,8 @@ class Assembler:
         def visit(rollout_id: str, data: bytes) -> int | None:
             acc = RolloutAccumulator.from_bytes(data)
             if acc.settled is not None and now_ms >= acc.deadline_ms(self.cfg):
+                for cid in acc.held_call_ids():  # calls of an attempt that never started
+                    self.calls.pop(call_key(rollout_id, cid), None)
                 return None  # settled long enough ago that no late record is expected: forget it
             if acc.due(now_ms, self.cfg, since_ms):
                 forced = None if acc.ready() else f"settle timeout: {acc.missing()}"

@@ -5,7 +5,8 @@ HTTP in (harnesses, per rollout, base URL ``{public_url}/r/{rollout_id}`` or ``.
 (OpenAI Responses), streaming or not; ``HEAD`` on the base answers 200. The harness sends its rollout's secret as
 API key (``x-api-key`` or ``Authorization: Bearer``).
 Admin (``Authorization: Bearer <admin token>``): ``POST /admin/rollouts`` registers a rollout ({rollout_id?, ttl_s?,
-temperature?, top_p?, max_tokens?, seed?} → {rollout_id, secret, base_url, expires_at_ms}); ``GET
+temperature?, top_p?, max_tokens?, seed?, attempt_id?} → {rollout_id, secret, base_url, expires_at_ms}; every call
+event of the rollout carries ``attempt_id``); ``GET
 /admin/rollouts/{id}`` shows its state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits for calls in
 flight and returns {calls_served, status: ok | infra_failure, infra_failure, messages} (``messages``: the last
 main-agent call's conversation plus its answer, OpenAI Chat shaped); ``DELETE`` forgets it.
@@ -121,6 +122,7 @@ class Rollout:
     max_tokens: int
     seed: int | None
     renderer: RolloutRenderer
+    attempt_id: str | None = None  # the sandbox worker's attempt: every call event carries it
     main_fingerprint: str | None = None
     next_seq: int = 0
     calls_served: int = 0
@@ -217,11 +219,15 @@ class Proxy:
             rid = str(body.get("rollout_id") or uuid.uuid4().hex)
             ttl = float(body.get("ttl_s") or self.s.default_ttl_s)
             seed = body.get("seed")
+            attempt_id = body.get("attempt_id")
+            if attempt_id is not None and not isinstance(attempt_id, str):
+                raise TypeError(f"attempt_id must be a string, got {type(attempt_id).__name__}")
             rollout = Rollout(
                 rollout_id=rid, secret=secrets.token_urlsafe(32), expires_at_ms=now_ms() + int(ttl * 1000),
                 temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                 max_tokens=int(body.get("max_tokens") or self.s.default_max_tokens),
                 seed=None if seed is None else int(seed), renderer=RolloutRenderer(self.template),
+                attempt_id=attempt_id or None,
             )  # fmt: skip
         except (ValueError, TypeError, AttributeError) as exc:
             return web.json_response({"error": f"bad registration: {exc}"}, status=400)
@@ -354,7 +360,7 @@ class Proxy:
                 flags=rendered.flags + turn.flags, received_ms=times["received_ms"], render_ms=times["render_ms"],
                 engine_ms=times["engine_ms"], total_ms=(time.perf_counter() - t0) * 1000,
                 cached_prompt_tokens=reply.cached_tokens, gpu_utilization=reply.gpu_utilization,
-                gpu_memory_used_bytes=reply.gpu_memory_used_bytes,
+                gpu_memory_used_bytes=reply.gpu_memory_used_bytes, attempt_id=rollout.attempt_id,
             )  # fmt: skip
             try:
                 await self.publisher.publish(self.topic, rollout.rollout_id, event.to_bytes(), self.s.publish_timeout_s)

@@ -112,7 +112,8 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
         running_proxy(kafka_settings, engine.url) as (proxy, url),
         aiohttp.ClientSession() as http,
     ):  # fmt: skip
-        reg = await register(http, url, rollout_id=f"r-{dialect}-{stream}", temperature=0.9, max_tokens=512)
+        reg = await register(http, url, rollout_id=f"r-{dialect}-{stream}", temperature=0.9, max_tokens=512,
+                             attempt_id=f"r-{dialect}-{stream}.a0.abc")  # fmt: skip
         rid, secret = reg["rollout_id"], reg["secret"]
         assert reg["base_url"] == f"{url}/r/{rid}"
         async with http.head(reg["base_url"]) as r:
@@ -160,6 +161,7 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
         assert e.call_kind == CallKind.MAIN and e.policy_version == 7 and e.flags == []
         assert len(e.logprobs) == len(e.generated_tokens) > 0 and e.prompt_len == len(prompts[e.call_id])
         assert e.requested_model == "policy" and e.engine_ms > 0 and e.total_ms >= e.engine_ms
+        assert e.attempt_id == f"{rid}.a0.abc"  # from the registration: the assembler tells attempts apart by it
     assert [e.finish_reason for e in events] == ["tool_calls", "stop"]
     # the engine's prefix-cache report: call 2 reuses call 1's prompt + answer, to the harness and on the event
     assert engine.cached[0] == 0 and engine.cached[1] >= len(p1) + len(g1)

@@ -245,7 +245,7 @@ def _attempt(r: SynthRollout, attempt: int) -> list[tuple[str, Event]]:
             ev = replace(ev, attempt_id=aid, **({"attempt": attempt} if isinstance(ev, RolloutEvent) else {}))
         elif isinstance(ev, CallEvent):
             parent = f"{ev.parent_call_id}-{attempt}" if ev.parent_call_id else None
-            ev = replace(ev, call_id=f"{ev.call_id}-{attempt}", parent_call_id=parent)
+            ev = replace(ev, call_id=f"{ev.call_id}-{attempt}", parent_call_id=parent, attempt_id=aid)
         out.append((topic, ev))
     return out
 
@@ -272,6 +272,49 @@ def test_a_newer_attempt_supersedes_an_unfinished_one() -> None:
     assert "superseded" in (rig.out[0].drop_reason or "")
     rig.tick(last + 1000)
     assert rig.out[1].status is TrajectoryStatus.COMPLETE and rig.out[1].attempt_id == "r-1-a1"
+
+
+def _calls_first(records: list[tuple[str, Event]]) -> list[tuple[str, Event]]:
+    """The attempt's calls reach the assembler before its lifecycle events (they travel on another topic)."""
+    calls = [(t, ev) for t, ev in records if isinstance(ev, CallEvent)]
+    return calls + [(t, ev) for t, ev in records if not isinstance(ev, CallEvent)]
+
+
+def test_a_reissues_calls_before_its_start_are_held_for_it() -> None:
+    rig = Rig()
+    last = rig.feed(_attempt(rollout("infra"), 0), 0)
+    rig.tick(last + 1000)
+    last = rig.feed(_calls_first(_attempt(rollout(), 1)[1:]), last + 5000)
+    rig.tick(last + 1000)
+    assert rig.rejected == []  # before attempt ids on calls, these calls were dead-lettered as late
+    assert [(t.status, t.attempt_id, t.calls) for t in rig.out] == [
+        (TrajectoryStatus.INFRA_FAILURE, "r-1-a0", 3),
+        (TrajectoryStatus.COMPLETE, "r-1-a1", 3),
+    ]
+
+
+def test_a_superseded_attempt_keeps_exactly_its_own_calls() -> None:
+    rig = Rig()
+    first = _attempt(rollout(), 0)
+    rig.feed(first[:3], 0)  # request, STARTED, one call; then the worker dies without a word
+    last = rig.feed(_calls_first(_attempt(rollout(), 1)[1:]), 500)  # the re-run's calls arrive before its STARTED
+    rig.tick(last + 1000)
+    assert [(t.status, t.attempt_id, t.calls) for t in rig.out] == [
+        (TrajectoryStatus.INFRA_FAILURE, "r-1-a0", 1),
+        (TrajectoryStatus.COMPLETE, "r-1-a1", 3),
+    ]
+    assert rig.rejected == [] and rig.calls == {}  # every stored call went into its own attempt's trajectory
+
+
+def test_held_calls_of_an_attempt_that_never_starts_are_forgotten() -> None:
+    rig = Rig()
+    last = rig.feed(_attempt(rollout("infra"), 0), 0)
+    rig.tick(last + 1000)
+    stray = [(t, ev) for t, ev in _attempt(rollout(), 1) if isinstance(ev, CallEvent)]
+    rig.feed(stray, last + 2000)
+    assert len(rig.calls) == 3 and rig.rejected == []
+    rig.tick(last + 1000 + 50_000)  # the failed attempt's retention is over: nothing of the rollout is left
+    assert rig.state == {} and rig.calls == {}
 
 
 def test_settled_rollouts_are_forgotten_after_the_retention() -> None:

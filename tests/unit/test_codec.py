@@ -180,3 +180,17 @@ def test_encode_error_names_the_field() -> None:
         default_codec().encode("CallEvent", {**default_codec().decode(sample_events()[2].to_bytes())[1], "seq": "x"})
     with pytest.raises(UnknownSchemaError, match="known:"):
         default_codec().encode("Nope", {})
+
+
+def test_call_event_v2_without_attempt_id_reads_it_as_null() -> None:
+    """Calls written before attempt_id decode with None (the assembler counts them for the assembled attempt)."""
+    v2_raw = json.loads((SCHEMA_DIR / "history" / "call_event.v2.avsc").read_text())
+    assert "attempt_id" not in {f["name"] for f in v2_raw["fields"]}
+    call = next(e for e in sample_events() if isinstance(e, CallEvent))
+    record = {k: v for k, v in call.to_record().items() if k != "attempt_id"}
+    buf = io.BytesIO()
+    buf.write(MARKER + schema_fingerprint(v2_raw))
+    schemaless_writer(buf, parse_schema(v2_raw), record)
+    assert CallEvent.from_bytes(buf.getvalue()).attempt_id is None
+    tagged = CallEvent(**{**vars(call), "attempt_id": "r.a0.x"})
+    assert CallEvent.from_bytes(tagged.to_bytes()).attempt_id == "r.a0.x"
