@@ -171,6 +171,24 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
     assert engine.requests[0].body["temperature"] == 0.9 and engine.requests[0].body["max_tokens"] == 512
 
 
+async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: KafkaSettings) -> None:
+    tok = H.tiny_tokenizer()
+    async with (
+        ScriptedEngine(tok, ["ok"]) as engine,
+        running_proxy(kafka_settings, engine.url) as (_proxy, url),
+        aiohttp.ClientSession() as http,
+    ):
+        headers = {"Authorization": "Bearer admin"}
+        for body, reason in (({"rollout_id": "x", "attempt_id": 5}, "attempt_id must be a string"),
+                             ({"rollout_id": "a b"}, "rollout_id allows"),
+                             ({"rollout_id": "y", "ttl_s": "soon"}, "bad registration")):  # fmt: skip
+            async with http.post(f"{url}/admin/rollouts", json=body, headers=headers) as r:
+                assert r.status == 400 and reason in (await r.json())["error"], body
+        ok = await register(http, url, rollout_id="z", attempt_id="z.a0.1")
+        async with http.get(f"{url}/admin/rollouts/z", headers=headers) as r:
+            assert r.status == 200 and ok["rollout_id"] == "z"
+
+
 @pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
 async def test_bad_inputs_answer_in_dialect_and_publish_nothing(kafka_settings, dialect) -> None:
     tok = H.tiny_tokenizer()
