@@ -6,6 +6,11 @@ offsets are committed in ONE Kafka transaction: a crash after the weights are sa
 no published version and no committed offset, so the restarted learner trains that batch again from the last
 published weights and overwrites the unpublished file. Versions are contiguous; no batch is trained twice.
 
+Untrainable batches never stop the learner: a seal that does not add up, a trajectory that does not decode, an empty
+batch or a tree that cannot be packed (more tokens than ``token_budget``: trees are packed whole, never split across
+micro-batches) goes to ``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; the
+weights stay as they were and the next batch is trained. Packing is checked before any parameter changes.
+
 Resume: the newest published ``WeightVersion`` of this model is read back from ``clawstream.weights`` and its file
 loaded (sha256 verified); committed offsets say where the batches continue.
 
@@ -38,6 +43,7 @@ from clawstream.kafka.clients import (
 from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
+from learner.pack import PackError, pack_trees
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
 from policy import DEFAULT_MODEL_NAME
@@ -119,10 +125,10 @@ class Learner:
         for batch in self._sealed_batches():
             trees, problem = self._decode(batch)
             self.producer.begin_transaction()
+            metrics, problem = self._train(trees) if problem is None else ({}, problem)
             if problem:
                 self._dead_letter(batch, problem)
             else:
-                metrics = train_step(self.model, self.optimizer, trees, self.config, self.value_head)
                 self._publish_version(batch, metrics)
             self._commit_offsets(batch)
             self.producer.commit_transaction(60)
@@ -159,6 +165,14 @@ class Learner:
                 log.info("%s: batch %s sealed (%d trajectories)", where(msg), sealed.batch_id, len(sealed.records))
                 yield sealed
 
+    def _train(self, trees: list[ScoredTree]) -> tuple[dict[str, float], str | None]:
+        """One optimizer step, or why the batch cannot be trained (packing fails before any update)."""
+        try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
+            pack_trees([t.segments for t in trees], self.config.token_budget)
+        except PackError as exc:
+            return {}, f"cannot pack the batch: {exc}"
+        return train_step(self.model, self.optimizer, trees, self.config, self.value_head), None
+
     def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], str | None]:
         if batch.seal.index != len(batch.records):
             return [], f"seal says {batch.seal.index} trajectories, {len(batch.records)} arrived"
@@ -166,7 +180,10 @@ class Learner:
         for rec in batch.records:
             if rec.trajectory is None:
                 return [], f"trajectory record {rec.index} of {batch.batch_id} carries no trajectory"
-            traj = Trajectory.from_bytes(rec.trajectory)
+            try:
+                traj = Trajectory.from_bytes(rec.trajectory)
+            except ClawstreamError as exc:
+                return [], f"trajectory record {rec.index} ({rec.rollout_id}) does not decode: {exc}"
             trees.append(ScoredTree(traj.segments, rec.advantage, rec.reward, rec.harness or traj.harness))
         if not trees:
             return [], "empty batch"

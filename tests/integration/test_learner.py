@@ -18,8 +18,8 @@ from confluent_kafka import TopicPartition
 from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
 from clawstream.settings import KafkaSettings
 from policy.weight_store import sha256_file, verify_file
-from schemas.events import WeightVersion
-from schemas.topics import BATCHES, WEIGHTS
+from schemas.events import DeadLetter, WeightVersion
+from schemas.topics import BATCHES, DEADLETTER, WEIGHTS
 from tests.support.inference import Worker
 from tests.support.learner_data import batch_records, small_model
 
@@ -44,14 +44,14 @@ def _produce_batches(settings: KafkaSettings, specs: list[tuple[str, int]]) -> i
 
 
 def _run_learner(settings: KafkaSettings, model_dir: Path, store: Path, *, fault: str | None = None,
-                 max_steps: int = 2) -> subprocess.CompletedProcess[str]:  # fmt: skip
+                 max_steps: int = 2, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
     env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
                CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix, PYTHONPATH=str(ROOT))  # fmt: skip
     env.pop("CLAWSTREAM_LEARNER_FAULT", None)
     if fault:
         env["CLAWSTREAM_LEARNER_FAULT"] = fault
     cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(store),
-           "--max-steps", str(max_steps), "--idle-exit", "20", "--hp", "lr=1e-3"]  # fmt: skip
+           "--max-steps", str(max_steps), "--idle-exit", "20", "--hp", "lr=1e-3", *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -128,3 +128,47 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
     committed = consumer.committed([TopicPartition(kafka_settings.topic(BATCHES), 0)], timeout=10)[0].offset
     consumer.close()
     assert committed == records  # every batch record (and seal) consumed, nothing left to train again
+
+
+def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """Between good batches: one whose trajectory does not decode, one whose tree exceeds the token budget. Before,
+    either crashed the learner inside its transaction, and the restarted learner read the same batch again."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from schemas.events import Trajectory
+
+    undecodable = batch_records("b-2", 2, 4, seed=2)
+    undecodable[1] = replace(undecodable[1], trajectory=b"\x00not a trajectory")
+    oversized = batch_records("b-3", 3, 4, seed=3)
+    big = Trajectory.from_bytes(oversized[2].trajectory)  # type: ignore[arg-type]
+    big.segments[0] = replace(big.segments[0], tokens=np.arange(3, 103, dtype="<i4"))  # 126 tokens > budget 64
+    oversized[2] = replace(oversized[2], trajectory=big.to_bytes())
+    producer = make_producer(kafka_settings)
+    for rec in [*batch_records("b-1", 1, 4, seed=1), *undecodable, *oversized, *batch_records("b-4", 4, 4, seed=4)]:
+        producer.produce(kafka_settings.topic(BATCHES), key=rec.batch_id.encode(), value=rec.to_bytes())
+    assert producer.flush(30) == 0
+
+    result = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=4,
+                          extra=("--hp", "token_budget=64"))  # fmt: skip
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-poison")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-4")]
+    consumer = make_consumer(kafka_settings, "check-poison-dl")
+    consumer.subscribe([kafka_settings.topic(DEADLETTER)])
+    letters: list[DeadLetter] = []
+    deadline = time.monotonic() + 8
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                letters.append(DeadLetter.from_bytes(msg.value()))
+    finally:
+        consumer.close()
+    reasons = {d.error_type: d.reason for d in letters}
+    assert len(letters) == 2 and set(reasons) == {"UntrainableBatch"}, [(d.error_type, d.reason) for d in letters]
+    assert any("does not decode" in d.reason for d in letters)
+    assert any("cannot pack" in d.reason and "64" in d.reason for d in letters), [d.reason for d in letters]
