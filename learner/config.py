@@ -41,7 +41,9 @@ class LearnerConfig:
     )
     is_cap: float = _hp(2.0, "c in TIS / masked IS (the paper leaves it configurable; peers default to 2).")
     aggregation: Literal["token_mean", "seq_mean_token_mean"] = _hp(
-        "token_mean", "Loss aggregation; a shared prefix counts once per rollout either way (trees store it once)."
+        "seq_mean_token_mean",
+        "Loss aggregation: seq_mean_token_mean = mean over rollouts of each rollout's token mean (the paper's Eq. 6), "
+        "token_mean = mean over all trainable tokens; a shared prefix counts once per rollout either way.",
     )
     kl_coef: float = _hp(0.0, "k3 KL to the reference (initial) policy; 0 = off, as in the paper.")
     vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
@@ -58,7 +60,8 @@ class LearnerConfig:
 
     @classmethod
     def help_table(cls) -> str:
-        return "\n".join(f"  {f.name:14} {f.default!s:14} {f.metadata['help']}" for f in fields(cls))
+        width = max(14, *(len(str(f.default)) for f in fields(cls)))  # seq_mean_token_mean is wider than 14
+        return "\n".join(f"  {f.name:14} {f.default!s:{width}} {f.metadata['help']}" for f in fields(cls))
 
 
 class LearnerSettings(BaseSettings):

@@ -24,29 +24,33 @@ The pieces, as in ClawGym II (docs/method.md#advantages, docs/method.md#off-poli
 - optional KL to a reference policy (k3 estimator ``exp(q) - q - 1``, ``q = logp_ref - logp_new``), added per token
   with ``kl_coef`` (0 = off, the default).
 
-Aggregation. "Tokens of a shared prefix count once per rollout in the loss": the packed tree holds each unique token
-once, so summing over packed tokens counts a shared prefix once per rollout by construction (never once per
-root-to-leaf path). What remains is the normaliser:
+Aggregation. Notation: rollout r (r = 1..R), ``l_rt`` the per-token loss and ``m_rt`` in {0, 1} its loss mask, t
+running over the unique tokens of rollout r's prefix tree (the packed tree holds each once). A trajectory here is a
+rollout tree: a prefix shared by several of its root-to-leaf paths counts once per rollout, never once per path
+("tokens of a shared prefix count once per rollout in the loss"). The two modes:
 
-- ``"token_mean"`` (default): sum over all trainable tokens of the batch / their number. Every unique generated token
-  weighs the same, whatever the length of its rollout. This is DAPO's token-level loss and verl's default
-  ("token-mean"), the convention of the peer frameworks the paper builds on; per-path length normalisation (GRPO's
-  original 1/|o_i|) has no meaning on a tree whose paths share tokens, and agent rollouts vary in length by orders of
-  magnitude, which a per-rollout mean would turn into per-token weights that differ by the same factor.
-- ``"seq_mean_token_mean"``: per rollout, the mean over its unique trainable tokens; then the mean over rollouts (verl
-  "seq-mean-token-mean", original GRPO but with a rollout, not a path, as the sequence). Every rollout weighs the same.
+- ``"seq_mean_token_mean"`` (default): ``(1/R) sum_r ( sum_t m_rt l_rt / sum_t m_rt )``, the mean over rollouts of
+  each rollout's mean over its unique trainable tokens; R counts the rollouts with at least one trainable token.
+  Every rollout weighs the same, whatever its length. This is the paper's form: ClawGym II's Eq. 6 averages per
+  trajectory, ``(1/G) sum_i (1/|y_i|) sum_t (...)``, with |y_i| here the number of unique trainable tokens of
+  rollout i's tree (verl's "seq-mean-token-mean" with a rollout tree, not a path, as the sequence).
+- ``"token_mean"``: ``sum_r sum_t m_rt l_rt / sum_r sum_t m_rt``, one mean over all trainable tokens of the batch.
+  Every unique generated token weighs the same, so long rollouts weigh more (DAPO's token-level loss, verl's
+  "token-mean"). An option, not the paper's form.
 
 Micro-batching: pass the WHOLE step's denominators (``num_tokens`` for token_mean, ``num_rollouts`` for
 seq_mean_token_mean) and the micro-batch losses sum to the full-batch loss, so gradient accumulation by summing is
 exact. Without them the denominators are the micro-batch's own. A rollout is never split across micro-batches, so a
-rollout's own token count is always complete.
+rollout's own token count is always complete; ``num_rollouts`` must count only rollouts with a trainable token (the
+streams stage drops trees without one).
 
 Where this departs from the paper (or the paper is silent): the paper gives TIS (``min(w, c)``) and names masked IS
 without details; we apply the IS weight to the clipped surrogate (not to the KL term), as verl's rollout correction
 does, and a masked token keeps its place in the normaliser (weight 0, not removed) like verl's IcePop weights, so
 dropping tokens does not inflate the others' weight. Log-ratios are clamped to [-20, 20] before ``exp`` (as verl) so
-one wild token cannot produce inf/NaN. The paper states no aggregation; the default is argued above. Dual clip and
-the clipped value loss are options the paper does not mention (off by default).
+one wild token cannot produce inf/NaN. The PPO value loss is aggregated in the same mode as the policy loss (Eq. 6
+is the policy objective; the paper does not say). Dual clip and the clipped value loss are options the paper does
+not mention (off by default).
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ class LossConfig:
     dual_clip_c: float | None = None  # dual-clip PPO bound (> 1) for A < 0; None = off
     is_mode: ISMode = "tis"
     is_cap: float = 2.0  # c: TIS truncation, and the [1/c, c] band of masked IS
-    aggregation: Aggregation = "token_mean"
+    aggregation: Aggregation = "seq_mean_token_mean"  # the paper's Eq. 6: per-rollout token mean, then mean
     kl_coef: float = 0.0  # coefficient of the k3 KL to the reference policy; 0 = off
     vf_coef: float = 0.5  # PPO only: weight of the value loss
     value_clip: float | None = None  # PPO only: clip range of the value loss around the old values; None = plain MSE
@@ -239,7 +243,7 @@ def aggregate(
     per_token: torch.Tensor,  # (T,)
     loss_mask: torch.Tensor,  # (T,) bool
     rollout_index: torch.Tensor,  # (T,) long
-    mode: Aggregation = "token_mean",
+    mode: Aggregation = "seq_mean_token_mean",
     *,
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
@@ -405,7 +409,7 @@ def value_loss(
     *,
     old_values: torch.Tensor | None = None,  # (T,) values at the start of the step (needed when value_clip is set)
     value_clip: float | None = None,
-    aggregation: Aggregation = "token_mean",
+    aggregation: Aggregation = "seq_mean_token_mean",
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -83,14 +83,15 @@ def test_dual_clip_bounds_negative_advantage_tokens() -> None:
 
 
 def test_logp_old_none_means_one_on_policy_update() -> None:
-    # ratio 1 everywhere: loss = -mean(A), gradient = -A / T (the plain policy gradient).
+    # ratio 1 everywhere: the plain policy gradient. Default aggregation (per-rollout token mean, then mean over the
+    # R = 2 rollouts): loss = mean_r(-A_r), gradient = -A_r / (|r| R).
     logp_new = t([-1.0, -2.0, -0.5]).requires_grad_()
     loss, stats = grpo_loss(
         logp_new, None, logp_new.detach(), t([2.0, -1.0]), torch.tensor([0, 0, 1]), torch.ones(3, dtype=bool), NO_IS
     )
-    assert loss.item() == approx(-(2.0 + 2.0 - 1.0) / 3)
+    assert loss.item() == approx((-2.0 + 1.0) / 2)
     loss.backward()
-    torch.testing.assert_close(logp_new.grad, t([-2 / 3, -2 / 3, 1 / 3]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(logp_new.grad, t([-2 / 4, -2 / 4, 1 / 2]), atol=1e-12, rtol=0)
     assert stats["clip_frac"] == 0.0
 
 
@@ -164,16 +165,17 @@ def test_ppo_advantage_is_return_minus_value() -> None:
     cfg = LossConfig(is_mode="none", vf_coef=0.5)
     loss, stats = ppo_loss(logp_new, None, logp_new.detach(), values, t([1.0, 0.0]), rollout_index, mask, cfg)
     adv = [0.75, 0.5, -0.75]
-    pg = -sum(adv) / 3
-    vl = 0.5 * (0.75**2 + 0.5**2 + 0.75**2) / 3
+    # Default aggregation: mean over rollouts (R = 2) of each rollout's token mean (rollout 0 has 2 tokens, 1 has 1).
+    pg = (-(0.75 + 0.5) / 2 + 0.75) / 2
+    vl = 0.5 * ((0.75**2 + 0.5**2) / 2 + 0.75**2) / 2
     assert stats["policy_loss"] == approx(pg)
     assert stats["value_loss"] == approx(vl)
     assert loss.item() == approx(pg + 0.5 * vl)
     assert stats["advantage_mean"] == approx(sum(adv) / 3)
     loss.backward()
-    # Policy gradient uses A = R - V with V detached; the value gradient is vf_coef * (V - R) / T only.
-    torch.testing.assert_close(logp_new.grad, t([-a / 3 for a in adv]), atol=1e-12, rtol=0)
-    torch.testing.assert_close(values.grad, t([0.5 * -0.75 / 3, 0.5 * -0.5 / 3, 0.5 * 0.75 / 3]), atol=1e-12, rtol=0)
+    # Policy gradient uses A = R - V with V detached; the value gradient is vf_coef * (V - R) / (|r| R) only.
+    torch.testing.assert_close(logp_new.grad, t([-0.75 / 4, -0.5 / 4, 0.75 / 2]), atol=1e-12, rtol=0)
+    torch.testing.assert_close(values.grad, t([0.5 * -0.75 / 4, 0.5 * -0.5 / 4, 0.5 * 0.75 / 2]), atol=1e-12, rtol=0)
 
 
 def test_ppo_old_values_and_clipped_value_loss() -> None:
@@ -291,6 +293,55 @@ def test_global_denominators_make_micro_batches_add_up() -> None:
     assert aggregate(
         per_token, torch.tensor([True, True, True, False, False, False]), idx, "seq_mean_token_mean"
     ).item() == approx(2.0)
+
+
+def test_default_aggregation_is_the_papers_per_rollout_mean() -> None:
+    # ClawGym II Eq. 6: (1/G) sum_i (1/|y_i|) sum_t (...), a mean per trajectory (here: per rollout tree), then over
+    # trajectories. Every way the learner gets its loss config must default to it.
+    from learner.config import LearnerConfig
+
+    assert LossConfig().aggregation == "seq_mean_token_mean"
+    assert LearnerConfig().aggregation == "seq_mean_token_mean"
+    assert LearnerConfig().loss_config().aggregation == "seq_mean_token_mean"
+
+
+def test_default_loss_is_mean_of_per_rollout_token_means_by_hand() -> None:
+    # Rollout 0: a long tree, prompt -> generated A (4) -> { generated B (2) | tool (1) -> generated C (4) }: 10 unique
+    # trainable tokens (A is shared by both paths and stored once; per path it would be 6 + 8 = 14).
+    # Rollout 1: prompt -> 1 generated token. Token counts differ 10:1, so the two aggregations differ a lot.
+    tree0 = [
+        Seg(0, -1, [1, 2], False),
+        Seg(1, 0, [3, 4, 5, 6], True, [-0.1] * 4),
+        Seg(2, 1, [7, 8], True, [-0.1] * 2),
+        Seg(3, 1, [9], False),
+        Seg(4, 3, [10, 11, 12, 13], True, [-0.1] * 4),
+    ]
+    tree1 = [Seg(0, -1, [1], False), Seg(1, 0, [2], True, [-0.1])]
+    mb = MicroBatch.from_trees([pack_tree(tree0), pack_tree(tree1)], [0, 1])
+    assert mb.loss_mask.tolist() == [False] * 2 + [True] * 6 + [False] + [True] * 4 + [False] + [True]
+    r0 = {2: 1.1, 3: 1.2, 4: 0.9, 5: 1.0, 6: 1.05, 7: 0.95, 9: 1.25, 10: 0.85, 11: 1.15, 12: 0.8}  # A = +1
+    r1 = {14: 1.2}  # A = -1
+    logp_old = torch.zeros(mb.num_tokens, dtype=D)
+    logp_new = torch.zeros(mb.num_tokens, dtype=D)
+    for i, r in {**r0, **r1}.items():
+        logp_new[i] = math.log(r)
+    # Default config: ratios lie inside [1 - 0.2, 1 + 0.28], and logp_rollout = logp_old makes the TIS weight 1, so
+    # the per-token loss is -A r_t: rollout 0 gives -r_t over 10 tokens, rollout 1 gives +1.2 over 1 token.
+    loss, _ = grpo_loss(logp_new, logp_old, logp_old, t([1.0, -1.0]), mb.rollout_index, mb.loss_mask)
+    sum0, sum1 = -sum(r0.values()), 1.2  # -10.25, 1.2
+    per_rollout_means = (sum0 / 10 + sum1 / 1) / 2  # (-1.025 + 1.2) / 2 = 0.0875
+    token_mean = (sum0 + sum1) / 11  # -0.8227...
+    assert loss.item() == approx(per_rollout_means)
+    assert abs(loss.item() - token_mean) > 0.5
+    # Counting A once per path (14 tokens in rollout 0) would give another value: the tree's shared prefix counts once.
+    per_path_sum0 = sum0 - (1.1 + 1.2 + 0.9 + 1.0)
+    assert loss.item() != approx((per_path_sum0 / 14 + sum1) / 2)
+    # The same default on the bare aggregate and on the value loss.
+    per_token = torch.where(mb.loss_mask, -torch.exp(logp_new) * t([1.0, -1.0])[mb.rollout_index], 0.0)
+    assert aggregate(per_token, mb.loss_mask, mb.rollout_index).item() == approx(per_rollout_means)
+    values = torch.sqrt(2.0 * per_token.abs())  # 0.5 (V - 0)^2 = |per_token|
+    vloss, _ = value_loss(values, torch.zeros_like(per_token), mb.loss_mask, mb.rollout_index)
+    assert vloss.item() == approx((-sum0 / 10 + sum1) / 2)
 
 
 def test_config_and_input_validation() -> None:
@@ -443,16 +494,25 @@ def test_policy_loss_matches_verl(verl: tuple[ModuleType, ModuleType, type], agg
         assert 0 < stats["is_masked_frac"] < 1
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 @pytest.mark.parametrize("value_clip", [None, 0.2])
-def test_value_loss_matches_verl(verl: tuple[ModuleType, ModuleType, type], value_clip: float | None) -> None:
+def test_value_loss_matches_verl(
+    verl: tuple[ModuleType, ModuleType, type], value_clip: float | None, aggregation: str
+) -> None:
     core_algos, _, _ = verl
     d = random_padded(11)
     m = d["mask2d"]
     v2d = d["values"].clone().requires_grad_()
     ret2d = d["returns"][:, None].expand_as(v2d)
+    verl_mode = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean"}[aggregation]
     # verl always clips; a huge clip range is its plain MSE.
     ref, ref_clipfrac = core_algos.compute_value_loss(
-        v2d, ret2d, d["old_values"], m.to(D), cliprange_value=1e9 if value_clip is None else value_clip
+        v2d,
+        ret2d,
+        d["old_values"],
+        m.to(D),
+        cliprange_value=1e9 if value_clip is None else value_clip,
+        loss_agg_mode=verl_mode,
     )
     ref.backward()
     v = d["values"][m].clone().requires_grad_()
@@ -463,6 +523,7 @@ def test_value_loss_matches_verl(verl: tuple[ModuleType, ModuleType, type], valu
         d["rollout_index"],
         old_values=d["old_values"][m],
         value_clip=value_clip,
+        aggregation=aggregation,
     )
     ours.backward()
     assert ours.item() == pytest.approx(ref.item(), abs=1e-6)
@@ -480,4 +541,5 @@ def test_k3_matches_verl_low_var_kl(verl: tuple[ModuleType, ModuleType, type]) -
     ours = k3_kl(d["new"][m], d["ref"][m], torch.ones_like(m[m]))
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
     expected = core_algos.agg_loss(core_algos.kl_penalty(d["new"], d["ref"], "low_var_kl"), m.to(D), "token-mean")
-    assert aggregate(ours, torch.ones_like(m[m]), d["rollout_index"]).item() == pytest.approx(expected.item(), abs=1e-6)
+    ours_agg = aggregate(ours, torch.ones_like(m[m]), d["rollout_index"], "token_mean")
+    assert ours_agg.item() == pytest.approx(expected.item(), abs=1e-6)
