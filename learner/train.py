@@ -12,7 +12,10 @@ micro-batches) goes to ``clawstream.deadletter`` with the reason, in the transac
 weights stay as they were and the next batch is trained. Packing is checked before any parameter changes.
 
 Resume: the newest published ``WeightVersion`` of this model is read back from ``clawstream.weights`` and its file
-loaded (sha256 verified); committed offsets say where the batches continue.
+loaded (sha256 verified), with the optimizer's state (AdamW moments, step counts) and the RNG state saved beside it
+(``trainer-state/vNNNNNN.pt``), so a resumed run continues exactly as an uninterrupted one; committed offsets say
+where the batches continue. A version without that file (written by an older learner) resumes with fresh moments,
+and says so.
 
 Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
 Fault injection for tests: ``CLAWSTREAM_LEARNER_FAULT=after_save`` (or ``after_save:N`` for version N only) exits
@@ -47,7 +50,14 @@ from learner.pack import PackError, pack_trees
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
 from policy import DEFAULT_MODEL_NAME
-from policy.weight_store import copy_into, load_checked, save_weights, value_head_path, verify_file
+from policy.weight_store import (
+    copy_into,
+    load_checked,
+    save_weights,
+    trainer_state_path,
+    value_head_path,
+    verify_file,
+)
 from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
@@ -194,6 +204,11 @@ class Learner:
         saved = save_weights(self.model, self.settings.weight_store, self.settings.model_name, version)
         if self.value_head is not None:  # kept beside the weights for resuming; inference never needs it
             self.value_head.save(value_head_path(self.settings.weight_store, self.settings.model_name, version))
+        state_file = trainer_state_path(self.settings.weight_store, self.settings.model_name, version)
+        state_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = state_file.with_suffix(".partial")
+        torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, partial)
+        partial.replace(state_file)  # a crash mid-write leaves no half file under the version's name
         if os.environ.get("CLAWSTREAM_LEARNER_FAULT") in ("after_save", f"after_save:{version}"):
             log.error("fault injection: exiting after saving v%d, before the transaction commits", version)
             os._exit(17)
@@ -246,6 +261,14 @@ class Learner:
         head_file = value_head_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
         if self.value_head is not None and head_file.exists():
             self.value_head.load(head_file)
+        state_file = trainer_state_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
+        if state_file.exists():
+            state = torch.load(state_file, map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["torch_rng"].cpu())
+        else:
+            log.warning("no optimizer state for v%d (%s): resuming with fresh AdamW moments", latest.policy_version,
+                        state_file)  # fmt: skip
         self.version = latest.policy_version
         log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, latest.uri)
 

@@ -46,6 +46,11 @@ def value_head_path(store: Path, model_name: str, version: int) -> Path:
     return store / model_name / "value-heads" / f"v{version:06d}.safetensors"
 
 
+def trainer_state_path(store: Path, model_name: str, version: int) -> Path:
+    """The learner's optimizer and RNG state after a version (for an exact resume); beside the value heads."""
+    return store / model_name / "trainer-state" / f"v{version:06d}.pt"
+
+
 def save_weights(model: torch.nn.Module, store: Path, model_name: str, version: int) -> SavedWeights:
     """Write the model's state dict (tied weights once) atomically and return path + sha256."""
     path = version_path(store, model_name, version)
