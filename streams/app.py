@@ -10,7 +10,8 @@ changelogs (``…-<table>-changelog``, declared by Faust itself).
 Agents only decode (a record that does not decode is dead-lettered: :func:`decode_or_dead_letter`) → call the pure
 core (``streams.assemble`` / ``group`` / ``batch``) → produce. Tables hold the state in RocksDB
 (``store="rocksdb://"``, rocksdict driver) or memory; with ``processing_guarantee="exactly_once"`` (the default) every
-source partition's outputs, changelog writes and offsets commit in one Kafka transaction (``streams.eos``). Timers
+partition number's outputs, changelog writes and offsets (all co-partitioned topics) commit in one Kafka transaction,
+between records (``streams.eos``: agents process each record inside ``eos.processing``). Timers
 cannot write tables in Faust, so a timer sends each owned partition a tick and the agents check deadlines when the
 tick arrives, inside the partition's transaction (``streams.state.Deadlines``).
 

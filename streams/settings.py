@@ -38,8 +38,9 @@ class StreamsSettings(BaseSettings):
     )
     processing_guarantee: Literal["exactly_once", "at_least_once"] = Field(
         default="exactly_once",
-        description="'exactly_once': outputs, table changelogs and input offsets of one source partition commit in "
-        "one Kafka transaction (see streams/eos.py). 'at_least_once': plain Faust commits.",
+        description="'exactly_once': outputs, table changelogs and input offsets of one partition number (all "
+        "co-partitioned topics) commit in one Kafka transaction, between records (see streams/eos.py). "
+        "'at_least_once': plain Faust commits.",
     )
     commit_interval_s: float = Field(
         default=1.0, gt=0, description="How often offsets (and, exactly-once, transactions) are committed; outputs "
