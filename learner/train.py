@@ -4,7 +4,11 @@ Topics: ``clawstream.batches`` (read_committed, manual offsets) → ``clawstream
 (and ``clawstream.deadletter`` for batches that cannot be trained). The weight version and the batch's input
 offsets are committed in ONE Kafka transaction: a crash after the weights are saved but before the commit leaves
 no published version and no committed offset, so the restarted learner trains that batch again from the last
-published weights and overwrites the unpublished file. Versions are contiguous; no batch is trained twice.
+published weights and overwrites the unpublished file. Versions are contiguous; no batch is trained twice: committed
+offsets never pass a batch still open on the partition, so a restart can re-read a batch that was sealed (and
+trained) after it; the learner knows every batch id its published versions name (``clawstream.weights``) and
+dead-letters such a batch as already trained. (An exact set, not "at or before the last id": a batch opened earlier
+can be sealed, and trained, later.)
 
 Untrainable batches never stop the learner: a seal that does not add up, a trajectory that does not decode, an empty
 batch or a tree that cannot be packed (more tokens than ``token_budget``: trees are packed whole, never split across
@@ -117,6 +121,7 @@ class Learner:
             params += list(self.value_head.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self.version = 0
+        self.trained: dict[str, int] = {}  # batch id → the version it was published as
         txn_id = settings.resolved_transactional_id(kafka.topic_prefix)
         self.producer: Producer = make_producer(kafka, **{"transactional.id": txn_id})
         # Static membership: a restarted learner takes over its old member's partitions at once instead of waiting
@@ -134,6 +139,8 @@ class Learner:
         steps = 0
         for batch in self._sealed_batches():
             trees, problem = self._decode(batch)
+            if batch.batch_id in self.trained:
+                problem = f"batch {batch.batch_id} was already trained (published as v{self.trained[batch.batch_id]})"
             self.producer.begin_transaction()
             metrics, problem = self._train(trees) if problem is None else ({}, problem)
             if problem:
@@ -222,6 +229,7 @@ class Learner:
                         step=batch.step, values=metrics, labels={"model": self.settings.model_name})  # fmt: skip
         self._produce(METRICS, "learner", metric.to_bytes())
         self.version = version
+        self.trained[batch.batch_id] = version
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, batch.step)
@@ -252,7 +260,9 @@ class Learner:
 
     def _resume(self) -> None:
         """Load the newest published version of this model (read_committed), if any."""
-        latest = latest_weight_version(self.kafka, self.settings.model_name)
+        versions = published_versions(self.kafka, self.settings.model_name)
+        self.trained = {v.batch_id: v.policy_version for v in versions if v.batch_id}
+        latest = max(versions, key=lambda v: v.policy_version, default=None)
         if latest is None:
             log.info("no published version of %s: starting from %s as v0", self.settings.model_name,
                      self.settings.model_dir)  # fmt: skip
@@ -273,20 +283,17 @@ class Learner:
         log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, latest.uri)
 
 
-def latest_weight_version(kafka: KafkaSettings, model_name: str, timeout: float = 30.0) -> WeightVersion | None:
-    """Scan ``clawstream.weights`` (read_committed) to its end and return the newest version of ``model_name``."""
+def published_versions(kafka: KafkaSettings, model_name: str, timeout: float = 30.0) -> list[WeightVersion]:
+    """Scan ``clawstream.weights`` (read_committed) to its end: every published version of ``model_name``."""
     consumer = make_consumer(kafka, f"clawstream-scan-{os.getpid()}-{time.monotonic_ns()}")
     topic = kafka.topic(WEIGHTS)
-    latest: WeightVersion | None = None
     try:
         ends = assign_from_beginning(consumer, topic, timeout, missing_ok=True)
-        for msg in read_to_end(consumer, topic, ends, timeout=timeout):
-            event = WeightVersion.from_bytes(msg.value())
-            if event.model_name == model_name and (latest is None or event.policy_version >= latest.policy_version):
-                latest = event
-        return latest
+        events = (WeightVersion.from_bytes(msg.value()) for msg in read_to_end(consumer, topic, ends, timeout=timeout))
+        return [e for e in events if e.model_name == model_name]
     finally:
         consumer.close()
+
 
 
 def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | None

@@ -208,3 +208,33 @@ def base_state(model_dir: Path) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+def test_a_batch_sealed_after_an_open_one_is_not_trained_twice_after_a_restart(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """b-1 opens, b-2 opens and seals, then b-1 seals. Trained in seal order; the offset committed with b-2 stays at
+    b-1's first record, so the restarted learner reads b-2 again: it must dead-letter it, not train it twice."""
+    one, two = batch_records("b-1", 1, 4, seed=1), batch_records("b-2", 2, 4, seed=2)
+    producer = make_producer(kafka_settings)
+    for rec in [*one[:-1], *two, one[-1]]:
+        producer.produce(kafka_settings.topic(BATCHES), key=rec.batch_id.encode(), value=rec.to_bytes())
+    assert producer.flush(30) == 0
+    first = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-twice")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-2"), (2, "b-1")]
+    consumer = make_consumer(kafka_settings, "check-twice-dl")
+    consumer.subscribe([kafka_settings.topic(DEADLETTER)])
+    reasons: list[str] = []
+    deadline = time.monotonic() + 8
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and not msg.error():
+                reasons.append(DeadLetter.from_bytes(msg.value()).reason)
+    finally:
+        consumer.close()
+    assert reasons == ["batch b-2 was already trained (published as v1)"]
