@@ -14,6 +14,15 @@ TITO. An assistant segment whose text/tool calls equal an answer the proxy retur
 never re-encoded: it becomes ``generation prompt + generated ids + turn suffix`` (the suffix is ``\\n`` when the
 generation ended with ``<|im_end|>``, else ``<|im_end|>\\n``: see ``policy.chat_template.assistant_turn_suffix_ids``).
 
+Repeated answers. The same text can come from different sampled ids (a text has many tokenizations, and the
+model may sample any of them), so an answer text does not identify its ids. The rollout keeps, per answer key, the
+answers in the order they were generated, and the k-th assistant message with that key in the conversation gets
+the k-th answer's ids: on a full render (below) every earlier turn keeps its *own* ids instead of the latest
+answer's, which would otherwise put ids in the prompt that this turn never had (and the turn, whose ids are then
+missing from later prompts, would be pruned downstream as a dead end). When the counts do not line up (a retried
+call whose answer the harness dropped, the same text answered in a subagent or side call), assignment by
+position is ambiguous and every message with that key gets the latest answer's ids, as for a key answered once.
+
 Cost. A request whose conversation *extends* an earlier call (that call's conversation + its answer + new
 messages; found by comparing the messages' keys with the conversations of the last ``match_window`` calls: tuple
 equality of the request's strings, no hashing or serialisation of the context) gets
@@ -168,16 +177,32 @@ class RolloutRenderer:
         self.r = renderer
         self.records: list[CallRecord] = []
         self._match_window = match_window
-        self._answers: dict[tuple[Any, ...], CallRecord] = {}
+        # answer key -> the answers with that key, in the order they were generated (see "Repeated answers")
+        self._answers: dict[tuple[Any, ...], list[CallRecord]] = {}
         self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
         self._cache_size = segment_cache_size
 
+    def _answer_ids(
+        self, keys: tuple[Any, ...], index: int, where: dict[tuple[Any, ...], list[int]]
+    ) -> list[int] | None:
+        """Generated ids of the answer the assistant message ``keys[index]`` echoes (None: not a known answer).
+
+        With several answers of that key, the k-th message with the key gets the k-th answer when the counts agree
+        (module docstring: "Repeated answers"); ``where`` caches the key's message positions for this render.
+        """
+        key = keys[index]
+        recs = self._answers.get(key)
+        if not recs:
+            return None
+        if len(recs) > 1:
+            positions = where.get(key)
+            if positions is None:  # only for repeated answers: the common case costs one dict lookup
+                positions = where[key] = [i for i, k in enumerate(keys) if k == key]
+            if len(positions) == len(recs):
+                return recs[positions.index(index)].generated_ids
+        return recs[-1].generated_ids
+
     def _segment(self, seg: list[Message], counter: list[int]) -> list[int]:
-        if len(seg) == 1 and seg[0].role == "assistant":
-            known = self._answers.get(seg[0].key())
-            if known is not None:  # TITO: the proxy's own turn maps back to its generated ids
-                gen = known.generated_ids
-                return self.r.generation_prompt_ids + gen + self.r.turn_suffix(gen)
         key = _digest(b"seg", [m.key() for m in seg] + [[m.reasoning for m in seg]])
         ids = self._cache.get(key)
         if ids is None:
@@ -190,10 +215,18 @@ class RolloutRenderer:
             self._cache.move_to_end(key)
         return ids
 
-    def _render_from(self, conv: Conversation, start: int, counter: list[int]) -> list[int]:
+    def _render_from(self, conv: Conversation, keys: tuple[Any, ...], start: int, counter: list[int]) -> list[int]:
+        """Ids of ``conv.messages[start:]`` (``keys``: the message keys) + the generation prompt."""
         out: list[int] = []
+        where: dict[tuple[Any, ...], list[int]] = {}
+        index = start
         for seg in segments(conv.messages, start):
-            out += self._segment(seg, counter)
+            gen = self._answer_ids(keys, index, where) if len(seg) == 1 and seg[0].role == "assistant" else None
+            if gen is not None:  # TITO: the proxy's own turn maps back to its generated ids
+                out += self.r.generation_prompt_ids + gen + self.r.turn_suffix(gen)
+            else:
+                out += self._segment(seg, counter)
+            index += len(seg)
         out += self.r.generation_prompt_ids
         return out
 
@@ -212,13 +245,14 @@ class RolloutRenderer:
                 best_j, parent = j, rec
         if parent is not None:
             shared = parent.prompt_ids + parent.generated_ids
-            prompt = shared + self.r.turn_suffix(parent.generated_ids) + self._render_from(conv, best_j, counter)
+            new = self._render_from(conv, keys[1], best_j, counter)
+            prompt = shared + self.r.turn_suffix(parent.generated_ids) + new
             return RenderResult(prompt, parent.call_id, len(shared), [], counter[0], keys)
         # No earlier call is a prefix of this conversation: lay it out again, with TITO for known answers.
         start = 1 if _starts_with_system(conv) else 0
         header = self.r.header_ids(conv)
         counter[0] += len(header)
-        prompt = header + self._render_from(conv, start, counter)
+        prompt = header + self._render_from(conv, keys[1], start, counter)
         flags = [FULL_RENDER] if self.records else []
         best, best_len = None, 0
         for rec in self.records:
@@ -249,5 +283,5 @@ class RolloutRenderer:
         self.records.append(rec)
         if len(self.records) > self._match_window:
             self.records[-self._match_window - 1].conversation = None
-        self._answers[rec.answer_key] = rec
+        self._answers.setdefault(rec.answer_key, []).append(rec)
         return rec

@@ -130,6 +130,51 @@ def test_openclaw_reordered_message_falls_back_to_full_render_with_longest_commo
     assert renderer.decode(r2.prompt_ids) == renderer.decode(reference(tok, parse_openai_chat(body2).conversation))
 
 
+def test_repeated_answer_text_keeps_each_answers_own_ids_on_a_full_render(tok, renderer) -> None:
+    """Two answers with the same text but different sampled ids: after a re-order each turn keeps its own ids."""
+    ids = tok.convert_tokens_to_ids
+    im_end = ids("<|im_end|>")
+    gen1 = [ids("Done"), ids("."), im_end]  # "Done." as the tokenizer splits it
+    gen2 = [ids("D"), ids("o"), ids("n"), ids("e"), ids("."), im_end]  # the same text, sampled letter by letter
+    assert gen1 != gen2 and renderer.decode(gen1) == renderer.decode(gen2) == "Done."
+    system, task = Message("system", "S"), Message("user", "task")
+    ctx = Message("user", "[internal context] session 42")  # OpenClaw moves it to the end on every call
+    done, more = Message("assistant", "Done."), Message("user", "one more")
+    rr = RolloutRenderer(renderer)
+    r1 = rr.render(Conversation((system, task, ctx)))
+    rr.record("c0", 0, r1, gen1, done)
+    r2 = rr.render(Conversation((system, task, done, more, ctx)))
+    assert FULL_RENDER in r2.flags
+    rr.record("c1", 1, r2, gen2, done)
+    r3 = rr.render(Conversation((system, task, done, more, done, more, ctx)))
+    assert FULL_RENDER in r3.flags
+    gp, seg = renderer.generation_prompt_ids, renderer.segment_ids
+    expected = (
+        renderer.header_ids(Conversation((system,))) + seg([task])
+        + gp + gen1 + renderer.turn_suffix(gen1) + seg([more])  # the first answer keeps the first call's ids
+        + gp + gen2 + renderer.turn_suffix(gen2) + seg([more])  # the second answer the second call's
+        + seg([ctx]) + gp
+    )  # fmt: skip
+    assert r3.prompt_ids == expected
+
+
+def test_repeated_answer_text_with_counts_that_do_not_line_up_gets_the_latest_ids(tok, renderer) -> None:
+    ids = tok.convert_tokens_to_ids
+    gen1 = [ids("Done"), ids("."), ids("<|im_end|>")]
+    gen2 = [ids("D"), ids("o"), ids("n"), ids("e"), ids("."), ids("<|im_end|>")]
+    task, done = Message("user", "task"), Message("assistant", "Done.")
+    rr = RolloutRenderer(renderer)
+    r1 = rr.render(Conversation((task,)))
+    rr.record("c0", 0, r1, gen1, done)
+    rr.record("c1", 1, r1, gen2, done)  # a retry: the harness keeps only one of the two answers
+    r = rr.render(Conversation((Message("user", "other"), done, Message("user", "next"))))
+    gp = renderer.generation_prompt_ids
+    assert r.prompt_ids == (
+        renderer.segment_ids([Message("user", "other")]) + gp + gen2 + renderer.turn_suffix(gen2)
+        + renderer.segment_ids([Message("user", "next")]) + gp
+    )  # fmt: skip
+
+
 def test_unknown_assistant_turn_is_rendered_by_the_template(tok, renderer) -> None:
     rr = RolloutRenderer(renderer)
     conv = Conversation((Message("user", "a"), Message("assistant", "made up by the harness"), Message("user", "b")))
