@@ -48,7 +48,6 @@ class LearnerConfig:
     kl_coef: float = _hp(0.0, "k3 KL to the reference (initial) policy; 0 = off, as in the paper.")
     vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
     value_clip: float = _hp(0.0, "PPO: clip range of the value loss around the step's old values; 0 = plain MSE.")
-    temperature: float = _hp(1.0, "Sampling temperature of the rollouts (logprobs are recomputed at it).")
     seed: int = _hp(0, "Seed for torch.")
 
     def loss_config(self) -> LossConfig:

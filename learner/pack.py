@@ -16,6 +16,18 @@ whole tree in ONE forward pass:
 With that, ``log_softmax(logits[predictor[t]])[token[t]]`` equals the logprob that running the root-to-leaf path as a
 plain causal sequence would give (checked to 1e-5 in fp32 by tests/unit/test_pack.py).
 
+Sampling settings. A rollout's logprobs are those of the distribution its tokens were drawn from: temperature, then
+top-k, then top-p, renormalised (the engine's processed logprobs, ``consumers.inference.sampling``). For the
+importance weights π_old/π_rollout to mean anything, the learner's logprobs must be of the same transform of its own
+logits, so every trainable token carries its call's (temperature, top_p, top_k), recorded by the proxy on the call
+event and by the assembler on the segment, and ``gather_token_logprobs`` applies them per token with the engine's
+own functions. A trainable segment recorded without them (a record older than that field) or with values no engine
+samples with cannot be reproduced and is refused (``UnreproducibleSampling``: the batch is dead-lettered). Segment
+objects without the attributes at all (plain test trees) mean temperature 1, no top-k, no top-p. A sampled token
+that the learner's top-k/top-p support leaves out has probability 0 under π: its logprob is floored at
+``MIN_LOGPROB`` (zero gradient), so its TIS weight is 0 and it adds nothing to the loss, as the importance weight
+of an impossible sample should.
+
 Several trees go into one micro-batch (one row) with a block-diagonal mask; ``pack_trees`` fills micro-batches up to
 a token budget by first-fit decreasing. A micro-batch row is never padded.
 
@@ -35,6 +47,7 @@ Trees of tens of thousands of tokens need a block-sparse mask (flex attention) i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -42,12 +55,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from clawstream.errors import ClawstreamError
+from consumers.inference.sampling import MIN_REPORTED_LOGPROB, apply_temperature, apply_top_k, apply_top_p
 
 __all__ = [
     "MicroBatch",
     "PackError",
     "PackedTree",
     "SegmentLike",
+    "UnreproducibleSampling",
     "additive_mask",
     "gather_token_logprobs",
     "pack_tree",
@@ -60,8 +75,41 @@ __all__ = [
 SUPPORTED_ATTN_IMPLEMENTATIONS: frozenset[str] = frozenset({"eager", "sdpa"})
 
 
+# Floor of a token's logprob: a sampled token outside the learner's top-k/top-p support (-inf) gets this instead.
+MIN_LOGPROB = MIN_REPORTED_LOGPROB
+
+# What a segment without sampling attributes means: temperature 1, top_p 1 (off), top_k 0 (off).
+PLAIN_SAMPLING = (1.0, 1.0, 0)
+
+
 class PackError(ClawstreamError):
     """A tree cannot be packed: malformed segments, or a tree larger than the micro-batch token budget."""
+
+
+class UnreproducibleSampling(PackError):
+    """A trainable segment's sampling settings are missing or are not ones the learner can recompute logprobs for."""
+
+
+def segment_sampling(seg: object, index: int) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) of a trainable segment; see "Sampling settings" in the module docstring."""
+    if not hasattr(seg, "temperature"):
+        return PLAIN_SAMPLING
+    values = (getattr(seg, "temperature", None), getattr(seg, "top_p", None), getattr(seg, "top_k", None))
+    call = getattr(seg, "call_id", None)
+    what = f"trainable segment {index}" + (f" (call {call})" if call else "")
+    if any(v is None for v in values):
+        raise UnreproducibleSampling(
+            f"{what} carries no sampling settings (temperature={values[0]}, top_p={values[1]}, top_k={values[2]}): "
+            "it was recorded by a proxy that did not record them, so the distribution behind its rollout logprobs is "
+            "unknown and importance weights against it would be biased; re-run those rollouts with a current proxy"
+        )
+    temperature, top_p, top_k = float(values[0]), float(values[1]), int(values[2])
+    if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1 and top_k >= 0):
+        raise UnreproducibleSampling(
+            f"{what} was sampled with temperature={temperature}, top_p={top_p}, top_k={top_k}: not settings the "
+            "engine samples with (temperature >= 0, 0 < top_p <= 1, top_k >= 0), so its logprobs cannot be recomputed"
+        )
+    return temperature, top_p, top_k
 
 
 @runtime_checkable
@@ -107,6 +155,10 @@ class PackedTree:
     rollout_logprobs: torch.Tensor  # (L,) float32: inference-engine logprobs, 0.0 where not trainable
     segment_ids: torch.Tensor  # (L,) long: segment of each token
     segment_ancestors: torch.Tensor  # (S, S) bool
+    # Each token's sampling settings (its call's for trainable tokens; 1, 1, 0 = plain for context)
+    temperature: torch.Tensor  # (L,) float32
+    top_p: torch.Tensor  # (L,) float32
+    top_k: torch.Tensor  # (L,) long
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +192,7 @@ def pack_tree(tree: TreeLike) -> PackedTree:
     masks: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
     seg_ids: list[torch.Tensor] = []
+    sampling: list[tuple[int, tuple[float, float, int]]] = []  # (tokens, settings) per segment
     # Per segment: depth after its last token, and the packed index of the last token on its root path (-1: none yet).
     end_depth = [0] * num_segments
     last_token = [-1] * num_segments
@@ -176,9 +229,11 @@ def pack_tree(tree: TreeLike) -> PackedTree:
             seg_lp = torch.as_tensor(lp, dtype=torch.float32)  # (n,)
             # A root's first token has no predictor: nothing to train on, whatever the segment says.
             seg_mask = predictor >= 0  # (n,)
+            sampling.append((n, segment_sampling(seg, i)))
         else:
             seg_lp = torch.zeros(n, dtype=torch.float32)
             seg_mask = torch.zeros(n, dtype=torch.bool)
+            sampling.append((n, PLAIN_SAMPLING))
 
         ids.append(tokens)
         positions.append(base_depth + local)
@@ -202,7 +257,18 @@ def pack_tree(tree: TreeLike) -> PackedTree:
         rollout_logprobs=cat(logprobs, torch.float32),
         segment_ids=cat(seg_ids, torch.long),
         segment_ancestors=ancestors,
+        **_sampling_tensors(sampling),
     )
+
+
+def _sampling_tensors(runs: list[tuple[int, tuple[float, float, int]]]) -> dict[str, torch.Tensor]:
+    """Per-token temperature (L,), top_p (L,), top_k (L,) from (token count, settings) runs."""
+    counts = torch.tensor([n for n, _ in runs], dtype=torch.long)  # (S,)
+    return {
+        "temperature": torch.tensor([v[0] for _, v in runs], dtype=torch.float32).repeat_interleave(counts),
+        "top_p": torch.tensor([v[1] for _, v in runs], dtype=torch.float32).repeat_interleave(counts),
+        "top_k": torch.tensor([v[2] for _, v in runs], dtype=torch.long).repeat_interleave(counts),
+    }
 
 
 @dataclass(frozen=True)
@@ -222,7 +288,13 @@ class MicroBatch:
     rollout_index: torch.Tensor  # (T,) long
     segment_ids: torch.Tensor  # (T,) long: segment ids made unique across the trees of the row
     segment_ancestors: torch.Tensor  # (S_total, S_total) bool, block-diagonal over trees
+    temperature: torch.Tensor  # (T,) float32: each token's sampling temperature
+    top_p: torch.Tensor  # (T,) float32 (1 = off)
+    top_k: torch.Tensor  # (T,) long (0 = off)
     tree_indices: tuple[int, ...]  # the trees in this row, in row order
+    # Known on the host when the row is built, so computing logprobs needs no device sync to skip the (K, V) sorts.
+    uses_top_k: bool = False
+    uses_top_p: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -263,7 +335,12 @@ class MicroBatch:
             rollout_index=cat(rollout, torch.long),
             segment_ids=cat(seg_ids, torch.long),
             segment_ancestors=ancestors,
+            temperature=cat([t.temperature for t in trees], torch.float32),
+            top_p=cat([t.top_p for t in trees], torch.float32),
+            top_k=cat([t.top_k for t in trees], torch.long),
             tree_indices=tuple(int(i) for i in tree_indices),
+            uses_top_k=any(bool((t.top_k > 0).any()) for t in trees),
+            uses_top_p=any(bool((t.top_p < 1).any()) for t in trees),
         )
 
     def attention_allowed(self) -> torch.Tensor:
@@ -289,9 +366,13 @@ class MicroBatch:
                 "rollout_index",
                 "segment_ids",
                 "segment_ancestors",
+                "temperature",
+                "top_p",
+                "top_k",
             )
         }
-        return MicroBatch(**moved, tree_indices=self.tree_indices)
+        return MicroBatch(**moved, tree_indices=self.tree_indices, uses_top_k=self.uses_top_k,
+                          uses_top_p=self.uses_top_p)  # fmt: skip
 
 
 def additive_mask(
@@ -312,7 +393,12 @@ def pack_trees(trees: Sequence[TreeLike], token_budget: int) -> list[MicroBatch]
     """
     if token_budget <= 0:
         raise PackError(f"token_budget must be positive, got {token_budget}")
-    packed = [pack_tree(t) for t in trees]
+    packed = []
+    for i, tree in enumerate(trees):
+        try:
+            packed.append(pack_tree(tree))
+        except PackError as exc:  # say which tree of the batch
+            raise type(exc)(f"tree {i}: {exc}") from exc
     order = sorted(range(len(packed)), key=lambda i: (-packed[i].num_tokens, i))
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -368,14 +454,15 @@ def packed_forward(model: torch.nn.Module, batch: MicroBatch, **model_kwargs: An
     )
 
 
-def gather_token_logprobs(
-    logits: torch.Tensor, batch: MicroBatch, *, temperature: float = 1.0, only_trainable: bool = False
-) -> torch.Tensor:
-    """Per-token logprobs from a micro-batch's logits: ``log_softmax(logits[predictor[t]] / temperature)[token[t]]``.
+def gather_token_logprobs(logits: torch.Tensor, batch: MicroBatch, *, only_trainable: bool = False) -> torch.Tensor:
+    """Per-token logprobs from a micro-batch's logits under each token's own sampling distribution.
 
-    logits: (T, V) or (1, T, V). Returns (T,) in float32, 0.0 where a token has no predictor (or is not trainable
-    when ``only_trainable``); only the needed rows are normalised, in fp32, to bound memory at large vocabularies.
-    ``temperature`` must be the sampling temperature the rollout logprobs were computed at.
+    ``log q_t(token[t])`` with ``q_t = softmax(top_p(top_k(logits[predictor[t]] / temperature[t])))``, the
+    transform the engine sampled with (``consumers.inference.sampling``; greedy rows are divided by 1, as there);
+    top-k and top-p run only when a token of the row asked for them. logits: (T, V) or (1, T, V). Returns (T,) in
+    float32, 0.0 where a token has no predictor (or is not trainable when ``only_trainable``), floored at
+    ``MIN_LOGPROB`` where the token is outside the support; only the needed rows are normalised, in fp32, to bound
+    memory at large vocabularies.
     """
     if logits.dim() == 3:
         logits = logits[0]
@@ -385,24 +472,21 @@ def gather_token_logprobs(
     if only_trainable:
         wanted &= batch.loss_mask.to(device)
     rows = wanted.nonzero(as_tuple=True)[0]  # (K,)
-    picked = logits[predictor[rows]].float()  # (K, V)
-    if temperature != 1.0:
-        picked = picked / temperature
+    picked = apply_temperature(logits[predictor[rows]], batch.temperature.to(device)[rows])  # (K, V) fp32
+    if batch.uses_top_k:
+        picked = apply_top_k(picked, batch.top_k.to(device)[rows])
+    if batch.uses_top_p:
+        picked = apply_top_p(picked, batch.top_p.to(device)[rows])
     targets = batch.input_ids.to(device)[rows]  # (K,)
     token_lp = picked.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)  # (K,)
+    token_lp = token_lp.clamp(min=MIN_LOGPROB)  # -inf (cut by top-k/top-p) -> floor, with zero gradient
     out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)  # (T,)
     return out.index_put((rows,), token_lp)
 
 
-def packed_logprobs(
-    model: torch.nn.Module,
-    batch: MicroBatch,
-    *,
-    temperature: float = 1.0,
-    only_trainable: bool = False,
-) -> torch.Tensor:
+def packed_logprobs(model: torch.nn.Module, batch: MicroBatch, *, only_trainable: bool = False) -> torch.Tensor:
     """Logprob of every token of ``batch`` under ``model`` (one forward pass; differentiable). Returns (T,) float32."""
     if batch.num_tokens == 0:
         return torch.zeros(0, dtype=torch.float32, device=_model_dtype_device(model)[1])
     out = packed_forward(model, batch)
-    return gather_token_logprobs(out.logits, batch, temperature=temperature, only_trainable=only_trainable)
+    return gather_token_logprobs(out.logits, batch, only_trainable=only_trainable)

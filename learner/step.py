@@ -106,8 +106,8 @@ def _forward(
     """(logprobs (T,), values (T,) or None) of a row under the current weights."""
     if config.algorithm == "ppo":
         assert head is not None
-        return policy_and_values(model, head, row, temperature=config.temperature)
-    return packed_logprobs(model, row, temperature=config.temperature, only_trainable=True), None
+        return policy_and_values(model, head, row)
+    return packed_logprobs(model, row, only_trainable=True), None  # each token under its call's sampling settings
 
 
 def _reward(tree: ScoredTree) -> float:

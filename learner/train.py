@@ -11,8 +11,9 @@ dead-letters such a batch as already trained. (An exact set, not "at or before t
 can be sealed, and trained, later.)
 
 Untrainable batches never stop the learner: a seal that does not add up, a trajectory that does not decode, an empty
-batch or a tree that cannot be packed (more tokens than ``token_budget``: trees are packed whole, never split across
-micro-batches) goes to ``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; the
+batch, a tree that cannot be packed (more tokens than ``token_budget``: trees are packed whole, never split across
+micro-batches) or a trainable segment whose sampling settings are unknown or unreproducible (``learner.pack``,
+"Sampling settings") goes to ``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; the
 weights stay as they were and the next batch is trained. Packing is checked before any parameter changes.
 
 Resume: the newest published ``WeightVersion`` of this model is read back from ``clawstream.weights`` and its file
@@ -50,7 +51,7 @@ from clawstream.kafka.clients import (
 from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
-from learner.pack import PackError, pack_trees
+from learner.pack import PackError, UnreproducibleSampling, pack_trees
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
 from policy import DEFAULT_MODEL_NAME
@@ -186,6 +187,8 @@ class Learner:
         """One optimizer step, or why the batch cannot be trained (packing fails before any update)."""
         try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
             pack_trees([t.segments for t in trees], self.config.token_budget)
+        except UnreproducibleSampling as exc:
+            return {}, f"cannot recompute the rollout logprobs' distribution: {exc}"
         except PackError as exc:
             return {}, f"cannot pack the batch: {exc}"
         return train_step(self.model, self.optimizer, trees, self.config, self.value_head), None

@@ -56,15 +56,13 @@ class ValueHead(torch.nn.Module):
         return self
 
 
-def policy_and_values(
-    model: torch.nn.Module, head: ValueHead, row: MicroBatch, *, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_and_values(model: torch.nn.Module, head: ValueHead, row: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass → (logprob of each token, V of the state each token was chosen in), both (T,).
 
     ``values[t] = V(h[predictor[t]])``: the state in which token t was sampled (0 where there is no predictor).
     """
     out = packed_forward(model, row, output_hidden_states=True)
-    logp = gather_token_logprobs(out.logits, row, temperature=temperature, only_trainable=True)  # (T,)
+    logp = gather_token_logprobs(out.logits, row, only_trainable=True)  # (T,): each token's own sampling
     hidden = out.hidden_states[-1][0].detach()  # (T, H): no value gradient into the policy
     has_pred = row.predictor >= 0  # (T,)
     values = torch.zeros(row.num_tokens, device=hidden.device)  # (T,)

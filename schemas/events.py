@@ -140,6 +140,7 @@ class RolloutRequest(Event):
     attempt: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
     max_tokens: int = 2048
     deadline_ms: int | None = None
     min_policy_version: int = 0
@@ -201,6 +202,10 @@ class CallEvent(Event):
     gpu_utilization: float | None = None  # engine GPU utilisation (%) when it answered; None: no NVML / CPU engine
     gpu_memory_used_bytes: int | None = None  # engine GPU memory in use when it answered; None: as above
     attempt_id: str | None = None  # the attempt registered with the proxy; None: the registration named none
+    # The sampling settings the engine was asked for; None in records written before they were recorded.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
 
 
 @dataclass
@@ -231,6 +236,10 @@ class TreeSegment(_Record):
     logprobs: np.ndarray  # (N,) float32 when trainable, else (0,)
     policy_version: int
     call_id: str | None = None
+    # Trainable segments: their call's sampling settings (the learner recomputes logprobs of that distribution).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
 
 
 @dataclass

@@ -320,6 +320,13 @@ def tree_calls(calls: Sequence[CallEvent]) -> list[TreeCall]:
     ]  # fmt: skip
 
 
+def _sampling_of(call: CallEvent | None) -> dict[str, Any]:
+    """A trainable segment (one call's generation) carries its call's sampling settings, for the learner."""
+    if call is None:
+        return {}
+    return {"temperature": call.temperature, "top_p": call.top_p, "top_k": call.top_k}
+
+
 def build_trajectory(
     acc: RolloutAccumulator, calls: Sequence[CallEvent], now_ms: int, cfg: StreamsSettings, *, forced: str | None = None
 ) -> Trajectory:
@@ -354,10 +361,11 @@ def build_trajectory(
             if tree.dropped_reason is not None:
                 status, drop_reason = TrajectoryStatus.DROPPED, tree.dropped_reason
             else:
+                by_call = {c.call_id: c for c in calls}
                 segments = [
                     TreeSegment(parent=s.parent, tokens=np.asarray(s.tokens, dtype="<i4"), trainable=s.trainable,
                                 logprobs=np.asarray(s.logprobs, dtype="<f4"), policy_version=s.policy_version,
-                                call_id=s.call_id)
+                                call_id=s.call_id, **(_sampling_of(by_call.get(s.call_id)) if s.trainable else {}))
                     for s in tree.segments
                 ]  # fmt: skip
     return Trajectory(

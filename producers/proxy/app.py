@@ -5,8 +5,8 @@ HTTP in (harnesses, per rollout, base URL ``{public_url}/r/{rollout_id}`` or ``.
 (OpenAI Responses), streaming or not; ``HEAD`` on the base answers 200. The harness sends its rollout's secret as
 API key (``x-api-key`` or ``Authorization: Bearer``).
 Admin (``Authorization: Bearer <admin token>``): ``POST /admin/rollouts`` registers a rollout ({rollout_id?, ttl_s?,
-temperature?, top_p?, max_tokens?, seed?, attempt_id?} → {rollout_id, secret, base_url, expires_at_ms}; every call
-event of the rollout carries ``attempt_id``); ``GET
+temperature?, top_p?, top_k?, max_tokens?, seed?, attempt_id?} → {rollout_id, secret, base_url, expires_at_ms};
+every call event of the rollout carries ``attempt_id`` and the sampling settings); ``GET
 /admin/rollouts/{id}`` shows its state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits for calls in
 flight and returns {calls_served, status: ok | infra_failure, infra_failure, messages} (``messages``: the last
 main-agent call's conversation plus its answer, OpenAI Chat shaped); ``DELETE`` forgets it.
@@ -119,6 +119,7 @@ class Rollout:
     expires_at_ms: int
     temperature: float
     top_p: float
+    top_k: int  # 0 = off
     max_tokens: int
     seed: int | None
     renderer: RolloutRenderer
@@ -222,9 +223,10 @@ class Proxy:
             attempt_id = body.get("attempt_id")
             if attempt_id is not None and not isinstance(attempt_id, str):
                 raise TypeError(f"attempt_id must be a string, got {type(attempt_id).__name__}")
+            temperature, top_p, top_k = sampling_settings(body)
             rollout = Rollout(
                 rollout_id=rid, secret=secrets.token_urlsafe(32), expires_at_ms=now_ms() + int(ttl * 1000),
-                temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                temperature=temperature, top_p=top_p, top_k=top_k,
                 max_tokens=int(body.get("max_tokens") or self.s.default_max_tokens),
                 seed=None if seed is None else int(seed), renderer=RolloutRenderer(self.template),
                 attempt_id=attempt_id or None,
@@ -361,6 +363,7 @@ class Proxy:
                 engine_ms=times["engine_ms"], total_ms=(time.perf_counter() - t0) * 1000,
                 cached_prompt_tokens=reply.cached_tokens, gpu_utilization=reply.gpu_utilization,
                 gpu_memory_used_bytes=reply.gpu_memory_used_bytes, attempt_id=rollout.attempt_id,
+                temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
             )  # fmt: skip
             try:
                 await self.publisher.publish(self.topic, rollout.rollout_id, event.to_bytes(), self.s.publish_timeout_s)
@@ -445,6 +448,8 @@ class Proxy:
             "temperature": rollout.temperature, "top_p": rollout.top_p, "stop_token_ids": [self.template.im_end_id],
             "logprobs": 1, "return_token_ids": True, "skip_special_tokens": False,
         }  # fmt: skip
+        if rollout.top_k > 0:
+            payload["top_k"] = rollout.top_k
         if rollout.seed is not None:
             payload["seed"] = rollout.seed + rollout.next_seq
         assert self.session is not None
@@ -473,6 +478,23 @@ class EngineReply:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
     gpu_utilization: float | None = None  # engine_telemetry.gpu_utilization (percent); None: not reported
     gpu_memory_used_bytes: int | None = None  # engine_telemetry.gpu_memory_used_bytes; None: not reported
+
+
+def sampling_settings(body: dict[str, Any]) -> tuple[float, float, int]:
+    """(temperature, top_p, top_k) of a registration (defaults 1.0, 1.0, 0 = off); ValueError names a bad one.
+
+    They are the rollout's: every call is sampled with them whatever the harness asks for, and every call event
+    records them, so the learner can recompute logprobs of the distribution each token was drawn from.
+    """
+    temperature, top_p = float(body.get("temperature", 1.0)), float(body.get("top_p", 1.0))
+    top_k = body.get("top_k", 0)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k!r}")
+    return temperature, top_p, max(top_k, 0)
 
 
 def _optional(value: Any, kind: type[int] | type[float]) -> Any:

@@ -179,8 +179,8 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             if req.deadline_ms:
                 timeout = max(1.0, min(timeout, (req.deadline_ms - now_ms()) / 1000))
             reg = await ctx.proxy.register(
-                req.rollout_id, temperature=req.temperature, top_p=req.top_p, max_tokens=req.max_tokens,
-                ttl_s=timeout + 600, attempt_id=a.attempt_id,
+                req.rollout_id, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                max_tokens=req.max_tokens, ttl_s=timeout + 600, attempt_id=a.attempt_id,
             )  # fmt: skip
             registered = True
             # Prompts may name the task's mount dir (ClawGym-Bench): point them at this sandbox's workspace.

@@ -50,6 +50,7 @@ class StepPlan:
     top_p: float = 1.0
     max_tokens: int = 2048
     max_attempts: int = 1  # announced to the grouper: an infra failure with attempts left waits for its re-issue
+    top_k: int = 0  # 0 = off
 
 
 def plan_step(step: int, tasks: Sequence[Task], plan: StepPlan, rng: random.Random, policy_version: int = 0,
@@ -73,7 +74,7 @@ def instance_requests(task: Task, harness: str, step: int, plan: StepPlan, polic
             rollout_id=uuid.uuid4().hex, policy_version=policy_version, timestamp_ms=now_ms(), suite=task.suite,
             task_id=task.task_id, harness=harness, group_id=gid, step=step,
             timeout_s=plan.timeout_s or task.timeout_s, temperature=plan.temperature, top_p=plan.top_p,
-            max_tokens=plan.max_tokens, min_policy_version=max(0, policy_version), eval=eval_mode,
+            top_k=plan.top_k, max_tokens=plan.max_tokens, min_policy_version=max(0, policy_version), eval=eval_mode,
             metadata={"group_size": str(plan.group_size), "split": task.split, "max_attempts": str(plan.max_attempts)},
         )  # fmt: skip
         for _ in range(plan.group_size)

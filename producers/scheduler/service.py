@@ -62,8 +62,9 @@ class SchedulerSettings(BaseSettings):
     initial_version: int = Field(default=0, description="Policy version assumed before any weights are published.")
     max_attempts: int = Field(default=3, ge=1, description="Attempts per rollout incl. infra-failure re-issues.")
     timeout_s: float | None = Field(default=None, description="Wall-clock limit per rollout (default: the task's).")
-    temperature: float = Field(default=1.0, description="Sampling temperature of rollouts.")
-    top_p: float = Field(default=1.0, description="Nucleus sampling of rollouts.")
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of rollouts (0 = greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling of rollouts (0 = off).")
     max_tokens: int = Field(default=2048, description="Generation cap per model call.")
     seed: int = Field(default=0, description="Task / harness sampling seed.")
     drain_timeout_s: float = Field(default=0.0, description="Train mode: wait this long for the last rewards.")
@@ -85,7 +86,7 @@ class Scheduler:
         self.rng = random.Random(settings.seed)
         self.plan = StepPlan(settings.tasks_per_step, settings.group_size, settings.harness_mix, settings.timeout_s,
                              settings.temperature, settings.top_p, settings.max_tokens,
-                             settings.max_attempts)  # fmt: skip
+                             settings.max_attempts, settings.top_k)  # fmt: skip
         self.publisher: KafkaPublisher | None = None
         self.weights: Consumer | None = None
         self.rewards: Consumer | None = None
@@ -188,7 +189,7 @@ class Scheduler:
         if self.s.eval_limit:
             tasks = tasks[: self.s.eval_limit]
         plan = StepPlan(len(tasks), self.s.eval_repeats, {}, self.s.timeout_s, self.s.temperature, self.s.top_p,
-                        self.s.max_tokens, self.s.max_attempts)  # fmt: skip
+                        self.s.max_tokens, self.s.max_attempts, self.s.top_k)  # fmt: skip
         return [r for task in tasks for h in self.s.eval_harnesses
                 for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True)]  # fmt: skip
 

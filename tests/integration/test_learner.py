@@ -133,7 +133,8 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
 def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
 ) -> None:
-    """Between good batches: one whose trajectory does not decode, one whose tree exceeds the token budget. Before,
+    """Between good batches: one whose trajectory does not decode, one whose tree exceeds the token budget, one recorded
+    without sampling settings. Before,
     either crashed the learner inside its transaction, and the restarted learner read the same batch again."""
     from dataclasses import replace
 
@@ -147,16 +148,21 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     big = Trajectory.from_bytes(oversized[2].trajectory)  # type: ignore[arg-type]
     big.segments[0] = replace(big.segments[0], tokens=np.arange(3, 103, dtype="<i4"))  # 126 tokens > budget 64
     oversized[2] = replace(oversized[2], trajectory=big.to_bytes())
+    unsampled = batch_records("b-4", 4, 4, seed=4)  # a trainable segment recorded without sampling settings
+    old = Trajectory.from_bytes(unsampled[3].trajectory)  # type: ignore[arg-type]
+    old.segments[1] = replace(old.segments[1], temperature=None, top_p=None, top_k=None, call_id="c-old")
+    unsampled[3] = replace(unsampled[3], trajectory=old.to_bytes())
     producer = make_producer(kafka_settings)
-    for rec in [*batch_records("b-1", 1, 4, seed=1), *undecodable, *oversized, *batch_records("b-4", 4, 4, seed=4)]:
+    for rec in [*batch_records("b-1", 1, 4, seed=1), *undecodable, *oversized, *unsampled,
+                *batch_records("b-5", 5, 4, seed=5)]:  # fmt: skip
         producer.produce(kafka_settings.topic(BATCHES), key=rec.batch_id.encode(), value=rec.to_bytes())
     assert producer.flush(30) == 0
 
-    result = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=4,
+    result = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=5,
                           extra=("--hp", "token_budget=64"))  # fmt: skip
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     versions = _versions(kafka_settings, "check-poison")
-    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-4")]
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-5")]
     consumer = make_consumer(kafka_settings, "check-poison-dl")
     consumer.subscribe([kafka_settings.topic(DEADLETTER)])
     letters: list[DeadLetter] = []
@@ -169,7 +175,8 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     finally:
         consumer.close()
     reasons = {d.error_type: d.reason for d in letters}
-    assert len(letters) == 2 and set(reasons) == {"UntrainableBatch"}, [(d.error_type, d.reason) for d in letters]
+    assert len(letters) == 3 and set(reasons) == {"UntrainableBatch"}, [(d.error_type, d.reason) for d in letters]
+    assert any("tree 3: trainable segment 1 (call c-old) carries no sampling settings" in d.reason for d in letters)
     assert any("does not decode" in d.reason for d in letters)
     assert any("cannot pack" in d.reason and "64" in d.reason for d in letters), [d.reason for d in letters]
 

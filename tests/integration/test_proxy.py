@@ -112,8 +112,8 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
         running_proxy(kafka_settings, engine.url) as (proxy, url),
         aiohttp.ClientSession() as http,
     ):  # fmt: skip
-        reg = await register(http, url, rollout_id=f"r-{dialect}-{stream}", temperature=0.9, max_tokens=512,
-                             attempt_id=f"r-{dialect}-{stream}.a0.abc")  # fmt: skip
+        reg = await register(http, url, rollout_id=f"r-{dialect}-{stream}", temperature=0.9, top_p=0.95, top_k=20,
+                             max_tokens=512, attempt_id=f"r-{dialect}-{stream}.a0.abc")  # fmt: skip
         rid, secret = reg["rollout_id"], reg["secret"]
         assert reg["base_url"] == f"{url}/r/{rid}"
         async with http.head(reg["base_url"]) as r:
@@ -169,6 +169,11 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
     assert usages == [(c, e.prompt_len) for c, e in zip(engine.cached, events, strict=True)]
     assert all(e.gpu_utilization == 61.0 and e.gpu_memory_used_bytes == 5_368_709_120 for e in events)
     assert engine.requests[0].body["temperature"] == 0.9 and engine.requests[0].body["max_tokens"] == 512
+    # The rollout's sampling settings go to the engine and onto every call event (the learner recomputes with them);
+    # Avro floats are 32-bit, hence the tolerance.
+    assert all((r.body["top_p"], r.body["top_k"]) == (0.95, 20) for r in engine.requests)
+    assert all(e.temperature == pytest.approx(0.9) and e.top_p == pytest.approx(0.95) and e.top_k == 20
+               for e in events)  # fmt: skip
 
 
 async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: KafkaSettings) -> None:
@@ -181,7 +186,10 @@ async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: Kaf
         headers = {"Authorization": "Bearer admin"}
         for body, reason in (({"rollout_id": "x", "attempt_id": 5}, "attempt_id must be a string"),
                              ({"rollout_id": "a b"}, "rollout_id allows"),
-                             ({"rollout_id": "y", "ttl_s": "soon"}, "bad registration")):  # fmt: skip
+                             ({"rollout_id": "y", "ttl_s": "soon"}, "bad registration"),
+                             ({"rollout_id": "t", "temperature": -0.5}, "temperature must be"),
+                             ({"rollout_id": "p", "top_p": 0}, "top_p must be in (0, 1]"),
+                             ({"rollout_id": "k", "top_k": 2.5}, "top_k must be an integer")):  # fmt: skip
             async with http.post(f"{url}/admin/rollouts", json=body, headers=headers) as r:
                 assert r.status == 400 and reason in (await r.json())["error"], body
         ok = await register(http, url, rollout_id="z", attempt_id="z.a0.1")

@@ -32,7 +32,7 @@ def sample_trajectory(rollout_id: str = "r-1") -> Trajectory:
         TreeSegment(parent=-1, tokens=np.array([1, 2, 3, 10, 11]), trainable=False, logprobs=np.zeros(0),
                     policy_version=3, call_id="c-0"),
         TreeSegment(parent=0, tokens=np.array([100, 101]), trainable=True, logprobs=np.array([-0.5, -0.25]),
-                    policy_version=3, call_id="c-0"),
+                    policy_version=3, call_id="c-0", temperature=0.75, top_p=0.875, top_k=40),
         TreeSegment(parent=1, tokens=np.array([200, 201]), trainable=False, logprobs=np.zeros(0),
                     policy_version=3, call_id="c-1"),
     ]  # fmt: skip
@@ -49,7 +49,8 @@ def sample_events(rollout_id: str = "r-1") -> list[Event]:
     return [
         RolloutRequest(rollout_id=rollout_id, policy_version=3, timestamp_ms=T0, suite="cpu-builtin", task_id="t07",
                        harness="agentloop", group_id="t07|agentloop|5", step=5, timeout_s=60.0, attempt=1,
-                       temperature=0.8, deadline_ms=T0 + 60_000, min_policy_version=2, metadata={"seed": "1"}),
+                       temperature=0.75, top_p=0.875, top_k=40, deadline_ms=T0 + 60_000, min_policy_version=2,
+                       metadata={"seed": "1"}),
         RolloutEvent(rollout_id=rollout_id, policy_version=3, timestamp_ms=T0 + 1, attempt_id="a-1",
                      state=RolloutState.HARNESS_EXITED, group_id="t07|agentloop|5", harness="agentloop",
                      exit_code=0, calls_served=2, worker_id="w-0"),
@@ -58,7 +59,8 @@ def sample_events(rollout_id: str = "r-1") -> list[Event]:
                   new_tokens=np.array([200, 201, 7]), prompt_len=10, generated_tokens=np.array([102, 103, 2]),
                   logprobs=np.array([-0.125, -2.5, -0.0078125]), finish_reason="stop", parent_call_id="c-0",
                   shared_prefix_len=7, flags=["malformed_tool_json"], engine_ms=12.5, system_fingerprint="ab12",
-                  cached_prompt_tokens=7, gpu_utilization=42.5, gpu_memory_used_bytes=3_000_000_000),
+                  cached_prompt_tokens=7, gpu_utilization=42.5, gpu_memory_used_bytes=3_000_000_000,
+                  temperature=0.75, top_p=0.875, top_k=40),
         RewardEvent(rollout_id=rollout_id, policy_version=3, timestamp_ms=T0 + 3, attempt_id="a-1",
                     status=RewardStatus.OK, grader="native", reward=0.75, sub_scores={"file": 1.0, "content": 0.5}),
         sample_trajectory(rollout_id),

@@ -18,6 +18,10 @@ def small_model(out: Path) -> Path:
     return out
 
 
+# The sampling settings a trainable segment records (the proxy's defaults: temperature 1, no top-p, no top-k).
+PLAIN = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
 def branching_trajectory(rollout_id: str, rng: np.random.Generator, harness: str = "agentloop") -> Trajectory:
     """A tree with a shared prompt, two generated turns and a retry branch (token ids < 2000)."""
 
@@ -29,10 +33,10 @@ def branching_trajectory(rollout_id: str, rng: np.random.Generator, harness: str
 
     segs = [
         TreeSegment(parent=-1, tokens=toks(24), trainable=False, logprobs=np.zeros(0, "<f4"), policy_version=0),
-        TreeSegment(parent=0, tokens=toks(6), trainable=True, logprobs=lps(6), policy_version=0),
+        TreeSegment(parent=0, tokens=toks(6), trainable=True, logprobs=lps(6), policy_version=0, **PLAIN),
         TreeSegment(parent=1, tokens=toks(8), trainable=False, logprobs=np.zeros(0, "<f4"), policy_version=0),
-        TreeSegment(parent=2, tokens=toks(5), trainable=True, logprobs=lps(5), policy_version=0),
-        TreeSegment(parent=0, tokens=toks(7), trainable=True, logprobs=lps(7), policy_version=0),
+        TreeSegment(parent=2, tokens=toks(5), trainable=True, logprobs=lps(5), policy_version=0, **PLAIN),
+        TreeSegment(parent=0, tokens=toks(7), trainable=True, logprobs=lps(7), policy_version=0, **PLAIN),
     ]
     return Trajectory(
         rollout_id=rollout_id, policy_version=0, timestamp_ms=0, attempt_id=f"{rollout_id}-a", group_id="g",

@@ -113,6 +113,7 @@ def _call(
         new_tokens=np.array(new, dtype="<i4"), prompt_len=prompt_len if prompt_len is not None else len(new),
         generated_tokens=np.array(gen, dtype="<i4"), logprobs=np.array([-t / 1000 for t in gen], dtype="<f4"),
         finish_reason="stop", parent_call_id=parent, shared_prefix_len=spl, attempt_id=r.attempt_id,
+        temperature=1.0, top_p=1.0, top_k=0,
     )  # fmt: skip
 
 

@@ -386,3 +386,23 @@ def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> Non
     acc = RolloutAccumulator("r", 0, 0)
     assert acc.on_event(started("r.a0.first"), 0).verdict is not Verdict.SUPERSEDES
     assert acc.on_event(started("r.a0.second"), 10).verdict is Verdict.SUPERSEDES
+
+
+def test_trainable_segments_carry_their_calls_sampling_settings() -> None:
+    """Each generated segment gets its own call's (temperature, top_p, top_k); context segments none."""
+    r, rig = rollout(), Rig()
+    settings = [(0.5, 1.0, 0), (0.75, 0.875, 0), (1.0, 1.0, 16)]  # exact in float32
+    records, k = [], 0
+    for topic, ev in r.records:
+        if topic == CALLS:
+            temperature, top_p, top_k = settings[k]
+            ev, k = replace(ev, temperature=temperature, top_p=top_p, top_k=top_k), k + 1
+        records.append((topic, ev))
+    assert k == 3
+    [t] = [*rig.tick(rig.feed(records, 1000) + 1000)]
+    by_call = {ev.call_id: settings[i] for i, ev in enumerate(ev for topic, ev in records if topic == CALLS)}
+    decoded = Trajectory.from_bytes(t.to_bytes())  # what the learner reads
+    trainable = [s for s in decoded.segments if s.trainable]
+    assert len(trainable) == 3
+    assert [(s.temperature, s.top_p, s.top_k) for s in trainable] == [by_call[s.call_id] for s in trainable]
+    assert all((s.temperature, s.top_p, s.top_k) == (None, None, None) for s in decoded.segments if not s.trainable)

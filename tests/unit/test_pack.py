@@ -297,10 +297,107 @@ def test_only_trainable_gradients_and_refusals() -> None:
 
     with torch.no_grad():
         full = packed_logprobs(model, mb)
-        hot = packed_logprobs(model, mb, temperature=0.5)
     torch.testing.assert_close(full[mb.loss_mask], lp.detach()[mb.loss_mask], atol=1e-6, rtol=0)
-    assert (hot - full)[mb.loss_mask].abs().max() > 1e-4
 
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(PackError, match="4D mask"):
         packed_forward(model, mb)
+
+
+# ---------------------------------------------------------------- sampling settings (issue 17 part 5)
+
+
+@dataclass
+class SampledSeg(Seg):
+    """A segment as the assembler writes it: its call's sampling settings (None: recorded without them)."""
+
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = 0
+    call_id: str | None = None
+
+
+def sampled_tree(g: torch.Generator) -> list[SampledSeg]:
+    # prompt -> gen (T 0.5) -> tool -> gen (T 0.7, top_p 0.6); a retry at the root (T 1.0, top_k 3); a greedy turn
+    def s(i: int, parent: int, n: int, trainable: bool, **sampling: float) -> SampledSeg:
+        lp = [-0.1] * n if trainable else []
+        return SampledSeg(i, parent, rand_tokens(g, n), trainable, lp, **sampling)
+
+    return [
+        s(0, -1, 5, False),
+        s(1, 0, 4, True, temperature=0.5),
+        s(2, 1, 3, False),
+        s(3, 2, 4, True, temperature=0.7, top_p=0.6),
+        s(4, 0, 5, True, temperature=1.0, top_k=3),
+        s(5, 4, 3, True, temperature=0.0),  # greedy: the engine reports the model's own (T = 1) logprob
+    ]
+
+
+def test_logprobs_use_each_tokens_own_sampling_settings_as_the_engine_does() -> None:
+    from consumers.inference.sampling import processed_logprobs
+
+    model = tiny_model(0, "eager", **PACK_MODEL)
+    tree = sampled_tree(torch.Generator().manual_seed(7))
+    mb = MicroBatch.from_trees([pack_tree(tree)], [0])
+    assert mb.uses_top_k and mb.uses_top_p
+    with torch.no_grad():
+        got = packed_logprobs(model, mb, only_trainable=True)
+        plain = packed_logprobs(model, MicroBatch.from_trees([pack_tree([Seg(**{
+            k: getattr(x, k) for k in ("index", "parent", "tokens", "trainable", "logprobs")}) for x in tree])], [0]),
+            only_trainable=True)  # fmt: skip
+    starts = [0]
+    for x in tree:
+        starts.append(starts[-1] + len(x.tokens))
+    checked = 0
+    for path in root_paths(tree):
+        ids = torch.tensor([t for i in path for t in tree[i].tokens])[None]  # (1, n)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0]  # (n, V)
+        k = 0
+        for i in path:
+            seg_ = tree[i]
+            for j, token in enumerate(seg_.tokens):
+                if seg_.trainable and k > 0:
+                    ref = processed_logprobs(  # the engine's own maths, on the plain causal run of the path
+                        logits[k - 1 : k], torch.tensor([seg_.temperature]),
+                        torch.tensor([seg_.top_k]) if seg_.top_k else None,
+                        torch.tensor([seg_.top_p]) if seg_.top_p < 1 else None,
+                    )[0, token].clamp(min=-9999.0)  # fmt: skip
+                    torch.testing.assert_close(got[starts[i] + j], ref, atol=1e-5, rtol=0)
+                    checked += 1
+                k += 1
+    assert checked == sum(len(x.tokens) for x in tree if x.trainable)
+    # The settings matter: at temperature 1 without filters, the non-plain segments' logprobs differ.
+    differs = [bool((got - plain)[starts[i] : starts[i + 1]].abs().max() > 1e-4) for i in (1, 3, 4)]
+    assert differs == [True, True, True]
+    # Segment 5 is greedy: the model's own distribution, like a plain segment.
+    torch.testing.assert_close(got[starts[5] : starts[6]], plain[starts[5] : starts[6]], atol=1e-6, rtol=0)
+
+
+def test_a_token_outside_the_top_k_support_is_floored_with_zero_gradient() -> None:
+    from learner.pack import MIN_LOGPROB
+
+    model = tiny_model(0, "eager", **PACK_MODEL)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1]  # (V,) predicts the next token
+    least = int(logits.argmin())  # never in a top-1 support
+    tree = [SampledSeg(0, -1, [5, 6, 7], False, []), SampledSeg(1, 0, [least], True, [-0.5], top_k=1)]
+    mb = MicroBatch.from_trees([pack_tree(tree)], [0])
+    lp = packed_logprobs(model, mb, only_trainable=True)
+    assert float(lp[3].detach()) == MIN_LOGPROB
+    lp.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_unrecorded_or_impossible_sampling_settings_are_refused_with_the_reason() -> None:
+    from learner.pack import UnreproducibleSampling
+
+    base = [SampledSeg(0, -1, [1, 2], False, [], temperature=None, top_p=None, top_k=None)]  # context: settings unused
+    pack_tree([*base, SampledSeg(1, 0, [3], True, [-0.1])])
+    unrecorded = [*base, SampledSeg(1, 0, [3], True, [-0.1], temperature=None, top_p=None, top_k=None, call_id="c-7")]
+    with pytest.raises(UnreproducibleSampling, match=r"tree 1: trainable segment 1 \(call c-7\) carries no sampling"):
+        pack_trees([small_tree(), unrecorded], token_budget=64)
+    for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}):
+        with pytest.raises(UnreproducibleSampling, match="cannot be recomputed"):
+            pack_tree([*base, SampledSeg(1, 0, [3], True, [-0.1], **bad)])  # type: ignore[arg-type]
