@@ -78,11 +78,12 @@ def train_step(
         else:
             advantages = torch.tensor([t.advantage for t in part], dtype=torch.float32, device=device)  # (R_part,)
         optimizer.zero_grad(set_to_none=True)
+        part_stats: dict[str, float] = {}
         for row, row_old in zip(part_rows, part_old, strict=True):  # row_old: (logprobs, values | None)
             stats = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part))
-            weight = float(row.loss_mask.sum()) / n_tokens
-            for key, value in stats.items():
-                sums[key] += value * weight  # token-weighted average over rows
+            _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
+        for key, value in part_stats.items():
+            sums[key] += value
         sums["grad_norm"] += _clip(optimizer, config.max_grad_norm)
         optimizer.step()
         steps += 1
@@ -144,6 +145,23 @@ def _row_backward(
         )  # fmt: skip
     loss.backward()
     return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+
+
+# A row's loss terms are its share of the part's loss (normalised by the part's token and rollout counts): they add
+# up over rows. Extremes combine as extremes; every other statistic is a token-weighted mean over rows.
+_ADDITIVE = frozenset({"loss", "policy_loss", "value_loss", "ref_kl"})
+_MAXIMA = frozenset({"is_weight_max", "is_raw_ratio_max"})
+_MINIMA = frozenset({"is_raw_ratio_min"})
+
+
+def _combine(into: dict[str, float], stats: dict[str, float], token_share: float) -> None:
+    for key, value in stats.items():
+        if key in _MAXIMA:
+            into[key] = max(into.get(key, value), value)
+        elif key in _MINIMA:
+            into[key] = min(into.get(key, value), value)
+        else:
+            into[key] = into.get(key, 0.0) + (value if key in _ADDITIVE else value * token_share)
 
 
 def _clip(optimizer: torch.optim.Optimizer, max_norm: float) -> float:
