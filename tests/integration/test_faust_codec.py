@@ -39,7 +39,7 @@ def test_faust_agent_reads_and_writes_avro(kafka_settings: KafkaSettings, group_
     log = open(tmp_path / "faust.log", "wb")  # noqa: SIM115
     worker = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.apps.faust_echo", "--datadir", str(tmp_path / "faust-data"),
-         "worker", "--loglevel", "warn"],
+         "worker", "--loglevel", "warn", "--without-web"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     got: dict[str, Metric] = {}

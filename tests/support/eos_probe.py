@@ -71,7 +71,8 @@ def main() -> None:
     flags.add_argument("--crash-on", default=None)
     args = flags.parse_args()
     app = build(args.app_id, args.bootstrap, args.source, args.sink, args.crash_on, args.datadir)
-    sys.argv = [sys.argv[0], "worker", "--loglevel", os.environ.get("EOS_PROBE_LOGLEVEL", "warn")]
+    sys.argv = [sys.argv[0], "worker", "--loglevel", os.environ.get("EOS_PROBE_LOGLEVEL", "warn"),
+                "--without-web"]
     app.main()
 
 
