@@ -32,7 +32,11 @@ class LearnerConfig:
     betas: tuple[float, float] = _hp((0.9, 0.999), "AdamW betas.")
     weight_decay: float = _hp(0.0, "AdamW weight decay.")
     max_grad_norm: float = _hp(1.0, "Gradient clipping by global norm; <= 0 disables it.")
-    token_budget: int = _hp(4096, "Tokens per micro-batch row (trees are packed whole, first-fit decreasing).")
+    token_budget: int = _hp(4096, "Tokens per micro-batch row of packed trees (first-fit decreasing; dense mask).")
+    max_path_tokens: int = _hp(
+        0, "Longest root-to-leaf path a row may hold (a tree over token_budget is trained path by path, without a "
+        "dense mask); 0 = the model's context length. A longer path dead-letters its batch.",
+    )
     mini_batches: int = _hp(1, "Optimizer steps per training batch (the batch is split into this many parts).")
     eps_low: float = _hp(0.2, "Lower clip of the ratio (1 - eps_low) for negative advantages.")
     eps_high: float = _hp(0.28, "Upper clip of the ratio (1 + eps_high) for positive advantages (clip-higher).")

@@ -40,9 +40,10 @@ rollout tree: a prefix shared by several of its root-to-leaf paths counts once p
 
 Micro-batching: pass the WHOLE step's denominators (``num_tokens`` for token_mean, ``num_rollouts`` for
 seq_mean_token_mean) and the micro-batch losses sum to the full-batch loss, so gradient accumulation by summing is
-exact. Without them the denominators are the micro-batch's own. A rollout is never split across micro-batches, so a
-rollout's own token count is always complete; ``num_rollouts`` must count only rollouts with a trainable token (the
-streams stage drops trees without one).
+exact. Without them the denominators are the micro-batch's own. A rollout's own token count comes from the
+micro-batch, unless ``rollout_tokens`` (R,) gives it over all rows: a tree longer than the token budget is split
+into path rows (``learner.tree_split``), and the learner always passes it. ``num_rollouts`` must count only
+rollouts with a trainable token (the streams stage drops trees without one).
 
 Where this departs from the paper (or the paper is silent): the paper gives TIS (``min(w, c)``) and names masked IS
 without details; we apply the IS weight to the clipped surrogate (not to the KL term), as verl's rollout correction
@@ -247,6 +248,7 @@ def aggregate(
     *,
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
+    rollout_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar; see the module docstring for the two modes and the global denominators.
 
@@ -259,6 +261,11 @@ def aggregate(
     if mode == "token_mean":
         denom = mask.sum().clamp(min=1).to(per_token.dtype) if num_tokens is None else float(num_tokens)
         return masked.sum() / denom
+    if mode == "seq_mean_token_mean" and rollout_tokens is not None:  # (R,) trainable tokens over all rows
+        per_rollout = _per_rollout("rollout_tokens", rollout_tokens.to(per_token.dtype), rollout_index)  # (T,)
+        present = torch.unique(rollout_index[mask]).numel()
+        denom = float(max(present, 1)) if num_rollouts is None else float(num_rollouts)
+        return (masked / per_rollout.clamp(min=1)).sum() / denom
     if mode == "seq_mean_token_mean":
         # Renumber rollouts densely so the scatter size does not depend on how large the indices are.
         _, dense = torch.unique(rollout_index, return_inverse=True)  # (T,)
@@ -321,6 +328,7 @@ def policy_loss(
     logp_ref: torch.Tensor | None = None,  # (T,) reference policy, for the KL term
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
+    rollout_tokens: torch.Tensor | None = None,  # (R,) a rollout's trainable tokens over all rows of the step
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate x IS weight (+ kl_coef x k3 KL), aggregated. Shared by ``grpo_loss`` and ``ppo_loss``."""
     n = _validate(logp_new, logp_old, logp_rollout, rollout_index, loss_mask, logp_ref)
@@ -334,7 +342,7 @@ def policy_loss(
         logp_new, old, advantages, mask, config.eps_low, config.eps_high, config.dual_clip_c
     )  # (T,)
     per_token = surrogate * weights.to(surrogate.dtype)  # (T,)
-    agg = {"num_tokens": num_tokens, "num_rollouts": num_rollouts}
+    agg = {"num_tokens": num_tokens, "num_rollouts": num_rollouts, "rollout_tokens": rollout_tokens}
     pg = aggregate(per_token, mask, rollout_index, config.aggregation, **agg)
     loss = pg
 
@@ -382,6 +390,7 @@ def grpo_loss(
     logp_ref: torch.Tensor | None = None,
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
+    rollout_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO: the rollout's advantage on every one of its tokens, clipped surrogate with TIS / masked IS."""
     config = config or LossConfig()
@@ -398,6 +407,7 @@ def grpo_loss(
         logp_ref=logp_ref,
         num_tokens=num_tokens,
         num_rollouts=num_rollouts,
+        rollout_tokens=rollout_tokens,
     )
 
 
@@ -412,6 +422,7 @@ def value_loss(
     aggregation: Aggregation = "seq_mean_token_mean",
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
+    rollout_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """0.5 (V - R)^2 aggregated; with ``value_clip`` the PPO clipped form around ``old_values`` (as verl / TRL).
 
@@ -430,7 +441,8 @@ def value_loss(
         err_clipped = (clipped - returns.detach()) ** 2  # (T,)
         clip_frac = torch.tensor(_frac(err_clipped > err, mask))
         err = torch.maximum(err, err_clipped)
-    loss = 0.5 * aggregate(err, mask, rollout_index, aggregation, num_tokens=num_tokens, num_rollouts=num_rollouts)
+    loss = 0.5 * aggregate(err, mask, rollout_index, aggregation, num_tokens=num_tokens, num_rollouts=num_rollouts,
+                           rollout_tokens=rollout_tokens)  # fmt: skip
     stats = {
         "value_loss": float(loss.detach().item()),
         "value_clip_frac": float(clip_frac.item()),
@@ -453,6 +465,7 @@ def ppo_loss(
     logp_ref: torch.Tensor | None = None,
     num_tokens: int | float | None = None,
     num_rollouts: int | float | None = None,
+    rollout_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO with gamma = lambda = 1: ``A_t = R - V_old(s_t)``; ``loss = policy + vf_coef * value``.
 
@@ -468,7 +481,7 @@ def ppo_loss(
     ret_tok = _per_rollout("returns", returns.to(values.dtype), rollout_index)  # (T,)
     v_old = values.detach() if old_values is None else old_values.detach()  # (T,)
     adv_tok = (ret_tok - v_old).to(logp_new.dtype)  # (T,)
-    agg = {"num_tokens": num_tokens, "num_rollouts": num_rollouts}
+    agg = {"num_tokens": num_tokens, "num_rollouts": num_rollouts, "rollout_tokens": rollout_tokens}
     pg, stats = policy_loss(
         logp_new, logp_old, logp_rollout, adv_tok, rollout_index, loss_mask, config, logp_ref=logp_ref, **agg
     )

@@ -41,13 +41,14 @@ than ``-inf``: every row keeps at least its own token, but a finite value also k
 into NaN should one ever appear.
 
 Memory: the dense mask is (T, T) per micro-batch (T = token budget): 8k tokens need 256 MiB in fp32, 128 MiB in bf16.
-Trees of tens of thousands of tokens need a block-sparse mask (flex attention) instead — the packing metadata here
-(segment ids, ancestor matrix, predictor) is what such a mask would be built from.
+A row that is one chain needs no mask (the model's causal path). So a tree longer than the budget (a real harness's
+rollout: 15–40k tokens) gets rows of its own: itself if it is a chain, else one chain per root-to-leaf path with
+each trainable token trained once (``learner.tree_split``; a block-sparse mask (flex attention) built from the
+metadata here would keep prefix reuse for those too).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -56,13 +57,14 @@ import torch
 
 from clawstream.errors import ClawstreamError
 from consumers.inference.sampling import MIN_REPORTED_LOGPROB, apply_temperature, apply_top_k, apply_top_p
+from learner.segment_sampling import PLAIN_SAMPLING, UnreproducibleSampling, segment_sampling
+from learner.tree_split import is_chain, split_into_paths
 
 __all__ = [
     "MicroBatch",
     "PackError",
     "PackedTree",
     "SegmentLike",
-    "UnreproducibleSampling",
     "additive_mask",
     "gather_token_logprobs",
     "pack_tree",
@@ -78,38 +80,8 @@ SUPPORTED_ATTN_IMPLEMENTATIONS: frozenset[str] = frozenset({"eager", "sdpa"})
 # Floor of a token's logprob: a sampled token outside the learner's top-k/top-p support (-inf) gets this instead.
 MIN_LOGPROB = MIN_REPORTED_LOGPROB
 
-# What a segment without sampling attributes means: temperature 1, top_p 1 (off), top_k 0 (off).
-PLAIN_SAMPLING = (1.0, 1.0, 0)
-
-
 class PackError(ClawstreamError):
     """A tree cannot be packed: malformed segments, or a tree larger than the micro-batch token budget."""
-
-
-class UnreproducibleSampling(PackError):
-    """A trainable segment's sampling settings are missing or are not ones the learner can recompute logprobs for."""
-
-
-def segment_sampling(seg: object, index: int) -> tuple[float, float, int]:
-    """(temperature, top_p, top_k) of a trainable segment; see "Sampling settings" in the module docstring."""
-    if not hasattr(seg, "temperature"):
-        return PLAIN_SAMPLING
-    values = (getattr(seg, "temperature", None), getattr(seg, "top_p", None), getattr(seg, "top_k", None))
-    call = getattr(seg, "call_id", None)
-    what = f"trainable segment {index}" + (f" (call {call})" if call else "")
-    if any(v is None for v in values):
-        raise UnreproducibleSampling(
-            f"{what} carries no sampling settings (temperature={values[0]}, top_p={values[1]}, top_k={values[2]}): "
-            "it was recorded by a proxy that did not record them, so the distribution behind its rollout logprobs is "
-            "unknown and importance weights against it would be biased; re-run those rollouts with a current proxy"
-        )
-    temperature, top_p, top_k = float(values[0]), float(values[1]), int(values[2])
-    if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1 and top_k >= 0):
-        raise UnreproducibleSampling(
-            f"{what} was sampled with temperature={temperature}, top_p={top_p}, top_k={top_k}: not settings the "
-            "engine samples with (temperature >= 0, 0 < top_p <= 1, top_k >= 0), so its logprobs cannot be recomputed"
-        )
-    return temperature, top_p, top_k
 
 
 @runtime_checkable
@@ -276,8 +248,9 @@ class MicroBatch:
     """Several packed trees in one row of T tokens; trees only see themselves (block-diagonal mask).
 
     ``rollout_index[t]`` is the position, in the sequence given to ``pack_trees``, of the tree token ``t`` belongs
-    to: it indexes per-rollout advantages / returns in ``learner.losses``. A tree is never split across micro-batches,
-    so every per-rollout quantity (e.g. a rollout's token count) is complete within one micro-batch.
+    to: it indexes per-rollout advantages / returns in ``learner.losses``. A tree within the token budget is never
+    split across micro-batches; one over it may be (one row per path), so per-rollout token counts are taken over all
+    the rows of a step (``learner.step``), not one micro-batch.
     """
 
     input_ids: torch.Tensor  # (T,) long
@@ -384,40 +357,52 @@ def additive_mask(
     return out.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def pack_trees(trees: Sequence[TreeLike], token_budget: int) -> list[MicroBatch]:
+def pack_trees(trees: Sequence[TreeLike], token_budget: int, max_path_tokens: int | None = None) -> list[MicroBatch]:
     """Pack trees into micro-batches of at most ``token_budget`` tokens each, by first-fit decreasing.
 
     Trees are taken longest first (ties by input order, so the result is deterministic) and each goes into the first
-    micro-batch with room, else a new one. A tree longer than the budget cannot be split (its branches share
-    attention), so it is an error, not silently dropped.
+    micro-batch with room, else a new one. A tree longer than the budget gets rows of its own, without a dense mask:
+    itself when it is a chain, else one chain per root-to-leaf path (``learner.tree_split``); a path longer than
+    ``max_path_tokens`` (the model's context, or a memory bound) is an error, never silently dropped.
     """
     if token_budget <= 0:
         raise PackError(f"token_budget must be positive, got {token_budget}")
-    packed = []
+    packed: list[PackedTree] = []  # rows that share micro-batches, then rows that go alone
+    owner: list[int] = []  # the input tree each packed entry belongs to (its rollout index)
+    alone: list[int] = []
     for i, tree in enumerate(trees):
         try:
-            packed.append(pack_tree(tree))
-        except PackError as exc:  # say which tree of the batch
+            whole = pack_tree(tree)
+            if whole.num_tokens <= token_budget:
+                packed.append(whole)
+                owner.append(i)
+                continue
+            segments = _segments_of(tree)
+            rows = [whole] if is_chain(segments) else [pack_tree(p) for p in split_into_paths(segments)]
+            for row in rows:
+                if max_path_tokens is not None and row.num_tokens > max_path_tokens:
+                    raise PackError(f"a root-to-leaf path of {row.num_tokens} tokens is longer than the "
+                                    f"{max_path_tokens} a row may hold (max_path_tokens, at most the model's context)")
+                alone.append(len(packed))
+                packed.append(row)
+                owner.append(i)
+        except (PackError, UnreproducibleSampling) as exc:  # say which tree of the batch
             raise type(exc)(f"tree {i}: {exc}") from exc
-    order = sorted(range(len(packed)), key=lambda i: (-packed[i].num_tokens, i))
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        n = packed[i].num_tokens
-        if n > token_budget:
-            raise PackError(
-                f"tree {i} has {n} unique tokens, more than the micro-batch token budget of {token_budget}: "
-                "raise the budget (learner token budget setting) or cap rollout length upstream"
-            )
+    together = [k for k in range(len(packed)) if k not in set(alone)]
+    order = sorted(together, key=lambda k: (-packed[k].num_tokens, k))
+    bins: list[list[int]] = [[k] for k in sorted(alone, key=lambda k: (-packed[k].num_tokens, k))]
+    loads: list[int] = [token_budget] * len(bins)  # full: nothing joins a row of its own
+    for k in order:
+        n = packed[k].num_tokens
         for b, load in enumerate(loads):
             if load + n <= token_budget:
-                bins[b].append(i)
+                bins[b].append(k)
                 loads[b] += n
                 break
         else:
-            bins.append([i])
+            bins.append([k])
             loads.append(n)
-    return [MicroBatch.from_trees([packed[i] for i in b], b) for b in bins]
+    return [MicroBatch.from_trees([packed[k] for k in b], [owner[k] for k in b]) for b in bins]
 
 
 def _model_dtype_device(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

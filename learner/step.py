@@ -2,7 +2,8 @@
 
 Pure torch (no Kafka): the train loop hands it decoded trajectories and advantages. A step:
 
-1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget;
+1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget (a tree
+   over it gets rows of its own: ``learner.pack.pack_trees``);
 2. recomputes π_old logprobs for all rows with the current weights, before any update (no grad);
 3. for each of ``mini_batches`` parts (whole trees), accumulates gradients of the GRPO loss over its rows
    (normalised by the part's trainable-token and rollout counts, so the accumulated gradient equals the gradient of
@@ -60,7 +61,9 @@ def train_step(
     # Mini-batches are sets of whole trees; each is packed into rows (a tree never spans two rows).
     parts = [list(trees[i :: config.mini_batches]) for i in range(config.mini_batches)]
     parts = [p for p in parts if p]
-    rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget)] for part in parts]
+    max_path = config.max_path_tokens or _context_length(model)
+    rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget, max_path)]
+            for part in parts]  # fmt: skip
 
     model.eval()  # π_old (and V_old for PPO): the current weights, before this step's updates
     with torch.no_grad(), _autocast(device):
@@ -77,10 +80,16 @@ def train_step(
             advantages = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
         else:
             advantages = torch.tensor([t.advantage for t in part], dtype=torch.float32, device=device)  # (R_part,)
+        # A rollout's trainable tokens over all its rows (a tree over the token budget spans several): (R_part,)
+        per_rollout = torch.zeros(len(part), dtype=torch.float32, device=device)
+        for row in part_rows:
+            per_rollout.index_add_(0, row.rollout_index[row.loss_mask], torch.ones_like(row.rollout_logprobs[
+                row.loss_mask]))  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
         part_stats: dict[str, float] = {}
         for row, row_old in zip(part_rows, part_old, strict=True):  # row_old: (logprobs, values | None)
-            stats = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part))
+            stats = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part),
+                                  per_rollout)  # fmt: skip
             _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
         for key, value in part_stats.items():
             sums[key] += value
@@ -111,6 +120,11 @@ def _forward(
     return packed_logprobs(model, row, only_trainable=True), None  # each token under its call's sampling settings
 
 
+def _context_length(model: torch.nn.Module) -> int | None:
+    """The model's context (max_position_embeddings): no root-to-leaf path may be longer."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def _reward(tree: ScoredTree) -> float:
     if tree.reward is None:
         raise ValueError("PPO needs every trajectory's reward; got one without (ungraded rollouts must not be batched)")
@@ -126,12 +140,13 @@ def _row_backward(
     config: LearnerConfig,
     n_tokens: int,
     n_rollouts: int,
+    rollout_tokens: torch.Tensor,  # (R,) trainable tokens of each rollout over all its rows
 ) -> dict[str, float]:
     logp_old, values_old = old
     device = logp_old.device
     with _autocast(device):
         logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
-    common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts}
+    common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts, "rollout_tokens": rollout_tokens}
     if config.algorithm == "ppo":
         assert values is not None
         loss, stats = ppo_loss(

@@ -11,10 +11,11 @@ dead-letters such a batch as already trained. (An exact set, not "at or before t
 can be sealed, and trained, later.)
 
 Untrainable batches never stop the learner: a seal that does not add up, a trajectory that does not decode, an empty
-batch, a tree that cannot be packed (more tokens than ``token_budget``: trees are packed whole, never split across
-micro-batches) or a trainable segment whose sampling settings are unknown or unreproducible (``learner.pack``,
-"Sampling settings") goes to ``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; the
-weights stay as they were and the next batch is trained. Packing is checked before any parameter changes.
+batch, a tree that cannot be packed (a root-to-leaf path longer than ``max_path_tokens``, by default the model's
+context; a tree over ``token_budget`` is trained path by path) or a trainable segment whose sampling settings are
+unknown or unreproducible (``learner.pack``, "Sampling settings") goes to ``clawstream.deadletter`` with the reason,
+in the transaction that commits its offsets; the weights stay as they were and the next batch is trained. Packing is
+checked before any parameter changes.
 
 Resume: the newest published ``WeightVersion`` of this model is read back from ``clawstream.weights`` and its file
 loaded (sha256 verified), with the optimizer's state (AdamW moments, step counts) and the RNG state saved beside it
@@ -51,7 +52,8 @@ from clawstream.kafka.clients import (
 from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
-from learner.pack import PackError, UnreproducibleSampling, pack_trees
+from learner.pack import PackError, pack_trees
+from learner.segment_sampling import UnreproducibleSampling
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
 from policy import DEFAULT_MODEL_NAME
@@ -186,7 +188,8 @@ class Learner:
     def _train(self, trees: list[ScoredTree]) -> tuple[dict[str, float], str | None]:
         """One optimizer step, or why the batch cannot be trained (packing fails before any update)."""
         try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
-            pack_trees([t.segments for t in trees], self.config.token_budget)
+            max_path = self.config.max_path_tokens or getattr(self.model.config, "max_position_embeddings", None)
+            pack_trees([t.segments for t in trees], self.config.token_budget, max_path)
         except UnreproducibleSampling as exc:
             return {}, f"cannot recompute the rollout logprobs' distribution: {exc}"
         except PackError as exc:

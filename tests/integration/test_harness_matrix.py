@@ -26,73 +26,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
-import shutil
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from producers.harnesses.catalog import ADAPTERS
-from producers.harnesses.install import HarnessInstallError, install_harness, install_node24
 from producers.sandbox import grade as grade_module
 from producers.sandbox.grade import run_transcript
 from schemas.events import RewardStatus, RolloutState
 from tests.support import sandbox_helpers as S
+from tests.support.harness_tasks import (
+    CLAWGYM_PHRASE,
+    FILES,
+    FINAL,
+    HARNESSES,
+    RELATIVE,
+    SOLUTION,
+    WRITE,
+    installed,
+    solution_files,
+    workspace_pattern,
+)
 from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
 pytestmark = pytest.mark.integration
 
-HARNESSES = ["claude-code", "codex", "qwen-code", "openclaw", "opencode", "agentloop", "agentloop-anthropic"]
-SOLUTION = S.FIXTURES / "clawgym_solutions" / "task_0085"
-FILES = ["output/nimbus_checklist.md", "output/context_sources.json"]
-CLAWGYM_PHRASE = "Nimbus rollout"  # in task_0085's prompt
-SANITY_PHRASE = "Hello, I'm ready!"  # in task_00_sanity's prompt
-RELATIVE = {"agentloop", "agentloop-anthropic"}  # their tools take paths relative to the workspace
-FINAL = {"clawgym": "Done: the checklist and the context trace are in output/.", "pinch": SANITY_PHRASE}
 # OpenClaw's final answer to the ClawGym task quotes the checklist six times (2.3 KB): OpenClaw then stores that
 # transcript record Zstandard-compressed, and the session export must decode it.
 LONG_FINAL = "Done. output/nimbus_checklist.md reads:\n\n" + 6 * (SOLUTION / FILES[0]).read_text()
 
 
-def _heredoc(rel: str, content: str) -> str:
-    return f"mkdir -p {rel.rsplit('/', 1)[0]} && cat > {rel} <<'CLAWSTREAM_EOF'\n{content}\nCLAWSTREAM_EOF"
-
-
-# harness → (workspace, relative path, content) → (tool name, arguments): the harness's own write tool.
-WRITE: dict[str, Callable[[str, str, str], tuple[str, dict[str, Any]]]] = {
-    "claude-code": lambda ws, rel, c: ("Write", {"file_path": f"{ws}/{rel}", "content": c}),
-    "codex": lambda ws, rel, c: ("exec_command", {"cmd": _heredoc(rel, c), "workdir": ws}),
-    "qwen-code": lambda ws, rel, c: ("write_file", {"file_path": f"{ws}/{rel}", "content": c}),
-    "openclaw": lambda ws, rel, c: ("write", {"path": f"{ws}/{rel}", "content": c}),
-    "opencode": lambda ws, rel, c: ("write", {"filePath": f"{ws}/{rel}", "content": c}),
-    "agentloop": lambda _ws, rel, c: ("write_file", {"path": rel, "content": c}),
-    "agentloop-anthropic": lambda _ws, rel, c: ("Write", {"file_path": rel, "content": c}),
-}
-
-
-def installed(name: str) -> None:
-    """Install the real harness (once, cached); skip with the reason when it cannot be."""
-    package = ADAPTERS[name].install
-    if package is None:
-        return
-    if shutil.which("npm") is None:
-        pytest.skip(f"{name}: npm is not on PATH, cannot install the real harness")
-    try:
-        install_harness(package)
-        if ADAPTERS[name].node24:
-            install_node24()
-    except HarnessInstallError as exc:
-        pytest.skip(f"{name}: install failed: {exc}")
-
-
 def responder(name: str, sandboxes: str, seen: list[str]):
-    ws_re = re.compile(re.escape(sandboxes) + r"/[^/\s\"'<>\\]+/workspace")
-    solution = [(rel, (SOLUTION / rel).read_text()) for rel in FILES]
+    ws_re = workspace_pattern(sandboxes)
+    solution = solution_files()
 
     def respond(prompt_text: str, _ids: list[int], _body: dict[str, Any]) -> str:
         if "<tools>" not in prompt_text:  # title / side call

@@ -133,8 +133,8 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
 def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
 ) -> None:
-    """Between good batches: one whose trajectory does not decode, one whose tree exceeds the token budget, one recorded
-    without sampling settings. Before,
+    """Between good batches: one whose trajectory does not decode, one with a path longer than a row may hold, one
+    recorded without sampling settings. Before,
     either crashed the learner inside its transaction, and the restarted learner read the same batch again."""
     from dataclasses import replace
 
@@ -146,7 +146,7 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     undecodable[1] = replace(undecodable[1], trajectory=b"\x00not a trajectory")
     oversized = batch_records("b-3", 3, 4, seed=3)
     big = Trajectory.from_bytes(oversized[2].trajectory)  # type: ignore[arg-type]
-    big.segments[0] = replace(big.segments[0], tokens=np.arange(3, 103, dtype="<i4"))  # 126 tokens > budget 64
+    big.segments[0] = replace(big.segments[0], tokens=np.arange(3, 103, dtype="<i4"))  # a path of 119 tokens > 100
     oversized[2] = replace(oversized[2], trajectory=big.to_bytes())
     unsampled = batch_records("b-4", 4, 4, seed=4)  # a trainable segment recorded without sampling settings
     old = Trajectory.from_bytes(unsampled[3].trajectory)  # type: ignore[arg-type]
@@ -159,7 +159,7 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     assert producer.flush(30) == 0
 
     result = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=5,
-                          extra=("--hp", "token_budget=64"))  # fmt: skip
+                          extra=("--hp", "token_budget=64", "--hp", "max_path_tokens=100"))  # fmt: skip
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     versions = _versions(kafka_settings, "check-poison")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-5")]
@@ -178,7 +178,8 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     assert len(letters) == 3 and set(reasons) == {"UntrainableBatch"}, [(d.error_type, d.reason) for d in letters]
     assert any("tree 3: trainable segment 1 (call c-old) carries no sampling settings" in d.reason for d in letters)
     assert any("does not decode" in d.reason for d in letters)
-    assert any("cannot pack" in d.reason and "64" in d.reason for d in letters), [d.reason for d in letters]
+    assert any("cannot pack" in d.reason and "path of 119 tokens is longer than the 100" in d.reason
+               for d in letters), [d.reason for d in letters]  # fmt: skip
 
 
 def test_a_resumed_learner_equals_an_uninterrupted_one(

@@ -33,13 +33,14 @@ CRASH = "open('hello.txt', 'w').write('hi'); raise SystemExit(3)"
 
 
 @asynccontextmanager
-async def stack(kafka, group_id: str, tmp: Path, responder=None, **overrides: Any) -> AsyncIterator[dict]:
-    """Scripted engine + proxy + one in-process sandbox worker; yields handles."""
+async def stack(kafka, group_id: str, tmp: Path, responder=None, *, policy_version: int = 7,
+                **overrides: Any) -> AsyncIterator[dict]:  # fmt: skip
+    """Scripted engine (reporting ``policy_version``) + proxy + one in-process sandbox worker; yields handles."""
     pidfile = tmp / "child.pid"
     adapters = {**ADAPTERS, "hang": S.python_adapter("hang", HANG), "crash": S.python_adapter("crash", CRASH)}
     adapters["hang"] = type(adapters["hang"])(**{**adapters["hang"].__dict__, "env": {"PIDFILE": str(pidfile)}})
     async with (
-        ScriptedEngine(H.tiny_tokenizer(), responder or S.agent_responder()) as engine,
+        ScriptedEngine(H.tiny_tokenizer(), responder or S.agent_responder(), policy_version=policy_version) as engine,
         running_proxy(kafka, engine.url, keepalive_s=1.0) as (_proxy, url),
     ):
         settings = SandboxSettings(

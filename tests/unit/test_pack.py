@@ -144,9 +144,16 @@ def test_budget_packing_first_fit_decreasing() -> None:
     assert [mb.tree_indices for mb in pack_trees([tree_of(10)], token_budget=10)] == [(0,)]
 
 
-def test_budget_packing_rejects_oversized_tree() -> None:
-    with pytest.raises(PackError, match=r"tree 1 has 11 unique tokens, more than the micro-batch token budget of 10"):
-        pack_trees([tree_of(3), tree_of(11)], token_budget=10)
+def test_a_tree_over_the_budget_gets_rows_of_its_own_and_a_path_over_the_limit_is_refused() -> None:
+    # A chain of 11 > 10 tokens: one row of its own (no dense mask needed), the small trees share the others.
+    batches = pack_trees([tree_of(3), tree_of(11), tree_of(4)], token_budget=10)
+    assert [(mb.tree_indices, mb.num_tokens) for mb in batches] == [((1,), 11), ((2, 0), 7)]
+    branching = [seg(0, -1, list(range(1, 7)), False), seg(1, 0, [7, 8, 9], True), seg(2, 0, [10, 11, 12], True)]
+    batches = pack_trees([branching], token_budget=10)  # 12 tokens: one chain row per path
+    assert [(mb.tree_indices, mb.input_ids.tolist()) for mb in batches] == [
+        ((0,), [1, 2, 3, 4, 5, 6, 7, 8, 9]), ((0,), [1, 2, 3, 4, 5, 6, 10, 11, 12])]  # fmt: skip
+    with pytest.raises(PackError, match=r"tree 1: a root-to-leaf path of 11 tokens is longer than the 10"):
+        pack_trees([tree_of(3), tree_of(11)], token_budget=8, max_path_tokens=10)
     with pytest.raises(PackError, match="positive"):
         pack_trees([tree_of(3)], token_budget=0)
 
@@ -391,7 +398,7 @@ def test_a_token_outside_the_top_k_support_is_floored_with_zero_gradient() -> No
 
 
 def test_unrecorded_or_impossible_sampling_settings_are_refused_with_the_reason() -> None:
-    from learner.pack import UnreproducibleSampling
+    from learner.segment_sampling import UnreproducibleSampling
 
     base = [SampledSeg(0, -1, [1, 2], False, [], temperature=None, top_p=None, top_k=None)]  # context: settings unused
     pack_tree([*base, SampledSeg(1, 0, [3], True, [-0.1])])
