@@ -55,19 +55,28 @@ def _run_learner(settings: KafkaSettings, model_dir: Path, store: Path, *, fault
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-def _versions(settings: KafkaSettings, group: str) -> list[WeightVersion]:
-    consumer = make_consumer(settings, group)  # read_committed
-    consumer.subscribe([settings.topic(WEIGHTS)])
-    out: list[WeightVersion] = []
+def _read(settings: KafkaSettings, group: str, topic: str, decode):  # noqa: ANN001, ANN202
+    """Every committed record of ``topic`` that arrives within 8 s, decoded (read_committed)."""
+    consumer = make_consumer(settings, group)
+    consumer.subscribe([settings.topic(topic)])
+    out = []
     deadline = time.monotonic() + 8
     try:
         while time.monotonic() < deadline:
             msg = consumer.poll(0.5)
             if msg is not None and not msg.error():
-                out.append(WeightVersion.from_bytes(msg.value()))
+                out.append(decode(msg.value()))
     finally:
         consumer.close()
     return out
+
+
+def _versions(settings: KafkaSettings, group: str) -> list[WeightVersion]:
+    return _read(settings, group, WEIGHTS, WeightVersion.from_bytes)
+
+
+def _dead_letters(settings: KafkaSettings, group: str) -> list[DeadLetter]:
+    return _read(settings, group, DEADLETTER, DeadLetter.from_bytes)
 
 
 def test_two_batches_give_two_versions(kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path) -> None:
@@ -163,17 +172,7 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     versions = _versions(kafka_settings, "check-poison")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-5")]
-    consumer = make_consumer(kafka_settings, "check-poison-dl")
-    consumer.subscribe([kafka_settings.topic(DEADLETTER)])
-    letters: list[DeadLetter] = []
-    deadline = time.monotonic() + 8
-    try:
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and not msg.error():
-                letters.append(DeadLetter.from_bytes(msg.value()))
-    finally:
-        consumer.close()
+    letters = _dead_letters(kafka_settings, "check-poison-dl")
     reasons = {d.error_type: d.reason for d in letters}
     assert len(letters) == 3 and set(reasons) == {"UntrainableBatch"}, [(d.error_type, d.reason) for d in letters]
     assert any("tree 3: trainable segment 1 (call c-old) carries no sampling settings" in d.reason for d in letters)
@@ -234,15 +233,5 @@ def test_a_batch_sealed_after_an_open_one_is_not_trained_twice_after_a_restart(
     assert second.returncode == 0, second.stderr[-3000:]
     versions = _versions(kafka_settings, "check-twice")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-2"), (2, "b-1")]
-    consumer = make_consumer(kafka_settings, "check-twice-dl")
-    consumer.subscribe([kafka_settings.topic(DEADLETTER)])
-    reasons: list[str] = []
-    deadline = time.monotonic() + 8
-    try:
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is not None and not msg.error():
-                reasons.append(DeadLetter.from_bytes(msg.value()).reason)
-    finally:
-        consumer.close()
+    reasons = [d.reason for d in _dead_letters(kafka_settings, "check-twice-dl")]
     assert reasons == ["batch b-2 was already trained (published as v1)"]
