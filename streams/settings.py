@@ -43,16 +43,23 @@ class StreamsSettings(BaseSettings):
         "'at_least_once': plain Faust commits.",
     )
     commit_interval_s: float = Field(
-        default=1.0, gt=0, description="How often offsets (and, exactly-once, transactions) are committed; outputs "
-        "become visible to read_committed consumers at the commit, so this adds to end-to-end latency."
+        default=0.2, gt=0, description="How often offsets (and, exactly-once, transactions) are committed; outputs "
+        "become visible to read_committed consumers at the commit, so this adds to end-to-end latency (records wait "
+        "while a commit runs: bench/results/streams.md measures the trade-off)."
+    )  # fmt: skip
+    producer_linger_s: float = Field(
+        default=0.1, ge=0,
+        description="Exactly-once only: how long the producers gather records into one request before sending; the "
+        "commit sends what lingers, so this adds no latency there (at least once, outputs leave after 5 ms).",
     )  # fmt: skip
     session_timeout_s: float = Field(
         default=30.0, ge=6.0,
         description="Consumer group session timeout: how long a crashed worker holds its partitions.",
     )  # fmt: skip
     tick_interval_s: float = Field(
-        default=0.5, gt=0,
-        description="How often each worker sends itself a tick per owned partition to check settle/group deadlines.",
+        default=0.1, gt=0,
+        description="How often each worker sends itself a tick per owned partition to check settle/group deadlines "
+        "(adds up to this much to settle → trajectory latency).",
     )  # fmt: skip
     # ---- assembler -------------------------------------------------------------------------------------------------
     settle_interval_s: float = Field(
@@ -74,7 +81,9 @@ class StreamsSettings(BaseSettings):
         description="How long a settled rollout (or closed group) is remembered so late records are dead-lettered "
         "instead of opening a new one.",
     )
-    max_leaves: int | None = Field(default=64, ge=1, description="Leaf cap of a rollout's tree (None: no cap).")
+    max_leaves: int | None = Field(
+        default=64, ge=1, description="Leaf cap of a rollout's tree ('none' in the environment: no cap)."
+    )  # fmt: skip
     prune: Literal["carried", "strict", "none"] = Field(default="carried", description="Dead-end rule (streams/tree).")
     # ---- grouper ---------------------------------------------------------------------------------------------------
     group_size: int = Field(
@@ -109,6 +118,14 @@ class StreamsSettings(BaseSettings):
         description="Groups whose oldest policy version is more than this many versions behind the newest "
         "published weights are dropped as stale.",
     )  # fmt: skip
+
+    @field_validator("max_leaves", mode="before")
+    @classmethod
+    def _no_cap(cls, value: object) -> object:
+        # The environment can only say "no cap" in text; pydantic would refuse "none" for an int | None field.
+        if isinstance(value, str) and value.strip().lower() in ("none", "null", ""):
+            return None
+        return value
 
     @field_validator("store")
     @classmethod

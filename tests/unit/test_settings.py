@@ -75,3 +75,16 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 def test_unreachable_broker_names_the_address() -> None:
     with pytest.raises(ConfigError, match=r"no Kafka broker answered at 127\.0\.0\.1:9 \(from --bootstrap"):
         check_broker(KafkaSettings(bootstrap_servers="127.0.0.1:9"), timeout=2)
+
+
+def test_streams_leaf_cap_can_be_turned_off_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streams.settings import StreamsSettings
+
+    for text in ("none", "None", "null"):
+        monkeypatch.setenv("CLAWSTREAM_STREAMS_MAX_LEAVES", text)
+        assert load_settings(StreamsSettings).max_leaves is None
+    monkeypatch.setenv("CLAWSTREAM_STREAMS_MAX_LEAVES", "12")
+    assert load_settings(StreamsSettings).max_leaves == 12
+    monkeypatch.setenv("CLAWSTREAM_STREAMS_MAX_LEAVES", "many")
+    with pytest.raises(ConfigError, match="CLAWSTREAM_STREAMS_MAX_LEAVES"):
+        load_settings(StreamsSettings)
