@@ -297,7 +297,6 @@ def run_once(bootstrap: str, variant: Variant, args: argparse.Namespace, spy: st
             feed = Feeder(kafka, interleave(paced, seed=3, window=args.window), rate=args.rate, chunk=5)
             feed.start()
             arrived_lat = wait_trajectories(collector, worker, {r.rollout_id for r in paced}, args.latency_s * 4 + 120)
-            feed.release()  # the feeder holds nothing back here, but waits for a release once everything is sent
             feed.join()
             result.lat = [arrived_lat[r.rollout_id] - feed.sent_at[r.rollout_id] for r in paced]
             result.load = os.getloadavg()[0]

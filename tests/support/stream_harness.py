@@ -124,6 +124,8 @@ class Feeder(threading.Thread):
         producer = make_producer(self.kafka)
         start = time.monotonic()
         for lo, hi in ((0, self.hold_at), (self.hold_at, len(self.records))):
+            if lo == hi and lo > 0:  # nothing held back: no release to wait for
+                break
             if lo > 0:
                 self.holding.set()
                 self._released.wait()
