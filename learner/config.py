@@ -63,8 +63,9 @@ class LearnerConfig:
 
     @classmethod
     def help_table(cls) -> str:
+        name_width = max(len(f.name) for f in fields(cls))
         width = max(14, *(len(str(f.default)) for f in fields(cls)))  # seq_mean_token_mean is wider than 14
-        return "\n".join(f"  {f.name:14} {f.default!s:{width}} {f.metadata['help']}" for f in fields(cls))
+        return "\n".join(f"  {f.name:{name_width}} {f.default!s:{width}} {f.metadata['help']}" for f in fields(cls))
 
 
 class LearnerSettings(BaseSettings):
