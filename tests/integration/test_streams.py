@@ -77,6 +77,18 @@ def late_duplicate(d: DeadLetter, want: dict[str, SynthRollout]) -> bool:
     return d.error_type == "late" and r is not None and r.fault == "dup" and "settled as" in d.reason
 
 
+def late_after_infra_failure(d: DeadLetter, want: dict[str, SynthRollout]) -> bool:
+    """A record of a rollout that failed for infrastructure, processed after the failure settled it: by design.
+
+    An infrastructure failure settles at once, without waiting for the rest (streams.assemble); the worker reads
+    calls, lifecycle events and rewards from different topics, so with a backlog (after a restart) the failing
+    reward or FAILED event can be processed before the rollout's calls, which then arrive late. Nothing is trained
+    on such a rollout either way."""
+    r = want.get(d.rollout_id or "")
+    return (d.error_type == "late" and r is not None and r.expected_status is TrajectoryStatus.INFRA_FAILURE
+            and "settled as INFRA_FAILURE" in d.reason)  # fmt: skip
+
+
 def wait_for(collector: Collector, worker: Worker, done: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not done():  # type: ignore[operator]
@@ -269,8 +281,10 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     assert set(metrics) == {m[0].group_id for m in groups} and max(metrics.values()) == 1
     check_batches([BatchRecord.from_bytes(o.value) for o in collector.got[BATCHES]], exp)
     dead = [DeadLetter.from_bytes(o.value) for o in collector.got[DEADLETTER]]
-    # Only the injected duplicates may be dead-lettered. A record replayed after the restart never finds its rollout
-    # settled: a partition's table writes, outputs and input offsets commit together, between two records.
-    assert all(late_duplicate(d, want) for d in dead), [(d.rollout_id, d.reason) for d in dead]
+    # Only the injected duplicates (and records of infrastructure failures, which settle at once) may be
+    # dead-lettered. A record replayed after the restart never finds its rollout settled: a partition's table
+    # writes, outputs and input offsets commit together, between two records.
+    assert all(late_duplicate(d, want) or late_after_infra_failure(d, want) for d in dead), [
+        (d.rollout_id, d.reason) for d in dead]  # fmt: skip
     if store == "rocksdb://":
         assert "wiping local tables" in worker.log_tail(100_000)  # the killed run left no clean-shutdown marker
