@@ -39,8 +39,8 @@ state, outputs and input offsets are in the same transaction. What does not work
 Fixes. (1) :class:`SourcePartitionTransactionManager` sends everything produced while processing an event in the
 transaction of that event's source partition (changelog writes name their source partition already and keep Faust's
 routing); sends made outside any event (the tick timer) go without a transaction. (2) :class:`ChangelogBuffer` takes
-table changelog writes away from the background task: agents call :func:`flush_changelog` before they finish an
-event, so its state changes are in its transaction before its offset can be committed; the commit flushes too.
+table changelog writes away from the background task, and every commit hands them to the producer first (a key's
+last write only), inside the gate: an event's state changes are in its transaction before its offset is committed.
 (3) :class:`CommitGate`: every agent processes a record inside :func:`processing`, and a commit (:class:`EosConsumer`)
 first stops new records from starting, waits until the records in progress are finished and acknowledged, and only
 then reads the offsets and commits (all partitions with acknowledged records, whatever subset Faust asked for: a
@@ -195,24 +195,62 @@ def _faust_offset(acked: list[int], committed: int | None, gaps: Any) -> int | N
     return end + 1
 
 
+class EosProducer(faust_aiokafka.Producer):
+    """Faust's producer, committing the partition numbers' transactions concurrently instead of one after another.
+
+    The transactions are independent (one per partition number, each with its own producer and connection), and
+    every record waits at the :class:`CommitGate` while they commit: one round of AddOffsetsToTxn / TxnOffsetCommit /
+    EndTxn for all of them, not nine in a row, keeps that pause short. Every commit is awaited before the first error
+    (if any) is raised, so the caller sees the same failure as with Faust's loop, after the others finished.
+    """
+
+    async def commit_transactions(self, tid_to_offset_map: Any, group_id: str,
+                                  start_new_transaction: bool = True) -> None:  # fmt: skip
+        one = super().commit_transactions
+        commits = [
+            one({tid: offsets}, group_id, start_new_transaction=start_new_transaction)
+            for tid, offsets in tid_to_offset_map.items()
+        ]
+        results = await asyncio.gather(*commits, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+
 class EosTransport(faust_aiokafka.Transport):
     TransactionManager = SourcePartitionTransactionManager
     Consumer = EosConsumer
+    Producer = EosProducer
 
 
 class ChangelogBuffer:
-    """Holds table changelog messages until the agent (or the commit) hands them to the producer in order."""
+    """Holds table changelog messages until the commit (or :func:`flush_changelog`) hands them to the producer.
+
+    Only a key's last write since the last flush is sent: a changelog is compacted and restored in order, so earlier
+    writes of the same key in the same transaction change nothing a recovery sees (a rollout's state, rewritten by
+    every one of its records, or a partition's due index, rewritten by every tick that settles something, then
+    costs one changelog message per commit instead of one per record). The local store was written at once.
+    """
 
     def __init__(self) -> None:
-        self.pending: list[FutureMessage] = []
+        self.pending: dict[Any, FutureMessage] = {}
+        self.puts = 0  # changelog writes the tables made (a test reads it)
 
     def put(self, fut: FutureMessage) -> None:
-        self.pending.append(fut)
+        msg = fut.message
+        try:
+            slot: Any = (msg.channel.get_topic_name(), msg.partition, msg.key)  # type: ignore[attr-defined]
+            hash(slot)
+        except TypeError:  # an unhashable key: keep every write
+            slot = id(fut)
+        self.pending.pop(slot, None)  # re-inserted at the end: the last write of a key goes out after the others
+        self.pending[slot] = fut
+        self.puts += 1
 
     async def flush(self) -> None:
         while self.pending:
-            batch, self.pending = self.pending, []
-            for fut in batch:
+            batch, self.pending = self.pending, {}
+            for fut in batch.values():
                 await fut.message.channel.publish_message(fut, wait=False)
 
 
@@ -251,10 +289,18 @@ async def processing(app: AppT) -> AsyncIterator[None]:
 
 
 async def flush_changelog(app: AppT) -> None:
-    """Hand the table changelog writes made so far to the producer (in the current transactions)."""
+    """Hand the table changelog writes made so far to the producer (in the current transactions). The commit does
+    it before it commits (inside the gate); an agent may call it at the end of a record, but need not."""
     buf = _buffer(app)
     if buf is not None:
         await buf.flush()
+
+
+async def send_untransacted(app: AppT) -> None:
+    """Send now what was produced outside any transaction (the ticks), instead of after the producer's linger."""
+    plain = getattr(app.producer, "_producer", None)  # Faust's aiokafka producer for sends without a transaction
+    if plain is not None:
+        await plain.flush()
 
 
 def prepare_rocksdb(tabledir: Path, *, exactly_once: bool) -> bool:

@@ -43,16 +43,23 @@ class StreamsSettings(BaseSettings):
         "'at_least_once': plain Faust commits.",
     )
     commit_interval_s: float = Field(
-        default=1.0, gt=0, description="How often offsets (and, exactly-once, transactions) are committed; outputs "
-        "become visible to read_committed consumers at the commit, so this adds to end-to-end latency."
+        default=0.2, gt=0, description="How often offsets (and, exactly-once, transactions) are committed; outputs "
+        "become visible to read_committed consumers at the commit, so this adds to end-to-end latency (records wait "
+        "while a commit runs: bench/results/streams.md measures the trade-off)."
+    )  # fmt: skip
+    producer_linger_s: float = Field(
+        default=0.1, ge=0,
+        description="Exactly-once only: how long the producers gather records into one request before sending; the "
+        "commit sends what lingers, so this adds no latency there (at least once, outputs leave after 5 ms).",
     )  # fmt: skip
     session_timeout_s: float = Field(
         default=30.0, ge=6.0,
         description="Consumer group session timeout: how long a crashed worker holds its partitions.",
     )  # fmt: skip
     tick_interval_s: float = Field(
-        default=0.5, gt=0,
-        description="How often each worker sends itself a tick per owned partition to check settle/group deadlines.",
+        default=0.1, gt=0,
+        description="How often each worker sends itself a tick per owned partition to check settle/group deadlines "
+        "(adds up to this much to settle → trajectory latency).",
     )  # fmt: skip
     # ---- assembler -------------------------------------------------------------------------------------------------
     settle_interval_s: float = Field(

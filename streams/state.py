@@ -5,7 +5,8 @@ key → bytes map and, per partition, a :class:`DueIndex` of when each entity ma
 entity *schedules* it (:meth:`Deadlines.schedule`: the index only ever moves earlier there); a tick *visits* the
 entities that are due (:meth:`Deadlines.tick`), which acts on them and reports their next due time, or that they can
 be forgotten. Ticks are the app's own tick topics (see ``streams.app``: Faust timers cannot write tables, so a timer
-sends each owned partition a tick and the agents check deadlines when it arrives, inside the partition's transaction).
+sends each owned partition with something due (:meth:`Deadlines.earliest`) a tick and the agents check deadlines
+when it arrives, inside the partition's transaction).
 
 No topics of its own; pure: no Kafka, no Faust (the maps are Faust tables in the app, dicts in tests). Run through
 the app: ``python -m streams.app worker``.
@@ -73,13 +74,42 @@ class Deadlines:
 
     def __init__(self, state: MutableMapping[str, bytes], index: MutableMapping[str, bytes]) -> None:
         self.state, self.index = state, index
+        # partition key → (the stored bytes, their decoded DueIndex, its earliest due): a record or tick decodes its
+        # partition's index again only when the stored bytes are not the ones decoded last. A pure function of the
+        # bytes, so any change (a tick, a rebalance, a restored table) is seen; comparing bytes is far cheaper than
+        # parsing them, and an idle tick compares one number instead of scanning every entry. Never mutated.
+        self._decoded: dict[str, tuple[bytes, DueIndex, int | None]] = {}
+
+    def _load(self, key: str) -> tuple[DueIndex, int | None]:
+        data = self.index.get(key)
+        cached = self._decoded.get(key)
+        if data and cached is not None and (cached[0] is data or cached[0] == data):
+            return cached[1], cached[2]
+        index = DueIndex.load(data)
+        earliest = min(index.entries.values(), default=None)
+        if data:
+            self._decoded[key] = (data, index, earliest)
+        return index, earliest
+
+    def _store(self, key: str, index: DueIndex) -> None:
+        data = index.to_bytes()
+        self.index[key] = data
+        self._decoded[key] = (data, index, min(index.entries.values(), default=None))
+
+    def earliest(self, partition: int) -> int | None:
+        """The earliest time any of the partition's entities may need attention (None: nothing scheduled): a tick
+        before then visits nothing (:meth:`tick` returns at once), so the app's timer need not send it."""
+        return self._load(str(partition))[1]
 
     def schedule(self, partition: int, key: str, due_ms: int) -> None:
         """Make sure a tick visits ``key`` by ``due_ms``; the index is rewritten only when that moved it earlier
         (one changelog write less per record: a later due is found when the tick re-checks)."""
-        index = DueIndex.load(self.index.get(str(partition)))
-        if index.lower(key, due_ms):
-            self.index[str(partition)] = index.to_bytes()
+        index, _ = self._load(str(partition))
+        if key in index.entries and index.entries[key] <= due_ms:
+            return
+        index = DueIndex(dict(index.entries))  # the cached object only ever holds what the stored bytes say
+        index.lower(key, due_ms)
+        self._store(str(partition), index)
 
     def tick(self, partition: int, now_ms: int, visit: Visit) -> None:
         """Visit the partition's due entities, oldest due first; reschedule them or forget them as ``visit`` says.
@@ -88,10 +118,11 @@ class Deadlines:
         elsewhere) is dropped. The index is not rewritten when nothing was due (no changelog write per idle tick).
         """
         key = str(partition)
-        index = DueIndex.load(self.index.get(key))
-        due = index.due(now_ms)
-        if not due:
+        index, earliest = self._load(key)
+        if earliest is None or earliest > now_ms:
             return
+        due = index.due(now_ms)
+        index = DueIndex(dict(index.entries))
         for entity in due:
             data = self.state.get(entity)
             if data is None:
@@ -103,4 +134,4 @@ class Deadlines:
                 index.entries.pop(entity)
             else:
                 index.entries[entity] = next_ms
-        self.index[key] = index.to_bytes()
+        self._store(key, index)

@@ -78,3 +78,39 @@ def test_commit_waits_for_the_record_in_progress(kafka_settings: KafkaSettings, 
         second.terminate()
         second.wait(60)
     assert got == [b"a:1", b"b:1", b"trigger:1", b"trigger:1:after", b"c:1"]
+
+
+def test_changelog_buffer_sends_each_keys_last_write_once() -> None:
+    """A transaction's changelog holds one message per (changelog, partition, key): the last write, after the others
+    (no broker needed: the buffer is handed fake messages and records what it publishes)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from streams.eos import ChangelogBuffer
+
+    sent: list[tuple[str, int, str, bytes | None]] = []
+
+    class Channel:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def get_topic_name(self) -> str:
+            return self.name
+
+        async def publish_message(self, fut: SimpleNamespace, wait: bool = False) -> None:
+            m = fut.message
+            sent.append((self.name, m.partition, m.key, m.value))
+
+    state, calls = Channel("state-changelog"), Channel("calls-changelog")
+
+    def fut(channel: Channel, partition: int, key: str, value: bytes | None) -> SimpleNamespace:
+        return SimpleNamespace(message=SimpleNamespace(channel=channel, partition=partition, key=key, value=value))
+
+    buf = ChangelogBuffer()
+    for f in (fut(state, 1, "r", b"v1"), fut(calls, 1, "r\x00c1", b"c"), fut(state, 2, "r", b"other"),
+              fut(state, 1, "r", b"v2"), fut(calls, 1, "r\x00c1", None)):  # fmt: skip
+        buf.put(f)  # type: ignore[arg-type]
+    asyncio.run(buf.flush())
+    assert sent == [("state-changelog", 2, "r", b"other"), ("state-changelog", 1, "r", b"v2"),
+                    ("calls-changelog", 1, "r\x00c1", None)]  # fmt: skip
+    assert buf.puts == 5 and not buf.pending

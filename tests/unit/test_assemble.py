@@ -406,3 +406,37 @@ def test_trainable_segments_carry_their_calls_sampling_settings() -> None:
     assert len(trainable) == 3
     assert [(s.temperature, s.top_p, s.top_k) for s in trainable] == [by_call[s.call_id] for s in trainable]
     assert all((s.temperature, s.top_p, s.top_k) == (None, None, None) for s in decoded.segments if not s.trainable)
+
+
+def test_a_long_lived_core_sees_index_changes_made_behind_its_back() -> None:
+    """The due index is decoded once per stored version (streams.state.Deadlines keeps it by its bytes): a core that
+    keeps running reads it again when the table changed under it (another worker owned the partition meanwhile, or
+    the table was restored), and settles exactly what a fresh core would."""
+    a, b = rollout(rollout_id="r-a"), rollout(rollout_id="r-b")
+    rig = Rig()
+    core = rig.core()  # one core for the whole test, like a running worker
+    t = 0
+    for _, ev in a.records:
+        core.on_record(ev, ev.to_bytes(), P, t)
+        t += 10
+    assert core.on_tick(P, t).trajectories == []  # r-a's quiet period has not passed: decoded and cached
+    last = rig.feed(b.records, t)  # fresh cores (another worker) add r-b to the same partition's index
+    settled = core.on_tick(P, last + 1000).trajectories
+    assert sorted(x.rollout_id for x in settled) == ["r-a", "r-b"]
+    assert all(x.status is TrajectoryStatus.COMPLETE for x in settled)
+    rig.index[str(P)] = DueIndex({"r-a": 0}).to_bytes()  # a restored, older index: r-a due now, r-b unknown
+    rig.state["r-a"] = RolloutAccumulator("r-a", 0, 0).to_bytes()  # ... and r-a not ready
+    assert core.on_tick(P, last + 2000).trajectories == []
+    assert DueIndex.load(rig.index[str(P)]).entries == {"r-a": 100_000 + 10_000}  # visited and rescheduled
+
+
+def test_earliest_due_tells_the_timer_whether_a_tick_would_visit_anything() -> None:
+    r, rig = rollout(), Rig()
+    core = rig.core()
+    assert core.deadlines.earliest(P) is None  # nothing scheduled: the timer sends no tick
+    last = rig.feed(r.records, 0)
+    due = core.deadlines.earliest(P)
+    assert due == min(DueIndex.load(rig.index[str(P)]).entries.values()) and due <= last + 1000
+    assert core.on_tick(P, due - 1).trajectories == []
+    assert [t.rollout_id for t in core.on_tick(P, last + 1000).trajectories] == ["r-1"]
+    assert core.deadlines.earliest(P) == last + 1000 + 50_000  # now only the forget time of the settled rollout
