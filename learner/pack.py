@@ -388,7 +388,8 @@ def pack_trees(trees: Sequence[TreeLike], token_budget: int, max_path_tokens: in
                 owner.append(i)
         except (PackError, UnreproducibleSampling) as exc:  # say which tree of the batch
             raise type(exc)(f"tree {i}: {exc}") from exc
-    together = [k for k in range(len(packed)) if k not in set(alone)]
+    on_own = set(alone)
+    together = [k for k in range(len(packed)) if k not in on_own]
     order = sorted(together, key=lambda k: (-packed[k].num_tokens, k))
     bins: list[list[int]] = [[k] for k in sorted(alone, key=lambda k: (-packed[k].num_tokens, k))]
     loads: list[int] = [token_budget] * len(bins)  # full: nothing joins a row of its own

@@ -61,7 +61,7 @@ def train_step(
     # Mini-batches are sets of whole trees; each is packed into rows (a tree never spans two rows).
     parts = [list(trees[i :: config.mini_batches]) for i in range(config.mini_batches)]
     parts = [p for p in parts if p]
-    max_path = config.max_path_tokens or _context_length(model)
+    max_path = max_path_tokens(model, config)
     rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget, max_path)]
             for part in parts]  # fmt: skip
 
@@ -83,8 +83,7 @@ def train_step(
         # A rollout's trainable tokens over all its rows (a tree over the token budget spans several): (R_part,)
         per_rollout = torch.zeros(len(part), dtype=torch.float32, device=device)
         for row in part_rows:
-            per_rollout.index_add_(0, row.rollout_index[row.loss_mask], torch.ones_like(row.rollout_logprobs[
-                row.loss_mask]))  # fmt: skip
+            per_rollout.index_add_(0, row.rollout_index, row.loss_mask.float())
         optimizer.zero_grad(set_to_none=True)
         part_stats: dict[str, float] = {}
         for row, row_old in zip(part_rows, part_old, strict=True):  # row_old: (logprobs, values | None)
@@ -120,9 +119,9 @@ def _forward(
     return packed_logprobs(model, row, only_trainable=True), None  # each token under its call's sampling settings
 
 
-def _context_length(model: torch.nn.Module) -> int | None:
-    """The model's context (max_position_embeddings): no root-to-leaf path may be longer."""
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+def max_path_tokens(model: torch.nn.Module, config: LearnerConfig) -> int | None:
+    """The longest root-to-leaf path a row may hold: the hyperparameter, else the model's context."""
+    return config.max_path_tokens or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
 def _reward(tree: ScoredTree) -> float:

@@ -54,7 +54,7 @@ from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.pack import PackError, pack_trees
 from learner.segment_sampling import UnreproducibleSampling
-from learner.step import ScoredTree, train_step
+from learner.step import ScoredTree, max_path_tokens, train_step
 from learner.value import ValueHead
 from policy import DEFAULT_MODEL_NAME
 from policy.weight_store import (
@@ -188,8 +188,7 @@ class Learner:
     def _train(self, trees: list[ScoredTree]) -> tuple[dict[str, float], str | None]:
         """One optimizer step, or why the batch cannot be trained (packing fails before any update)."""
         try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
-            max_path = self.config.max_path_tokens or getattr(self.model.config, "max_position_embeddings", None)
-            pack_trees([t.segments for t in trees], self.config.token_budget, max_path)
+            pack_trees([t.segments for t in trees], self.config.token_budget, max_path_tokens(self.model, self.config))
         except UnreproducibleSampling as exc:
             return {}, f"cannot recompute the rollout logprobs' distribution: {exc}"
         except PackError as exc:
