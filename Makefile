@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(VENV)/bin/clawstream demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs -p no:cacheprovider tests
+	$(PY) -m pytest -q -rsx -p no:cacheprovider tests
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/unit
