@@ -1,0 +1,394 @@
+"""Replay: copy a range of recorded topics into a new topic prefix, for off-policy experiments.
+
+Topics: any catalog topic under the source prefix (default ``clawstream.batches``), read_committed → the same topic
+names under ``--to-prefix``. Keys, values, headers, partition numbers and the order within each partition are kept;
+record timestamps are the time of the copy unless ``--keep-timestamps`` (every event also carries its original
+``timestamp_ms`` in its value). The range is offsets ``--from/--to`` (``[from, to)``, per partition with ``P:N``)
+and/or times ``--since/--until`` (the broker's offsets-for-times on the record timestamps); on the batches topic a
+sealed batch is copied whole or not at all (``consumers.analytics.replay_plan``). Missing destination topics are
+created with the catalog's configs and the source's partition count; a destination with fewer partitions than the
+source is refused, and so is one that already holds records unless ``--append``. The copy is one transactional
+producer (``transactional.id`` = ``<to-prefix>clawstream-replay``, so two replays into one prefix fence each other):
+on the batches topic a transaction ends at each seal, so a reader of the destination (a learner already running on
+it) only ever sees whole batches; elsewhere every ``--commit-every`` records. ``--rate N`` paces it to N records/s.
+
+Replay into a learner: replay the batches into a fresh prefix and start a learner there; the prefix gives it a new
+consumer group, transactional id and an empty ``clawstream.weights``, so it trains every replayed batch from its
+``--model-dir``. The summary prints the exact command; docs/replay.md has the worked example.
+
+Run: ``clawstream replay --to-prefix P [--topic batches] [--from N --to N | --since T --until T] [--rate N]`` or
+``python -m consumers.analytics.replay ...``; progress on stderr, the summary on stdout (``--json`` for a machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from clawstream.errors import ClawstreamError, ConfigError, TopicError
+from clawstream.kafka.clients import create_topics, make_admin, make_consumer, make_producer
+from clawstream.settings import KafkaSettings, clawstream_home, load_settings
+from consumers.analytics.replay_plan import (
+    BatchPlan,
+    Entry,
+    Pacer,
+    PartitionCopy,
+    PartitionRange,
+    TopicCopy,
+    parse_offsets,
+    parse_time,
+    partition_ranges,
+    plan_batches,
+    resolve_topic,
+    summary_text,
+)
+from schemas.events import BatchRecord, BatchRecordKind
+from schemas.topics import BATCHES, TopicSpec
+
+# librdkafka aborts a transaction open longer than transaction.timeout.ms (60 s by default): commit well before.
+MAX_TRANSACTION_S = 20.0
+
+
+class ReplaySettings(BaseSettings):
+    """What to replay where (env prefix ``CLAWSTREAM_REPLAY_``; the flags of ``clawstream replay`` set the same)."""
+
+    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_REPLAY_", frozen=True, extra="forbid")
+
+    to_prefix: str = Field(description="Destination topic prefix (must differ from the source's).")
+    topics: list[str] = Field(default_factory=lambda: [BATCHES], description="Catalog topics to copy, in order.")
+    from_offsets: list[str] = Field(default_factory=list, description="--from: OFFSET or PARTITION:OFFSET (first).")
+    to_offsets: list[str] = Field(default_factory=list, description="--to: OFFSET or PARTITION:OFFSET (exclusive).")
+    since: str | None = Field(default=None, description="First record time: epoch ms, ISO 8601, or an age (2h).")
+    until: str | None = Field(default=None, description="Records before this time: epoch ms, ISO 8601, or an age.")
+    rate: float | None = Field(default=None, description="Records per second (None = as fast as possible).")
+    append: bool = Field(default=False, description="Copy into destination topics that already hold records.")
+    keep_timestamps: bool = Field(default=False, description="Keep the source records' timestamps.")
+    dry_run: bool = Field(default=False, description="Resolve the ranges and plan the batches; write nothing.")
+    commit_every: int = Field(default=500, gt=0, description="Records per transaction outside the batches topic.")
+    stall_timeout_s: float = Field(default=60.0, gt=0, description="Give up when a read makes no progress this long.")
+
+
+@dataclass
+class _Source:
+    spec: TopicSpec
+    name: str
+    dest: str
+    partitions: int
+    ranges: list[PartitionRange]
+    created: bool = False
+
+
+class Replayer:
+    """One replay: resolve and check everything first (nothing written on a bad request), then copy."""
+
+    def __init__(self, kafka: KafkaSettings, settings: ReplaySettings, progress: Callable[[str], None]) -> None:
+        self.kafka, self.settings, self.progress = kafka, settings, progress
+        if settings.to_prefix == kafka.topic_prefix:
+            raise ConfigError(f"--to-prefix {settings.to_prefix!r} is the source prefix: replay copies into another")
+        self.dest = load_settings(KafkaSettings, **{**kafka.model_dump(), "topic_prefix": settings.to_prefix})
+        self.specs = [resolve_topic(t) for t in settings.topics]
+        if len({s.name for s in self.specs}) != len(self.specs):
+            raise ConfigError("--topic: a topic is named twice")
+        self.starts = parse_offsets(settings.from_offsets, "--from")
+        self.ends = parse_offsets(settings.to_offsets, "--to")
+        if (self.starts or self.ends) and len(self.specs) > 1:
+            raise ConfigError("--from/--to are offsets of one topic: pass one --topic with them, or use "
+                              "--since/--until")
+        self.since = None if settings.since is None else parse_time(settings.since, "--since")
+        self.until = None if settings.until is None else parse_time(settings.until, "--until")
+        self.pacer = Pacer(settings.rate)
+        self.consumer: Consumer = make_consumer(kafka, f"clawstream-replay-{os.getpid()}-{time.monotonic_ns()}")
+
+    # ---- resolve and check (no writes) ---------------------------------------------------------------------------
+    def _resolve(self, spec: TopicSpec) -> _Source:
+        name = self.kafka.topic(spec.name)
+        try:
+            meta = self.consumer.list_topics(name, timeout=30).topics[name]
+            if meta.error is not None or not meta.partitions:
+                raise TopicError(f"source topic {name} does not exist ({meta.error or 'no partitions'}); is the "
+                                 "source --topic-prefix right?")  # fmt: skip
+            marks = {p: self.consumer.get_watermark_offsets(TopicPartition(name, p), timeout=30)
+                     for p in sorted(meta.partitions)}  # fmt: skip
+            since = self._offsets_for(name, marks, self.since)
+            until = self._offsets_for(name, marks, self.until)
+        except KafkaException as exc:
+            raise ClawstreamError(f"cannot read {name}: {exc}") from exc
+        ranges = partition_ranges(marks, self.starts, self.ends, since, until)
+        return _Source(spec, name, self.dest.topic(spec.name), len(marks), ranges)
+
+    def _offsets_for(self, name: str, marks: dict[int, tuple[int, int]], at_ms: int | None) -> dict[int, int] | None:
+        """The first offset of each partition whose record timestamp is ≥ ``at_ms`` (the high watermark if none)."""
+        if at_ms is None:
+            return None
+        found = self.consumer.offsets_for_times([TopicPartition(name, p, at_ms) for p in marks], timeout=30)
+        return {tp.partition: tp.offset if tp.offset >= 0 else marks[tp.partition][1] for tp in found}
+
+    def _check_destination(self, source: _Source) -> None:
+        admin = make_admin(self.dest)
+        try:
+            meta = admin.list_topics(source.dest, timeout=30).topics.get(source.dest)
+        except KafkaException as exc:
+            raise ClawstreamError(f"cannot look up {source.dest}: {exc}") from exc
+        if meta is None or meta.error is not None or not meta.partitions:
+            source.created = True  # created just before copying (not in a dry run)
+            return
+        if len(meta.partitions) < source.partitions:
+            raise TopicError(f"destination {source.dest} has {len(meta.partitions)} partition(s), the source "
+                             f"{source.name} {source.partitions}: partition numbers are kept, so it needs at least "
+                             f"{source.partitions}; delete it or pick another --to-prefix")  # fmt: skip
+        if self.settings.append:
+            return
+        try:
+            held = {p: self.consumer.get_watermark_offsets(TopicPartition(source.dest, p), timeout=30)
+                    for p in meta.partitions}  # fmt: skip
+        except KafkaException as exc:
+            raise ClawstreamError(f"cannot read {source.dest}: {exc}") from exc
+        busy = {p: high - low for p, (low, high) in held.items() if high > low}
+        if busy:
+            detail = ", ".join(f"[{p}] {n}" for p, n in sorted(busy.items()))
+            raise TopicError(f"destination {source.dest} already holds records ({detail} offsets): a replay would "
+                             "mix with them; pick a fresh --to-prefix, or pass --append to add to it")  # fmt: skip
+
+    # ---- the run -------------------------------------------------------------------------------------------------
+    def run(self) -> list[TopicCopy]:
+        sources = [self._resolve(spec) for spec in self.specs]
+        for source in sources:  # every check before the first write: a refused replay writes nothing
+            self._check_destination(source)
+        copies = [TopicCopy(s.name, s.dest, s.created, [PartitionCopy(r.partition, r) for r in s.ranges])
+                  for s in sources]  # fmt: skip
+        producer = None
+        try:
+            if not self.settings.dry_run:
+                for source in sources:
+                    if source.created:
+                        create_topics(self.dest, [source.spec], partitions={source.spec.name: source.partitions})
+                txn_id = f"{self.settings.to_prefix}clawstream-replay"
+                producer = make_producer(self.dest, **{"transactional.id": txn_id})
+                producer.init_transactions(60)
+            for source, copy in zip(sources, copies, strict=True):
+                for part in copy.partitions:
+                    if part.range.size:
+                        self._copy_partition(source, part, copy, producer)
+        finally:
+            self.consumer.close()
+        return copies
+
+    def _copy_partition(self, source: _Source, part: PartitionCopy, copy: TopicCopy, producer: Producer | None) -> None:
+        rng = part.range
+        plan: BatchPlan | None = None
+        if source.spec.name == BATCHES:
+            entries = [_entry(msg) for msg in self._read(source.name, rng, "planning")]
+            plan = plan_batches(entries, rng)
+            copy.batches.extend(plan.batches)
+            copy.skipped.extend(plan.skipped)
+        if producer is None:  # dry run: count what would be copied
+            for msg in self._read(source.name, rng, "counting") if plan is None else ():
+                part.copied(msg.offset())
+            for offset in sorted(plan.copy) if plan is not None else ():
+                part.copied(offset)
+            return
+        txn = _Transaction(producer, part)
+        try:
+            for msg in self._read(source.name, rng, "copying"):
+                offset = msg.offset()
+                if plan is not None and offset not in plan.copy:
+                    continue
+                self.pacer.wait()
+                timestamp = msg.timestamp()[1] if self.settings.keep_timestamps else 0
+                txn.produce(source.dest, msg, timestamp)
+                part.copied(offset)
+                boundary = offset in plan.seals if plan is not None else txn.pending >= self.settings.commit_every
+                if boundary or txn.age() > MAX_TRANSACTION_S:
+                    txn.commit()
+            txn.commit()
+        except (KafkaException, ClawstreamError) as exc:
+            txn.abort()
+            done = txn.committed_through
+            resume = f"--from {part.partition}:{rng.start if done is None else done + 1}"
+            raise ClawstreamError(
+                f"replay of {source.name}[{part.partition}] failed: {exc}; committed to {source.dest} up to source "
+                f"offset {done if done is not None else '(none)'}; to continue: --topic {source.spec.name} --append "
+                f"{resume} (plus your other bounds)"
+            ) from exc
+        if plan is not None and len(plan.copy) != part.records:
+            raise ClawstreamError(f"{source.name}[{part.partition}]: planned {len(plan.copy)} records but read "
+                                  f"{part.records} on the second pass (retention deleted some meanwhile?)")  # fmt: skip
+
+    def _read(self, topic: str, rng: PartitionRange, what: str) -> Iterator[Message]:
+        """The committed records of ``[rng.start, rng.end)`` of one partition, in order; progress on stderr."""
+        self.consumer.assign([TopicPartition(topic, rng.partition, rng.start)])
+        label = f"{topic}[{rng.partition}]"
+        position, moved, shown, seen = rng.start, time.monotonic(), time.monotonic(), 0
+        try:
+            while position < rng.end:
+                msg = self.consumer.poll(0.2)
+                if msg is not None and msg.error() is None and msg.offset() < rng.end:
+                    seen += 1
+                    yield msg
+                elif msg is not None and msg.error() is not None:
+                    self.progress(f"replay: consumer error on {label}: {msg.error()}")
+                # Positions, not "last offset + 1": a transactional topic's last offsets are markers never delivered.
+                now_at = self.consumer.position([TopicPartition(topic, rng.partition)])[0].offset
+                now = time.monotonic()
+                if now_at > position:
+                    position, moved = now_at, now
+                elif now - moved > self.settings.stall_timeout_s:
+                    raise ClawstreamError(f"reading {label} stalled at offset {position} (range ends at {rng.end}) "
+                                          f"for {self.settings.stall_timeout_s:.0f}s; an open transaction on the "
+                                          "source holds read_committed readers back")  # fmt: skip
+                if now - shown >= 2.0:
+                    shown = now
+                    done = min(position, rng.end) - rng.start
+                    self.progress(f"replay: {what} {label}: {done}/{rng.size} offsets, {seen} records")
+        finally:
+            self.consumer.unassign()
+
+
+class _Transaction:
+    """The destination producer's current transaction: produce, count, commit, remember the committed offset."""
+
+    def __init__(self, producer: Producer, part: PartitionCopy) -> None:
+        self.producer, self.part = producer, part
+        self.pending, self.started = 0, 0.0
+        self.last_source: int | None = None
+        self.committed_through: int | None = None
+        self.errors: list[str] = []
+
+    def produce(self, topic: str, msg: Message, timestamp: int) -> None:
+        if self.pending == 0:
+            self.producer.begin_transaction()
+            self.started = time.monotonic()
+        kwargs = {"partition": msg.partition(), "headers": msg.headers(), "timestamp": timestamp,
+                  "on_delivery": self._delivered}  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # a full local queue: serve deliveries and retry, never drop
+            try:
+                self.producer.produce(topic, key=msg.key(), value=msg.value(), **kwargs)
+                break
+            except BufferError:
+                if time.monotonic() > deadline:
+                    raise ClawstreamError(f"producer queue for {topic} stayed full for 60s") from None
+                self.producer.poll(0.05)
+        self.producer.poll(0)
+        self.pending += 1
+        self.last_source = msg.offset()
+
+    def _delivered(self, err, msg: Message) -> None:  # noqa: ANN001 - confluent_kafka.KafkaError | None
+        if err is not None:
+            self.errors.append(str(err))
+        else:
+            self.part.delivered(msg.offset())
+
+    def age(self) -> float:
+        return time.monotonic() - self.started if self.pending else 0.0
+
+    def commit(self) -> None:
+        if not self.pending:
+            return
+        self.producer.commit_transaction(60)  # flushes: every delivery report has been served
+        if self.errors:
+            raise ClawstreamError(f"delivery failed: {self.errors[0]}")
+        self.pending = 0
+        self.committed_through = self.last_source
+
+    def abort(self) -> None:
+        if self.pending:
+            try:
+                self.producer.abort_transaction(30)
+            except KafkaException:
+                pass  # the original error is the one to report; the broker aborts it on timeout anyway
+            self.pending = 0
+
+
+def _entry(msg: Message) -> Entry:
+    try:
+        rec = BatchRecord.from_bytes(msg.value())
+    except ClawstreamError:
+        return Entry(msg.offset())
+    return Entry(msg.offset(), rec.batch_id, rec.kind is BatchRecordKind.SEAL, rec.index)
+
+
+def learner_command(dest: KafkaSettings) -> str:
+    """The command that trains a fresh learner on the replayed batches (model dir left for the user to fill)."""
+    store = clawstream_home() / "replay" / (dest.topic_prefix.strip(".") or "unprefixed") / "weights"
+    bootstrap = f" --bootstrap {dest.bootstrap_servers}" if dest.bootstrap_servers else ""
+    return (f"clawstream learner --model-dir MODEL_DIR --weight-store {store} --topic-prefix {dest.topic_prefix}"
+            f"{bootstrap}")  # fmt: skip
+
+
+def replay(kafka: KafkaSettings, settings: ReplaySettings,
+           progress: Callable[[str], None] | None = None) -> list[TopicCopy]:  # fmt: skip
+    """Run one replay; returns what was copied per topic (raises :class:`ClawstreamError` on a bad request)."""
+    return Replayer(kafka, settings, progress or (lambda line: print(line, file=sys.stderr, flush=True))).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from clawstream.kafka.clients import check_broker
+    from clawstream.settings import add_kafka_arguments, kafka_settings
+
+    parser = argparse.ArgumentParser(
+        prog="clawstream replay", description=__doc__.split("\n\n")[0],
+        epilog="The source is --topic-prefix (or CLAWSTREAM_KAFKA_TOPIC_PREFIX). Example, the batches of run A\n"
+        "into B, then a fresh learner on B:\n  clawstream replay --topic-prefix runA. --to-prefix replayB.\n"
+        "  clawstream learner --model-dir MODEL --weight-store NEW_DIR --topic-prefix replayB.\n"
+        "Details: docs/replay.md", formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--to-prefix", required=True, metavar="PREFIX",
+                        help="destination topic prefix (e.g. 'replay1.')")
+    parser.add_argument("--topic", action="append", default=[], metavar="NAME",
+                        help="catalog topic to copy, repeatable (default: batches); e.g. batches, trajectories")
+    parser.add_argument("--from", dest="from_offsets", action="append", default=[], metavar="[P:]OFFSET",
+                        help="first offset to copy (every partition, or partition P); default: the beginning")
+    parser.add_argument("--to", dest="to_offsets", action="append", default=[], metavar="[P:]OFFSET",
+                        help="copy offsets before this one (exclusive); default: the end as of the start")
+    parser.add_argument("--since", metavar="TIME", help="from the first record at/after TIME: epoch ms, ISO 8601 "
+                        "(UTC unless a zone is given) or an age such as 2h, 30m, 7d")  # fmt: skip
+    parser.add_argument("--until", metavar="TIME", help="up to the first record at/after TIME (exclusive)")
+    parser.add_argument("--rate", type=float, default=None, metavar="N", help="pace the copy to N records per second")
+    parser.add_argument("--append", action="store_true", help="allow destination topics that already hold records")
+    parser.add_argument("--keep-timestamps", action="store_true",
+                        help="keep the source timestamps (old ones can fall out of retention at once)")
+    parser.add_argument("--dry-run", action="store_true", help="resolve ranges and plan batches; write nothing")
+    parser.add_argument("--commit-every", type=int, default=500, metavar="N",
+                        help="records per transaction outside the batches topic (default 500)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_kafka_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        kafka = kafka_settings(args)
+        settings = load_settings(
+            ReplaySettings, to_prefix=args.to_prefix, topics=args.topic or [BATCHES], from_offsets=args.from_offsets,
+            to_offsets=args.to_offsets, since=args.since, until=args.until, rate=args.rate, append=args.append,
+            keep_timestamps=args.keep_timestamps, dry_run=args.dry_run, commit_every=args.commit_every,
+        )  # fmt: skip
+        check_broker(kafka)
+        started = time.monotonic()
+        copies = replay(kafka, settings)
+    except ClawstreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"dry_run": settings.dry_run, "topics": [c.to_json() for c in copies]}))
+        return 0
+    print(summary_text(copies, settings.dry_run))
+    total = sum(c.records for c in copies)
+    print(f"{'would copy' if settings.dry_run else 'copied'} {total} record(s) in {time.monotonic() - started:.1f}s")
+    if any(c.source.endswith(BATCHES) for c in copies) and not settings.dry_run:
+        dest = load_settings(KafkaSettings, **{**kafka.model_dump(), "topic_prefix": settings.to_prefix})
+        print("train a fresh learner on them (new group and weights topic come with the prefix; a new weight store, "
+              f"since versions restart at v1):\n  {learner_command(dest)}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
