@@ -423,5 +423,24 @@ def demo(steps: int, tasks_per_step: int, group_size: int, sft_minutes: float, t
              timeout_s=timeout, engine=engine)  # fmt: skip
 
 
+# ---- event log: tail, export ----
+@main.command("tail", context_settings=_PASSTHROUGH)
+@click.pass_context
+def tail(ctx: click.Context) -> None:
+    """A topic's records as decoded JSON lines: last N, --from-beginning, --offset, --since; --rollout, --follow."""
+    from consumers.analytics.tail import main as run
+
+    sys.exit(run(ctx.args))
+
+
+@main.command("export", context_settings=_PASSTHROUGH)
+@click.pass_context
+def export(ctx: click.Context) -> None:
+    """A topic's records over an offset or time range to JSON lines or Parquet (--format jsonl|parquet --out PATH)."""
+    from consumers.analytics.export import main as run
+
+    sys.exit(run(ctx.args))
+
+
 if __name__ == "__main__":
     main()

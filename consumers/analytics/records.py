@@ -280,11 +280,12 @@ def where(topic: str, partition: int, offset: int) -> str:
 
 def decode_parts(topic: str, partition: int, offset: int, timestamp_ms: int | None, key: bytes | None,
                  value: bytes | None, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None,
-                 ) -> dict[str, Any]:  # fmt: skip
+                 *, keep_raw: bool = False) -> dict[str, Any]:  # fmt: skip
     """One record as ``{"topic", "partition", "offset", "timestamp", "time", "key", "schema", "value"}``.
 
     A tombstone (no value) has ``"value": null`` and ``"schema": null``. Bytes that do not decode give an error
-    record: ``"error"`` (what went wrong) and ``"where"`` instead of ``"schema"``/``"value"``, plus ``"bytes"``.
+    record: ``"error"`` (what went wrong) and ``"where"`` instead of ``"schema"``/``"value"``, plus ``"bytes"`` and,
+    with ``keep_raw``, ``"raw"`` (the value in base64, so an export loses nothing).
     """
     out: dict[str, Any] = {
         "topic": topic, "partition": partition, "offset": offset,
@@ -296,8 +297,9 @@ def decode_parts(topic: str, partition: int, offset: int, timestamp_ms: int | No
     try:
         schema, decoded = decode_value(value, options, codec)
     except CodecError as exc:
-        return {**out, "error": f"{type(exc).__name__}: {exc}", "where": where(topic, partition, offset),
-                "bytes": len(value)}  # fmt: skip
+        bad = {**out, "error": f"{type(exc).__name__}: {exc}", "where": where(topic, partition, offset),
+               "bytes": len(value)}  # fmt: skip
+        return {**bad, "raw": base64.b64encode(value).decode("ascii")} if keep_raw else bad
     return {**out, "schema": schema, "value": decoded}
 
 
@@ -307,11 +309,11 @@ def message_timestamp(msg: Any) -> int | None:
     return ts if kind != 0 and ts >= 0 else None
 
 
-def decode_message(msg: Any, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None
-                   ) -> dict[str, Any]:  # fmt: skip
+def decode_message(msg: Any, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None,
+                   *, keep_raw: bool = False) -> dict[str, Any]:  # fmt: skip
     """:func:`decode_parts` of a confluent-kafka ``Message`` (duck-typed: no Kafka import here)."""
     return decode_parts(msg.topic(), msg.partition(), msg.offset(), message_timestamp(msg), msg.key(), msg.value(),
-                        options, codec)  # fmt: skip
+                        options, codec, keep_raw=keep_raw)  # fmt: skip
 
 
 def is_error(record: dict[str, Any]) -> bool:
