@@ -17,6 +17,7 @@ from typing import Any
 
 from learner.warmstart.demos import heldout_tasks, train_tasks
 from learner.warmstart.episodes import DIALECTS, Policy, run_episode
+from learner.warmstart.progress import progress_bar
 from policy.chat_template import IM_END
 from producers.proxy.render import TemplateRenderer
 from producers.tasks.model import Task
@@ -40,11 +41,18 @@ def greedy_policy(model: Any, eos_id: int, max_new_tokens: int = 96) -> Policy:
 
 
 def evaluate_policy(
-    make_policy: Callable[[Task, str], Policy], tokenizer: Any, tasks: list[Task], dialects: tuple[str, ...] = DIALECTS
-) -> dict[str, Any]:
+    make_policy: Callable[[Task, str], Policy], tokenizer: Any, tasks: list[Task], dialects: tuple[str, ...] = DIALECTS,
+    *, progress: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Run every task in every dialect with the policy ``make_policy(task, dialect)``; mean reward + solve rate."""
     renderer = TemplateRenderer(tokenizer)
-    results = [run_episode(t, d, make_policy(t, d), renderer) for t in tasks for d in dialects]
+    bar = progress_bar(len(tasks) * len(dialects), "held-out eval", "episode", enabled=progress)
+    results = []
+    for t in tasks:
+        for d in dialects:
+            results.append(run_episode(t, d, make_policy(t, d), renderer))
+            bar.update(1)
+    bar.close()
     report: dict[str, Any] = {"episodes": len(results)}
     for name, subset in [("all", results), *((d, [r for r in results if r.dialect == d]) for d in dialects)]:
         rewards = [r.reward or 0.0 for r in subset]
@@ -59,21 +67,23 @@ def evaluate_policy(
     return report
 
 
-def evaluate_model(model: Any, tokenizer: Any, n: int = 64, seed: int = 0, split: str = "heldout") -> dict[str, Any]:
+def evaluate_model(model: Any, tokenizer: Any, n: int = 64, seed: int = 0, split: str = "heldout",
+                   progress: bool = False) -> dict[str, Any]:  # fmt: skip
     """Greedy evaluation of an in-memory model on ``n`` tasks of ``split`` in both dialects."""
     tasks = heldout_tasks(n, seed) if split == "heldout" else train_tasks(n, seed)
     policy = greedy_policy(model, tokenizer.convert_tokens_to_ids(IM_END))
-    return evaluate_policy(lambda _t, _d: policy, tokenizer, tasks)
+    return evaluate_policy(lambda _t, _d: policy, tokenizer, tasks, progress=progress)
 
 
-def evaluate(model_dir: str | Path, split: str = "heldout", n: int = 64, seed: int = 0) -> dict[str, Any]:
+def evaluate(model_dir: str | Path, split: str = "heldout", n: int = 64, seed: int = 0,
+             progress: bool = False) -> dict[str, Any]:  # fmt: skip
     """Greedy offline evaluation of a saved model on ``n`` tasks of ``split`` in both dialects."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    return evaluate_model(model, tokenizer, n=n, seed=seed, split=split)
+    return evaluate_model(model, tokenizer, n=n, seed=seed, split=split, progress=progress)
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -13,16 +13,23 @@ Training uses two exact shortcuts (same gradients as training every turn separat
 * Episodes of one dialect share the system prompt + tool schemas; its KV is computed once per batch (with grad)
   and repeated over the batch (docs/method.md#measurements: 2.2x).
 
+The recipe is bounded by optimizer steps, not wall-clock time, and seeded (data order, shuffling, torch): the same
+``--steps/--seed/--batch-size/--lr/--n-tasks`` give the same model on any machine, however loaded (up to
+floating-point summation order across CPU types). ``--minutes`` is only a safety cap; when it cuts the run short the
+summary says so (``cut_by_minutes``) and the log prints it. ``sft_summary.json`` beside the weights records the
+recipe, the seed, the sha256 of the base and of the result, steps/s and the held-out evaluation.
+
 Topics: none (offline). Run::
 
     HF_HUB_OFFLINE=1 .venv/bin/python -m learner.warmstart.sft --model-dir models/tiny --out models/tiny-sft \
-        [--minutes 8]
+        [--steps 300 --seed 0 --minutes 30]
     .venv/bin/python -m learner.warmstart.sft --model-dir models/tiny-sft --eval-only   # evaluation only
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -35,8 +42,11 @@ from typing import Any
 
 from learner.warmstart.demos import build_episodes, train_tasks
 from learner.warmstart.episodes import DIALECTS
-from learner.warmstart.evaluate import evaluate, evaluate_model, format_report
+from learner.warmstart.evaluate import evaluate, evaluate_model, format_report, progress_bar
 from producers.proxy.render import common_prefix_len
+
+# Steps of the default recipe (see docs/quickstart.md#warm-start for what it reaches and how long it takes).
+DEFAULT_STEPS = 300
 
 # --- episodes as training sequences -----------------------------------------------------------------------------
 
@@ -112,8 +122,8 @@ def _batch_loss(model: Any, seqs: list[Sequence], prefix_len: int, pad_id: int) 
 
 @dataclass
 class SFTConfig:
-    minutes: float = 8.0
-    steps: int = 0  # 0: time budget only
+    steps: int = DEFAULT_STEPS  # the budget: optimizer steps (the learning-rate schedule spans exactly these)
+    minutes: float | None = None  # safety cap on training time (evaluations excluded); None: no cap
     lr: float = 2e-3
     warmup_steps: int = 20
     batch_size: int = 16
@@ -123,12 +133,26 @@ class SFTConfig:
     eval_tasks: int = 64
     log_every: int = 10
     shared_prefix: bool = True
+    progress: bool = True  # a progress bar with ETA (stdout); log lines every log_every steps either way
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.minutes is not None and self.minutes <= 0:
+            raise ValueError(f"minutes (a cap) must be > 0 or None, got {self.minutes}")
+
+
+def lr_scale(step: int, steps: int, warmup_steps: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from 1 to 0.1 over the ``steps`` budget (``step`` from 0)."""
+    progress = min(step / steps, 1.0)
+    return min(1.0, (step + 1) / max(warmup_steps, 1)) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None, **overrides: Any) -> dict[str, Any]:
-    """Train on demonstrations for ``cfg.minutes`` (or ``cfg.steps``) and save the model to ``out_dir``.
+    """Train on demonstrations for ``cfg.steps`` optimizer steps (``cfg.minutes`` caps it) and save to ``out_dir``.
 
-    Returns a summary (steps, minutes, final loss, and the held-out evaluation when ``cfg.eval_tasks`` > 0).
+    Returns a summary (steps, minutes, steps/s, final loss, whether the cap cut the run, sha256 of base and result,
+    and the held-out evaluation when ``cfg.eval_tasks`` > 0); also written to ``out_dir/sft_summary.json``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,24 +167,26 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
     pools = {d: [episode_sequence(e.dialect, e.turns) for e in episodes if e.dialect == d] for d in DIALECTS}
     prefix = {d: _common_prefix(p) if cfg.shared_prefix else 0 for d, p in pools.items()}
     n_target = sum(sum(s.mask) for p in pools.values() for s in p)
-    print(f"[sft] {len(episodes)} episodes, {n_target} target tokens, shared prefix {prefix} "
-          f"({time.perf_counter() - t_start:.1f}s)", flush=True)  # fmt: skip
+    cap = f", capped at {cfg.minutes:g} min" if cfg.minutes else ""
+    _say(f"[sft] {len(episodes)} episodes, {n_target} target tokens, shared prefix {prefix} "
+         f"({time.perf_counter() - t_start:.1f}s); {cfg.steps} steps of {cfg.batch_size}, lr {cfg.lr:g}, "
+         f"seed {cfg.seed}{cap}")  # fmt: skip
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    budget_s = cfg.minutes * 60.0
+    budget_s = cfg.minutes * 60.0 if cfg.minutes else math.inf
     t0 = time.perf_counter()
-    step, window_loss, window_tok, window_pos, t_log, eval_s = 0, 0.0, 0, 0, 0.0, 0.0
+    step, window_loss, window_tok, window_pos, t_log, eval_s, all_pos = 0, 0.0, 0, 0, 0.0, 0.0, 0
     history: list[tuple[int, float]] = []
     order: dict[str, list[int]] = {d: [] for d in DIALECTS}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bar = progress_bar(cfg.steps, "warm start (SFT)", "step", enabled=cfg.progress)
+    cut = False
     model.train()
-    while True:
-        elapsed = time.perf_counter() - t0 - eval_s
-        progress = max(step / cfg.steps if cfg.steps else 0.0, elapsed / budget_s if budget_s > 0 else 0.0)
-        if progress >= 1.0:
+    while step < cfg.steps:
+        if time.perf_counter() - t0 - eval_s >= budget_s:
+            cut = True
             break
-        # Linear warmup, then cosine to 10% over the budget (by steps or by time, whichever runs out first).
-        scale = min(1.0, (step + 1) / cfg.warmup_steps) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+        scale = lr_scale(step, cfg.steps, cfg.warmup_steps)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * scale
         dialect = DIALECTS[step % len(DIALECTS)]
@@ -175,32 +201,69 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
         step += 1
         window_loss += float(loss_sum.detach())
         window_tok += n_tok
-        window_pos += sum(len(s.ids) for s in batch)
-        if step % cfg.log_every == 0:
+        positions = sum(len(s.ids) for s in batch)
+        window_pos += positions
+        all_pos += positions
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
             dt = time.perf_counter() - t0 - eval_s
             history.append((step, window_loss / max(window_tok, 1)))
-            print(f"[sft] step {step} {dt / 60:.1f}min loss {history[-1][1]:.4f} lr {cfg.lr * scale:.2e} "
-                  f"{window_pos / max(dt - t_log, 1e-9):.0f} tok/s", flush=True)  # fmt: skip
+            rate = window_pos / max(dt - t_log, 1e-9)
+            bar.set_postfix_str(f"loss {history[-1][1]:.3f}, {rate:.0f} tok/s", refresh=False)
+            _log(bar, f"[sft] step {step}/{cfg.steps} {dt / 60:.1f}min loss {history[-1][1]:.4f} "
+                      f"lr {cfg.lr * scale:.2e} {rate:.0f} tok/s")  # fmt: skip
             t_log = dt
             window_loss, window_tok, window_pos = 0.0, 0, 0
-        if cfg.eval_every and step % cfg.eval_every == 0:  # not counted in the time budget
+        if cfg.eval_every and step % cfg.eval_every == 0:  # not counted in the time cap
             t_eval = time.perf_counter()
             model.eval()
             report = evaluate_model(model, tokenizer, n=min(cfg.eval_tasks, 16), seed=cfg.seed)
             model.train()
             eval_s += time.perf_counter() - t_eval
-            print(f"[sft] eval step {step} ({time.perf_counter() - t_eval:.0f}s): {format_report(report)}", flush=True)
+            _log(bar, f"[sft] eval step {step} ({time.perf_counter() - t_eval:.0f}s): {format_report(report)}")
+    bar.close()
     train_s = time.perf_counter() - t0 - eval_s
+    if cut:
+        _say(f"[sft] WARNING: the --minutes {cfg.minutes:g} cap cut the run at step {step} of {cfg.steps}: this "
+             "model is NOT the recipe's (raise or drop the cap to reproduce it)")  # fmt: skip
     model.eval()
     save_model(model, tokenizer, model_dir, out_dir)
-    summary: dict[str, Any] = {"steps": step, "train_minutes": round(train_s / 60, 2),
-                               "final_loss": history[-1][1] if history else None, "history": history,
-                               "config": vars(cfg)}  # fmt: skip
+    summary: dict[str, Any] = {
+        "steps": step, "steps_planned": cfg.steps, "cut_by_minutes": cut, "train_minutes": round(train_s / 60, 2),
+        "steps_per_s": round(step / max(train_s, 1e-9), 4), "tokens_per_s": round(all_pos / max(train_s, 1e-9)),
+        "final_loss": history[-1][1] if history else None, "history": history, "config": vars(cfg),
+        "base_sha256": weights_sha256(model_dir), "sha256": weights_sha256(out_dir),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }  # fmt: skip
+    _say(f"[sft] {step} steps in {train_s / 60:.1f} min ({summary['steps_per_s']:.2f} steps/s, "
+         f"{summary['tokens_per_s']} tok/s); weights sha256 {summary['sha256'][:16]}…")  # fmt: skip
     if cfg.eval_tasks:
-        summary["eval"] = evaluate_model(model, tokenizer, n=cfg.eval_tasks, seed=cfg.seed)
-        print(f"[sft] held-out eval: {format_report(summary['eval'])}", flush=True)
+        summary["eval"] = evaluate_model(model, tokenizer, n=cfg.eval_tasks, seed=cfg.seed, progress=cfg.progress)
+        _say(f"[sft] held-out eval: {format_report(summary['eval'])}")
     Path(out_dir, "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def _log(bar: Any, message: str) -> None:
+    """A log line that does not tear the progress bar (tqdm.write when a bar is shown)."""
+    if getattr(bar, "disable", True):
+        _say(message)
+    else:
+        bar.write(message)
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """sha256 over the model's safetensors files (sorted by name): the checksum a shipped warm start is checked by."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:
@@ -228,24 +291,32 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m learner.warmstart.sft", description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", type=Path, required=True, help="model to warm-start (policy.tiny_model output)")
     p.add_argument("--out", type=Path, help="where to save the warm-started model (required unless --eval-only)")
-    p.add_argument("--minutes", type=float, default=d.minutes, help="training time budget")
-    p.add_argument("--steps", type=int, default=d.steps, help="step budget (0: time budget only)")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--n-tasks", type=int, default=d.n_tasks, help="training tasks (each in both dialects)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps: the recipe's budget (%(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the data, its order and torch (%(default)s)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="safety cap on training minutes (default: none); a cut run is reported, not the recipe")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, then cosine to 10%% (%(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="episodes per step, one dialect per step (%(default)s)")
+    p.add_argument("--n-tasks", type=int, default=d.n_tasks, help="training tasks, each in both dialects (%(default)s)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between small evals (0: off)")
-    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks, help="held-out tasks for the final eval (x2)")
+    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
+                   help="held-out tasks for the final eval, x2 dialects (%(default)s)")
     p.add_argument("--eval-only", action="store_true", help="only evaluate --model-dir")
+    p.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
     a = p.parse_args(argv)
     if a.eval_only:
-        report = evaluate(a.model_dir, n=a.eval_tasks, seed=a.seed)
+        report = evaluate(a.model_dir, n=a.eval_tasks, seed=a.seed, progress=not a.no_progress)
         print(json.dumps(report, indent=2))
         return 0
     if a.out is None:
         p.error("--out is required")
-    cfg = SFTConfig(minutes=a.minutes, steps=a.steps, lr=a.lr, batch_size=a.batch_size, n_tasks=a.n_tasks,
-                    seed=a.seed, eval_every=a.eval_every, eval_tasks=a.eval_tasks)  # fmt: skip
+    try:
+        cfg = SFTConfig(steps=a.steps, minutes=a.minutes, lr=a.lr, batch_size=a.batch_size, n_tasks=a.n_tasks,
+                        seed=a.seed, eval_every=a.eval_every, eval_tasks=a.eval_tasks,
+                        progress=not a.no_progress)  # fmt: skip
+    except ValueError as exc:
+        p.error(str(exc))
     sft(a.model_dir, a.out, cfg)
     return 0
 

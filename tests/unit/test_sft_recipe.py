@@ -1,0 +1,64 @@
+"""The SFT warm start is a recipe bounded by steps and a seed, not by the clock: the same recipe gives the same
+weights (checksum recorded in sft_summary.json), another seed other weights, the learning-rate schedule spans exactly
+the steps, and a minutes cap that cuts the run is reported as such. Uses a small model from ``policy.tiny_model``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from learner.warmstart import sft  # noqa: E402
+from policy.tiny_model import init_tiny_model  # noqa: E402
+
+RECIPE = {"lr": 3e-3, "warmup_steps": 2, "batch_size": 2, "n_tasks": 8, "eval_tasks": 0, "log_every": 2,
+          "progress": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sft-recipe") / "tiny"
+    init_tiny_model(out, seed=0, vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                    num_kv_heads=1, num_documents=3000, progress=None)  # fmt: skip
+    return out
+
+
+def test_same_steps_and_seed_give_the_same_weights(model_dir: Path, tmp_path: Path) -> None:
+    a = sft.sft(model_dir, tmp_path / "a", steps=4, seed=3, **RECIPE)
+    b = sft.sft(model_dir, tmp_path / "b", steps=4, seed=3, **RECIPE)
+    c = sft.sft(model_dir, tmp_path / "c", steps=4, seed=4, **RECIPE)
+    assert a["steps"] == b["steps"] == 4 and not a["cut_by_minutes"]
+    assert a["sha256"] == b["sha256"] == sft.weights_sha256(tmp_path / "a")
+    assert c["sha256"] != a["sha256"]  # the seed decides the data order (and torch's draws)
+    assert a["base_sha256"] == sft.weights_sha256(model_dir) != a["sha256"]
+    saved = json.loads((tmp_path / "a" / "sft_summary.json").read_text())
+    assert saved["sha256"] == a["sha256"] and saved["config"]["seed"] == 3 and saved["config"]["steps"] == 4
+    assert saved["steps_per_s"] > 0
+
+
+def test_a_minutes_cap_that_cuts_the_run_is_reported(model_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    summary = sft.sft(model_dir, tmp_path / "cut", steps=10_000, minutes=1e-6, **RECIPE)
+    assert summary["cut_by_minutes"] and summary["steps"] < 10_000
+    assert "cap cut the run" in capsys.readouterr().out
+
+
+def test_learning_rate_schedule_spans_the_steps() -> None:
+    steps, warmup = 100, 10
+    scales = [sft.lr_scale(s, steps, warmup) for s in range(steps)]
+    assert scales[0] == pytest.approx(0.1 * (0.1 + 0.45 * 2))  # first warmup step
+    assert max(scales) == pytest.approx(scales[warmup - 1])  # peak right after warmup
+    assert scales[-1] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 99 / 100)))  # ~10 % at the end
+    assert all(x >= y for x, y in zip(scales[warmup - 1 :], scales[warmup:], strict=False))  # then only down
+
+
+def test_bad_budgets_are_refused() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        sft.SFTConfig(steps=0)
+    with pytest.raises(ValueError, match="minutes"):
+        sft.SFTConfig(minutes=0)
