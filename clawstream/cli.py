@@ -442,5 +442,24 @@ def export(ctx: click.Context) -> None:
     sys.exit(run(ctx.args))
 
 
+# ---- dashboard and capture health --------------------------------------------------------------------------------
+@main.command("dashboard", context_settings=_PASSTHROUGH)
+@click.pass_context
+def dashboard(ctx: click.Context) -> None:
+    """Live dashboard over the topics: rewards, statuses, trees, throughput, lag, weights, capture health (--help)."""
+    from consumers.analytics.dashboard.server import main as run
+
+    sys.exit(run(ctx.args))
+
+
+@main.command("health", context_settings=_PASSTHROUGH)
+@click.pass_context
+def health(ctx: click.Context) -> None:
+    """Capture health per harness and chat template over a range of the calls topic (--help for the range)."""
+    from consumers.analytics.dashboard.health_report import main as run
+
+    sys.exit(run(ctx.args))
+
+
 if __name__ == "__main__":
     main()
