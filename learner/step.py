@@ -10,7 +10,17 @@ Pure torch (no Kafka): the train loop hands it decoded trajectories and advantag
    the whole part's loss) and takes one clipped AdamW step.
 
 With ``mini_batches == 1`` the ratio π_new/π_old is 1 at the step, so the clipped surrogate reduces to the plain
-policy gradient scaled by the TIS weight min(π_old/π_rollout, c) — the paper's off-policy correction.
+policy gradient scaled by the TIS weight min(π_old/π_rollout, c) — the paper's off-policy correction. Its value is
+then -(1/R) Σ_r A_r · mean_t w_rt: near 0 by construction (GRPO advantages sum to 0 within a group), which is why a
+step also measures what it did:
+
+4. after the update, one more forward pass (no grad) gives π_new's logprobs of the same sampled tokens:
+   ``update_kl`` = mean over trainable tokens of log π_old − log π_new (k1 estimate of KL(π_old‖π_new) on the
+   batch's samples), ``update_kl_k3``, and for GRPO ``update_adv_dot`` = mean over rollouts of A_r × the mean change
+   of its tokens' logprobs (> 0: the step moved the policy in the advantages' direction) and ``update_sign_agreement``
+   = the fraction of rollouts with A ≠ 0 whose mean logprob change has A's sign;
+5. GRPO's π_old pass also gives ``entropy``: the mean entropy (nats) of π_old's next-token distribution (at each
+   token's sampling temperature, before top-k/top-p) at the trainable tokens.
 """
 
 from __future__ import annotations
@@ -23,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
+from consumers.inference.sampling import apply_temperature
 from learner.config import LearnerConfig
 from learner.losses import grpo_loss, ppo_loss
-from learner.pack import MicroBatch, pack_trees, packed_logprobs
+from learner.pack import MicroBatch, gather_token_logprobs, pack_trees, packed_forward, packed_logprobs
 from learner.value import ValueHead, policy_and_values
 
 
@@ -66,8 +77,9 @@ def train_step(
             for part in parts]  # fmt: skip
 
     model.eval()  # π_old (and V_old for PPO): the current weights, before this step's updates
+    entropy = [0.0, 0]  # summed over trainable tokens, and their count (GRPO's π_old pass)
     with torch.no_grad(), _autocast(device):
-        old = [[_forward(model, value_head, r, config) for r in rs] for rs in rows]
+        old = [[_old_forward(model, value_head, r, config, entropy) for r in rs] for rs in rows]
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -97,16 +109,82 @@ def train_step(
         steps += 1
 
     metrics = {key: value / max(steps, 1) for key, value in sums.items()}
+    trained_s = time.perf_counter() - started
+    model.eval()  # what the step did: π_new's logprobs of the same tokens
+    with torch.no_grad(), _autocast(device):
+        after = [[packed_logprobs(model, r, only_trainable=True) for r in rs] for rs in rows]
+    metrics.update(update_stats(parts, rows, old, after, grpo=config.algorithm == "grpo"))
+    if entropy[1]:
+        metrics["entropy"] = entropy[0] / entropy[1]
     tokens = sum(r.num_tokens for rs in rows for r in rs)
     trainable = sum(int(r.loss_mask.sum()) for rs in rows for r in rs)
     elapsed = time.perf_counter() - started
     metrics.update({
         "optimizer_steps": float(steps), "rollouts": float(len(trees)), "micro_batches": float(sum(map(len, rows))),
-        "tokens": float(tokens), "trainable_tokens": float(trainable), "tokens_per_s": tokens / elapsed,
-        "step_seconds": elapsed,
+        "tokens": float(tokens), "trainable_tokens": float(trainable), "tokens_per_s": tokens / trained_s,
+        "step_seconds": elapsed, "update_stats_seconds": elapsed - trained_s,
     })  # fmt: skip
     metrics.update(_reward_metrics(trees))
     return metrics
+
+
+def update_stats(
+    parts: Sequence[Sequence[ScoredTree]],
+    rows: Sequence[Sequence[MicroBatch]],
+    old: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]],  # per part, per row: (logp_old (T,), values)
+    after: Sequence[Sequence[torch.Tensor]],  # per part, per row: logp_new (T,) after the step
+    *,
+    grpo: bool = True,
+) -> dict[str, float]:
+    """How far the step moved the policy on its own samples (see the module docstring, item 4)."""
+    kl_sum, kl3_sum, n_tok = 0.0, 0.0, 0
+    dots, agree, signed = [], 0, 0
+    for part, part_rows, part_old, part_after in zip(parts, rows, old, after, strict=True):
+        delta_sum = torch.zeros(len(part), dtype=torch.float64)  # (R_part,) Σ_t (log π_new − log π_old)
+        count = torch.zeros(len(part), dtype=torch.float64)  # (R_part,) trainable tokens
+        for row, (logp_old, _), logp_new in zip(part_rows, part_old, part_after, strict=True):
+            mask = row.loss_mask.to(logp_new.device)
+            delta = (logp_new - logp_old).double()[mask]  # (K,)
+            kl_sum += float(-delta.sum())
+            kl3_sum += float((torch.exp(delta) - 1.0 - delta).sum())
+            n_tok += int(mask.sum())
+            index = row.rollout_index.to(logp_new.device)[mask].cpu()
+            delta_sum.index_add_(0, index, delta.cpu())
+            count.index_add_(0, index, torch.ones_like(delta, device="cpu"))
+        if not grpo:
+            continue
+        for tree, total, k in zip(part, delta_sum.tolist(), count.tolist(), strict=True):
+            if k == 0:
+                continue
+            mean_delta = total / k
+            dots.append(tree.advantage * mean_delta)
+            if tree.advantage != 0.0:
+                signed += 1
+                agree += int(mean_delta != 0.0 and (mean_delta > 0) == (tree.advantage > 0))
+    out = {"update_kl": kl_sum / max(n_tok, 1), "update_kl_k3": kl3_sum / max(n_tok, 1)}
+    if grpo and dots:
+        out["update_adv_dot"] = sum(dots) / len(dots)
+    if grpo and signed:
+        out["update_sign_agreement"] = agree / signed
+    return out
+
+
+def _old_forward(
+    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig, entropy: list
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """π_old's (logprobs (T,), values (T,) or None) of a row; GRPO also adds its entropy sum/count to ``entropy``."""
+    if config.algorithm == "ppo":
+        return _forward(model, head, row, config)
+    logits = packed_forward(model, row).logits  # (1, T, V)
+    logp = gather_token_logprobs(logits, row, only_trainable=True)  # (T,)
+    rows = (row.loss_mask & (row.predictor >= 0)).nonzero(as_tuple=True)[0].to(logits.device)  # (K,)
+    if rows.numel():
+        scaled = apply_temperature(logits[0][row.predictor.to(logits.device)[rows]],
+                                   row.temperature.to(logits.device)[rows])  # (K, V) fp32
+        logq = torch.log_softmax(scaled, dim=-1)
+        entropy[0] += float(-(logq.exp() * logq).sum())
+        entropy[1] += int(rows.numel())
+    return logp, None
 
 
 def _forward(

@@ -239,7 +239,9 @@ class Learner:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, batch.step)
             self.writer.flush()
-        log.info("step %d → v%d: loss %.4f, %s", batch.step, version, metrics.get("loss", float("nan")),
+        log.info("step %d → v%d: loss %.4e (policy %.4e), update KL %.3e, entropy %.3f, %s", batch.step, version,
+                 metrics.get("loss", float("nan")), metrics.get("policy_loss", float("nan")),
+                 metrics.get("update_kl", float("nan")), metrics.get("entropy", float("nan")),
                  {k: round(v, 3) for k, v in metrics.items() if k.startswith("reward/")})  # fmt: skip
 
     def _commit_offsets(self, batch: SealedBatch) -> None:
