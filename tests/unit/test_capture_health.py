@@ -55,8 +55,9 @@ class Recorder:
             assert prompt[:best_len] == self.full[parent][:best_len] if parent else True
         seq = len(self.calls)
         call = CallEvent(
-            rollout_id=self.rollout_id, policy_version=0, timestamp_ms=1000 + seq + ts, call_id=f"{self.rollout_id}-c{seq}",
-            seq=seq, dialect=Dialect.OPENAI_CHAT, requested_model="policy", call_kind=kind,
+            rollout_id=self.rollout_id, policy_version=0, timestamp_ms=1000 + seq + ts,
+            call_id=f"{self.rollout_id}-c{seq}", seq=seq, dialect=Dialect.OPENAI_CHAT, requested_model="policy",
+            call_kind=kind,
             new_tokens=np.array(prompt[best_len:], dtype=np.int32), prompt_len=len(prompt),
             generated_tokens=np.array(gen, dtype=np.int32), logprobs=np.full(len(gen), -0.5, dtype=np.float32),
             finish_reason="stop", parent_call_id=best, shared_prefix_len=best_len, flags=list(flags),
