@@ -23,14 +23,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from clawstream.kafka.clients import bootstrap_servers, check_broker, make_consumer
 from clawstream.settings import KafkaSettings
 from consumers.analytics.records import EventLogError, TopicRef, resolve_topic
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Errors of a topic whose partitions have no leader yet (just created): librdkafka does not flag them retriable.
+_SETTLING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                       KafkaError.UNKNOWN_TOPIC_OR_PART})  # fmt: skip
 
 # A read that makes no progress this long (no record, no position moving) is reported instead of hanging: with
 # read_committed, an open transaction of a crashed producer holds positions until the broker aborts it.
@@ -62,25 +67,38 @@ def _missing(ref: TopicRef, existing: list[str], bootstrap: str) -> str:
     return f"no topic {ref.name} on {bootstrap}{hint}"
 
 
+def _retrying(what: str, call: Callable[[], T], timeout: float) -> T:
+    """``call()``, retried while the broker answers with a retriable error (a topic just created has no leader
+    for a moment: NOT_LEADER_FOR_PARTITION) until ``timeout``; then an :class:`EventLogError` saying ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if not (isinstance(err, KafkaError) and (err.retriable() or err.code() in _SETTLING)) or (
+                    time.monotonic() > deadline):  # fmt: skip
+                raise EventLogError(f"cannot {what}: {exc}") from exc
+            time.sleep(0.2)
+
+
 def watermarks(consumer: Consumer, topic: str, timeout: float = 15.0) -> dict[int, tuple[int, int]]:
     """``{partition: (low, high)}`` of every partition of ``topic``, as of now."""
-    try:
-        meta = consumer.list_topics(topic, timeout=timeout).topics[topic]
-        if meta.error is not None or not meta.partitions:
-            raise EventLogError(f"cannot read {topic}: {meta.error or 'no partitions'}")
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
-                for p in sorted(meta.partitions)}  # fmt: skip
-    except KafkaException as exc:
-        raise EventLogError(f"cannot read the offsets of {topic}: {exc}") from exc
+    meta = _retrying(f"read the partitions of {topic}",
+                     lambda: consumer.list_topics(topic, timeout=timeout).topics[topic], timeout)  # fmt: skip
+    if meta.error is not None or not meta.partitions:
+        raise EventLogError(f"cannot read {topic}: {meta.error or 'no partitions'}")
+    return {p: _retrying(f"read the offsets of {topic}[{p}]",
+                         lambda p=p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout),
+                         timeout)
+            for p in sorted(meta.partitions)}  # fmt: skip
 
 
 def offsets_at(consumer: Consumer, topic: str, time_ms: int, marks: dict[int, tuple[int, int]],
                timeout: float = 15.0) -> dict[int, int]:  # fmt: skip
     """Per partition, the first offset whose record timestamp is at or after ``time_ms`` (``high`` when none)."""
-    try:
-        found = consumer.offsets_for_times([TopicPartition(topic, p, time_ms) for p in marks], timeout=timeout)
-    except KafkaException as exc:
-        raise EventLogError(f"cannot look up offsets by time in {topic}: {exc}") from exc
+    found = _retrying(f"look up offsets by time in {topic}", lambda: consumer.offsets_for_times(
+        [TopicPartition(topic, p, time_ms) for p in marks], timeout=timeout), timeout)  # fmt: skip
     out: dict[int, int] = {}
     for tp in found:
         if tp.error is not None:
@@ -109,7 +127,8 @@ def read_range(
     pending = {p for p in starts if ends is None or starts[p] < ends[p]}
     if not pending:
         return
-    consumer.assign([TopicPartition(topic, p, starts[p]) for p in sorted(pending)])
+    assigned = [TopicPartition(topic, p, starts[p]) for p in sorted(pending)]
+    consumer.assign(assigned)
     try:
         last_progress = time.monotonic()
         last_positions: dict[int, int] = {}
@@ -138,6 +157,8 @@ def read_range(
                                     "stopped producer holds read_committed readers until the broker aborts it)")
     finally:
         try:
+            # librdkafka keeps a partition's pause across unassign/assign: resume, or the next read of it stalls.
+            consumer.resume(assigned)
             consumer.unassign()
         except KafkaException:
             pass
