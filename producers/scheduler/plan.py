@@ -139,3 +139,90 @@ def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str
         mean = f"{r['sum'] / r['graded']:.3f}" if r["graded"] else "n/a"
         lines.append(f"| {h} | {r['n']} | {r['graded']} | {mean} | {r['infra']} | {r['ungraded']} | {r['pending']} |")
     return "\n".join(lines)
+
+
+# --- evaluation scores: per harness and decoding mode, with standard errors --------------------------------------
+
+EVAL_MODES = ("greedy", "sampled")  # greedy: temperature 0; sampled: the scheduler's sampling settings
+EVAL_MODE_KEY = "eval_mode"  # the request metadata label naming an eval rollout's mode
+
+
+@dataclass(frozen=True)
+class EvalScore:
+    """One row of an evaluation: a harness in one decoding mode.
+
+    ``mean``/``stderr``/``solved`` are over the graded rollouts (None when none was graded): ``stderr`` is the
+    standard error of the mean (sample standard deviation / sqrt(n)), ``solved`` the fraction with reward ≥ 1.
+    """
+
+    harness: str
+    mode: str
+    rollouts: int
+    graded: int
+    mean: float | None
+    stderr: float | None
+    solved: float | None
+    infra: int
+    ungraded: int
+    pending: int
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def mean_stderr(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """(mean, standard error of the mean); the error needs two values (None below that)."""
+    n = len(values)
+    if n == 0:
+        return None, None
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, (var / n) ** 0.5
+
+
+def eval_scores(requests: Mapping[str, RolloutRequest], out: Outstanding) -> list[EvalScore]:
+    """Rows per (harness, mode) of the eval ``requests`` (mode: the ``eval_mode`` label, else ``sampled``)."""
+    cells: dict[tuple[str, str], dict[str, list]] = {}
+    for rid, req in requests.items():
+        key = (req.harness, req.metadata.get(EVAL_MODE_KEY, "sampled"))
+        cell = cells.setdefault(key, {"rewards": [], "infra": [], "ungraded": [], "pending": []})
+        reward = out.final.get(rid)
+        if reward is not None and reward.status == RewardStatus.OK and reward.reward is not None:
+            cell["rewards"].append(reward.reward)
+        elif reward is not None:
+            cell["ungraded"].append(rid)
+        elif rid in out.gave_up:
+            cell["infra"].append(rid)
+        else:
+            cell["pending"].append(rid)
+    order = {m: i for i, m in enumerate(EVAL_MODES)}
+    rows = []
+    for (harness, mode), cell in sorted(cells.items(), key=lambda kv: (order.get(kv[0][1], 99), kv[0])):
+        rewards = cell["rewards"]
+        mean, stderr = mean_stderr(rewards)
+        solved = sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None
+        n = len(rewards) + len(cell["infra"]) + len(cell["ungraded"]) + len(cell["pending"])
+        rows.append(EvalScore(harness, mode, n, len(rewards), mean, stderr, solved, len(cell["infra"]),
+                              len(cell["ungraded"]), len(cell["pending"])))  # fmt: skip
+    return rows
+
+
+def _num(value: float | None, fmt: str = ".3f") -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def eval_table(rows: Sequence[EvalScore], sampling: str = "") -> str:
+    """Markdown tables, one per decoding mode: rollouts, graded, mean reward ± standard error, solved fraction."""
+    out: list[str] = []
+    for mode in dict.fromkeys(r.mode for r in rows):
+        note = "temperature 0" if mode == "greedy" else (sampling or "the scheduler's sampling settings")
+        out += [f"{mode} ({note}):",
+                "| harness | rollouts | graded | mean reward | ± s.e. | solved | infra failures | ungraded | pending |",
+                "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in (r for r in rows if r.mode == mode):
+            out.append(f"| {r.harness} | {r.rollouts} | {r.graded} | {_num(r.mean)} | {_num(r.stderr)} | "
+                       f"{_num(r.solved, '.1%')} | {r.infra} | {r.ungraded} | {r.pending} |")  # fmt: skip
+        out.append("")
+    return "\n".join(out).rstrip("\n")

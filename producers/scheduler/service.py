@@ -7,8 +7,10 @@ Pure planning lives in ``producers.scheduler.plan``.
 
 Train mode: for step = start_step … steps−1, wait until the newest weight version ≥ step − max_policy_lag, then
 publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Eval mode (``--eval``): every task
-of ``eval_split`` (optionally the first ``eval_limit``) × each of ``eval_harnesses``, ``eval=True``, step −1; waits
-for the rewards (or ``eval_timeout_s``) and prints a per-harness score table.
+of ``eval_split`` (optionally the first ``eval_limit``) × each of ``eval_harnesses`` × each of ``eval_modes``
+(``greedy``: temperature 0; ``sampled``: ``temperature``/``top_p``/``top_k``), ``eval=True``, step −1; waits for the
+rewards (or ``eval_timeout_s``) and prints a table per mode: per harness the mean reward, its standard error and the
+solved fraction. ``clawstream eval --model DIR`` starts the services for a model and runs this.
 
 Run: ``python -m producers.scheduler.service [--eval] [--steps N]`` (env ``CLAWSTREAM_SCHEDULER_*``, Kafka from
 ``CLAWSTREAM_KAFKA_*``).
@@ -23,6 +25,8 @@ import random
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from typing import Literal
 
 from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 from pydantic import Field
@@ -32,7 +36,17 @@ from clawstream.errors import CodecError
 from clawstream.kafka.clients import check_broker, make_consumer, where
 from clawstream.kafka.publisher import KafkaPublisher
 from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
-from producers.scheduler.plan import Outstanding, StepPlan, instance_requests, may_issue, plan_step, score_table
+from producers.scheduler.plan import (
+    EVAL_MODE_KEY,
+    EvalScore,
+    Outstanding,
+    StepPlan,
+    eval_scores,
+    eval_table,
+    instance_requests,
+    may_issue,
+    plan_step,
+)
 from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardEvent, RolloutRequest, WeightVersion
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
@@ -71,7 +85,11 @@ class SchedulerSettings(BaseSettings):
     eval_split: str = Field(default="heldout", description="Split run by eval mode.")
     eval_harnesses: list[str] = Field(default_factory=lambda: ["agentloop"], description="Harnesses eval runs.")
     eval_limit: int = Field(default=0, ge=0, description="Eval only the first N tasks (0: all).")
-    eval_repeats: int = Field(default=1, ge=1, description="Rollouts per eval task × harness.")
+    eval_repeats: int = Field(default=1, ge=1, description="Rollouts per eval task × harness × mode.")
+    eval_modes: list[Literal["greedy", "sampled"]] = Field(
+        default_factory=lambda: ["sampled"],
+        description="Decoding modes eval runs: greedy (temperature 0) and/or sampled (temperature/top_p/top_k).",
+    )
     eval_timeout_s: float = Field(default=1800.0, description="Eval gives up waiting for rewards after this.")
     publish_timeout_s: float = Field(default=30.0, description="Delivery deadline of one request.")
 
@@ -188,28 +206,56 @@ class Scheduler:
         tasks = self.catalog.suite(self.s.suite).split(self.s.eval_split)
         if self.s.eval_limit:
             tasks = tasks[: self.s.eval_limit]
-        plan = StepPlan(len(tasks), self.s.eval_repeats, {}, self.s.timeout_s, self.s.temperature, self.s.top_p,
-                        self.s.max_tokens, self.s.max_attempts, self.s.top_k)  # fmt: skip
-        return [r for task in tasks for h in self.s.eval_harnesses
-                for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True)]  # fmt: skip
+        out = []
+        for mode in dict.fromkeys(self.s.eval_modes):
+            greedy = mode == "greedy"
+            plan = StepPlan(len(tasks), 1 if greedy else self.s.eval_repeats, {}, self.s.timeout_s,
+                            0.0 if greedy else self.s.temperature, 1.0 if greedy else self.s.top_p,
+                            self.s.max_tokens, self.s.max_attempts, 0 if greedy else self.s.top_k)  # fmt: skip
+            for task in tasks:
+                for h in self.s.eval_harnesses:
+                    for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True):
+                        r.metadata[EVAL_MODE_KEY] = mode
+                        out.append(r)
+        return out
 
-    async def evaluate(self) -> str:
+    def sampling_note(self) -> str:
+        return f"temperature {self.s.temperature:g}, top_p {self.s.top_p:g}, top_k {self.s.top_k or 'off'}"
+
+    async def evaluate_scores(self, progress: Callable[[int, int], None] | None = None) -> list[EvalScore]:
+        """Publish the eval requests, wait for their rewards (or ``eval_timeout_s``); rows per harness and mode.
+
+        ``progress(done, total)`` is called whenever more rollouts have a final reward (or were given up)."""
         await asyncio.to_thread(self._open)
         try:
             await self._drain()
-            await self.publish(self.eval_requests())
+            requests = self.eval_requests()
+            await self.publish(requests)
             deadline = time.monotonic() + self.s.eval_timeout_s
+            reported = -1
             while self.outstanding.pending and time.monotonic() < deadline:
                 await self._drain()
+                done = len(requests) - len(self.outstanding.pending)
+                if progress is not None and done != reported:
+                    progress(done, len(requests))
+                    reported = done
                 await asyncio.sleep(0.2)
+            if progress is not None:
+                progress(len(requests) - len(self.outstanding.pending), len(requests))
         finally:
             self._close()
-        return score_table(self.issued, self.outstanding)
+        return eval_scores(self.issued, self.outstanding)
+
+    async def evaluate(self) -> str:
+        """``evaluate_scores`` as the printed table (one per mode)."""
+        return eval_table(await self.evaluate_scores(), self.sampling_note())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producers.scheduler.service", description=__doc__.split("\n")[0])
-    parser.add_argument("--eval", action="store_true", help="run the eval split and print a score table")
+    parser.add_argument("--eval", action="store_true",
+                        help="run the eval split through the running services and print per-harness tables (mean, "
+                        "standard error, solved); `clawstream eval --model DIR` also starts the services")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--suite")
     add_kafka_arguments(parser)
