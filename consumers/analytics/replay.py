@@ -6,7 +6,8 @@ record timestamps are the time of the copy unless ``--keep-timestamps`` (every e
 ``timestamp_ms`` in its value). The range is offsets ``--from/--to`` (``[from, to)``, per partition with ``P:N``)
 and/or times ``--since/--until`` (the broker's offsets-for-times on the record timestamps); on the batches topic a
 sealed batch is copied whole or not at all (``consumers.analytics.replay_plan``). Missing destination topics are
-created with the catalog's configs and the source's partition count; a destination with fewer partitions than the
+created with the catalog's configs and the source's partition count (with the batches topic, also the learner's
+outputs: weights, metrics, dead letters); a destination with fewer partitions than the
 source is refused, and so is one that already holds records unless ``--append``. The copy is one transactional
 producer (``transactional.id`` = ``<to-prefix>clawstream-replay``, so two replays into one prefix fence each other):
 on the batches topic a transaction ends at each seal, so a reader of the destination (a learner already running on
@@ -52,8 +53,10 @@ from consumers.analytics.replay_plan import (
     summary_text,
 )
 from schemas.events import BatchRecord, BatchRecordKind
-from schemas.topics import BATCHES, TopicSpec
+from schemas.topics import BATCHES, BY_NAME, DEADLETTER, METRICS, WEIGHTS, TopicSpec
 
+# What a learner on the destination prefix writes: created with the replayed batches so it can start at once.
+LEARNER_OUTPUTS = (WEIGHTS, METRICS, DEADLETTER)
 # librdkafka aborts a transaction open longer than transaction.timeout.ms (60 s by default): commit well before.
 MAX_TRANSACTION_S = 20.0
 
@@ -171,6 +174,9 @@ class Replayer:
                 for source in sources:
                     if source.created:
                         create_topics(self.dest, [source.spec], partitions={source.spec.name: source.partitions})
+                if any(spec.name == BATCHES for spec in self.specs):  # a learner on the prefix writes these
+                    copied = {spec.name for spec in self.specs}
+                    create_topics(self.dest, [BY_NAME[t] for t in LEARNER_OUTPUTS if t not in copied])
                 txn_id = f"{self.settings.to_prefix}clawstream-replay"
                 producer = make_producer(self.dest, **{"transactional.id": txn_id})
                 producer.init_transactions(60)
@@ -227,6 +233,7 @@ class Replayer:
         """The committed records of ``[rng.start, rng.end)`` of one partition, in order; progress on stderr."""
         self.consumer.assign([TopicPartition(topic, rng.partition, rng.start)])
         label = f"{topic}[{rng.partition}]"
+        self.progress(f"replay: {what} {label} offsets {rng.start}..{rng.end - 1} ({rng.size})")
         position, moved, shown, seen = rng.start, time.monotonic(), time.monotonic(), 0
         try:
             while position < rng.end:
