@@ -208,5 +208,6 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
 
     # the table a person reads
     text = health(kafka_settings, *[f"--to={p}:{end}" for p, end in ends.items()], as_json=False)
+    print(text)  # the table docs/dashboard.md shows
     line = next(ln for ln in text.splitlines() if ln.startswith("openclaw"))
     assert "33.3% (1/3)" in line and "1.00 (1)" in line and "2.00 (2)" in line

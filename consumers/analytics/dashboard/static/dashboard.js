@@ -6,7 +6,7 @@
 (function () {
   const dash = { updates: 0, failures: 0, state: null, lastError: null };
   window.clawstreamDashboard = dash;
-  const CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
   const MARGIN = { l: 48, r: 16, t: 8, b: 36 };
   const STATUS_COLORS = { running: "#2e90fa", ok: "#12b76a", failed: "#f79009", timed_out: "#9e77ed",
                           infra: "#d92d20" };
@@ -72,7 +72,7 @@
                           bar("cache hit %", "prefix_cache_hit_rate")],
          { barmode: "group", yaxis: { title: { text: "%" }, range: [0, 100] } });
     fillTable("health-table",
-      ["harness", "template", "rollouts", "main calls", "extend exactly", "re-renders/rollout", "forks/rollout",
+      ["harness", "template", "rollouts", "main calls", "extend exactly", "re-renders / r.", "forks / r.",
        "answer forks", "masked", "orphans", "stale attempt", "cache hit"],
       s.health.map((r) => [r.harness, r.template, r.rollouts, r.main_calls,
                            pct(r.extends_share) + " (" + r.extends + "/" + r.follow_ups + ")",
