@@ -25,7 +25,8 @@ from schemas.topics import TRAJECTORIES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Per-harness prefix reuse and mean reward of the trajectories.")
+    parser = argparse.ArgumentParser(prog="python -m consumers.analytics.examples.harness_report",
+                                     description="Per-harness prefix reuse and mean reward of the trajectories.")
     add_kafka_arguments(parser)
     settings = kafka_settings(parser.parse_args(argv))
     consumer = Consumer({**client_config(settings), "group.id": f"harness-report-{uuid.uuid4().hex[:8]}",
@@ -34,40 +35,40 @@ def main(argv: list[str] | None = None) -> int:
     assigned: set[int] = set()
     at_end: set[int] = set()
     consumer.subscribe([settings.topic(TRAJECTORIES)], on_assign=lambda c, ps: assigned.update(p.partition for p in ps))
-    rollouts, path, unique = defaultdict(int), defaultdict(int), defaultdict(int)
-    rewards: dict[str, list[float]] = defaultdict(list)
+    stats: dict[str, dict] = defaultdict(lambda: {"rollouts": 0, "path": 0, "unique": 0, "rewards": []})
     try:
         while not assigned or not assigned <= at_end:
             msg = consumer.poll(1.0)
             if msg is None:
                 continue
             if msg.error() is not None:
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    at_end.add(msg.partition())
-                    continue
-                raise ClawstreamError(f"reading {msg.topic()}: {msg.error()}")
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    raise ClawstreamError(f"reading {msg.topic()}: {msg.error()}")
+                at_end.add(msg.partition())
+                continue
             at_end.discard(msg.partition())
             try:
                 t = Trajectory.from_bytes(msg.value())
             except ClawstreamError as exc:  # a bad record is reported and skipped, never fatal
                 print(f"skipped {msg.topic()}[{msg.partition()}]@{msg.offset()}: {exc}", file=sys.stderr)
                 continue
-            if t.status is TrajectoryStatus.INFRA_FAILURE:
+            if t.status is TrajectoryStatus.INFRA_FAILURE:  # left out of statistics, as training does
                 continue
-            rollouts[t.harness] += 1
-            path[t.harness] += t.path_tokens
-            unique[t.harness] += t.unique_tokens
+            s = stats[t.harness]
+            s["rollouts"] += 1
+            s["path"] += t.path_tokens
+            s["unique"] += t.unique_tokens
             if t.reward is not None:
-                rewards[t.harness].append(t.reward)
+                s["rewards"].append(t.reward)
     except KeyboardInterrupt:
         pass
     finally:
         consumer.close()
     print(f"{'harness':24} {'rollouts':>8} {'prefix reuse':>12} {'mean reward':>11}")
-    for h in sorted(rollouts):
-        reuse = f"{path[h] / unique[h]:.3f}" if unique[h] else "-"
-        mean = f"{sum(rewards[h]) / len(rewards[h]):.3f}" if rewards[h] else "-"
-        print(f"{h:24} {rollouts[h]:>8} {reuse:>12} {mean:>11}")
+    for harness, s in sorted(stats.items()):
+        reuse = f"{s['path'] / s['unique']:.3f}" if s["unique"] else "-"
+        mean = f"{sum(s['rewards']) / len(s['rewards']):.3f}" if s["rewards"] else "-"
+        print(f"{harness:24} {s['rollouts']:>8} {reuse:>12} {mean:>11}")
     return 0
 
 
