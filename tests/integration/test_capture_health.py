@@ -211,3 +211,23 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     print(text)  # the table docs/dashboard.md shows
     line = next(ln for ln in text.splitlines() if ln.startswith("openclaw"))
     assert "33.3% (1/3)" in line and "1.00 (1)" in line and "2.00 (2)" in line
+
+
+def test_health_errors_are_one_clear_line(kafka_settings: KafkaSettings) -> None:
+    base = [sys.executable, "-m", "consumers.analytics.dashboard.health_report", "--bootstrap",
+            kafka_settings.bootstrap_servers or ""]  # fmt: skip
+    cases = {
+        "no topic": (["--topic-prefix", "nope-" + kafka_settings.topic_prefix], "no topic nope-"),
+        "bad time": (["--topic-prefix", kafka_settings.topic_prefix, "--since", "yesterday-ish"], "cannot read"),
+        "bad offset": (["--topic-prefix", kafka_settings.topic_prefix, "--from", "x:1"], "--from 'x:1'"),
+        "no partition": (["--topic-prefix", kafka_settings.topic_prefix, "--from", "99:0"], "no partition 99"),
+    }
+    for name, (args, expected) in cases.items():
+        proc = subprocess.run([*base, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, (name, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (name, proc.stderr)
+    # an empty range is not an error
+    proc = subprocess.run([*base, "--topic-prefix", kafka_settings.topic_prefix], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("no calls in the range (0 read)"), proc.stderr

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -319,3 +320,54 @@ def test_dashboard_page_draws_a_live_run_without_console_errors(kafka_settings: 
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+def _get(url: str) -> tuple[int, str, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - loopback
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read()
+
+
+def test_dashboard_in_process_picks_up_topics_created_later_and_counts_bad_records(kafka_bootstrap: str,
+                                                                                   topic_prefix: str) -> None:
+    """No browser needed: the in-process starter the demo can use, the HTTP routes, a topic that appears after
+    start, an undecodable record (counted, not fatal)."""
+    from clawstream.kafka.clients import create_topics
+    from consumers.analytics.dashboard.server import plotly_js, start_dashboard
+
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=topic_prefix)
+    handle = start_dashboard(settings, port=0)  # before any topic of the prefix exists
+    try:
+        assert handle.url.startswith("http://127.0.0.1:")
+        status, ctype, body = _get(handle.url)
+        assert status == 200 and "text/html" in ctype and b"/static/plotly.min.js" in body
+        status, ctype, body = _get(handle.url + "static/plotly.min.js")
+        assert status == 200 and "javascript" in ctype and body == plotly_js().read_bytes()
+        assert _get(handle.url + "static/..%2F..%2Fserver.py")[0] == 404
+        assert _get(handle.url + "static/secret.txt")[0] == 404
+        assert _get(handle.url + "healthz")[0] == 200
+
+        create_topics(settings)
+        run = Run(int(time.time() * 1000) - 30_000)
+        produce(settings, run.step_events(0))
+        producer = make_producer(settings)
+        producer.produce(settings.topic(CALLS), key=b"r-bad", value=b"\x00not avro")
+        assert producer.flush(30) == 0
+
+        deadline, state = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            state = json.loads(_get(handle.url + "api/state")[2])
+            if state["errors"]["count"] == 1 and state["records"].get(CALLS, 0) == 12:
+                break
+            time.sleep(0.5)
+        assert state["errors"]["count"] == 1 and "not Avro" in state["errors"]["last"], state["errors"]
+        assert state["records"][CALLS] == 12 and state["feed"]["alive"] and state["feed"]["error"] is None
+        assert state["status"] == {"running": 0, "ok": 3, "failed": 1, "timed_out": 0, "infra": 0}
+        metrics = _get(handle.url + "metrics")[2].decode()
+        assert 'clawstream_dashboard_decode_errors_total 1.0' in metrics
+        assert 'clawstream_weights_applied_version{engine="inference-worker/a"} 1.0' in metrics
+    finally:
+        handle.stop()
+    assert not handle._thread.is_alive()
