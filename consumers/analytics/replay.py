@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, Producer
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawstream.errors import ClawstreamError, ConfigError, TopicError
-from clawstream.kafka.clients import create_topics, make_admin, make_consumer, make_producer
+from clawstream.kafka.clients import create_topics, make_admin, make_producer
 from clawstream.settings import KafkaSettings, clawstream_home, load_settings
+from consumers.analytics.reader import offsets_at, open_reader, read_range, watermarks
+from consumers.analytics.records import parse_offsets, parse_time_ms
 from consumers.analytics.replay_plan import (
     BatchPlan,
     Entry,
@@ -45,8 +46,6 @@ from consumers.analytics.replay_plan import (
     PartitionCopy,
     PartitionRange,
     TopicCopy,
-    parse_offsets,
-    parse_time,
     partition_ranges,
     plan_batches,
     resolve_topic,
@@ -101,39 +100,30 @@ class Replayer:
         self.specs = [resolve_topic(t) for t in settings.topics]
         if len({s.name for s in self.specs}) != len(self.specs):
             raise ConfigError("--topic: a topic is named twice")
-        self.starts = parse_offsets(settings.from_offsets, "--from")
-        self.ends = parse_offsets(settings.to_offsets, "--to")
+        self.starts = parse_offsets(settings.from_offsets, flag="--from")
+        self.ends = parse_offsets(settings.to_offsets, flag="--to")
         if (self.starts or self.ends) and len(self.specs) > 1:
             raise ConfigError("--from/--to are offsets of one topic: pass one --topic with them, or use "
                               "--since/--until")
-        self.since = None if settings.since is None else parse_time(settings.since, "--since")
-        self.until = None if settings.until is None else parse_time(settings.until, "--until")
+        self.since = None if settings.since is None else parse_time_ms(settings.since)
+        self.until = None if settings.until is None else parse_time_ms(settings.until)
         self.pacer = Pacer(settings.rate)
-        self.consumer: Consumer = make_consumer(kafka, f"clawstream-replay-{os.getpid()}-{time.monotonic_ns()}")
+        # One never-committing reader (assign, a group id the broker never hears of); it checks the broker and the
+        # first topic, every source topic is checked again in _resolve.
+        self.consumer: Consumer
+        self.consumer, _ = open_reader(kafka, self.specs[0].name)
 
     # ---- resolve and check (no writes) ---------------------------------------------------------------------------
     def _resolve(self, spec: TopicSpec) -> _Source:
         name = self.kafka.topic(spec.name)
-        try:
-            meta = self.consumer.list_topics(name, timeout=30).topics[name]
-            if meta.error is not None or not meta.partitions:
-                raise TopicError(f"source topic {name} does not exist ({meta.error or 'no partitions'}); is the "
-                                 "source --topic-prefix right?")  # fmt: skip
-            marks = {p: self.consumer.get_watermark_offsets(TopicPartition(name, p), timeout=30)
-                     for p in sorted(meta.partitions)}  # fmt: skip
-            since = self._offsets_for(name, marks, self.since)
-            until = self._offsets_for(name, marks, self.until)
-        except KafkaException as exc:
-            raise ClawstreamError(f"cannot read {name}: {exc}") from exc
+        if name not in self.consumer.list_topics(timeout=30).topics:
+            raise TopicError(f"no topic {name}: is the source --topic-prefix {self.kafka.topic_prefix!r} right? "
+                             "(`clawstream topics list` shows the topics)")
+        marks = watermarks(self.consumer, name)
+        since = None if self.since is None else offsets_at(self.consumer, name, self.since, marks)
+        until = None if self.until is None else offsets_at(self.consumer, name, self.until, marks)
         ranges = partition_ranges(marks, self.starts, self.ends, since, until)
         return _Source(spec, name, self.dest.topic(spec.name), len(marks), ranges)
-
-    def _offsets_for(self, name: str, marks: dict[int, tuple[int, int]], at_ms: int | None) -> dict[int, int] | None:
-        """The first offset of each partition whose record timestamp is ≥ ``at_ms`` (the high watermark if none)."""
-        if at_ms is None:
-            return None
-        found = self.consumer.offsets_for_times([TopicPartition(name, p, at_ms) for p in marks], timeout=30)
-        return {tp.partition: tp.offset if tp.offset >= 0 else marks[tp.partition][1] for tp in found}
 
     def _check_destination(self, source: _Source) -> None:
         admin = make_admin(self.dest)
@@ -150,11 +140,7 @@ class Replayer:
                              f"{source.partitions}; delete it or pick another --to-prefix")  # fmt: skip
         if self.settings.append:
             return
-        try:
-            held = {p: self.consumer.get_watermark_offsets(TopicPartition(source.dest, p), timeout=30)
-                    for p in meta.partitions}  # fmt: skip
-        except KafkaException as exc:
-            raise ClawstreamError(f"cannot read {source.dest}: {exc}") from exc
+        held = watermarks(self.consumer, source.dest)
         busy = {p: high - low for p, (low, high) in held.items() if high > low}
         if busy:
             detail = ", ".join(f"[{p}] {n}" for p, n in sorted(busy.items()))
@@ -163,13 +149,13 @@ class Replayer:
 
     # ---- the run -------------------------------------------------------------------------------------------------
     def run(self) -> list[TopicCopy]:
-        sources = [self._resolve(spec) for spec in self.specs]
-        for source in sources:  # every check before the first write: a refused replay writes nothing
-            self._check_destination(source)
-        copies = [TopicCopy(s.name, s.dest, s.created, [PartitionCopy(r.partition, r) for r in s.ranges])
-                  for s in sources]  # fmt: skip
-        producer = None
         try:
+            sources = [self._resolve(spec) for spec in self.specs]
+            for source in sources:  # every check before the first write: a refused replay writes nothing
+                self._check_destination(source)
+            copies = [TopicCopy(s.name, s.dest, s.created, [PartitionCopy(r.partition, r) for r in s.ranges])
+                      for s in sources]  # fmt: skip
+            producer = None
             if not self.settings.dry_run:
                 for source in sources:
                     if source.created:
@@ -231,33 +217,16 @@ class Replayer:
 
     def _read(self, topic: str, rng: PartitionRange, what: str) -> Iterator[Message]:
         """The committed records of ``[rng.start, rng.end)`` of one partition, in order; progress on stderr."""
-        self.consumer.assign([TopicPartition(topic, rng.partition, rng.start)])
         label = f"{topic}[{rng.partition}]"
         self.progress(f"replay: {what} {label} offsets {rng.start}..{rng.end - 1} ({rng.size})")
-        position, moved, shown, seen = rng.start, time.monotonic(), time.monotonic(), 0
-        try:
-            while position < rng.end:
-                msg = self.consumer.poll(0.2)
-                if msg is not None and msg.error() is None and msg.offset() < rng.end:
-                    seen += 1
-                    yield msg
-                elif msg is not None and msg.error() is not None:
-                    self.progress(f"replay: consumer error on {label}: {msg.error()}")
-                # Positions, not "last offset + 1": a transactional topic's last offsets are markers never delivered.
-                now_at = self.consumer.position([TopicPartition(topic, rng.partition)])[0].offset
-                now = time.monotonic()
-                if now_at > position:
-                    position, moved = now_at, now
-                elif now - moved > self.settings.stall_timeout_s:
-                    raise ClawstreamError(f"reading {label} stalled at offset {position} (range ends at {rng.end}) "
-                                          f"for {self.settings.stall_timeout_s:.0f}s; an open transaction on the "
-                                          "source holds read_committed readers back")  # fmt: skip
-                if now - shown >= 2.0:
-                    shown = now
-                    done = min(position, rng.end) - rng.start
-                    self.progress(f"replay: {what} {label}: {done}/{rng.size} offsets, {seen} records")
-        finally:
-            self.consumer.unassign()
+        shown, seen = time.monotonic(), 0
+        for msg in read_range(self.consumer, topic, {rng.partition: rng.start}, {rng.partition: rng.end},
+                              stall_s=self.settings.stall_timeout_s):  # fmt: skip
+            seen += 1
+            yield msg
+            if time.monotonic() - shown >= 2.0:
+                shown = time.monotonic()
+                self.progress(f"replay: {what} {label}: offset {msg.offset()} of ..{rng.end - 1}, {seen} records")
 
 
 class _Transaction:
@@ -339,7 +308,6 @@ def replay(kafka: KafkaSettings, settings: ReplaySettings,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawstream.kafka.clients import check_broker
     from clawstream.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(
@@ -377,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
             to_offsets=args.to_offsets, since=args.since, until=args.until, rate=args.rate, append=args.append,
             keep_timestamps=args.keep_timestamps, dry_run=args.dry_run, commit_every=args.commit_every,
         )  # fmt: skip
-        check_broker(kafka)
         started = time.monotonic()
         copies = replay(kafka, settings)
     except ClawstreamError as exc:

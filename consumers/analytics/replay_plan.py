@@ -1,11 +1,13 @@
 """Replay planning (pure, no Kafka): which topics, which offsets, which whole batches, how fast.
 
 ``consumers.analytics.replay`` reads and writes the broker; everything it decides lives here so it is tested without
-one: the topic names a user may pass, the ``--from/--to`` offset bounds and the ``--since/--until`` times, the per
-partition range they give, the rule that a sealed batch is copied whole or not at all (:func:`plan_batches`), the
-``--rate`` pacing and the end-of-run summary.
+one: the topic names a user may pass, the per partition range that the ``--from/--to`` offsets and the
+``--since/--until`` times give (both parsed by ``consumers.analytics.records``, as for ``tail`` and ``export``), the
+rule that a sealed batch is copied whole or not at all (:func:`plan_batches`), the ``--rate`` pacing and the
+end-of-run summary.
 
-Ranges are half-open, ``[start, end)``, like Kafka's own end offsets: ``--from 10 --to 20`` copies offsets 10 … 19.
+Ranges are half-open, ``[start, end)``, like Kafka's own end offsets: ``--from 10 --to 20`` copies offsets 10 … 19;
+``--from -100`` starts 100 offsets before the end.
 
 Whole batches. On ``clawstream.batches`` a batch is its TRAJECTORY records then one SEAL. A batch is copied only when
 its SEAL and every one of its TRAJECTORY records lie inside the range; a batch cut by a bound is skipped entirely,
@@ -17,16 +19,15 @@ batch (every restart would read the replayed topic again from there); a seal wit
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 from clawstream.errors import ConfigError
+from consumers.analytics.records import ALL_PARTITIONS
 from schemas.topics import BY_NAME, CATALOG, TopicSpec
 
-ALL = -1  # the partition key of a bound given without "P:" (every partition)
+ALL = ALL_PARTITIONS  # the key of a bound given without "P:" (every partition)
 
 
 def resolve_topic(name: str) -> TopicSpec:
@@ -36,54 +37,6 @@ def resolve_topic(name: str) -> TopicSpec:
         names = ", ".join(s.name.removeprefix("clawstream.") for s in CATALOG)
         raise ConfigError(f"--topic {name!r} is not a catalog topic; one of: {names} (with or without 'clawstream.')")
     return spec
-
-
-def parse_offsets(values: Iterable[str], flag: str) -> dict[int, int]:
-    """``["120"]`` → ``{ALL: 120}``; ``["0:120", "3:7"]`` → ``{0: 120, 3: 7}`` (partition ``P:OFFSET``)."""
-    out: dict[int, int] = {}
-    for value in values:
-        part, sep, offset = value.rpartition(":")
-        key = ALL
-        try:
-            if sep:
-                key = int(part)
-                if key < 0:
-                    raise ValueError
-            number = int(offset)
-        except ValueError:
-            raise ConfigError(f"{flag} {value!r}: expected OFFSET or PARTITION:OFFSET (integers >= 0)") from None
-        if number < 0:
-            raise ConfigError(f"{flag} {value!r}: offsets are >= 0")
-        if key in out:
-            raise ConfigError(f"{flag} given twice for {'every partition' if key == ALL else f'partition {key}'}")
-        out[key] = number
-    return out
-
-
-_AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
-_UNIT_MS = {"s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-
-
-def parse_time(value: str, flag: str, now_ms: int | None = None) -> int:
-    """A time bound as epoch milliseconds: ``1767225600000`` (epoch ms), ``2026-01-01T10:00:00Z`` (ISO 8601; no zone
-    means UTC) or ``30m`` / ``2h`` / ``7d`` / ``90s`` (that long ago)."""
-    text = value.strip()
-    if text.isdigit():
-        return int(text)
-    ago = _AGO.match(text)
-    if ago:
-        now = int(time.time() * 1000) if now_ms is None else now_ms
-        return now - int(float(ago.group(1)) * _UNIT_MS[ago.group(2)])
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise ConfigError(
-            f"{flag} {value!r}: expected epoch milliseconds, an ISO 8601 time (2026-01-01T10:00:00Z) or an age "
-            "such as 30m, 2h, 7d"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return int(when.timestamp() * 1000)
 
 
 @dataclass(frozen=True)
@@ -106,18 +59,28 @@ def partition_ranges(
     since: dict[int, int] | None = None,
     until: dict[int, int] | None = None,
 ) -> list[PartitionRange]:
-    """The range of every partition: the watermarks ``(low, high)`` narrowed by the offset bounds (``starts``/``ends``
-    from :func:`parse_offsets`) and by the offsets the time bounds resolved to (``since``/``until``, from the broker's
+    """The range of each partition to copy: the watermarks ``(low, high)`` narrowed by the offset bounds
+    (``starts``/``ends`` from ``records.parse_offsets``: ``{partition or ALL: offset}``, a negative offset counting
+    back from ``high``) and by the offsets the time bounds resolved to (``since``/``until``, from the broker's
     offsets-for-times; a time past the last record resolves to ``high``). Offset and time bounds both apply (the
-    intersection). A bound naming a partition the topic does not have is an error."""
+    intersection). As in ``tail``: bounds that only name partitions (``P:N``, none for every partition) copy only
+    those partitions. A bound naming a partition the topic does not have is an error."""
     for flag, bounds in (("--from", starts), ("--to", ends)):
         unknown = sorted(p for p in bounds if p != ALL and p not in marks)
         if unknown:
             raise ConfigError(f"{flag} names partition(s) {unknown} but the topic has partitions {sorted(marks)}")
+    named = (set(starts) | set(ends)) - {ALL}
+    chosen = sorted(marks) if ALL in starts or ALL in ends or not named else sorted(named)
+
+    def offset(bounds: dict[int, int], p: int, default: int) -> int:
+        value = bounds.get(p, bounds.get(ALL, default))
+        return marks[p][1] + value if value < 0 else value
+
     out = []
-    for p, (low, high) in sorted(marks.items()):
-        start = max(low, starts.get(p, starts.get(ALL, low)), (since or {}).get(p, low))
-        end = min(high, ends.get(p, ends.get(ALL, high)), (until or {}).get(p, high))
+    for p in chosen:
+        low, high = marks[p]
+        start = max(low, offset(starts, p, low), (since or {}).get(p, low))
+        end = min(high, offset(ends, p, high), (until or {}).get(p, high))
         out.append(PartitionRange(p, start, max(start, end)))
     return out
 

@@ -12,8 +12,6 @@ from consumers.analytics.replay_plan import (
     PartitionCopy,
     PartitionRange,
     TopicCopy,
-    parse_offsets,
-    parse_time,
     partition_ranges,
     plan_batches,
     resolve_topic,
@@ -30,27 +28,6 @@ def test_topics_by_full_or_short_name_and_a_clear_error_otherwise() -> None:
         resolve_topic("batch")
 
 
-def test_offset_bounds() -> None:
-    assert parse_offsets(["120"], "--from") == {ALL: 120}
-    assert parse_offsets(["0:120", "3:7"], "--to") == {0: 120, 3: 7}
-    for bad, message in (("x", "expected OFFSET"), ("-3", ">= 0"), ("1:2:3", "expected OFFSET"), ("-1:4", "expected")):
-        with pytest.raises(ConfigError, match=message):
-            parse_offsets([bad], "--from")
-    with pytest.raises(ConfigError, match="given twice for partition 2"):
-        parse_offsets(["2:1", "2:5"], "--from")
-
-
-def test_time_bounds() -> None:
-    assert parse_time("1767225600000", "--since") == 1767225600000
-    assert parse_time("2026-01-01T00:00:00Z", "--since") == 1767225600000
-    assert parse_time("2026-01-01T00:00:00", "--since") == 1767225600000  # no zone: UTC
-    assert parse_time("2026-01-01T01:00:00+01:00", "--since") == 1767225600000
-    assert parse_time("2h", "--since", now_ms=10_000_000) == 10_000_000 - 7_200_000
-    assert parse_time("1.5m", "--until", now_ms=100_000) == 10_000
-    with pytest.raises(ConfigError, match="--until 'yesterday'"):
-        parse_time("yesterday", "--until")
-
-
 def test_ranges_intersect_watermarks_offsets_and_times() -> None:
     marks = {0: (5, 100), 1: (0, 40), 2: (0, 0)}
     assert partition_ranges(marks, {}, {}) == [PartitionRange(0, 5, 100), PartitionRange(1, 0, 40),
@@ -58,6 +35,12 @@ def test_ranges_intersect_watermarks_offsets_and_times() -> None:
     got = partition_ranges(marks, {ALL: 10, 1: 2}, {0: 50}, since={0: 20, 1: 0, 2: 0}, until={0: 90, 1: 30, 2: 0})
     assert got == [PartitionRange(0, 20, 50), PartitionRange(1, 2, 30), PartitionRange(2, 10, 10)]
     assert partition_ranges({0: (0, 10)}, {ALL: 8}, {ALL: 3})[0].size == 0  # an inverted range is empty
+    # negative: back from the end; bounds naming partitions only (none for all): those partitions only, as in tail
+    assert partition_ranges(marks, {ALL: -10}, {}) == [PartitionRange(0, 90, 100), PartitionRange(1, 30, 40),
+                                                       PartitionRange(2, 0, 0)]  # fmt: skip
+    assert partition_ranges(marks, {1: 3}, {0: -1}) == [PartitionRange(0, 5, 99), PartitionRange(1, 3, 40)]
+    assert partition_ranges(marks, {1: 3}, {ALL: 20}) == [PartitionRange(0, 5, 20), PartitionRange(1, 3, 20),
+                                                          PartitionRange(2, 0, 0)]  # fmt: skip
     with pytest.raises(ConfigError, match=r"--to names partition\(s\) \[4\]"):
         partition_ranges(marks, {}, {4: 1})
 
