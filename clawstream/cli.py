@@ -461,5 +461,16 @@ def health(ctx: click.Context) -> None:
     sys.exit(run(ctx.args))
 
 
+# ---- replay ----
+@main.command("replay", context_settings=_PASSTHROUGH)
+@click.pass_context
+def replay(ctx: click.Context) -> None:
+    """Replay a topic range (offsets or times) into a new topic prefix, e.g. a run's batches into a fresh learner
+    (consumers/analytics/replay.py; docs/replay.md; --help for options)."""
+    from consumers.analytics.replay import main as run
+
+    sys.exit(run(ctx.args))
+
+
 if __name__ == "__main__":
     main()
