@@ -402,3 +402,14 @@ def test_export_writes_atomically_and_refuses_to_overwrite(kafka_settings: Kafka
     assert pq.read_table(out).num_rows == 30
     err = capsys.readouterr().err
     assert f"export: wrote 30 records of {kafka_settings.topic(CALLS)} to {out}" in err
+
+
+def test_every_entry_point_has_help() -> None:
+    cases = [(["-m", "clawstream", "tail", "--help"], "usage: clawstream tail"),
+             (["-m", "clawstream", "export", "--help"], "usage: clawstream export"),
+             (["-m", "consumers.analytics", "tail", "--help"], "usage: python -m consumers.analytics tail"),
+             (["-m", "consumers.analytics", "export", "--help"], "--format {jsonl,parquet}"),
+             (["-m", "consumers.analytics.examples.harness_report", "--help"], "--topic-prefix")]
+    for cmd, expected in cases:
+        done = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and expected in done.stdout, (cmd, done.stdout, done.stderr)
