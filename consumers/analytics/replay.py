@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topic", action="append", default=[], metavar="NAME",
                         help="catalog topic to copy, repeatable (default: batches); e.g. batches, trajectories")
     parser.add_argument("--from", dest="from_offsets", action="append", default=[], metavar="[P:]OFFSET",
-                        help="first offset to copy (every partition, or partition P); default: the beginning")
+                        help="first offset to copy, in every partition or in partition P (negative: counted back "
+                        "from the end; P:N only: only partition P); default: the beginning")
     parser.add_argument("--to", dest="to_offsets", action="append", default=[], metavar="[P:]OFFSET",
                         help="copy offsets before this one (exclusive); default: the end as of the start")
     parser.add_argument("--since", metavar="TIME", help="from the first record at/after TIME: epoch ms, ISO 8601 "
