@@ -274,3 +274,36 @@ def test_a_batch_cut_by_the_range_is_skipped_whole(kafka_settings: KafkaSettings
     assert plan.batches == ["b-2", "b-3"] and plan.records == 10 and plan.created
     assert _records(dry, BATCHES) == []  # a dry run creates and writes nothing
     assert "would copy 10 record(s)" in summary_text([plan], dry_run=True)
+
+
+def test_a_paced_replay_feeds_a_learner_already_running_on_the_prefix(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """docs/replay.md's second pattern: topics created, a learner started on the empty prefix, then a paced replay
+    (a transaction per batch) into it: the learner trains each replayed batch once, in order."""
+    _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
+    dest = _other(kafka_settings, "live")
+    create_topics(dest)
+    cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(tmp_path / "w"),
+           "--bootstrap", bootstrap_servers(dest), "--topic-prefix", dest.topic_prefix, "--max-steps", "2",
+           "--idle-exit", "60", "--hp", "lr=1e-3"]  # fmt: skip
+    learner = subprocess.Popen(cmd, cwd=ROOT, env=_env(dest), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)  # fmt: skip
+    seen: list[str] = []
+    try:
+        assert learner.stdout is not None
+        for line in learner.stdout:  # wait until it runs: it logs this just before subscribing to the batches
+            seen.append(line)
+            if "no published version of policy" in line:
+                break
+        assert learner.poll() is None, "".join(seen)[-3000:]
+        [copy] = replay(kafka_settings, ReplaySettings(to_prefix=dest.topic_prefix, rate=4))  # 10 records: ~2.5 s
+        assert copy.records == 10 and not copy.created  # empty, existing topics: no --append needed
+        rest, _ = learner.communicate(timeout=240)
+        out = "".join(seen) + rest
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+            learner.wait()
+    assert learner.returncode == 0, out[-3000:]
+    assert [(v.policy_version, v.batch_id) for v in _versions(dest)] == [(1, "b-1"), (2, "b-2")], out[-3000:]
