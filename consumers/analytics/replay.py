@@ -96,7 +96,11 @@ class Replayer:
         self.kafka, self.settings, self.progress = kafka, settings, progress
         if settings.to_prefix == kafka.topic_prefix:
             raise ConfigError(f"--to-prefix {settings.to_prefix!r} is the source prefix: replay copies into another")
-        self.dest = load_settings(KafkaSettings, **{**kafka.model_dump(), "topic_prefix": settings.to_prefix})
+        try:
+            self.dest = load_settings(KafkaSettings, **{**kafka.model_dump(), "topic_prefix": settings.to_prefix})
+        except ConfigError as exc:  # the source settings are valid, so the prefix is what is wrong
+            raise ConfigError(f"--to-prefix {settings.to_prefix!r}: topic names allow only letters, digits, '.', '_' "
+                              "and '-'") from exc  # fmt: skip
         self.specs = [resolve_topic(t) for t in settings.topics]
         if len({s.name for s in self.specs}) != len(self.specs):
             raise ConfigError("--topic: a topic is named twice")
@@ -105,8 +109,8 @@ class Replayer:
         if (self.starts or self.ends) and len(self.specs) > 1:
             raise ConfigError("--from/--to are offsets of one topic: pass one --topic with them, or use "
                               "--since/--until")
-        self.since = None if settings.since is None else parse_time_ms(settings.since)
-        self.until = None if settings.until is None else parse_time_ms(settings.until)
+        self.since = None if settings.since is None else _time(settings.since, "--since")
+        self.until = None if settings.until is None else _time(settings.until, "--until")
         self.pacer = Pacer(settings.rate)
         # One never-committing reader (assign, a group id the broker never hears of); it checks the broker and the
         # first topic, every source topic is checked again in _resolve.
@@ -283,6 +287,13 @@ class _Transaction:
             except KafkaException:
                 pass  # the original error is the one to report; the broker aborts it on timeout anyway
             self.pending = 0
+
+
+def _time(value: str, flag: str) -> int:
+    try:
+        return parse_time_ms(value)
+    except ClawstreamError as exc:  # its message does not say which flag
+        raise ConfigError(f"{flag}: {exc}") from exc
 
 
 def _entry(msg: Message) -> Entry:

@@ -124,3 +124,21 @@ def test_summary_names_offsets_on_both_sides_and_skipped_batches() -> None:
     assert "[1] nothing in range" in text and "whole batches: 1 (b-1)" in text
     assert "skipped batch b-3 (offsets 11..11)" in text
     assert copy.to_json()["partitions"][0]["dest_offsets"] == [0, 2]
+
+
+def test_bad_requests_are_refused_before_any_broker_is_contacted() -> None:
+    from clawstream.settings import KafkaSettings
+    from consumers.analytics.replay import Replayer, ReplaySettings
+
+    kafka = KafkaSettings(bootstrap_servers="127.0.0.1:1", topic_prefix="runA.")  # nothing listens there
+    bad = {
+        "bad!": ("--to-prefix 'bad!': topic names allow only", {}),
+        "runA.": ("is the source prefix", {}),
+        "x.": ("--from/--to are offsets of one topic", {"topics": ["batches", "calls"], "from_offsets": ["3"]}),
+        "y.": ("'batch' is not a catalog topic", {"topics": ["batch"]}),
+        "z.": ("--rate 0.0: records per second must be > 0", {"rate": 0.0}),
+        "w.": ("--until: cannot read 'noon' as a time", {"until": "noon"}),
+    }
+    for prefix, (message, extra) in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            Replayer(kafka, ReplaySettings(to_prefix=prefix, **extra), progress=lambda line: None)
