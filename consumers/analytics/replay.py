@@ -37,6 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from clawstream.errors import ClawstreamError, ConfigError, TopicError
 from clawstream.kafka.clients import create_topics, make_admin, make_producer
 from clawstream.settings import KafkaSettings, clawstream_home, load_settings
+from consumers.analytics.reader import _BATCH as READ_BATCH
 from consumers.analytics.reader import offsets_at, open_reader, read_range, watermarks
 from consumers.analytics.records import parse_offsets, parse_time_ms
 from consumers.analytics.replay_plan import (
@@ -198,6 +199,8 @@ class Replayer:
                 offset = msg.offset()
                 if plan is not None and offset not in plan.copy:
                     continue
+                if txn.age() + self.pacer.delay() > MAX_TRANSACTION_S:  # a slow --rate: do not wait inside one
+                    txn.commit()
                 self.pacer.wait()
                 timestamp = msg.timestamp()[1] if self.settings.keep_timestamps else 0
                 txn.produce(source.dest, msg, timestamp)
@@ -206,12 +209,13 @@ class Replayer:
                 if boundary or txn.age() > MAX_TRANSACTION_S:
                     txn.commit()
             txn.commit()
-        except (KafkaException, ClawstreamError) as exc:
+        except (KafkaException, ClawstreamError, KeyboardInterrupt) as exc:
             txn.abort()
             done = txn.committed_through
             resume = f"--from {part.partition}:{rng.start if done is None else done + 1}"
+            why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"failed: {exc}"
             raise ClawstreamError(
-                f"replay of {source.name}[{part.partition}] failed: {exc}; committed to {source.dest} up to source "
+                f"replay of {source.name}[{part.partition}] {why}; committed to {source.dest} up to source "
                 f"offset {done if done is not None else '(none)'}; to continue: --topic {source.spec.name} --append "
                 f"{resume} (plus your other bounds)"
             ) from exc
@@ -224,8 +228,11 @@ class Replayer:
         label = f"{topic}[{rng.partition}]"
         self.progress(f"replay: {what} {label} offsets {rng.start}..{rng.end - 1} ({rng.size})")
         shown, seen = time.monotonic(), 0
+        # read_range takes up to READ_BATCH records per poll and counts the time we spend on them (pacing) as
+        # time without progress: allow for pacing one poll's worth on top of the stall timeout.
+        stall = self.settings.stall_timeout_s + (READ_BATCH / self.settings.rate if self.settings.rate else 0.0)
         for msg in read_range(self.consumer, topic, {rng.partition: rng.start}, {rng.partition: rng.end},
-                              stall_s=self.settings.stall_timeout_s):  # fmt: skip
+                              stall_s=stall):  # fmt: skip
             seen += 1
             yield msg
             if time.monotonic() - shown >= 2.0:

@@ -164,6 +164,12 @@ class Pacer:
         self.origin: float | None = None
         self.released = 0
 
+    def delay(self) -> float:
+        """Seconds :meth:`wait` would block now (0 without pacing or before the first record)."""
+        if self.rate is None or self.origin is None:
+            return 0.0
+        return max(0.0, self.origin + self.released / self.rate - self.clock())
+
     def wait(self) -> None:
         """Block until the next record may be produced."""
         if self.rate is None:

@@ -95,6 +95,7 @@ def test_pacing_releases_record_i_at_i_over_rate() -> None:
         pacer.wait()
         released.append(clock.now - 100.0)
     assert released == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert pacer.delay() == pytest.approx(0.25)  # what the next wait would block (a transaction is not kept open)
     clock.now += 0.2  # work between records counts toward the wait
     pacer.wait()
     assert released[-1] + 0.25 == pytest.approx(clock.now - 100.0) and clock.slept[-1] == pytest.approx(0.05)
