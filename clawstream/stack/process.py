@@ -1,4 +1,4 @@
-"""Run the clawstream services as supervised child processes (the CPU quickstart and local experiments).
+"""Supervised child processes: start a service, wait until it is ready, notice when it dies, stop them all.
 
 Each service is the same ``python -m …`` entry point an operator would run by hand, started in its own process
 group with its output in ``<log_dir>/<name>.log``; readiness is a line it prints (a regex) or an HTTP endpoint
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from clawstream.errors import ClawstreamError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `python -m` runs from there
 
 
 class StackError(ClawstreamError):

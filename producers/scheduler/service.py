@@ -225,20 +225,18 @@ class Scheduler:
     async def evaluate_scores(self, progress: Callable[[int, int], None] | None = None) -> list[EvalScore]:
         """Publish the eval requests, wait for their rewards (or ``eval_timeout_s``); rows per harness and mode.
 
-        ``progress(done, total)`` is called whenever more rollouts have a final reward (or were given up)."""
+        ``progress(done, total)`` is called at every poll (~5 times a second) with the rollouts that have a final
+        reward (or were given up): a caller can draw a bar, or raise to stop waiting (e.g. a service died)."""
         await asyncio.to_thread(self._open)
         try:
             await self._drain()
             requests = self.eval_requests()
             await self.publish(requests)
             deadline = time.monotonic() + self.s.eval_timeout_s
-            reported = -1
             while self.outstanding.pending and time.monotonic() < deadline:
                 await self._drain()
-                done = len(requests) - len(self.outstanding.pending)
-                if progress is not None and done != reported:
-                    progress(done, len(requests))
-                    reported = done
+                if progress is not None:
+                    progress(len(requests) - len(self.outstanding.pending), len(requests))
                 await asyncio.sleep(0.2)
             if progress is not None:
                 progress(len(requests) - len(self.outstanding.pending), len(requests))

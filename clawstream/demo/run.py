@@ -1,0 +1,225 @@
+"""The quickstart run: warm start → RL through the whole system → held-out before/after → table, plot, timeline.
+
+See the package docstring for what a user sees; ``DemoConfig`` for every size (``clawstream demo --help``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from clawstream.demo import report
+from clawstream.demo.timeline import read_timeline, timeline_table
+from clawstream.demo.watch import Watcher
+from clawstream.errors import ClawstreamError
+from clawstream.settings import clawstream_home
+from clawstream.stack.evaluate import EvalConfig, EvalResult, run_eval
+from clawstream.stack.services import (
+    run_kafka,
+    stack_for,
+    start_learner,
+    start_rollout_side,
+    start_scheduler,
+    start_streams,
+)
+from learner.warmstart.sft import DEFAULT_STEPS as SFT_STEPS
+
+HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Every size of the quickstart. RL: ``steps`` × ``tasks_per_step`` GRPO groups of ``group_size`` rollouts."""
+
+    steps: int = 3
+    tasks_per_step: int = 4
+    group_size: int = 4
+    lr: float = 2e-5  # learner AdamW learning rate
+    max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
+    temperature: float = 1.0
+    max_tokens: int = 256  # per model call
+    concurrency: int = 8  # rollouts at once (sandbox worker)
+    settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
+    seed: int = 0  # scheduler's task sampling and the learner's torch seed
+    model: Path | None = None  # start RL from this model directory instead of the tiny model's warm start below
+    sft_steps: int = SFT_STEPS  # warm start recipe (0: RL from the random model)
+    sft_seed: int = 0
+    sft_batch_size: int = 16
+    sft_n_tasks: int = 1024
+    eval_tasks: int = 256  # held-out tasks per harness and mode, before and after (0: no evaluation)
+    eval_modes: tuple[str, ...] = ("greedy", "sampled")
+    timeout_s: float = 3600.0  # for the RL part
+    engine: str = "cpu"
+    progress: bool = True
+
+
+def warm_start_dir(models: Path, cfg: DemoConfig) -> Path:
+    """Where the warm start of this recipe is cached: the recipe is in the name, so another recipe trains anew."""
+    recipe = {"steps": cfg.sft_steps, "seed": cfg.sft_seed, "batch_size": cfg.sft_batch_size,
+              "n_tasks": cfg.sft_n_tasks}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
+    return models / f"tiny-qwen3-sft-{cfg.sft_steps}steps-seed{cfg.sft_seed}-{digest}"
+
+
+def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
+    """The tiny base model (built once) warm-started by SFT with the recipe of ``cfg`` (trained once; cached)."""
+    from policy.tiny_model import init_tiny_model, is_current
+
+    base = models / "tiny-qwen3"
+    if not is_current(base):  # missing, or built by an older builder (e.g. fewer positions): rebuild all of it
+        for stale in models.glob("tiny-qwen3-sft*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+        say(f"==> building the tiny Qwen3-architecture model into {base}")
+        init_tiny_model(base, seed=0, progress=lambda _msg: None)
+    if cfg.sft_steps <= 0:
+        return base
+    from learner.warmstart import sft
+
+    _quiet_transformers()
+    warm = warm_start_dir(models, cfg)
+    if (warm / "sft_summary.json").exists():
+        summary = json.loads((warm / "sft_summary.json").read_text())
+        say(f"==> warm start: {warm} (cached; {summary.get('steps')} SFT steps, seed {cfg.sft_seed})")
+        return warm
+    say(f"==> warm start: {cfg.sft_steps} SFT steps (seed {cfg.sft_seed}) on synthetic agent demonstrations, once → "
+        f"{warm}")  # fmt: skip
+    partial = warm.with_name(warm.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    sft.sft(base, partial, steps=cfg.sft_steps, seed=cfg.sft_seed, batch_size=cfg.sft_batch_size,
+            n_tasks=cfg.sft_n_tasks, eval_tasks=0, progress=cfg.progress)  # fmt: skip
+    partial.rename(warm)  # only a finished warm start is ever found in the cache
+    return warm
+
+
+def export_version(model: Path, weights: Path, version: int, out: Path) -> Path:
+    """A served weight version as a model directory (``model``'s config and tokenizer, the version's weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.warmstart.sft import save_model
+    from policy.weight_store import copy_into, load_checked, version_path
+
+    _quiet_transformers()
+    net = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    copy_into(net, load_checked(version_path(weights, "policy", version), net))
+    save_model(net, None, model, out)
+    return out
+
+
+def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> EvalResult:
+    """``run_eval``, reused when this exact model (weights sha256) was evaluated with this exact config before."""
+    from learner.warmstart.sft import weights_sha256
+
+    path = cache / f"{weights_sha256(model)[:16]}-{cfg.key()}.json"
+    if path.exists():
+        result = EvalResult.from_json(json.loads(path.read_text()))
+        kwargs.get("say", print)(f"==> {kwargs.get('label', 'eval')}: cached result of this model and config ({path})")
+        return result
+    result = run_eval(model, cfg, **kwargs)
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return result
+
+
+def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
+    """Run the quickstart; returns what happened (prefix, run dir, per-step metrics, versions served, evaluations)."""
+    cfg = replace(cfg or DemoConfig(), **overrides)
+    check(cfg)
+    say = _say
+    t0 = time.monotonic()
+    home = clawstream_home()
+    run = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = home / "demo" / run
+    prefix = f"demo-{run}."
+    kafka = run_kafka(prefix, say)
+    say(f"==> topics created under prefix '{prefix}'")
+    model = Path(cfg.model) if cfg.model is not None else prepare_model(home / "models", cfg, say)
+    if not (model / "config.json").exists():
+        raise ClawstreamError(f"--model {model}: not a model directory (no config.json)")
+
+    stack = stack_for(kafka, run_dir / "logs")
+    rollouts_per_step = cfg.tasks_per_step * cfg.group_size
+    watcher = Watcher(kafka, cfg.steps, rollouts_per_step, progress=cfg.progress, say=say)
+    try:
+        say(f"==> starting services (logs in {run_dir / 'logs'})")
+        start_rollout_side(stack, model, engine=cfg.engine, concurrency=cfg.concurrency,
+                           max_batch_size=max(16, cfg.concurrency))  # fmt: skip
+        start_streams(stack, run_dir, group_size=cfg.group_size, batch_groups=cfg.tasks_per_step,
+                      settle_interval_s=cfg.settle_interval_s, harness_mix=HARNESS_MIX)  # fmt: skip
+        start_learner(stack, model, run_dir, {"lr": cfg.lr, "seed": cfg.seed})
+        start_scheduler(stack, cfg.steps, {
+            "tasks_per_step": cfg.tasks_per_step, "group_size": cfg.group_size, "harness_mix": HARNESS_MIX,
+            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "max_policy_lag": cfg.max_policy_lag,
+            "seed": cfg.seed, "drain_timeout_s": 120,
+        })  # fmt: skip
+        rl_started = time.monotonic() - t0
+        say(f"==> RL begins {rl_started:.0f} s after the start: {cfg.steps} steps of {cfg.tasks_per_step} tasks × "
+            f"{cfg.group_size} rollouts, harnesses {' + '.join(HARNESS_MIX)}")  # fmt: skip
+        trained, applied = watcher.follow(stack, cfg.timeout_s, started=t0)
+    finally:
+        watcher.close()
+        say("==> stopping services")
+        stack.stop()
+    rl_seconds = time.monotonic() - t0 - rl_started
+    result: dict[str, Any] = {"prefix": prefix, "run_dir": str(run_dir), "trained": trained, "applied": applied,
+                              "config": asdict(cfg), "model": str(model), "rl_started_s": round(rl_started, 1),
+                              "rl_seconds": round(rl_seconds, 1)}  # fmt: skip
+    timeline = read_timeline(kafka)
+    (run_dir / "timeline.md").write_text(timeline_table(timeline) + "\n")
+    say(f"==> where each step's time went (seconds; {run_dir / 'timeline.md'}):\n{timeline_table(timeline)}")
+
+    before = after = None
+    if cfg.eval_tasks > 0 and trained:
+        final = export_version(model, run_dir / "weights", max(applied), run_dir / "final-model")
+        ecfg = EvalConfig(harnesses=tuple(HARNESS_MIX), tasks=cfg.eval_tasks, modes=cfg.eval_modes,
+                          temperature=cfg.temperature, max_tokens=cfg.max_tokens, engine=cfg.engine,
+                          concurrency=max(cfg.concurrency, 12))  # fmt: skip
+        # The warm start's score does not change between runs: measured once per model and config, then reused.
+        before = cached_eval(model, ecfg, home / "eval-cache", kafka=kafka, run_dir=run_dir / "eval-before",
+                             label="held-out eval, before RL (v0)", progress=cfg.progress, say=say)  # fmt: skip
+        after = run_eval(final, ecfg, kafka=kafka, run_dir=run_dir / "eval-after", progress=cfg.progress, say=say,
+                         label=f"held-out eval, after RL (v{max(applied)})")  # fmt: skip
+        table = report.before_after_table(before, after)
+        (run_dir / "before_after.md").write_text(table + "\n")
+        say(f"==> held-out mean reward per harness, before → after RL ({cfg.eval_tasks} tasks each; ± 1 s.e.):\n"
+            f"{table}")  # fmt: skip
+        result.update(before=before.to_json(), after=after.to_json(),
+                      before_after=report.before_after_rows(before, after))  # fmt: skip
+        report.tensorboard_eval(run_dir / "tensorboard", before, after, max(m.step or 0 for m in trained) + 1)
+    png = report.plot(run_dir / "learning.png", trained, before, after)
+    say(f"==> plot: {png}\n    TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    result["total_s"] = round(time.monotonic() - t0, 1)
+    rows = [{**asdict(t), "steps": sorted(t.steps)} for t in timeline]
+    report.write_summary(run_dir / "summary.json", {**result, "trained": [_metric(m) for m in trained],
+                                                    "timeline": rows})  # fmt: skip
+    say(f"==> done in {result['total_s'] / 60:.1f} min (RL began at {rl_started:.0f} s, took {rl_seconds:.0f} s)")
+    return result
+
+
+def _quiet_transformers() -> None:
+    """transformers' own load/save progress bars would interleave with the demo's."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _metric(m: Any) -> dict[str, Any]:
+    return {"step": m.step, "policy_version": m.policy_version, "values": m.values}
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def check(cfg: DemoConfig) -> None:
+    """Refuse sizes that cannot work, with the flag to change."""
+    if cfg.steps < 1 or cfg.tasks_per_step < 1 or cfg.group_size < 1:
+        raise ClawstreamError("--steps, --tasks-per-step and --group-size must be >= 1")
+    if cfg.group_size < 2:
+        raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")

@@ -1,0 +1,190 @@
+"""``clawstream eval``: a model's held-out score per harness, greedy and sampled, with standard errors.
+
+The evaluation runs through the real rollout side of the system, as training does: the model is served by an
+inference engine, every rollout is a real harness run in a sandbox talking to the serving proxy, and the task's
+grader scores the workspace. The scheduler's eval mode (``producers.scheduler``) publishes one request per task ×
+harness × mode (``greedy``: temperature 0; ``sampled``: the training sampling settings) and collects the rewards;
+the result is, per harness and mode, the mean reward, its standard error, the solved fraction (reward 1) and n.
+
+Suites: any suite spec (``builtin:cpu``, ``native:DIR``, ``clawgym:DIR``, ``pinchbench:DIR``). ``builtin:cpu`` has 48
+held-out tasks; asked for more, the evaluation uses the warm start's extended held-out split
+(``learner.warmstart.demos.heldout_tasks``: its first 48 are the suite's, and the SFT data never contains any of
+the first 256), written once as a native suite under ``$CLAWSTREAM_HOME/suites/``.
+
+Topics: ``clawstream.rollout.requests`` out; ``clawstream.rewards`` in (under a fresh topic prefix per evaluation;
+the engine, proxy and sandbox worker it starts produce calls, lifecycle events and rewards there).
+Run: ``clawstream eval --model DIR [--harness H ...] [--suite S] [--tasks 256] [--mode greedy --mode sampled]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clawstream.errors import ClawstreamError
+from clawstream.settings import KafkaSettings, clawstream_home
+from clawstream.stack.process import Stack
+from clawstream.stack.services import run_kafka, stack_for, start_rollout_side
+from learner.warmstart.progress import progress_bar
+from producers.scheduler.plan import EVAL_MODES, EvalScore, eval_table
+
+BUILTIN_CPU = "builtin:cpu"
+BUILTIN_HELDOUT = 48  # held-out tasks of builtin:cpu (producers.tasks.cpu.cpu_suite)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What an evaluation runs: harnesses × tasks of a suite split × decoding modes."""
+
+    harnesses: tuple[str, ...] = ("agentloop", "agentloop-anthropic")
+    suite: str = BUILTIN_CPU
+    split: str = "heldout"
+    tasks: int = 256  # 0: every task of the split
+    modes: tuple[str, ...] = EVAL_MODES
+    temperature: float = 1.0  # sampled mode
+    top_p: float = 1.0
+    max_tokens: int = 256  # per model call, as the quickstart trains
+    concurrency: int = 12  # rollouts at once (sandbox worker); the engine batches their calls
+    engine: str = "cpu"
+    timeout_s: float = 3600.0
+    seed: int = 0  # of the extended builtin:cpu held-out split
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modes if m not in EVAL_MODES]
+        if bad or not self.modes:
+            raise ClawstreamError(f"eval modes must be among {', '.join(EVAL_MODES)}; got {', '.join(self.modes)}")
+        if not self.harnesses:
+            raise ClawstreamError("name at least one harness to evaluate")
+        if self.tasks < 0:
+            raise ClawstreamError(f"--tasks must be >= 0, got {self.tasks}")
+
+    def key(self) -> str:
+        """A digest of everything that decides the result except the model (for caching)."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("concurrency", "timeout_s")}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class EvalResult:
+    model: str
+    config: EvalConfig
+    rows: list[EvalScore]
+    seconds: float
+    table: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, harness: str, mode: str) -> EvalScore | None:
+        return next((r for r in self.rows if r.harness == harness and r.mode == mode), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "config": asdict(self.config), "rows": [r.as_dict() for r in self.rows],
+                "seconds": round(self.seconds, 1), "table": self.table, **self.extra}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EvalResult:
+        cfg = data["config"]
+        config = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
+        rows = [EvalScore(**r) for r in data["rows"]]
+        return cls(data["model"], config, rows, data["seconds"], data["table"])
+
+
+def resolve_suite(cfg: EvalConfig, home: Path | None = None) -> tuple[dict[str, str], str, int]:
+    """(suites name → spec for the worker and scheduler, the suite name to evaluate, the task limit)."""
+    if cfg.suite == BUILTIN_CPU and cfg.split == "heldout" and (cfg.tasks == 0 or cfg.tasks > BUILTIN_HELDOUT):
+        if cfg.tasks == 0:
+            return {"cpu_builtin": BUILTIN_CPU}, "cpu_builtin", 0
+        return {"cpu_heldout": f"native:{extended_heldout(cfg.tasks, cfg.seed, home)}"}, "cpu_heldout", cfg.tasks
+    return {"eval": cfg.suite}, "eval", cfg.tasks
+
+
+def extended_heldout(n: int, seed: int = 0, home: Path | None = None) -> Path:
+    """The first ``n`` tasks of the warm start's held-out split as a native suite directory (written once)."""
+    from learner.warmstart.demos import heldout_tasks
+    from producers.tasks.native import write_native_task
+
+    root = (home or clawstream_home()) / "suites" / f"cpu-heldout-{n}-seed{seed}"
+    if (root / ".complete").exists():
+        return root
+    partial = root.with_name(root.name + f".partial-{secrets.token_hex(4)}")
+    for task in heldout_tasks(n, seed):
+        write_native_task(task, partial / task.task_id)
+    (partial / ".complete").write_text(f"{n}\n")
+    try:
+        partial.rename(root)
+    except OSError:  # another evaluation wrote it meanwhile: theirs is the same
+        import shutil
+
+        shutil.rmtree(partial, ignore_errors=True)
+    return root
+
+
+def run_eval(model: Path, cfg: EvalConfig, *, kafka: KafkaSettings | None = None, run_dir: Path | None = None,
+             label: str = "held-out eval", progress: bool = True,
+             say: Callable[[str], None] = print) -> EvalResult:  # fmt: skip
+    """Evaluate ``model``: start engine + proxy + sandbox worker under a fresh topic prefix, run the scheduler's eval
+    mode, stop them. ``kafka``: the broker to use (its prefix is replaced); default: as ``clawstream demo`` finds
+    one. Logs and ``eval.json`` go to ``run_dir`` (default ``$CLAWSTREAM_HOME/eval/<time>``)."""
+    from producers.scheduler.service import Scheduler, SchedulerSettings
+
+    if not (Path(model) / "config.json").exists():
+        raise ClawstreamError(f"--model {model}: not a model directory (no config.json)")
+    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{secrets.token_hex(2)}"
+    run_dir = run_dir or clawstream_home() / "eval" / stamp
+    prefix = f"eval-{stamp}."
+    settings = run_kafka(prefix, say) if kafka is None else _with_prefix(kafka, prefix)
+    suites, suite_name, limit = resolve_suite(cfg)
+    stack = stack_for(settings, run_dir / "logs")
+    started = time.monotonic()
+    try:
+        say(f"==> {label}: {model} ({', '.join(cfg.harnesses)} × {limit or 'all'} {cfg.split} tasks × "
+            f"{' + '.join(cfg.modes)}; logs in {run_dir / 'logs'})")  # fmt: skip
+        start_rollout_side(stack, Path(model), engine=cfg.engine, concurrency=cfg.concurrency, suites=suites,
+                           max_batch_size=max(16, cfg.concurrency))  # fmt: skip
+        scheduler = Scheduler(SchedulerSettings(
+            suite=suite_name, suites=suites, eval_split=cfg.split, eval_limit=limit, eval_harnesses=list(cfg.harnesses),
+            eval_modes=list(cfg.modes), temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+            eval_timeout_s=cfg.timeout_s,
+        ), settings)  # fmt: skip
+        rows = asyncio.run(scheduler.evaluate_scores(_progress(stack, label, progress)))
+    finally:
+        stack.stop()
+    result = EvalResult(str(model), cfg, rows, time.monotonic() - started, eval_table(rows, scheduler.sampling_note()))
+    missing = sum(r.pending + r.infra + r.ungraded for r in rows)
+    if missing:
+        say(f"    ({missing} rollouts without a reward: infra failures, ungraded or timed out; see the logs)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "eval.json").write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return result
+
+
+def _with_prefix(kafka: KafkaSettings, prefix: str) -> KafkaSettings:
+    from clawstream.kafka.clients import create_topics
+
+    settings = kafka.model_copy(update={"topic_prefix": prefix})
+    create_topics(settings)
+    return settings
+
+
+def _progress(stack: Stack, label: str, enabled: bool) -> Callable[[int, int], None]:
+    """A progress callback for ``Scheduler.evaluate_scores`` that also notices a service dying."""
+    bar: Any = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        stack.check()
+        if bar is None:
+            bar = progress_bar(total, label, "rollout", enabled=enabled)
+        if done > bar.n:
+            bar.update(done - bar.n)
+        if done >= total and not getattr(bar, "closed", False):
+            bar.close()
+            bar.closed = True
+
+    return update

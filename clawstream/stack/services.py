@@ -1,0 +1,138 @@
+"""How each clawstream service is started as a child process, and the Kafka set-up of a run (broker, topic prefix).
+
+Every service is the ``python -m …`` entry point an operator would run by hand, configured through its flags and
+``CLAWSTREAM_*`` environment; the stack's environment carries the broker address and the run's topic prefix, so
+runs sharing one broker never see each other's records. Used by the quickstart (``clawstream.demo``) and by
+``clawstream eval`` (``clawstream.stack.evaluate``).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from clawstream.errors import ClawstreamError
+from clawstream.kafka.clients import bootstrap_servers, create_topics
+from clawstream.kafka.local import LocalKafka
+from clawstream.settings import KafkaSettings, load_settings
+from clawstream.stack.process import Service, Stack
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_kafka(prefix: str, say: Callable[[str], None] = print) -> KafkaSettings:
+    """Kafka settings of a run under ``prefix`` (its topics created): ``CLAWSTREAM_KAFKA_*`` when a bootstrap is set
+    there, else the local broker of ``clawstream kafka up``, started if it is not running."""
+    settings = KafkaSettings()
+    if not settings.bootstrap_servers:
+        state = LocalKafka().up()
+        say(f"==> Apache Kafka on {state.bootstrap} (stop it later with `clawstream kafka down`)")
+        settings = load_settings(KafkaSettings, bootstrap_servers=state.bootstrap, topic_prefix=prefix)
+    else:
+        settings = load_settings(KafkaSettings, bootstrap_servers=settings.bootstrap_servers, topic_prefix=prefix)
+    create_topics(settings)
+    return settings
+
+
+def stack_for(kafka: KafkaSettings, log_dir: Path) -> Stack:
+    """A stack whose services talk to ``kafka``'s broker under its topic prefix."""
+    return Stack(log_dir, env={"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka),
+                               "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix})  # fmt: skip
+
+
+def start_engine(stack: Stack, engine: str, model: Path, *, max_batch_size: int = 16) -> str:
+    """Start the inference engine; returns the URL the proxy calls.
+
+    ``cpu``: the project's CPU engine, which also follows weight versions. ``vllm``: a real vLLM server
+    (``clawstream vllm serve``; needs ``clawstream vllm install``) plus the inference worker in vLLM mode, which
+    applies each weight version to it (``consumers/inference/vllm_adapter.py``).
+    """
+    if engine == "cpu":
+        found = stack.start(Service("engine", ["consumers.inference.server", "--model", str(model), "--port", "0",
+                                               "--max-batch-size", str(max_batch_size)],
+                                    ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+        return str(found.found)
+    if engine != "vllm":
+        raise ClawstreamError(f"unknown engine {engine!r}: cpu or vllm")
+    from consumers.inference.vllm_server import is_installed
+
+    if not is_installed():
+        raise ClawstreamError("--engine vllm needs vLLM installed once: `clawstream vllm install` (or `make vllm`)")
+    vllm = stack.start(Service("vllm", ["clawstream", "vllm", "serve", "--model", str(model), "--port", "0",
+                                        "--max-model-len", "16384"],
+                               ready_line=r"vLLM ready at (http://\S+:\d+)/v1"), timeout=900)  # fmt: skip
+    stack.start(Service("engine", ["consumers.inference.server", "--engine", "vllm", "--engine-url", str(vllm.found),
+                                   "--port", "0"], ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+    return str(vllm.found)
+
+
+@dataclass(frozen=True)
+class RolloutSide:
+    """Where the rollout side of a running stack answers: the engine, and the proxy harnesses talk to."""
+
+    engine_url: str
+    proxy_url: str
+    admin_token: str
+
+
+def start_rollout_side(stack: Stack, model: Path, *, engine: str = "cpu", concurrency: int = 4,
+                       suites: dict[str, str] | None = None, max_batch_size: int = 16) -> RolloutSide:  # fmt: skip
+    """Engine, serving proxy and sandbox worker: everything a rollout request needs to become a reward.
+
+    ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``)."""
+    engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size)
+    token, port = secrets.token_urlsafe(16), free_port()
+    proxy_url = f"http://127.0.0.1:{port}"
+    stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", engine_url,
+                                  "--port", str(port), "--admin-token", token],
+                        ready_url=f"{proxy_url}/metrics"))  # fmt: skip
+    env = {"CLAWSTREAM_SANDBOX_SUITES": json.dumps(suites)} if suites else {}
+    prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
+    stack.start(Service("sandbox-worker", ["producers.sandbox.worker", "--concurrency", str(concurrency),
+                                           "--proxy-url", proxy_url, "--proxy-admin-token", token,
+                                           "--group-id", f"{prefix}sandbox-workers"], env=env))  # fmt: skip
+    return RolloutSide(engine_url, proxy_url, token)
+
+
+def start_streams(stack: Stack, run_dir: Path, *, group_size: int, batch_groups: int, settle_interval_s: float,
+                  harness_mix: dict[str, float] | None = None, group_timeout_s: float = 300.0,
+                  zero_variance: str = "keep") -> Service:  # fmt: skip
+    """The Faust stream processors (assembler → grouper → batcher), RocksDB state under ``run_dir``.
+
+    ``harness_mix``: the batcher fills each batch toward these shares (it waits for a missing harness's group unless
+    a backlog builds up); without it a batch takes whichever groups closed first."""
+    prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
+    mix = {"CLAWSTREAM_STREAMS_HARNESS_MIX": json.dumps(harness_mix)} if harness_mix else {}
+    return stack.start(Service("streams", ["streams.app", "--datadir", str(run_dir / "faust"), "worker",
+                                           "--loglevel", "warn"],
+                               env={**mix, "CLAWSTREAM_STREAMS_APP_ID": f"{prefix}streams",
+                                    "CLAWSTREAM_STREAMS_DATA_DIR": str(run_dir / "streams"),
+                                    "CLAWSTREAM_STREAMS_GROUP_SIZE": str(group_size),
+                                    "CLAWSTREAM_STREAMS_BATCH_GROUPS": str(batch_groups),
+                                    "CLAWSTREAM_STREAMS_ZERO_VARIANCE": zero_variance,
+                                    "CLAWSTREAM_STREAMS_GROUP_TIMEOUT_S": str(group_timeout_s),
+                                    "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": str(settle_interval_s)}))  # fmt: skip
+
+
+def start_learner(stack: Stack, model: Path, run_dir: Path, hparams: dict[str, object]) -> Service:
+    """The learner: weights under ``run_dir/weights``, TensorBoard scalars under ``run_dir/tensorboard``."""
+    hp = [arg for name, value in hparams.items() for arg in ("--hp", f"{name}={value}")]
+    return stack.start(Service("learner", ["learner.train", "--model-dir", str(model), "--weight-store",
+                                           str(run_dir / "weights"), "--model-name", "policy",
+                                           "--tensorboard-dir", str(run_dir / "tensorboard"), *hp]))  # fmt: skip
+
+
+def start_scheduler(stack: Stack, steps: int, settings: dict[str, object]) -> Service:
+    """The scheduler in train mode for ``steps`` steps; ``settings`` are ``SchedulerSettings`` fields."""
+    env = {f"CLAWSTREAM_SCHEDULER_{k.upper()}": v if isinstance(v, str) else json.dumps(v)
+           for k, v in settings.items()}  # fmt: skip
+    return stack.start(Service("scheduler", ["producers.scheduler.service", "--steps", str(steps)], env=env,
+                               may_finish=True))  # fmt: skip
