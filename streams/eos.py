@@ -35,6 +35,14 @@ state, outputs and input offsets are in the same transaction. What does not work
    (``if gap > 1 and r_offset``): measured in the fault test, "committing 13 where Faust's rule gives None (acked
    12..12, committed 1)" — that partition's offset stayed at 1 while its table state and outputs kept committing,
    and after the kill its records were replayed into groups that had already closed.
+7. (Exactly-once only.) Recovery asks where each changelog ends (``Consumer.highwaters``) and Faust answers, in a
+   transaction, with aiokafka's ``last_stable_offset`` — a value aiokafka only learns from a fetch response. Right
+   after an assignment no changelog partition has been fetched yet, so the answer is None and Faust takes every
+   changelog for empty (highwater -1): the worker starts with empty tables whenever recovery outruns the first
+   fetches. Found by the kill test (#16: about 1 restart in 5 on a loaded machine): every changelog partition read
+   as -1, the tables came back empty, and records already committed by the killed worker (a rollout's request,
+   calls and exit) were gone, so 20-36 rollouts never settled; with RocksDB the same -1 fell below the offsets the
+   local store had persisted and Faust stopped with "persisted offset ... is higher than the highwater".
 
 Fixes. (1) :class:`SourcePartitionTransactionManager` sends everything produced while processing an event in the
 transaction of that event's source partition (changelog writes name their source partition already and keep Faust's
@@ -48,7 +56,8 @@ transaction holds every record processed since the last one). (4) :func:`patch_f
 and resumes the flow, and only then resumes the stream partitions. (5) :func:`prepare_rocksdb` wipes the local tables
 at start unless the previous run left a clean-shutdown marker; they are rebuilt from the committed changelogs. (6)
 ``EosConsumer._new_offset`` commits one past the highest acknowledged offset: each topic is read in order by one
-agent, so everything below it was processed. Each
+agent, so everything below it was processed. (7) :class:`EosConsumerThread` asks the broker (ListOffsets with
+``read_committed``, which answers the last stable offset) instead of reading aiokafka's fetch-time cache. Each
 partition number's outputs, changelog writes and input offsets then commit or abort together at a record boundary,
 and a restarted worker continues exactly where the last commit left off. Known cost: after a crash, recovery waits
 ~10 s (two empty 5 s polls) before Faust accepts that a changelog's tail holds only aborted records.
@@ -149,7 +158,11 @@ def gate(app: AppT) -> CommitGate:
 
 
 class EosConsumer(faust_aiokafka.Consumer):
-    """Faust's consumer whose commits pass through the app's :class:`CommitGate`."""
+    """Faust's consumer whose commits pass through the app's :class:`CommitGate` and whose recovery reads where the
+    changelogs end from the broker (:class:`EosConsumerThread`)."""
+
+    def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+        return EosConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
     async def force_commit(self, topics: Any = None, start_new_transaction: bool = True) -> bool:
         async with gate(self.app).commit():
@@ -193,6 +206,25 @@ def _faust_offset(acked: list[int], committed: int | None, gaps: Any) -> int | N
             break
         end = x
     return end + 1
+
+
+class EosConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    """Faust's consumer thread with changelog ends read from the broker (module docstring, point 7)."""
+
+    async def _highwaters(self, partitions: Any) -> Any:
+        return await committed_end_offsets(self._ensure_consumer(), partitions)
+
+
+async def committed_end_offsets(consumer: Any, partitions: Any) -> dict[Any, int]:
+    """Where each partition ends for a ``read_committed`` consumer: the last stable offset, asked of the broker.
+
+    aiokafka's ``end_offsets`` sends ListOffsets with the consumer's isolation level, so for a ``read_committed``
+    consumer the broker answers the LSO (an open transaction's records are not yet readable); unlike
+    ``last_stable_offset`` it does not depend on a fetch having happened.
+    """
+    if getattr(consumer, "_isolation_level", None) != "read_committed":  # aiokafka keeps the name it was given
+        raise RuntimeError("committed_end_offsets needs a read_committed consumer")
+    return dict(await consumer.end_offsets(list(partitions)))
 
 
 class EosProducer(faust_aiokafka.Producer):
