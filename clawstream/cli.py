@@ -445,6 +445,44 @@ def demo(steps: int | None, tasks_per_step: int | None, group_size: int | None, 
     run_demo(engine=engine, progress=not no_progress, **{k: v for k, v in given.items() if v is not None})
 
 
+# ---- event log: tail, export ----
+@main.command("tail", context_settings=_PASSTHROUGH)
+@click.pass_context
+def tail(ctx: click.Context) -> None:
+    """A topic's records as decoded JSON lines: last N, --from-beginning, --offset, --since; --rollout, --follow."""
+    from consumers.analytics.tail import main as run
+
+    sys.exit(run(ctx.args))
+
+
+@main.command("export", context_settings=_PASSTHROUGH)
+@click.pass_context
+def export(ctx: click.Context) -> None:
+    """A topic's records over an offset or time range to JSON lines or Parquet (--format jsonl|parquet --out PATH)."""
+    from consumers.analytics.export import main as run
+
+    sys.exit(run(ctx.args))
+
+
+# ---- dashboard and capture health --------------------------------------------------------------------------------
+@main.command("dashboard", context_settings=_PASSTHROUGH)
+@click.pass_context
+def dashboard(ctx: click.Context) -> None:
+    """Live dashboard over the topics: rewards, statuses, trees, throughput, lag, weights, capture health (--help)."""
+    from consumers.analytics.dashboard.server import main as run
+
+    sys.exit(run(ctx.args))
+
+
+@main.command("health", context_settings=_PASSTHROUGH)
+@click.pass_context
+def health(ctx: click.Context) -> None:
+    """Capture health per harness and chat template over a range of the calls topic (--help for the range)."""
+    from consumers.analytics.dashboard.health_report import main as run
+
+    sys.exit(run(ctx.args))
+
+
 # ---- eval --------------------------------------------------------------------------------------------------------
 @main.command("eval")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,

@@ -24,6 +24,10 @@ MODULES = [
     "producers.harnesses.builtin_loop",
     "producers.harnesses.install",
     "consumers.inference",
+    "consumers.analytics",
+    "consumers.analytics.dashboard",
+    "consumers.analytics.dashboard.health_report",
+    "consumers.analytics.replay",
     "learner",
     "learner.value",
     "learner.warmstart",
@@ -35,6 +39,7 @@ COMMANDS = [
     ["demo"], ["kafka"], ["kafka", "up"], ["topics", "create"], ["model", "init"], ["model", "sft"], ["infer"],
     ["proxy"], ["streams"], ["sandbox-worker"], ["schedule"], ["learner"], ["harness", "install"], ["vllm"],
     ["vllm", "install"], ["vllm", "serve"], ["tasks"], ["tasks", "list"], ["tasks", "show"], ["tasks", "grade"],
+    ["tail"], ["export"], ["dashboard"], ["health"], ["replay"], ["eval"],
 ]  # fmt: skip
 
 
