@@ -4,7 +4,9 @@ Pure torch (no Kafka): the train loop hands it decoded trajectories and advantag
 
 1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget (a tree
    over it gets rows of its own: ``learner.pack.pack_trees``);
-2. recomputes π_old logprobs for all rows with the current weights, before any update (no grad);
+2. recomputes π_old logprobs for all rows with the current weights, before any update (no grad) — except for one
+   GRPO update per batch (``mini_batches == 1``, no dropout), where π_old is exactly the policy of the gradient pass
+   and its logprobs are that pass's, detached (one forward pass less);
 3. for each of ``mini_batches`` parts (whole trees), accumulates gradients of the GRPO loss over its rows
    (normalised by the part's trainable-token and rollout counts, so the accumulated gradient equals the gradient of
    the whole part's loss) and takes one clipped AdamW step.
@@ -19,7 +21,7 @@ step also measures what it did:
    batch's samples), ``update_kl_k3``, and for GRPO ``update_adv_dot`` = mean over rollouts of A_r × the mean change
    of its tokens' logprobs (> 0: the step moved the policy in the advantages' direction) and ``update_sign_agreement``
    = the fraction of rollouts with A ≠ 0 whose mean logprob change has A's sign;
-5. GRPO's π_old pass also gives ``entropy``: the mean entropy (nats) of π_old's next-token distribution (at each
+5. GRPO's π_old logits also give ``entropy``: the mean entropy (nats) of π_old's next-token distribution (at each
    token's sampling temperature, before top-k/top-p) at the trainable tokens.
 """
 
@@ -76,10 +78,14 @@ def train_step(
     rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget, max_path)]
             for part in parts]  # fmt: skip
 
-    model.eval()  # π_old (and V_old for PPO): the current weights, before this step's updates
-    entropy = [0.0, 0]  # summed over trainable tokens, and their count (GRPO's π_old pass)
-    with torch.no_grad(), _autocast(device):
-        old = [[_old_forward(model, value_head, r, config, entropy) for r in rs] for rs in rows]
+    entropy = [0.0, 0]  # summed over trainable tokens, and their count (GRPO's π_old)
+    old: list[list[tuple[torch.Tensor, torch.Tensor | None] | None]]
+    if _fused_old(model, config, len(parts)):
+        old = [[None] * len(rs) for rs in rows]  # filled by the gradient pass
+    else:
+        model.eval()  # π_old (and V_old for PPO): the current weights, before this step's updates
+        with torch.no_grad(), _autocast(device):
+            old = [[_old_forward(model, value_head, r, config, entropy) for r in rs] for rs in rows]
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -98,9 +104,10 @@ def train_step(
             per_rollout.index_add_(0, row.rollout_index, row.loss_mask.float())
         optimizer.zero_grad(set_to_none=True)
         part_stats: dict[str, float] = {}
-        for row, row_old in zip(part_rows, part_old, strict=True):  # row_old: (logprobs, values | None)
-            stats = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part),
-                                  per_rollout)  # fmt: skip
+        for i, (row, row_old) in enumerate(zip(part_rows, part_old, strict=True)):  # (logprobs, values | None)
+            stats, used_old = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part),
+                                            per_rollout, entropy)  # fmt: skip
+            part_old[i] = used_old
             _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
         for key, value in part_stats.items():
             sums[key] += value
@@ -176,15 +183,8 @@ def _old_forward(
     if config.algorithm == "ppo":
         return _forward(model, head, row, config)
     logits = packed_forward(model, row).logits  # (1, T, V)
-    logp = gather_token_logprobs(logits, row, only_trainable=True)  # (T,)
-    rows = (row.loss_mask & (row.predictor >= 0)).nonzero(as_tuple=True)[0].to(logits.device)  # (K,)
-    if rows.numel():
-        scaled = apply_temperature(logits[0][row.predictor.to(logits.device)[rows]],
-                                   row.temperature.to(logits.device)[rows])  # (K, V) fp32
-        logq = torch.log_softmax(scaled, dim=-1)
-        entropy[0] += float(-(logq.exp() * logq).sum())
-        entropy[1] += int(rows.numel())
-    return logp, None
+    _entropy_of(logits, row, entropy)
+    return gather_token_logprobs(logits, row, only_trainable=True), None  # (T,)
 
 
 def _forward(
@@ -208,21 +208,55 @@ def _reward(tree: ScoredTree) -> float:
     return tree.reward
 
 
+def _fused_old(model: torch.nn.Module, config: LearnerConfig, n_parts: int) -> bool:
+    """One GRPO update per batch on a model without dropout: π_old is exactly the gradient pass's policy (same
+    weights, same inputs), so its logprobs are that pass's, detached — one forward pass less per step (that pass
+    pays for the update statistics' pass after the step). Several mini-batches need π_old from before the first
+    update for every part (the later parts see updated weights), and dropout would make the passes differ."""
+    if config.algorithm != "grpo" or n_parts != 1:
+        return False
+    dropout = float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0)
+    return dropout == 0.0 and not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def _entropy_of(logits: torch.Tensor, row: MicroBatch, entropy: list) -> None:
+    """Add the entropy (nats) of the next-token distribution at each trainable token, at the token's sampling
+    temperature (before top-k/top-p), to ``entropy`` = [sum, count]."""
+    with torch.no_grad():
+        rows = (row.loss_mask & (row.predictor >= 0)).nonzero(as_tuple=True)[0].to(logits.device)  # (K,)
+        if rows.numel():
+            scaled = apply_temperature(logits[0][row.predictor.to(logits.device)[rows]].detach(),
+                                       row.temperature.to(logits.device)[rows])  # (K, V) fp32
+            logq = torch.log_softmax(scaled, dim=-1)
+            entropy[0] += float(-(logq.exp() * logq).sum())
+            entropy[1] += int(rows.numel())
+
+
 def _row_backward(
     model: torch.nn.Module,
     head: ValueHead | None,
     row: MicroBatch,
-    old: tuple[torch.Tensor, torch.Tensor | None],  # logp_old (T,), V_old (T,) or None
+    old: tuple[torch.Tensor, torch.Tensor | None] | None,  # logp_old (T,), V_old (T,) or None; None: fused
     targets: torch.Tensor,  # (R,) GRPO advantages, or PPO returns
     config: LearnerConfig,
     n_tokens: int,
     n_rollouts: int,
     rollout_tokens: torch.Tensor,  # (R,) trainable tokens of each rollout over all its rows
-) -> dict[str, float]:
+    entropy: list,
+) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor | None]]:
+    """Loss and backward of one row; returns its statistics and the (π_old, V_old) it used."""
+    device = next(model.parameters()).device
+    if old is None:  # fused (see _fused_old): π_old = this pass's policy
+        with _autocast(device):
+            logits = packed_forward(model, row).logits  # (1, T, V)
+            logp_new = gather_token_logprobs(logits, row, only_trainable=True)  # (T,)
+        _entropy_of(logits, row, entropy)
+        values: torch.Tensor | None = None
+        old = (logp_new.detach(), None)
+    else:
+        with _autocast(device):
+            logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
     logp_old, values_old = old
-    device = logp_old.device
-    with _autocast(device):
-        logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
     common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts, "rollout_tokens": rollout_tokens}
     if config.algorithm == "ppo":
         assert values is not None
@@ -236,7 +270,7 @@ def _row_backward(
             config.loss_config(), **common,
         )  # fmt: skip
     loss.backward()
-    return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}
+    return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}, old
 
 
 # A row's loss terms are its share of the part's loss (normalised by the part's token and rollout counts): they add

@@ -290,7 +290,7 @@ def test_model_is_fed_the_unique_tree_tokens_at_their_root_path_depths() -> None
         calls.clear()
         scored = [ScoredTree(tree, adv, None, "h") for tree, adv in zip(trees, [1.0, -1.0], strict=True)]
         train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), scored, LearnerConfig(token_budget=64))
-        assert len(calls) == 3  # π_old (no grad), the gradient pass, π_new (no grad: update stats): same row
+        assert len(calls) == 2  # the gradient pass (its policy is π_old), then π_new (no grad: update stats)
         for call in calls:
             _check_fed(call)
     finally:

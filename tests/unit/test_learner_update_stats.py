@@ -80,3 +80,24 @@ def test_a_step_that_does_nothing_reports_no_movement() -> None:
     assert metrics["update_adv_dot"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["update_sign_agreement"] == 0.0  # nothing moved, so nothing moved the right way
     assert metrics["entropy"] > 0
+
+
+def test_one_update_per_batch_reuses_the_gradient_pass_as_pi_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one GRPO update per batch π_old comes from the gradient pass itself; the step must be the one a separate
+    π_old pass gives (same loss, statistics and weights), with the off-policy correction still applied."""
+    import learner.step as step
+
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(step, "_fused_old", lambda *_a, fused=fused: fused)
+        model = tiny_model(3, "sdpa")
+        trees = [_on_policy(model, 10), _on_policy(model, 40), _chain(70, [-20.0] * 4)]  # 3rd: off-policy (capped)
+        scored = [ScoredTree(t, a, None, "h") for t, a in zip(trees, [1.0, -0.5, 0.7], strict=True)]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+        metrics = train_step(model, optimizer, scored, LearnerConfig(token_budget=64))
+        results.append((metrics, torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+    (fused_m, fused_w), (plain_m, plain_w) = results
+    for key in ("loss", "policy_loss", "is_weight_mean", "is_truncated_frac", "entropy", "update_kl", "ratio_mean"):
+        assert fused_m[key] == pytest.approx(plain_m[key], rel=1e-5, abs=1e-8), key
+    assert fused_m["is_truncated_frac"] > 0  # the off-policy rollout's weights were capped: TIS is in effect
+    torch.testing.assert_close(fused_w, plain_w, rtol=1e-5, atol=1e-7)
