@@ -418,7 +418,7 @@ def model_sft(ctx: click.Context) -> None:
               "warm start.")
 @click.option("--sft-steps", type=int, default=None,
               help="Warm start recipe: SFT steps (once per recipe; cached). 0: RL from the random model.  "
-              "[default: learner.warmstart.sft.DEFAULT_STEPS]")
+              "[default: 300]")
 @click.option("--sft-seed", type=int, default=None, help="Warm start recipe: seed.  [default: 0]")
 @click.option("--eval-tasks", type=int, default=None,
               help="Held-out tasks per harness and mode, before and after RL (0: no evaluation).  [default: 256]")

@@ -3,7 +3,8 @@ and an offline evaluation that grades through the one set of grading rules (``pr
 
 Topics: none (offline). Run: ``clawstream model sft --model-dir DIR --out DIR`` or ``python -m learner.warmstart``.
 Modules: ``episodes`` (the agent loop against an in-process proxy, graded), ``demos`` (scripted correct episodes,
-task splits), ``sft`` (training, CLI), ``evaluate`` (greedy offline evaluation).
+task splits), ``sft`` (training bounded by steps and seeded, CLI), ``evaluate`` (greedy offline evaluation),
+``progress`` (the progress bars with ETA that the warm start, ``clawstream eval`` and the demo show).
 """
 
 import os

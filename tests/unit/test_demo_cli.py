@@ -1,0 +1,40 @@
+"""`clawstream demo --help` states the defaults of DemoConfig (the CLI imports the demo lazily, so the numbers are
+written in the help text: this keeps them honest), and `clawstream eval --help` the defaults of EvalConfig."""
+
+from __future__ import annotations
+
+import re
+
+from click.testing import CliRunner
+
+from clawstream.cli import main
+from clawstream.demo.run import DemoConfig
+from clawstream.stack.evaluate import EvalConfig
+
+
+def _defaults(command: str) -> dict[str, str]:
+    out = CliRunner().invoke(main, [command, "--help"], terminal_width=400).output
+    found = {}
+    for match in re.finditer(r"--([a-z-]+)[^\n]*?\[default:\s*([^\]]+)\]", out.replace("\n" + " " * 30, " ")):
+        found[match.group(1)] = " ".join(match.group(2).split())
+    return found
+
+
+def test_demo_help_states_the_configs_defaults() -> None:
+    d, cfg = _defaults("demo"), DemoConfig()
+    fields = {"steps": "steps", "tasks-per-step": "tasks_per_step", "group-size": "group_size", "lr": "lr",
+              "seed": "seed", "sft-steps": "sft_steps", "sft-seed": "sft_seed", "eval-tasks": "eval_tasks",
+              "concurrency": "concurrency", "timeout": "timeout_s"}  # fmt: skip
+    for flag, name in fields.items():
+        value = getattr(cfg, name)
+        assert flag in d, (flag, d)
+        assert float(d[flag]) == float(value), (flag, d[flag], value)
+    assert d["eval-mode"] == ", ".join(cfg.eval_modes)
+
+
+def test_eval_help_states_the_configs_defaults() -> None:
+    d, cfg = _defaults("eval"), EvalConfig()
+    assert d["harness"] == ", ".join(cfg.harnesses) and d["suite"] == cfg.suite and d["split"] == cfg.split
+    assert int(d["tasks"]) == cfg.tasks and d["mode"] == ", ".join(cfg.modes)
+    assert float(d["temperature"]) == cfg.temperature and int(d["max-tokens"]) == cfg.max_tokens
+    assert int(d["concurrency"]) == cfg.concurrency
