@@ -61,6 +61,14 @@ agent, so everything below it was processed. (7) :class:`EosConsumerThread` asks
 partition number's outputs, changelog writes and input offsets then commit or abort together at a record boundary,
 and a restarted worker continues exactly where the last commit left off. Known cost: after a crash, recovery waits
 ~10 s (two empty 5 s polls) before Faust accepts that a changelog's tail holds only aborted records.
+
+Known gap (not fixed): a *live* worker evicted from the group (heartbeats lapsed for a session timeout, seen once
+in ~20 kill-test runs with a 6 s session on a 2-core machine at load 10) rejoins with the same partitions; Faust
+keeps its open transactions ("Exception in begin_transaction ... IN_TRANSACTION -> IN_TRANSACTION" in the log),
+its in-memory state and the changelog writes not yet committed, and seeks back to the committed offsets, so the
+records since the last commit are processed a second time into the same transaction. Kafka Streams would close the
+task dirty (abort, rebuild state from the changelog). Keep ``session_timeout_s`` well above the longest event-loop
+stall (default 30 s).
 """
 
 from __future__ import annotations
