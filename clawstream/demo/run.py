@@ -122,8 +122,9 @@ def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> Eva
         kwargs.get("say", print)(f"==> {kwargs.get('label', 'eval')}: cached result of this model and config ({path})")
         return result
     result = run_eval(model, cfg, **kwargs)
-    cache.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    if all(r.pending == 0 and r.infra == 0 for r in result.rows):  # only a complete measurement is worth reusing
+        cache.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result
 
 
