@@ -84,7 +84,7 @@ def plot(path: Path, trained: Sequence[Metric], before: EvalResult | None, after
              title="Reward per harness per step (training rollouts)")  # fmt: skip
     left.xaxis.get_major_locator().set_params(integer=True)
     left.grid(alpha=0.3)
-    left.legend(loc="lower right")
+    left.legend(loc="best")
     if before is not None and after is not None:
         rows = before_after_rows(before, after)
         labels = [f"{r['harness']}\n{r['mode']}" for r in rows]

@@ -89,7 +89,7 @@ def start_rollout_side(stack: Stack, model: Path, *, engine: str = "cpu", concur
 
     ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``)."""
     engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size)
-    token, port = secrets.token_urlsafe(16), free_port()
+    token, port = secrets.token_hex(16), free_port()  # hex: a token starting with "-" would read as a flag
     proxy_url = f"http://127.0.0.1:{port}"
     stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", engine_url,
                                   "--port", str(port), "--admin-token", token],
