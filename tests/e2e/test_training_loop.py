@@ -1,8 +1,8 @@
 """The whole training loop on the real broker, every service a real process: scheduler → sandbox worker (agentloop
 and agentloop-anthropic) → proxy → CPU engine; streams → learner → weight versions → engine; then the held-out
 evaluation before and after, the table and the plot. This is `clawstream demo` at its smallest: three steps of four
-groups, four held-out tasks — with the CPU engine, and with a real vLLM server that the inference worker drives (skipped, with
-the reason, where vLLM is not installed: `clawstream vllm install`).
+groups, four held-out tasks — with the CPU engine, and with a real vLLM server that the inference worker drives
+(skipped, with the reason, where vLLM is not installed: `clawstream vllm install`).
 
 RL starts from a warm start of WARM_RECIPE (SFT; trained once into the real ``$CLAWSTREAM_HOME/models`` cache, the
 one ``make demo`` uses, then reused): the random model never calls a tool, so every rollout of a task earns the same
