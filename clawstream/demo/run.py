@@ -22,6 +22,7 @@ from clawstream.stack.evaluate import EvalConfig, EvalResult, run_eval
 from clawstream.stack.services import (
     run_kafka,
     stack_for,
+    start_dashboard,
     start_learner,
     start_rollout_side,
     start_scheduler,
@@ -154,6 +155,10 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
         start_streams(stack, run_dir, group_size=cfg.group_size, batch_groups=cfg.tasks_per_step,
                       settle_interval_s=cfg.settle_interval_s, harness_mix=HARNESS_MIX)  # fmt: skip
         start_learner(stack, model, run_dir, {"lr": cfg.lr, "seed": cfg.seed})
+        try:  # a view of the run, not part of it: the demo goes on without it
+            say(f"==> dashboard: {start_dashboard(stack)}  (reward, statuses, trees, capture health, weights)")
+        except ClawstreamError as exc:
+            say(f"==> dashboard did not start ({exc}); the run goes on without it")
         start_scheduler(stack, cfg.steps, {
             "tasks_per_step": cfg.tasks_per_step, "group_size": cfg.group_size, "harness_mix": HARNESS_MIX,
             "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "max_policy_lag": cfg.max_policy_lag,

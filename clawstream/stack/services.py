@@ -136,3 +136,12 @@ def start_scheduler(stack: Stack, steps: int, settings: dict[str, object]) -> Se
            for k, v in settings.items()}  # fmt: skip
     return stack.start(Service("scheduler", ["producers.scheduler.service", "--steps", str(steps)], env=env,
                                may_finish=True))  # fmt: skip
+
+
+def start_dashboard(stack: Stack, port: int = 0) -> str:
+    """The live dashboard over the run's topics (``clawstream dashboard``); returns its URL."""
+    found = stack.start(Service("dashboard", ["consumers.analytics.dashboard", "--port", str(port)],
+                                ready_line=r"dashboard on (http://\S+/)")).found  # fmt: skip
+    if found is None:
+        raise ClawstreamError("the dashboard started but never said where it listens")
+    return found
