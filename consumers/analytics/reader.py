@@ -40,7 +40,7 @@ _SETTLING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NO
 # A read that makes no progress this long (no record, no position moving) is reported instead of hanging: with
 # read_committed, an open transaction of a crashed producer holds positions until the broker aborts it.
 STALL_S = 60.0
-_BATCH = 500
+READ_BATCH = 500  # records per consume() call; replay sizes its stall allowance by it
 
 
 def open_reader(settings: KafkaSettings, topic: str, *, timeout: float = 15.0) -> tuple[Consumer, TopicRef]:
@@ -133,7 +133,7 @@ def read_range(
         last_progress = time.monotonic()
         last_positions: dict[int, int] = {}
         while pending and not stop():
-            batch = consumer.consume(_BATCH, poll_timeout)
+            batch = consumer.consume(READ_BATCH, poll_timeout)
             for msg in batch:
                 if msg.error() is not None:
                     log.warning("consumer error on %s: %s", topic, msg.error())

@@ -37,8 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from clawstream.errors import ClawstreamError, ConfigError, TopicError
 from clawstream.kafka.clients import create_topics, make_admin, make_producer
 from clawstream.settings import KafkaSettings, clawstream_home, load_settings
-from consumers.analytics.reader import _BATCH as READ_BATCH
-from consumers.analytics.reader import offsets_at, open_reader, read_range, watermarks
+from consumers.analytics.reader import READ_BATCH, offsets_at, open_reader, read_range, watermarks
 from consumers.analytics.records import parse_offsets, parse_time_ms
 from consumers.analytics.replay_plan import (
     BatchPlan,
