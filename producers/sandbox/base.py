@@ -78,8 +78,30 @@ class SandboxSettings(BaseSettings):
     limit_file_size_mb: int = Field(default=1024, description="RLIMIT_FSIZE: largest file a sandbox may write.")
     sweep_interval_s: float = Field(default=60.0, description="Period of removing stale sandboxes of dead workers.")
     # --- docker backend ---
-    docker_image: str = Field(default="clawstream/sandbox:latest", description="Image with python3, node, clawstream.")
-    docker_network: str = Field(default="clawstream-sandbox", description="Internal network; only the proxy is on it.")
+    docker_image: str = Field(
+        default="clawstream/harnesses:latest",
+        description="Sandbox image: python3, node, the npm harnesses and clawstream (compose/Dockerfile.harnesses).",
+    )
+    docker_network: str = Field(
+        default="clawstream-sandbox",
+        description="Internal network of the rollout containers (created when missing, with no host address on its "
+        "bridge); the proxy, or this worker's relay to it, is their only peer.",
+    )
+    docker_proxy_relay: bool = Field(
+        default=True,
+        description="Start a relay container that forwards to proxy_url's port on the host (worker and proxy on the "
+        "host). Off when the proxy itself joins docker_network (compose): its public_url is then its name there.",
+    )
+    docker_relay_port: int = Field(default=8100, description="Port the relay listens on inside docker_network.")
+    docker_host_address: str | None = Field(
+        default=None,
+        description="Address at which the relay reaches the host's proxy; default: the gateway of Docker's default "
+        "bridge network (the proxy must listen there or on 0.0.0.0).",
+    )
+    docker_harness_home: str = Field(
+        default="/opt/clawstream-home",
+        description="CLAWSTREAM_HOME inside the sandbox image: its harnesses/ holds the npm harnesses.",
+    )
     docker_cpus: float = Field(default=2.0, description="CPUs per container (nano_cpus).")
     docker_memory_mb: int = Field(default=4096, description="Memory limit per container.")
     docker_pids: int = Field(default=512, description="pids limit per container.")
@@ -140,6 +162,10 @@ class Sandbox(abc.ABC):
     ) -> RunResult:
         """Run a command to completion or kill it (and everything it started) at ``timeout_s``."""
 
+    def proxy_base_url(self, base_url: str) -> str:
+        """The rollout's proxy base URL as the harness inside this sandbox reaches it (default: unchanged)."""
+        return base_url
+
     @abc.abstractmethod
     async def destroy(self) -> CleanupReport:
         """Kill whatever still runs, remove every file, and report anything that survived."""
@@ -153,6 +179,10 @@ class SandboxBackend(abc.ABC):
     async def sweep(self) -> int:
         """Remove sandboxes left behind by dead workers; the number removed."""
         return 0
+
+    async def close(self) -> None:
+        """Release what the backend holds for the worker's lifetime (the docker relay); sandboxes are gone by now."""
+        return None
 
 
 def inside(base: str, *parts: str) -> str:

@@ -1,34 +1,52 @@
-"""Docker sandbox backend (docker SDK): one container per rollout, for real deployments.
+"""Docker sandbox backend (docker SDK): one container per rollout on a real Docker Engine.
 
-Container (:func:`container_spec`, the exact ``containers.run`` kwargs; unit-tested, since no Docker engine runs on
-the development machines): image ``CLAWSTREAM_SANDBOX_DOCKER_IMAGE`` (python3, node, the harnesses and clawstream
-at ``docker_clawstream_root``), kept alive by ``sleep infinity`` under ``--init`` (reaps zombies); host directories
-bind-mounted: the workspace at the task's ``mount_dir`` (``/workspace``, or ``/root/.openclaw/workspace`` for
-ClawGym-Bench — so its scripts need no rewriting), HOME at ``/home/sandbox``, the grader dir at ``/grader``
-(empty until the harness ended). Limits: ``nano_cpus``, ``mem_limit`` = ``memswap_limit`` (no swap), ``pids_limit``,
-nofile ulimit, all capabilities dropped, ``no-new-privileges``, a size-capped ``/tmp`` tmpfs.
+Container (:func:`container_spec`, the exact ``containers.run`` kwargs): image ``CLAWSTREAM_SANDBOX_DOCKER_IMAGE``
+(``clawstream/harnesses``: python3, node, the npm harnesses under ``docker_harness_home``, clawstream at
+``docker_clawstream_root``; compose/Dockerfile.harnesses), kept alive by ``sleep infinity`` under ``--init`` (reaps
+zombies). Limits: ``nano_cpus``, ``mem_limit`` = ``memswap_limit`` (no swap), ``pids_limit``, nofile ulimit, every
+capability dropped, ``no-new-privileges``, a size-capped ``/tmp`` tmpfs.
 
-Network: the container joins only ``docker_network``, created ``internal=True`` (no route out of the host). The
-serving proxy must be attached to that network as well and advertise a URL reachable on it (proxy setting
-``public_url``, e.g. ``http://clawstream-proxy:8100``): harnesses then reach the proxy and nothing else.
+Files are copied, never bind-mounted, so the worker may itself run in a container (compose mounts only the engine's
+socket): the sandbox keeps a host-side copy of its three directories — the workspace at the task's ``mount_dir``
+(``/workspace``, or ``/root/.openclaw/workspace`` for ClawGym-Bench, so its scripts need no rewriting), HOME at
+``/home/sandbox`` and the grader directory ``/grader`` — which the worker lays out and reads through
+``host_path`` like the local backend's. Before a command the copy is pushed into the container (when it changed
+since the last pull: the container's directories are emptied, then one tar is put); after it, the container's
+directories are pulled back (tar; members that would land outside their directory, such as links to absolute
+paths, are skipped, by :mod:`tarfile`'s ``data`` filter).
+
+Network: the container joins only ``docker_network``, created ``internal`` and with no address for the host on its
+bridge (``com.docker.network.bridge.inhibit_ipv4``): no route out, and not even the host's own services answer. Its
+only peer is the serving proxy — the proxy container itself (compose: it joins the network and its ``public_url``
+is its name there; ``docker_proxy_relay`` off) or, when the worker and proxy run on the host, this worker's relay
+container (``producers.sandbox.relay``) on that network and on Docker's default bridge, forwarding to the proxy's
+port on the host; the harness's base URL is then rewritten to the relay's name (:meth:`DockerSandbox.proxy_base_url`).
 
 Commands run through ``docker exec`` wrapped in GNU ``timeout -s TERM -k GRACE T`` (it signals the command's whole
-process group; exit 124/137 = timed out), with a host-side deadline as a backstop; ``destroy`` force-removes the
-container (everything in it dies), removes the host directories and verifies the container is gone.
-Requires the ``docker`` Python package (imported lazily).
+process group; exit 124/137 = timed out), with a host-side deadline as a backstop that kills the container.
+``destroy`` force-removes the container (everything in it dies) and its host copy and verifies the container is gone.
+
+Leftovers: containers carry the labels ``clawstream.sandbox`` (the sandbox id) and ``clawstream.worker``
+(``host:pid:start-time`` of the worker process), so :meth:`DockerBackend.sweep` removes the containers and relays of
+workers that are gone (a SIGKILLed worker's, on the next start of any worker on the host), even when a restarted
+container reuses the pid. Requires the ``docker`` Python package (imported lazily).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
 import os
 import shutil
 import socket
+import tarfile
 import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from producers.sandbox.base import (
     MARKER,
@@ -41,11 +59,38 @@ from producers.sandbox.base import (
 )
 from producers.tasks.model import Task
 
+log = logging.getLogger("clawstream.sandbox.docker")
+
 HOME, GRADER = "/home/sandbox", "/grader"
-LABEL = "clawstream.sandbox"
+IMAGE_PATH = "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # the images' PATH
+LABEL, WORKER_LABEL, RELAY_LABEL = "clawstream.sandbox", "clawstream.worker", "clawstream.relay"
+NO_HOST_ADDRESS = {"com.docker.network.bridge.inhibit_ipv4": "true"}
 
 
-def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, host_root: Path) -> dict[str, Any]:
+def process_identity(pid: int | None = None) -> str:
+    """``host:pid:start`` of a process (start: clock ticks after boot, /proc/PID/stat field 22): unique over reuse."""
+    pid = pid or os.getpid()
+    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def owner_alive(identity: str) -> bool | None:
+    """Whether the worker named by a ``clawstream.worker`` label still runs; None when it ran on another host."""
+    host, _, rest = identity.partition(":")
+    pid, _, start = rest.partition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    return Path(f"/proc/{pid}").exists() and (not start or _start_ticks(int(pid)) == start)
+
+
+def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, worker: str) -> dict[str, Any]:
     """The kwargs of ``client.containers.run`` for one rollout's container (pure)."""
     mb = settings.docker_memory_mb
     return {
@@ -54,13 +99,8 @@ def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, host_
         "name": f"clawstream-{sandbox_id}",
         "detach": True,
         "init": True,
-        "labels": {LABEL: sandbox_id, "clawstream.worker": f"{socket.gethostname()}:{os.getpid()}"},
-        "volumes": {
-            str(host_root / "workspace"): {"bind": task.mount_dir, "mode": "rw"},
-            str(host_root / "home"): {"bind": HOME, "mode": "rw"},
-            str(host_root / "grader"): {"bind": GRADER, "mode": "rw"},
-        },
-        "working_dir": task.mount_dir,
+        "labels": {LABEL: sandbox_id, WORKER_LABEL: worker},
+        "working_dir": "/",
         "environment": {"HOME": HOME, MARKER: sandbox_id, "LANG": "C.UTF-8"},
         "network": settings.docker_network,
         "nano_cpus": int(settings.docker_cpus * 1e9),
@@ -78,30 +118,105 @@ def exec_argv(argv: list[str], timeout_s: float, grace_s: float) -> list[str]:
     return ["timeout", "-s", "TERM", "-k", f"{grace_s:g}", f"{timeout_s:g}", *argv]
 
 
+def _fingerprint(dirs: Mapping[str, Path]) -> tuple:
+    """What the host copy holds (paths, sizes, mtimes, modes): unchanged fingerprint → no push needed."""
+    seen = []
+    for inside, host in sorted(dirs.items()):
+        for path in sorted(host.rglob("*")):
+            st = path.lstat()
+            seen.append((inside, str(path.relative_to(host)), st.st_size, st.st_mtime_ns, st.st_mode))
+    return tuple(seen)
+
+
+def pack(dirs: Mapping[str, Path]) -> bytes:
+    """One tar of the host copies, named by their paths inside the container relative to ``/`` (put at ``/``)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for inside, host in dirs.items():
+            tar.add(host, arcname=inside.lstrip("/"), recursive=True)
+    return buf.getvalue()
+
+
+def unpack_into(stream: bytes, name: str, dest: Path) -> list[str]:
+    """Replace ``dest``'s content with a ``get_archive`` tar of a directory called ``name``; the members skipped."""
+    staging = Path(tempfile.mkdtemp(prefix=".pull-", dir=dest.parent))
+    skipped: list[str] = []
+    try:
+        with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+            for member in tar:
+                try:
+                    tar.extract(member, staging, filter="data")
+                except (tarfile.FilterError, OSError) as exc:
+                    skipped.append(f"{member.name}: {exc}")
+        shutil.rmtree(dest, ignore_errors=True)
+        (staging / name).rename(dest) if (staging / name).is_dir() else dest.mkdir()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return skipped
+
+
 class DockerSandbox(Sandbox):
     def __init__(self, sandbox_id: str, host_root: Path, container: Any, client: Any, task: Task,
-                 settings: SandboxSettings) -> None:  # fmt: skip
+                 settings: SandboxSettings, proxy_origin: str | None) -> None:  # fmt: skip
         self.sandbox_id, self.root, self.s = sandbox_id, host_root, settings
         self.container, self.client = container, client
         self.workspace, self.home, self.grader_dir = task.mount_dir, HOME, GRADER
         self.python, self.clawstream_root = settings.docker_python, settings.docker_clawstream_root
         self._mounts = {task.mount_dir: host_root / "workspace", HOME: host_root / "home", GRADER: host_root / "grader"}
+        self._proxy_origin = proxy_origin
+        self._synced: tuple | None = None  # fingerprint of the host copy at the last push/pull
 
     def host_path(self, inside_path: str) -> Path:
         p = PurePosixPath(inside_path)
         for base, host in self._mounts.items():
             if p == PurePosixPath(base) or PurePosixPath(base) in p.parents:
                 return host / p.relative_to(base)
-        raise SandboxError(f"{inside_path} is not under a mounted directory of sandbox {self.sandbox_id}")
+        raise SandboxError(f"{inside_path} is not under a copied directory of sandbox {self.sandbox_id}")
+
+    def proxy_base_url(self, base_url: str) -> str:
+        if self._proxy_origin is None:
+            return base_url
+        origin, url = urlsplit(self._proxy_origin), urlsplit(base_url)
+        return urlunsplit((origin.scheme, origin.netloc, url.path, url.query, url.fragment))
+
+    # --- copy in / copy out -----------------------------------------------------------------------------------
+
+    def _exec(self, argv: list[str]) -> tuple[int | None, bytes]:
+        api = self.client.api
+        exec_id = api.exec_create(self.container.id, argv, stdin=False)["Id"]
+        out = api.exec_start(exec_id)
+        return api.exec_inspect(exec_id).get("ExitCode"), out or b""
+
+    def push(self) -> None:
+        """Make the container's directories equal to the host copy (skipped when it did not change)."""
+        now = _fingerprint(self._mounts)
+        if now == self._synced:
+            return
+        if self._synced is not None:  # not the first push: the container's copies are replaced, not merged
+            code, out = self._exec(["find", *self._mounts, "-mindepth", "1", "-delete"])
+            if code != 0:
+                raise SandboxError(f"cannot empty the directories of {self.sandbox_id}: {out[-500:]!r}")
+        if not self.container.put_archive("/", pack(self._mounts)):
+            raise SandboxError(f"copying files into {self.sandbox_id} failed")
+        self._synced = now
+
+    def pull(self) -> None:
+        """Make the host copy equal to the container's directories."""
+        for inside, host in self._mounts.items():
+            stream, _stat = self.container.get_archive(inside)
+            skipped = unpack_into(b"".join(stream), PurePosixPath(inside).name, host)
+            if skipped:
+                log.warning("sandbox %s: %d member(s) of %s not copied out: %s", self.sandbox_id, len(skipped),
+                            inside, "; ".join(skipped[:5]))  # fmt: skip
+        self._synced = _fingerprint(self._mounts)
 
     async def run(
         self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
     ) -> RunResult:
         full_env = {"HOME": HOME, MARKER: self.sandbox_id, **env}
         if extra_path:
-            full_env["PATH"] = f"{extra_path}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+            full_env["PATH"] = f"{extra_path}:{IMAGE_PATH}"
         api = self.client.api
-        t0 = time.monotonic()
 
         def work() -> tuple[int | None, bytes, bytes]:
             exec_id = api.exec_create(self.container.id, exec_argv(argv, timeout_s, self.s.kill_grace_s),
@@ -110,17 +225,29 @@ class DockerSandbox(Sandbox):
             return api.exec_inspect(exec_id).get("ExitCode"), out or b"", err or b""
 
         try:
+            await asyncio.to_thread(self.push)
+        except SandboxError:
+            raise
+        except Exception as exc:  # docker.errors.APIError and friends: the docker package is optional
+            raise SandboxError(f"copying files into {self.sandbox_id} failed: {exc}") from exc
+        t0 = time.monotonic()
+        try:
             code, out, err = await asyncio.wait_for(asyncio.to_thread(work), timeout_s + self.s.kill_grace_s + 30)
         except TimeoutError:
             # The backstop: `timeout` inside did not end it; kill the container's processes wholesale.
             await asyncio.to_thread(self.container.kill)
             return RunResult(None, True, time.monotonic() - t0, killed=["SIGKILL"])
-        except Exception as exc:  # docker.errors.APIError and friends: the docker package is optional
+        except Exception as exc:
             raise SandboxError(f"docker exec in {self.sandbox_id} failed: {exc}") from exc
-        timed_out = code in (124, 137) and time.monotonic() - t0 >= timeout_s
+        duration = time.monotonic() - t0
+        try:
+            await asyncio.to_thread(self.pull)
+        except Exception as exc:
+            raise SandboxError(f"copying files out of {self.sandbox_id} failed: {exc}") from exc
+        timed_out = code in (124, 137) and duration >= timeout_s
         killed = (["SIGTERM"] + (["SIGKILL"] if code == 137 else [])) if timed_out else []
         stdout, stderr = out.decode(errors="replace")[-16000:], err.decode(errors="replace")[-16000:]
-        return RunResult(None if timed_out else code, timed_out, time.monotonic() - t0, stdout, stderr, killed)
+        return RunResult(None if timed_out else code, timed_out, duration, stdout, stderr, killed)
 
     async def destroy(self) -> CleanupReport:
         report = CleanupReport()
@@ -144,6 +271,9 @@ class DockerBackend(SandboxBackend):
         self.s = settings
         self._client = client
         self.root = settings.root or Path(tempfile.gettempdir()) / "clawstream-sandboxes"
+        self.worker = process_identity()
+        self._relay: Any = None
+        self._proxy_origin: str | None = None
 
     @property
     def client(self) -> Any:
@@ -159,26 +289,61 @@ class DockerBackend(SandboxBackend):
         return self._client
 
     def ensure_network(self) -> None:
-        """The internal network sandboxes join (no route out); created once if missing."""
+        """The internal network sandboxes join (no route out, no host address); created once if missing."""
         if not self.client.networks.list(names=[self.s.docker_network]):
-            self.client.networks.create(self.s.docker_network, driver="bridge", internal=True,
+            self.client.networks.create(self.s.docker_network, driver="bridge", internal=True, options=NO_HOST_ADDRESS,
                                         labels={"clawstream": "sandbox-network"})  # fmt: skip
+
+    def ensure_relay(self) -> str | None:
+        """This worker's relay to the host's proxy (started once); the proxy's origin as sandboxes reach it."""
+        if not self.s.docker_proxy_relay:
+            return None
+        if self._relay is not None:
+            return self._proxy_origin
+        proxy = urlsplit(self.s.proxy_url)
+        host = self.s.docker_host_address or self._bridge_gateway()
+        name = f"clawstream-relay-{socket.gethostname()}-{os.getpid()}"[:63]
+        port = self.s.docker_relay_port
+        for old in self.client.containers.list(all=True, filters={"name": f"^{name}$"}):
+            old.remove(force=True)  # a previous incarnation of this pid (a restarted container)
+        relay = self.client.containers.run(
+            self.s.docker_image, ["python3", "-m", "producers.sandbox.relay", "--listen", f"0.0.0.0:{port}",
+                                  "--target", f"{host}:{proxy.port or 80}"],
+            name=name, detach=True, init=True, network="bridge", labels={RELAY_LABEL: name, WORKER_LABEL: self.worker},
+            mem_limit="256m", pids_limit=64, cap_drop=["ALL"], security_opt=["no-new-privileges"],
+        )  # fmt: skip
+        self.client.networks.get(self.s.docker_network).connect(relay, aliases=[name])
+        self._relay, self._proxy_origin = relay, f"http://{name}:{port}"
+        log.info("relay %s: %s → %s:%s", name, self._proxy_origin, host, proxy.port)
+        return self._proxy_origin
+
+    def _bridge_gateway(self) -> str:
+        config = self.client.networks.get("bridge").attrs.get("IPAM", {}).get("Config") or [{}]
+        gateway = config[0].get("Gateway")
+        if not gateway:
+            raise SandboxError("Docker's default bridge has no gateway; set CLAWSTREAM_SANDBOX_DOCKER_HOST_ADDRESS")
+        return str(gateway)
 
     async def create(self, sandbox_id: str, task: Task) -> DockerSandbox:
         host_root = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._mkroot()))
+        container = None
         try:
             for sub in ("workspace", "home", "grader"):
                 (host_root / sub).mkdir()
             await asyncio.to_thread(self.ensure_network)
-            spec = container_spec(self.s, sandbox_id, task, host_root)
+            origin = await asyncio.to_thread(self.ensure_relay)
+            spec = container_spec(self.s, sandbox_id, task, self.worker)
             container = await asyncio.to_thread(lambda: self.client.containers.run(**spec))
+            box = DockerSandbox(sandbox_id, host_root, container, self.client, task, self.s, origin)
+            box.write_files(box.workspace, task.files)
+            await asyncio.to_thread(box.push)  # the directories exist in the container from the start
         except Exception as exc:
+            if container is not None:
+                await asyncio.to_thread(container.remove, force=True)
             shutil.rmtree(host_root, ignore_errors=True)
             if isinstance(exc, SandboxError):
                 raise
             raise SandboxError(f"cannot start a container for {sandbox_id}: {exc}") from exc
-        box = DockerSandbox(sandbox_id, host_root, container, self.client, task, self.s)
-        box.write_files(box.workspace, task.files)
         return box
 
     def _mkroot(self) -> Path:
@@ -186,12 +351,24 @@ class DockerBackend(SandboxBackend):
         return self.root
 
     async def sweep(self) -> int:
-        """Remove containers of dead workers on this host (label ``clawstream.worker`` = host:pid, pid gone)."""
-        host = socket.gethostname()
-        removed = 0
-        for c in await asyncio.to_thread(self.client.containers.list, all=True, filters={"label": LABEL}):
-            owner_host, _, pid = str(c.labels.get("clawstream.worker", "")).rpartition(":")
-            if owner_host == host and pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                await asyncio.to_thread(c.remove, force=True)
-                removed += 1
-        return removed
+        """Remove the containers (sandboxes and relays) of workers of this host that are gone; the number removed."""
+
+        def work() -> int:
+            removed = 0
+            for c in self.client.containers.list(all=True, filters={"label": WORKER_LABEL}):
+                if owner_alive(str(c.labels.get(WORKER_LABEL, ""))) is False:
+                    c.remove(force=True)
+                    removed += 1
+            return removed
+
+        try:
+            return await asyncio.to_thread(work)
+        except SandboxError:
+            raise
+        except Exception as exc:
+            raise SandboxError(f"sweeping stale containers failed: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._relay is not None:
+            relay, self._relay = self._relay, None
+            await asyncio.to_thread(relay.remove, force=True)

@@ -186,8 +186,9 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             # Prompts may name the task's mount dir (ClawGym-Bench): point them at this sandbox's workspace.
             prompt = task.prompt.replace(task.mount_dir, box.workspace)
             spec = launch_spec(adapter, LaunchContext(
-                base_url=reg["base_url"], secret=reg["secret"], workspace=box.workspace, home=box.home, prompt=prompt,
-                timeout_s=timeout, python=box.python, exe=exe, clawstream_root=box.clawstream_root,
+                base_url=box.proxy_base_url(reg["base_url"]), secret=reg["secret"], workspace=box.workspace,
+                home=box.home, prompt=prompt, timeout_s=timeout, python=box.python, exe=exe,
+                clawstream_root=box.clawstream_root,
             ))  # fmt: skip
             for path, content in spec.files.items():
                 box.write_text(path, content)

@@ -26,6 +26,7 @@ import logging
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 from confluent_kafka import KafkaException, TopicPartition
 
@@ -72,12 +73,20 @@ def exe_resolver(settings: SandboxSettings):  # noqa: ANN201 - returns an ExeRes
         if adapter.install is None:
             return "", ""
         from producers.harnesses.install import (
+            HARNESSES,
             MARKER,
+            NODE24,
             HarnessInstallError,
+            executable,
             harness_root,
             install_harness,
             install_node24,
         )
+
+        if settings.backend == "docker":  # installed in the sandbox image by the same installer (same layout)
+            root = harness_root(Path(settings.docker_harness_home))
+            node = str(executable(NODE24, root).parent) if adapter.node24 else ""
+            return str(executable(HARNESSES[adapter.install], root)), node
 
         if not settings.install_harnesses and not (harness_root() / adapter.install / MARKER).exists():
             raise SandboxError(f"harness {adapter.name} is not installed and install_harnesses is off")
@@ -222,6 +231,10 @@ class SandboxWorker:
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)
             consumer.close()
             self._consumer = None
+            try:
+                await self.ctx.backend.close()
+            except (OSError, ClawstreamError) as exc:
+                log.warning("sandbox backend close failed: %s", exc)
             self.publisher.close()
         return 1 if self.fatal is not None else 0
 

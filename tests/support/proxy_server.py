@@ -26,15 +26,18 @@ from tests.support import proxy_helpers as H
 
 
 @asynccontextmanager
-async def running_proxy(kafka: KafkaSettings, engine_url: str, **overrides: Any) -> AsyncIterator[tuple[Proxy, str]]:
+async def running_proxy(kafka: KafkaSettings, engine_url: str, *, host: str = "127.0.0.1",
+                        **overrides: Any) -> AsyncIterator[tuple[Proxy, str]]:  # fmt: skip
+    """A proxy on a free port of ``host`` (a docker test passes the docker bridge's address, where containers reach
+    it through the sandbox worker's relay); yields it and its URL."""
     settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine_url, port=0, admin_token="admin",
                              **{"keepalive_s": 0.2, "publish_timeout_s": 15, **overrides})  # fmt: skip
     publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
     proxy = Proxy(settings, publisher, kafka.topic(CALLS), tokenizer=H.tiny_tokenizer())
     runner = web.AppRunner(proxy.app())
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await web.TCPSite(runner, host, 0).start()
+    url = f"http://{host}:{runner.addresses[0][1]}"
     proxy.public_url = url
     try:
         yield proxy, url

@@ -3,9 +3,11 @@ scheduler planning / lag gating / re-issue, offset bookkeeping."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
+import tarfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,15 @@ import pytest
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxSettings
-from producers.sandbox.docker_backend import DockerBackend, container_spec, exec_argv
+from producers.sandbox.docker_backend import (
+    DockerSandbox,
+    container_spec,
+    exec_argv,
+    owner_alive,
+    pack,
+    process_identity,
+    unpack_into,
+)
 from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker
 from producers.sandbox.rollout import ProxyAdmin, ProxyError, RolloutContext, execute
@@ -101,82 +111,61 @@ async def test_local_sandbox_env_limits_kill_cleanup(tmp_path: Path, monkeypatch
     assert S.leftover_processes("unit-box") == []
 
 
-# --- docker backend (no engine here: the container spec and the SDK calls) ------------------------------------------
+# --- docker backend, pure parts (the real engine: tests/integration/test_docker_sandbox.py) ------------------------
 
 
-class FakeContainer:
-    id = "c0ffee"
-
-    def __init__(self) -> None:
-        self.removed = False
-
-    def remove(self, force: bool = False) -> None:
-        self.removed = force
-
-
-class FakeClient:
-    def __init__(self) -> None:
-        self.run_kwargs: dict[str, Any] = {}
-        self.container = FakeContainer()
-        self.execs: list[dict[str, Any]] = []
-        self.networks = self
-        self.containers = self
-        self.api = self
-        self.created_networks: list[tuple] = []
-
-    # networks / containers
-    def list(self, **kw: Any) -> list:
-        return [] if "names" in kw or self.container.removed else [self.container]
-
-    def create(self, *args: Any, **kw: Any) -> None:
-        self.created_networks.append((args, kw))
-
-    def run(self, **kw: Any) -> FakeContainer:
-        self.run_kwargs = kw
-        return self.container
-
-    # low-level api
-    def exec_create(self, cid: str, cmd: list[str], **kw: Any) -> dict:
-        self.execs.append({"cid": cid, "cmd": cmd, **kw})
-        return {"Id": "e1"}
-
-    def exec_start(self, exec_id: str, demux: bool) -> tuple[bytes, bytes]:
-        return b'{"ok": 1}\n', b""
-
-    def exec_inspect(self, exec_id: str) -> dict:
-        return {"ExitCode": 0}
-
-
-async def test_docker_container_spec_and_calls(tmp_path: Path) -> None:
+def test_docker_container_spec(tmp_path: Path) -> None:
     settings = SandboxSettings(backend="docker", root=tmp_path, docker_image="img:1", docker_cpus=1.5,
                                docker_memory_mb=2048, docker_pids=128, docker_network="sbx-net")  # fmt: skip
     task = SuiteCatalog({"n": str(S.NATIVE_SUITE)}).task("n", "hello")
-    spec = container_spec(settings, "sb1", task, tmp_path / "root")
+    spec = container_spec(settings, "sb1", task, "host:1:2")
     assert spec["image"] == "img:1" and spec["command"] == ["sleep", "infinity"] and spec["detach"] and spec["init"]
-    assert spec["volumes"][str(tmp_path / "root" / "workspace")] == {"bind": "/workspace", "mode": "rw"}
-    assert {v["bind"] for v in spec["volumes"].values()} == {"/workspace", "/home/sandbox", "/grader"}
+    assert "volumes" not in spec  # files are copied in and out, so a worker in a container works the same
     assert spec["nano_cpus"] == 1_500_000_000 and spec["mem_limit"] == spec["memswap_limit"] == "2048m"
     assert spec["pids_limit"] == 128 and spec["network"] == "sbx-net" and spec["cap_drop"] == ["ALL"]
     assert spec["security_opt"] == ["no-new-privileges"] and spec["environment"]["CLAWSTREAM_SANDBOX_ID"] == "sb1"
-    assert spec["labels"]["clawstream.sandbox"] == "sb1"
-    clawgym = SuiteCatalog({"c": str(S.FIXTURES / "clawgym")}).task("c", "task_0078")
-    assert container_spec(settings, "sb2", clawgym, tmp_path)["working_dir"] == "/root/.openclaw/workspace"
+    assert spec["labels"] == {"clawstream.sandbox": "sb1", "clawstream.worker": "host:1:2"}
     assert exec_argv(["python3", "x.py"], 30, 2) == ["timeout", "-s", "TERM", "-k", "2", "30", "python3", "x.py"]
 
-    client = FakeClient()
-    backend = DockerBackend(settings, client=client)
-    box = await backend.create("sb1", task)
-    assert client.created_networks[0][1]["internal"] is True  # network limited: internal, no route out
-    assert client.run_kwargs["name"] == "clawstream-sb1" and client.run_kwargs["image"] == "img:1"
-    assert (box.host_path("/workspace/README.md")).read_text().startswith("This workspace")
-    box.write_text("/home/sandbox/.cfg", "x")
-    res = await box.run(["python3", "grade.py"], {"A": "1"}, "/grader", 30)
-    assert res.exit_code == 0 and res.stdout.startswith('{"ok"')
-    call = client.execs[0]
-    assert call["cmd"][:6] == ["timeout", "-s", "TERM", "-k", "2", "30"] and call["workdir"] == "/grader"
-    assert call["environment"]["A"] == "1" and call["environment"]["CLAWSTREAM_SANDBOX_ID"] == "sb1"
-    report = await box.destroy()
-    assert client.container.removed and report.clean and not any(tmp_path.iterdir())
+
+def test_docker_copy_in_and_out_keeps_files_inside_their_directory(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "sub" / "a.txt").write_text("A")
+    (ws / ".hidden").write_text("H")
+    archive = pack({"/root/.openclaw/workspace": ws})
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        assert sorted(tar.getnames()) == ["root/.openclaw/workspace", "root/.openclaw/workspace/.hidden",
+                                          "root/.openclaw/workspace/sub", "root/.openclaw/workspace/sub/a.txt"]
+    # What get_archive returns for /workspace: members under "workspace/", here with one escaping link and one
+    # escaping path; both are skipped, the rest replaces the host copy (old files disappear).
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("workspace/new.txt", b"N"), ("workspace/../../evil.txt", b"E")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("workspace/passwd")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    skipped = unpack_into(buf.getvalue(), "workspace", ws)
+    assert sorted(p.name for p in ws.iterdir()) == ["new.txt"] and (ws / "new.txt").read_text() == "N"
+    assert len(skipped) == 2 and not (tmp_path / "evil.txt").exists() and not (tmp_path.parent / "evil.txt").exists()
+
+
+def test_docker_worker_identity_and_proxy_url() -> None:
+    me = process_identity()
+    assert owner_alive(me) is True
+    host, pid, start = me.split(":")
+    assert owner_alive(f"{host}:{pid}:{int(start) + 1}") is False  # same pid, another process (pid reused)
+    assert owner_alive(f"{host}:999999999:1") is False and owner_alive("elsewhere:1:1") is None
+    settings = SandboxSettings(backend="docker")
+    task = SuiteCatalog({"n": str(S.NATIVE_SUITE)}).task("n", "hello")
+    box = DockerSandbox("sb", Path("/nonexistent"), None, None, task, settings, "http://relay-x:8100")
+    assert box.proxy_base_url("http://127.0.0.1:41234/r/abc?x=1") == "http://relay-x:8100/r/abc?x=1"
+    direct = DockerSandbox("sb", Path("/nonexistent"), None, None, task, settings, None)
+    assert direct.proxy_base_url("http://clawstream-proxy:8100/r/abc") == "http://clawstream-proxy:8100/r/abc"
+    assert box.host_path("/workspace/a/b") == Path("/nonexistent/workspace/a/b")
 
 
 # --- rollout status mapping (fake proxy, list sink, real local sandboxes) -------------------------------------------
