@@ -8,12 +8,12 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test unit integration lint bench install vllm clean kafka-down docker
+.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[ml,dev]'
+	$(PY) -m pip install -q -e '.[ml,dev,docker]'
 	$(PY) -m pip install -q --no-deps verl==0.9.1  # reference losses for tests/unit/test_losses.py only
 	touch $(STAMP)
 
@@ -48,6 +48,9 @@ bench: $(STAMP)
 
 docker:  # Docker Engine + Compose v2 + the offline base image (compose/engine-setup.sh; docs/containers.md)
 	compose/engine-setup.sh
+
+images:  # the four container images, built locally (compose/build-images.sh; docs/containers.md)
+	compose/build-images.sh
 
 kafka-down: $(STAMP)
 	$(VENV)/bin/clawstream kafka down

@@ -47,6 +47,9 @@ class HarnessAdapter:
     # ".openclaw/agents", i.e. <agent>/sessions/<id>.jsonl); None: it writes none, so graders that read such a
     # transcript get one built from the conversation the proxy saw (producers.tasks.transcript).
     session_dir: str | None = None
+    # Command-line words replaced when the sandbox is a container, which is then the isolation: a harness's own
+    # sandbox may need privileges a container withholds (Codex's bubblewrap cannot create namespaces there).
+    in_container: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class LaunchContext:
     prompt: str
     timeout_s: float
     python: str = "python3"
+    contained: bool = False  # the sandbox is a container (``HarnessAdapter.in_container`` applies)
     exe: str = ""
     clawstream_root: str = ""
     model: str = "policy"
@@ -90,7 +94,8 @@ def _sub(template: str, values: Mapping[str, str], where: str) -> str:
 def launch_spec(adapter: HarnessAdapter, ctx: LaunchContext) -> LaunchSpec:
     """The adapter's command, environment and config files for one rollout (pure)."""
     values = {**ctx.variables(), "model": adapter.model if ctx.model == "policy" else ctx.model}
-    argv = [_sub(part, values, f"{adapter.name} command") for part in adapter.command]
+    command = [adapter.in_container.get(part, part) for part in adapter.command] if ctx.contained else adapter.command
+    argv = [_sub(part, values, f"{adapter.name} command") for part in command]
     env = {k: _sub(v, values, f"{adapter.name} env {k}") for k, v in adapter.env.items()}
     files = {}
     for f in adapter.files:

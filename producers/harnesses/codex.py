@@ -3,6 +3,8 @@
 Facts (docs/harnesses.md#codex-cli):
 provider config in ``$CODEX_HOME/config.toml``; ``features.plugins=false`` stops its
 GitHub/plugin fetches; the default read-only sandbox makes writes fail, so ``workspace-write``; stdin must be closed.
+In a container (the docker backend) Codex's own sandbox cannot start (bubblewrap: "No permissions to create a new
+namespace"; every command fails), so there the container is the sandbox: ``danger-full-access``.
 """
 
 from producers.harnesses.base import ConfigFile, HarnessAdapter
@@ -32,4 +34,5 @@ ADAPTER = HarnessAdapter(
     env={"CODEX_HOME": "${home}/.codex", "CLAWSTREAM_API_KEY": "${secret}"},
     files=(ConfigFile(".codex/config.toml", CONFIG),),
     call_kind_notes="no side calls seen; everything is MAIN",
+    in_container={"workspace-write": "danger-full-access"},
 )

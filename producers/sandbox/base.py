@@ -143,6 +143,7 @@ class Sandbox(abc.ABC):
     grader_dir: str
     python: str
     clawstream_root: str
+    contained: bool = False  # a container (its own isolation), not a directory + process group on the host
 
     @abc.abstractmethod
     def host_path(self, inside: str) -> Path:

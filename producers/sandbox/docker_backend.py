@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import ipaddress
 import logging
 import os
 import shutil
 import socket
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
@@ -114,6 +116,17 @@ def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, worke
     }
 
 
+def bridge_gateway(client: Any, network: str = "bridge") -> str:
+    """The host's address on a Docker network: its gateway, or Docker's default for it (the subnet's first host)."""
+    config = (client.networks.get(network).attrs.get("IPAM") or {}).get("Config") or []
+    for entry in config:
+        if entry.get("Gateway"):
+            return str(entry["Gateway"])
+        if entry.get("Subnet") and ":" not in entry["Subnet"]:
+            return str(next(ipaddress.ip_network(entry["Subnet"]).hosts()))
+    raise SandboxError(f"Docker network {network!r} has no IPv4 gateway; set CLAWSTREAM_SANDBOX_DOCKER_HOST_ADDRESS")
+
+
 def exec_argv(argv: list[str], timeout_s: float, grace_s: float) -> list[str]:
     return ["timeout", "-s", "TERM", "-k", f"{grace_s:g}", f"{timeout_s:g}", *argv]
 
@@ -156,6 +169,8 @@ def unpack_into(stream: bytes, name: str, dest: Path) -> list[str]:
 
 
 class DockerSandbox(Sandbox):
+    contained = True
+
     def __init__(self, sandbox_id: str, host_root: Path, container: Any, client: Any, task: Task,
                  settings: SandboxSettings, proxy_origin: str | None) -> None:  # fmt: skip
         self.sandbox_id, self.root, self.s = sandbox_id, host_root, settings
@@ -274,6 +289,8 @@ class DockerBackend(SandboxBackend):
         self.worker = process_identity()
         self._relay: Any = None
         self._proxy_origin: str | None = None
+        self._setup_lock = threading.Lock()  # concurrent creates (worker threads) set up network and relay once
+        self._network_ready = False
 
     @property
     def client(self) -> Any:
@@ -289,17 +306,33 @@ class DockerBackend(SandboxBackend):
         return self._client
 
     def ensure_network(self) -> None:
-        """The internal network sandboxes join (no route out, no host address); created once if missing."""
-        if not self.client.networks.list(names=[self.s.docker_network]):
-            self.client.networks.create(self.s.docker_network, driver="bridge", internal=True, options=NO_HOST_ADDRESS,
-                                        labels={"clawstream": "sandbox-network"})  # fmt: skip
+        """The internal network sandboxes join (no route out, no host address); created once if missing.
+
+        Docker allows two networks of one name, and a name that matches two cannot be used: creation checks for a
+        duplicate (another worker may create it at the same moment), and losing that race is fine."""
+        with self._setup_lock:
+            if self._network_ready:
+                return
+            if not self.client.networks.list(names=[self.s.docker_network]):
+                try:
+                    self.client.networks.create(self.s.docker_network, driver="bridge", internal=True,
+                                                options=NO_HOST_ADDRESS, check_duplicate=True,
+                                                labels={"clawstream": "sandbox-network"})  # fmt: skip
+                except Exception as exc:  # docker.errors.APIError 409: created by someone else meanwhile
+                    if "already exists" not in str(exc) and "409" not in str(exc):
+                        raise
+            self._network_ready = True
 
     def ensure_relay(self) -> str | None:
         """This worker's relay to the host's proxy (started once); the proxy's origin as sandboxes reach it."""
         if not self.s.docker_proxy_relay:
             return None
-        if self._relay is not None:
-            return self._proxy_origin
+        with self._setup_lock:
+            if self._relay is None:
+                self._start_relay()
+        return self._proxy_origin
+
+    def _start_relay(self) -> None:
         proxy = urlsplit(self.s.proxy_url)
         host = self.s.docker_host_address or self._bridge_gateway()
         name = f"clawstream-relay-{socket.gethostname()}-{os.getpid()}"[:63]
@@ -315,14 +348,9 @@ class DockerBackend(SandboxBackend):
         self.client.networks.get(self.s.docker_network).connect(relay, aliases=[name])
         self._relay, self._proxy_origin = relay, f"http://{name}:{port}"
         log.info("relay %s: %s → %s:%s", name, self._proxy_origin, host, proxy.port)
-        return self._proxy_origin
 
     def _bridge_gateway(self) -> str:
-        config = self.client.networks.get("bridge").attrs.get("IPAM", {}).get("Config") or [{}]
-        gateway = config[0].get("Gateway")
-        if not gateway:
-            raise SandboxError("Docker's default bridge has no gateway; set CLAWSTREAM_SANDBOX_DOCKER_HOST_ADDRESS")
-        return str(gateway)
+        return bridge_gateway(self.client)
 
     async def create(self, sandbox_id: str, task: Task) -> DockerSandbox:
         host_root = Path(tempfile.mkdtemp(prefix=f"{sandbox_id}-", dir=self._mkroot()))

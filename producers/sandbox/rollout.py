@@ -188,7 +188,7 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             spec = launch_spec(adapter, LaunchContext(
                 base_url=box.proxy_base_url(reg["base_url"]), secret=reg["secret"], workspace=box.workspace,
                 home=box.home, prompt=prompt, timeout_s=timeout, python=box.python, exe=exe,
-                clawstream_root=box.clawstream_root,
+                clawstream_root=box.clawstream_root, contained=box.contained,
             ))  # fmt: skip
             for path, content in spec.files.items():
                 box.write_text(path, content)

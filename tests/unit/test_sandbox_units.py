@@ -3,6 +3,7 @@ scheduler planning / lag gating / re-issue, offset bookkeeping."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -72,6 +73,10 @@ def test_builtin_adapters_render() -> None:
     assert conf["model_providers"]["clawstream"]["base_url"] == "http://127.0.0.1:9/r/rid/v1"
     assert conf["model_providers"]["clawstream"]["wire_api"] == "responses"
     assert codex.env == {"CODEX_HOME": "/h/.codex", "CLAWSTREAM_API_KEY": "s3cret"}
+    assert "workspace-write" in codex.argv and "danger-full-access" not in codex.argv
+    contained = launch_spec(ADAPTERS["codex"], dataclasses.replace(CTX, contained=True))  # its bubblewrap cannot run
+    assert "danger-full-access" in contained.argv and "workspace-write" not in contained.argv
+    assert launch_spec(ADAPTERS["claude-code"], dataclasses.replace(CTX, contained=True)).argv == claude.argv
     opencode = json.loads(launch_spec(ADAPTERS["opencode"], CTX).files["/h/opencode.json"])
     assert opencode["$schema"].startswith("https://")
     assert opencode["provider"]["clawstream"]["options"]["apiKey"] == "s3cret"
