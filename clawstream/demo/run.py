@@ -69,8 +69,17 @@ def warm_start_dir(models: Path, cfg: DemoConfig) -> Path:
 
 def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
     """The tiny base model (built once) warm-started by SFT with the recipe of ``cfg`` (trained once; cached)."""
+    from learner.warmstart import sft
     from policy.tiny_model import init_tiny_model, is_current
 
+    if cfg.sft_steps > 0:  # the repository's checkpoint of this recipe, when it is intact: RL starts at once
+        recipe = {"steps": cfg.sft_steps, "seed": cfg.sft_seed, "batch_size": cfg.sft_batch_size,
+                  "n_tasks": cfg.sft_n_tasks}  # fmt: skip
+        shipped, why = sft.shipped_warm_start(recipe)
+        if shipped is not None:
+            say(f"==> warm start: {shipped} (shipped; {why})")
+            return shipped
+        say(f"==> warm start: not using the shipped checkpoint: {why}")
     base = models / "tiny-qwen3"
     if not is_current(base):  # missing, or built by an older builder (e.g. fewer positions): rebuild all of it
         for stale in models.glob("tiny-qwen3-sft*"):
@@ -80,8 +89,6 @@ def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
         init_tiny_model(base, seed=0, progress=lambda _msg: None)
     if cfg.sft_steps <= 0:
         return base
-    from learner.warmstart import sft
-
     _quiet_transformers()
     warm = warm_start_dir(models, cfg)
     if (warm / "sft_summary.json").exists():

@@ -266,6 +266,30 @@ def weights_sha256(model_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
+# The warm start shipped with the repository (docs/quickstart.md#the-warm-start-recipe): made by this module's default
+# recipe; its sft_summary.json records the recipe and the sha256 of its weights.
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "models" / "warmstart"
+RECIPE_KEYS = ("steps", "seed", "batch_size", "n_tasks", "lr")
+
+
+def shipped_warm_start(recipe: dict[str, Any], shipped: Path = SHIPPED_DIR) -> tuple[Path | None, str]:
+    """The shipped checkpoint when ``recipe`` (``RECIPE_KEYS``) is the one that made it and its weights still have
+    the recorded sha256; else ``(None, why not)``. A mismatch of the weights is never used silently."""
+    summary_path = shipped / "sft_summary.json"
+    if not summary_path.exists():
+        return None, f"no shipped warm start at {shipped}"
+    summary = json.loads(summary_path.read_text())
+    made_by = {k: summary.get("config", {}).get(k) for k in RECIPE_KEYS}
+    wanted = {k: recipe.get(k, getattr(SFTConfig(), k)) for k in RECIPE_KEYS}
+    if made_by != wanted:
+        return None, f"the shipped warm start was made by {made_by}, not {wanted}"
+    actual = weights_sha256(shipped)
+    if actual != summary.get("sha256"):
+        return None, (f"the shipped warm start's weights have sha256 {actual[:16]}…, not the recorded "
+                      f"{str(summary.get('sha256'))[:16]}… (damaged or changed; train it with `clawstream model sft`)")
+    return shipped, f"made by `clawstream model sft --steps {wanted['steps']} --seed {wanted['seed']}`, sha256 verified"
+
+
 def _common_prefix(seqs: list[Sequence]) -> int:
     """Tokens every sequence starts with, minus one so the shared part never reaches a target (P >= 0)."""
     n = min(len(s.ids) for s in seqs)

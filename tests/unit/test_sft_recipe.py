@@ -62,3 +62,20 @@ def test_bad_budgets_are_refused() -> None:
         sft.SFTConfig(steps=0)
     with pytest.raises(ValueError, match="minutes"):
         sft.SFTConfig(minutes=0)
+
+
+def test_a_shipped_warm_start_is_used_only_for_its_recipe_and_checksum(model_dir: Path, tmp_path: Path) -> None:
+    made = sft.sft(model_dir, tmp_path / "shipped", steps=2, seed=5, **RECIPE)
+    recipe = {"steps": 2, "seed": 5, "batch_size": RECIPE["batch_size"], "n_tasks": RECIPE["n_tasks"],
+              "lr": RECIPE["lr"]}  # fmt: skip
+    found, why = sft.shipped_warm_start(recipe, tmp_path / "shipped")
+    assert found == tmp_path / "shipped" and "sha256 verified" in why and made["sha256"] in sft.weights_sha256(found)
+    other, why = sft.shipped_warm_start({**recipe, "steps": 3}, tmp_path / "shipped")
+    assert other is None and "not" in why  # another recipe trains anew
+    weights = next((tmp_path / "shipped").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one flipped bit in the last tensor
+    weights.write_bytes(bytes(data))
+    damaged, why = sft.shipped_warm_start(recipe, tmp_path / "shipped")
+    assert damaged is None and "damaged" in why
+    assert sft.shipped_warm_start(recipe, tmp_path / "missing")[0] is None
