@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from clawstream.kafka.clients import (
     make_producer,
     produce_reliably,
     read_to_end,
+    require_topics,
     where,
 )
 from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
@@ -338,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
                              tensorboard_dir=args.tensorboard_dir, value_head=args.value_head)  # fmt: skip
     config = parse_hparams(args.hp)
     kafka = kafka_settings(args)
-    log.info("Kafka at %s", check_broker(kafka))
+    try:  # before loading the model: a wrong broker or prefix is one clear line, not a traceback at first produce
+        log.info("Kafka at %s", check_broker(kafka))
+        require_topics(kafka, (BATCHES, WEIGHTS, METRICS, DEADLETTER))
+    except ClawstreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     steps = Learner(settings, config, kafka).run()
     log.info("trained %d batches", steps)
     return 0

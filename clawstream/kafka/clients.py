@@ -54,6 +54,21 @@ def check_broker(settings: KafkaSettings, timeout: float = 15.0) -> str:
     return bootstrap
 
 
+def require_topics(settings: KafkaSettings, names: Iterable[str], *, timeout: float = 15.0) -> None:
+    """Raise a :class:`ConfigError` naming every catalog topic of ``names`` (unprefixed) that does not exist under
+    ``settings.topic_prefix``, and the command that creates them. A service checks at start what it reads and writes,
+    rather than failing with a library traceback at its first produce."""
+    try:
+        existing = set(AdminClient(client_config(settings)).list_topics(timeout=timeout).topics)
+    except KafkaException as exc:
+        raise ConfigError(f"cannot list the topics at {bootstrap_servers(settings)}: {exc}") from exc
+    missing = [settings.topic(n) for n in names if settings.topic(n) not in existing]
+    if missing:
+        prefix = f" --prefix {settings.topic_prefix}" if settings.topic_prefix else ""
+        raise ConfigError(f"topic(s) {', '.join(missing)} do not exist at {bootstrap_servers(settings)}; create the "
+                          f"catalog with `clawstream topics create{prefix}`")  # fmt: skip
+
+
 def client_config(settings: KafkaSettings) -> dict[str, Any]:
     """librdkafka properties common to producers, consumers and admin clients."""
     conf: dict[str, Any] = {

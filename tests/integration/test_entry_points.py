@@ -108,3 +108,13 @@ def test_tasks_commands(tmp_path: Path) -> None:
     assert sorted(p.relative_to(solved) for p in solved.rglob("*")) == before  # no reward/ or payload left behind
     as_json = _run([str(CLI), "tasks", "grade", str(task), str(untouched), "--json"])
     assert json.loads(as_json.stdout)["sub_scores"]["no_writes_outside_output"] == 1.0
+
+
+def test_learner_refuses_a_prefix_without_topics(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """A learner pointed at a prefix whose topics were never created says so in one line and how to fix it."""
+    proc = _run([sys.executable, "-m", "learner", "--model-dir", str(tmp_path / "none"), "--weight-store",
+                 str(tmp_path / "w"), "--bootstrap", kafka_bootstrap, "--topic-prefix", "never-created."])  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "never-created.clawstream.batches" in proc.stderr and "clawstream topics create --prefix never-created." \
+        in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
