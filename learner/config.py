@@ -37,6 +37,11 @@ class LearnerConfig:
         0, "Longest root-to-leaf path a row may hold (a tree over token_budget is trained path by path, without a "
         "dense mask); 0 = the model's context length. A longer path dead-letters its batch.",
     )
+    share_prefix_min: int = _hp(
+        16, "Trees in one micro-batch row store the root context they begin with in common (a dialect's system "
+        "prompt and tool schemas, a group's user prompt) once, when at least this many tokens; 0 = off (each keeps "
+        "its own copy). Exact: same logprobs and gradients, fewer tokens.",
+    )
     mini_batches: int = _hp(1, "Optimizer steps per training batch (the batch is split into this many parts).")
     eps_low: float = _hp(0.2, "Lower clip of the ratio (1 - eps_low) for negative advantages.")
     eps_high: float = _hp(0.28, "Upper clip of the ratio (1 + eps_high) for positive advantages (clip-higher).")

@@ -29,7 +29,9 @@ that the learner's top-k/top-p support leaves out has probability 0 under π: it
 of an impossible sample should.
 
 Several trees go into one micro-batch (one row) with a block-diagonal mask; ``pack_trees`` fills micro-batches up to
-a token budget by first-fit decreasing. A micro-batch row is never padded.
+a token budget by first-fit decreasing. A micro-batch row is never padded. With ``share_prefix_min`` (the learner's
+default) the context that the trees of a row begin with — a dialect's system prompt and tool schemas, a group's user
+prompt — is stored once per row, as virtual context segments every tree hangs under (``learner.prefix_share``).
 
 Attention implementation (checked against transformers 5.24 source, ``masking_utils._preprocess_mask_arguments``):
 a 4D ``attention_mask`` tensor of shape (B, 1, T, T) is returned as-is by the mask builders, so the model uses ours.
@@ -57,6 +59,7 @@ import torch
 
 from clawstream.errors import ClawstreamError
 from consumers.inference.sampling import MIN_REPORTED_LOGPROB, apply_temperature, apply_top_k, apply_top_p
+from learner.prefix_share import fill_rows, shared_row
 from learner.segment_sampling import PLAIN_SAMPLING, UnreproducibleSampling, segment_sampling
 from learner.tree_split import is_chain, split_into_paths
 
@@ -268,16 +271,27 @@ class MicroBatch:
     # Known on the host when the row is built, so computing logprobs needs no device sync to skip the (K, V) sorts.
     uses_top_k: bool = False
     uses_top_p: bool = False
+    shared_tokens: int = 0  # tokens of the virtual segments the row's trees share (learner.prefix_share)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
     @classmethod
-    def from_trees(cls, trees: Sequence[PackedTree], tree_indices: Sequence[int]) -> MicroBatch:
-        """Concatenate packed trees into one row; ``tree_indices[k]`` is the rollout index of ``trees[k]``."""
+    def from_trees(
+        cls, trees: Sequence[PackedTree], tree_indices: Sequence[int], *, share_prefix_min: int = 0
+    ) -> MicroBatch:
+        """Concatenate packed trees into one row; ``tree_indices[k]`` is the rollout index of ``trees[k]``.
+
+        ``share_prefix_min > 0``: root context the trees have in common (at least that many tokens) is stored once."""
         if len(trees) != len(tree_indices):
             raise PackError(f"{len(trees)} trees but {len(tree_indices)} tree indices")
+        flags = {"tree_indices": tuple(int(i) for i in tree_indices),
+                 "uses_top_k": any(bool((t.top_k > 0).any()) for t in trees),
+                 "uses_top_p": any(bool((t.top_p < 1).any()) for t in trees)}  # fmt: skip
+        shared = shared_row(trees, tree_indices, share_prefix_min) if share_prefix_min > 0 else None
+        if shared is not None:
+            return cls(**shared, **flags)
         token_offset = 0
         segment_offset = 0
         predictors: list[torch.Tensor] = []
@@ -311,9 +325,7 @@ class MicroBatch:
             temperature=cat([t.temperature for t in trees], torch.float32),
             top_p=cat([t.top_p for t in trees], torch.float32),
             top_k=cat([t.top_k for t in trees], torch.long),
-            tree_indices=tuple(int(i) for i in tree_indices),
-            uses_top_k=any(bool((t.top_k > 0).any()) for t in trees),
-            uses_top_p=any(bool((t.top_p < 1).any()) for t in trees),
+            **flags,
         )
 
     def attention_allowed(self) -> torch.Tensor:
@@ -345,7 +357,7 @@ class MicroBatch:
             )
         }
         return MicroBatch(**moved, tree_indices=self.tree_indices, uses_top_k=self.uses_top_k,
-                          uses_top_p=self.uses_top_p)  # fmt: skip
+                          uses_top_p=self.uses_top_p, shared_tokens=self.shared_tokens)  # fmt: skip
 
 
 def additive_mask(
@@ -357,13 +369,17 @@ def additive_mask(
     return out.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def pack_trees(trees: Sequence[TreeLike], token_budget: int, max_path_tokens: int | None = None) -> list[MicroBatch]:
+def pack_trees(
+    trees: Sequence[TreeLike], token_budget: int, max_path_tokens: int | None = None, *, share_prefix_min: int = 0
+) -> list[MicroBatch]:
     """Pack trees into micro-batches of at most ``token_budget`` tokens each, by first-fit decreasing.
 
     Trees are taken longest first (ties by input order, so the result is deterministic) and each goes into the first
     micro-batch with room, else a new one. A tree longer than the budget gets rows of its own, without a dense mask:
     itself when it is a chain, else one chain per root-to-leaf path (``learner.tree_split``); a path longer than
     ``max_path_tokens`` (the model's context, or a memory bound) is an error, never silently dropped.
+    ``share_prefix_min > 0``: the trees of a row store the root context they have in common once, and a tree goes
+    to the row it adds the fewest tokens to after that (``learner.prefix_share.fill_rows``).
     """
     if token_budget <= 0:
         raise PackError(f"token_budget must be positive, got {token_budget}")
@@ -392,6 +408,12 @@ def pack_trees(trees: Sequence[TreeLike], token_budget: int, max_path_tokens: in
     together = [k for k in range(len(packed)) if k not in on_own]
     order = sorted(together, key=lambda k: (-packed[k].num_tokens, k))
     bins: list[list[int]] = [[k] for k in sorted(alone, key=lambda k: (-packed[k].num_tokens, k))]
+    if share_prefix_min > 0:  # rows of their own are chains without a dense mask: never shared
+        bins += [[order[j] for j in row] for row in fill_rows([packed[k] for k in order], token_budget,
+                                                              share_prefix_min)]  # fmt: skip
+        return [MicroBatch.from_trees([packed[k] for k in b], [owner[k] for k in b],
+                                      share_prefix_min=share_prefix_min if len(b) > 1 or b[0] not in on_own else 0)
+                for b in bins]  # fmt: skip
     loads: list[int] = [token_budget] * len(bins)  # full: nothing joins a row of its own
     for k in order:
         n = packed[k].num_tokens

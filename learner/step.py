@@ -75,7 +75,8 @@ def train_step(
     parts = [list(trees[i :: config.mini_batches]) for i in range(config.mini_batches)]
     parts = [p for p in parts if p]
     max_path = max_path_tokens(model, config)
-    rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget, max_path)]
+    rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget, max_path,
+                                              share_prefix_min=config.share_prefix_min)]
             for part in parts]  # fmt: skip
 
     entropy = [0.0, 0]  # summed over trainable tokens, and their count (GRPO's π_old)

@@ -1,0 +1,301 @@
+"""Cross-rollout prefix sharing: the context that the trees of one micro-batch row begin with is packed once.
+
+Why. Tree packing (``learner.pack``) stores a prefix once *within* a rollout's tree, but every rollout of a batch
+repeats the system prompt and tool schemas of its chat dialect (~434 tokens of the built-in loop's), and the
+rollouts of one group also repeat the task's user prompt. On the quickstart a 16-rollout batch packed ~8.6k tokens
+of which ~665 were trainable. The learner's step is the pace of the whole RL loop and its cost grows with the packed
+tokens, so the trees of a row share that context: measured by ``bench/prefix_share.py``.
+
+What is shared. An *item* is a root segment of a tree in the row (one per tree, usually; a tree whose history was
+split at a compaction point has several). Its *shareable* tokens are its leading run of pure context: tokens out of
+the loss, with rollout logprob 0 and plain sampling settings — the whole segment for a context root, nothing of a
+trainable root. An item's shared length ``P`` is the longest common prefix of its shareable tokens with any other
+item of the row, or 0 when that is shorter than ``min_tokens`` (a few tokens of chat-template header are not worth a
+segment). The distinct shared prefixes form a radix tree; each radix node becomes one *virtual* context segment at
+the start of the row — e.g. the 3-token header both dialects start with, under it each dialect's system prompt,
+under that each group's user prompt — and each item's root segment hangs under the node that ends at depth ``P``,
+with its first ``P`` tokens removed (a root that is entirely shared stays as an empty segment).
+
+Why it is exact (checked to 1e-5 in fp32, and the loss and gradients of a learner step, by
+tests/unit/test_pack_prefix_share.py):
+
+- positions: a root starts at depth 0, so the shared token at depth d has position d, as each removed copy had;
+- attention: the virtual segments on an item's radix path are ancestors of exactly the segments of that item's
+  tree (its root's descendants), so every token attends to the same token ids at the same positions as before;
+- predictors: a kept token whose predictor was removed (the root's first kept token, or a child's first token when
+  the root is entirely shared) is predicted from the shared copy of that token, at the same depth;
+- loss: only pure context is removed, so every trainable token, its logprob, sampling settings and rollout stay.
+  A virtual token is context too; its ``rollout_index`` is that of the first tree hanging under it (any index of
+  the row would do: the loss, the per-rollout token counts and the value targets only read trainable tokens).
+
+Rows of their own (a tree over the token budget: a chain, or one row per path, ``learner.tree_split``) are never
+shared: they run without a dense mask, which sharing would need. ``fill_rows`` is the first-fit decreasing of
+``learner.pack.pack_trees`` made aware of sharing: a tree goes to the row it adds the fewest tokens to after
+sharing (ties: the first), among the rows it fits in — exactly first fit when nothing is shared.
+
+Pure: no Kafka. Trees are read through the fields of ``learner.pack.PackedTree`` (duck-typed: pack imports this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DEFAULT_MIN_TOKENS", "fill_rows", "root_prefixes", "shared_lengths", "shared_row", "shared_savings"]
+
+# Below this many common tokens two roots keep their own copies (a shared segment for a chat-template header of a
+# few tokens saves nothing worth a segment). The learner's default (``LearnerConfig.share_prefix_min``).
+DEFAULT_MIN_TOKENS = 16
+
+Prefix = tuple[int, ...]
+
+
+def _plain_context(tree: Any) -> torch.Tensor:
+    """(L,) bool: tokens that are pure context (out of the loss, logprob 0, plain sampling): the shareable kind."""
+    return (
+        ~tree.loss_mask & (tree.rollout_logprobs == 0) & (tree.temperature == 1) & (tree.top_p == 1) & (tree.top_k == 0)
+    )
+
+
+def _roots(tree: Any) -> list[tuple[int, int, int]]:
+    """(segment, first token, token count) of each root segment of a packed tree, in segment order."""
+    counts = torch.bincount(tree.segment_ids, minlength=tree.num_segments)  # (S,)
+    starts = torch.cumsum(counts, 0) - counts  # (S,): segments are concatenated in order
+    is_root = tree.segment_ancestors.sum(1) == 1  # (S,): a root is its own only ancestor
+    return [(int(s), int(starts[s]), int(counts[s])) for s in is_root.nonzero(as_tuple=True)[0]]
+
+
+def root_prefixes(tree: Any) -> list[Prefix]:
+    """The shareable tokens of each root segment of a packed tree (its leading run of pure context)."""
+    plain = _plain_context(tree)
+    out = []
+    for _, start, n in _roots(tree):
+        run = plain[start : start + n]
+        stop = int((~run).nonzero()[0, 0]) if not bool(run.all()) else n
+        out.append(tuple(tree.input_ids[start : start + stop].tolist()))
+    return out
+
+
+def _lcp(a: Prefix, b: Prefix) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slice equality (C-speed comparisons)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def shared_lengths(prefixes: Sequence[Prefix], min_tokens: int) -> list[int]:
+    """Per item, its longest common prefix with any other item (0 when shorter than ``min_tokens``).
+
+    In lexicographic order the longest common prefix with any other string is reached at a neighbour."""
+    order = sorted(range(len(prefixes)), key=lambda i: prefixes[i])
+    out = [0] * len(prefixes)
+    for a, b in zip(order, order[1:], strict=False):
+        common = _lcp(prefixes[a], prefixes[b])
+        if common >= max(min_tokens, 1):
+            out[a], out[b] = max(out[a], common), max(out[b], common)
+    return out
+
+
+def _shared_strings(prefixes: Sequence[Prefix], min_tokens: int) -> tuple[list[int], list[Prefix]]:
+    lengths = shared_lengths(prefixes, min_tokens)
+    return lengths, sorted({p[:n] for p, n in zip(prefixes, lengths, strict=True) if n})
+
+
+def shared_savings(prefixes: Sequence[Prefix], min_tokens: int) -> int:
+    """Tokens that sharing removes from a row with these items: Σ P minus the tokens of the radix tree.
+
+    The radix tree of sorted strings s_1..s_m has Σ_k (|s_k| - lcp(s_k, s_{k-1})) tokens."""
+    lengths, strings = _shared_strings(prefixes, min_tokens)
+    trie = sum(len(s) - _lcp(s, prev) for s, prev in zip(strings, [(), *strings], strict=False))
+    return sum(lengths) - trie
+
+
+@dataclass
+class _Node:
+    """A radix node: the tokens at depths [start, end) of the strings through it, under ``parent`` (-1: none)."""
+
+    parent: int
+    start: int
+    end: int
+    string: int  # a string (index into the sorted strings) that spells it
+
+
+def _radix_tree(strings: Sequence[Prefix]) -> tuple[list[_Node], list[int]]:
+    """Radix tree of sorted, distinct, non-empty strings: its nodes, and the node each string ends at.
+
+    One pass with the path of the previous string on a stack (the lcp-interval construction): pop what lies deeper
+    than the common prefix h with the previous string, split the node that straddles h, hang the new rest below."""
+    nodes: list[_Node] = []
+    ends: list[int] = []
+    stack: list[int] = []  # nodes along the previous string's path, shallowest first
+    for k, s in enumerate(strings):
+        h = _lcp(strings[k - 1], s) if k else 0  # < len(s): sorted and distinct, so s is no prefix of its predecessor
+        while stack and nodes[stack[-1]].start >= h:
+            stack.pop()
+        if stack and nodes[stack[-1]].end > h:
+            # Split x = [a, c) at h: a new node [a, h) takes x's place, x keeps [h, c) and its subtree and ends.
+            x = nodes[stack[-1]]
+            nodes.append(_Node(x.parent, x.start, h, x.string))
+            x.parent, x.start = len(nodes) - 1, h
+            stack[-1] = len(nodes) - 1
+        nodes.append(_Node(stack[-1] if stack else -1, h, len(s), k))
+        stack.append(len(nodes) - 1)
+        ends.append(len(nodes) - 1)
+    return nodes, ends
+
+
+def shared_row(trees: Sequence[Any], tree_indices: Sequence[int], min_tokens: int) -> dict[str, Any] | None:
+    """The tensor fields of a ``learner.pack.MicroBatch`` holding ``trees`` with their common context stored once
+    (see the module docstring), plus ``shared_tokens`` (tokens of the virtual segments); None if nothing is shared."""
+    items: list[tuple[int, int, int]] = []  # (tree, root segment, first token of the root in its tree)
+    prefixes: list[Prefix] = []
+    for k, tree in enumerate(trees):
+        roots = _roots(tree)
+        items += [(k, seg, start) for seg, start, _ in roots]
+        prefixes += root_prefixes(tree)
+    lengths, strings = _shared_strings(prefixes, min_tokens)
+    if not strings:
+        return None
+    nodes, ends = _radix_tree(strings)
+    order = sorted(range(len(nodes)), key=lambda v: nodes[v].start)  # parents start shallower: topological
+    seg_of = {v: i for i, v in enumerate(order)}  # radix node -> its virtual segment id
+    offset: dict[int, int] = {}  # radix node -> packed index of its first token
+    v_tokens = 0
+    for v in order:
+        offset[v] = v_tokens
+        v_tokens += nodes[v].end - nodes[v].start
+    n_virtual = len(nodes)
+
+    # The virtual segments: tokens, depths, predictors (the previous token on the radix path), ancestors, owner.
+    ids, pred, owner = [], [], []
+    v_anc = torch.zeros(n_virtual, n_virtual, dtype=torch.bool)  # (V, V)
+    first_item = {}  # string -> the first item whose shared prefix it is (its tree owns the virtual tokens)
+    for i, n in enumerate(lengths):
+        if n:
+            first_item.setdefault(prefixes[i][:n], i)
+    # A node's owner: the first item through it, i.e. the first among the strings of its subtree.
+    node_owner: dict[int, int] = {}
+    for s, v in enumerate(ends):
+        tree_k = items[first_item[strings[s]]][0]
+        while v != -1:
+            node_owner[v] = min(node_owner.get(v, tree_k), tree_k)
+            v = nodes[v].parent
+    for v in order:
+        node = nodes[v]
+        length = node.end - node.start
+        ids += strings[node.string][node.start : node.end]
+        before = offset[node.parent] + nodes[node.parent].end - nodes[node.parent].start - 1 if node.parent >= 0 else -1
+        pred += [before] + list(range(offset[v], offset[v] + length - 1))
+        owner += [int(tree_indices[node_owner[v]])] * length
+        v_anc[seg_of[v], seg_of[v]] = True
+        if node.parent >= 0:
+            v_anc[seg_of[v]] |= v_anc[seg_of[node.parent]]
+    v_depth = torch.cat([torch.arange(nodes[v].start, nodes[v].end) for v in order])  # (V_tok,)
+
+    # Each item's radix path as packed indices by depth: (P,) tensor, the shared copy of its first P tokens.
+    def path_index(v: int) -> torch.Tensor:
+        parts = []
+        while v != -1:
+            parts.append(torch.arange(offset[v], offset[v] + nodes[v].end - nodes[v].start))
+            v = nodes[v].parent
+        return torch.cat(parts[::-1])
+
+    string_of = {s: j for j, s in enumerate(strings)}
+    cut: dict[int, list[tuple[int, int, int, int]]] = {}  # tree -> (root segment, first token, P, end node)
+    for (k, seg, start), p, n in zip(items, prefixes, lengths, strict=True):
+        if n:
+            cut.setdefault(k, []).append((seg, start, n, ends[string_of[p[:n]]]))
+
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in _TOKEN_FIELDS}
+    parts["input_ids"].append(torch.tensor(ids, dtype=torch.long))
+    parts["position_ids"].append(v_depth)
+    parts["predictor"].append(torch.tensor(pred, dtype=torch.long))
+    parts["loss_mask"].append(torch.zeros(v_tokens, dtype=torch.bool))
+    parts["rollout_logprobs"].append(torch.zeros(v_tokens, dtype=torch.float32))
+    parts["rollout_index"].append(torch.tensor(owner, dtype=torch.long))
+    parts["segment_ids"].append(torch.tensor([seg_of[v] for v in order for _ in range(nodes[v].end - nodes[v].start)],
+                                             dtype=torch.long))  # fmt: skip
+    parts["temperature"].append(torch.ones(v_tokens, dtype=torch.float32))
+    parts["top_p"].append(torch.ones(v_tokens, dtype=torch.float32))
+    parts["top_k"].append(torch.zeros(v_tokens, dtype=torch.long))
+
+    n_segments = n_virtual + sum(t.num_segments for t in trees)
+    ancestors = torch.zeros(n_segments, n_segments, dtype=torch.bool)  # (S_total, S_total)
+    ancestors[:n_virtual, :n_virtual] = v_anc
+    token_offset, segment_offset = v_tokens, n_virtual
+    for k, (tree, index) in enumerate(zip(trees, tree_indices, strict=True)):
+        keep = torch.ones(tree.num_tokens, dtype=torch.bool)  # (L,)
+        shared_copy = torch.full((tree.num_tokens,), -1, dtype=torch.long)  # (L,): packed index of a removed token
+        s = tree.num_segments
+        ancestors[segment_offset : segment_offset + s, segment_offset : segment_offset + s] = tree.segment_ancestors
+        for seg, start, n, end_node in cut.get(k, []):
+            keep[start : start + n] = False
+            shared_copy[start : start + n] = path_index(end_node)
+            under = tree.segment_ancestors[:, seg].nonzero(as_tuple=True)[0] + segment_offset  # the root's subtree
+            ancestors[under, :n_virtual] |= v_anc[seg_of[end_node]]
+        # Where each token of the tree is now: its own new index if kept, else its shared copy's.
+        moved = torch.where(keep, token_offset + torch.cumsum(keep, 0) - 1, shared_copy)  # (L,)
+        old_pred = tree.predictor[keep]  # (L_kept,)
+        parts["predictor"].append(torch.where(old_pred >= 0, moved[old_pred.clamp(min=0)], old_pred))
+        for name in ("input_ids", "position_ids", "loss_mask", "rollout_logprobs", "temperature", "top_p", "top_k"):
+            parts[name].append(getattr(tree, name)[keep])
+        parts["segment_ids"].append(tree.segment_ids[keep] + segment_offset)
+        kept = int(keep.sum())
+        parts["rollout_index"].append(torch.full((kept,), int(index), dtype=torch.long))
+        token_offset += kept
+        segment_offset += s
+    out: dict[str, Any] = {name: torch.cat(p) for name, p in parts.items()}
+    out["segment_ancestors"] = ancestors
+    out["shared_tokens"] = v_tokens
+    return out
+
+
+# The per-token (T,) fields of a micro-batch row.
+_TOKEN_FIELDS = ("input_ids", "position_ids", "predictor", "loss_mask", "rollout_logprobs", "rollout_index",
+                 "segment_ids", "temperature", "top_p", "top_k")  # fmt: skip
+
+
+def fill_rows(trees: Sequence[Any], token_budget: int, min_tokens: int) -> list[list[int]]:
+    """Rows (lists of positions in ``trees``) for trees given longest first, each row's packed tokens after sharing
+    within ``token_budget``: a tree goes to the row it adds the fewest tokens to (ties: the first), else a new row."""
+    prefixes = [root_prefixes(t) for t in trees]
+    # A tree whose roots share nothing among themselves and none of their first min_tokens with a row's leaves the
+    # row's savings unchanged (a common prefix of min_tokens needs the same first min_tokens): no recount needed.
+    keys = [{p[:min_tokens] for p in ps if len(p) >= min_tokens} for ps in prefixes]
+    rows: list[list[int]] = []
+    row_keys: list[set[Prefix]] = []
+    raw: list[int] = []  # Σ tokens of a row's trees
+    cost: list[int] = []  # the row's packed tokens after sharing
+    for k, tree in enumerate(trees):
+        n = int(tree.num_tokens)
+        own = n - shared_savings(prefixes[k], min_tokens)  # its roots may share among themselves
+        best: tuple[int, int, int] | None = None  # (tokens added, row, new cost)
+        for b in range(len(rows)):
+            if own < n or keys[k] & row_keys[b]:
+                new = raw[b] + n - shared_savings([p for j in [*rows[b], k] for p in prefixes[j]], min_tokens)
+            else:
+                new = cost[b] + own
+            if new <= token_budget and (best is None or new - cost[b] < best[0]):
+                best = (new - cost[b], b, new)
+        if best is None:
+            rows.append([k])
+            row_keys.append(set(keys[k]))
+            raw.append(n)
+            cost.append(own)
+        else:
+            _, b, new = best
+            rows[b].append(k)
+            row_keys[b] |= keys[k]
+            raw[b] += n
+            cost[b] = new
+    return rows
