@@ -71,7 +71,7 @@ for name in "${ORDER[@]}"; do
   base="$(base_for "$name")"
   echo "[images] building $image (BASE_IMAGE=$base)"
   t0=$(date +%s)
-  docker build --network host -f "$here/Dockerfile.$name" -t "$image" --build-arg "BASE_IMAGE=$base" \
+  docker build --force-rm --network host -f "$here/Dockerfile.$name" -t "$image" --build-arg "BASE_IMAGE=$base" \
     --build-arg "EXTRA_CA_CERTS=$extra_ca" "$root"
   secs=$(( $(date +%s) - t0 ))
   bytes=$(docker image inspect -f '{{.Size}}' "$image")
