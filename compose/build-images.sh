@@ -70,10 +70,15 @@ for name in "${ORDER[@]}"; do
   image="clawstream/$name:$TAG"
   base="$(base_for "$name")"
   echo "[images] building $image (BASE_IMAGE=$base)"
+  before="$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)"
   t0=$(date +%s)
   docker build --force-rm --network host -f "$here/Dockerfile.$name" -t "$image" --build-arg "BASE_IMAGE=$base" \
     --build-arg "EXTRA_CA_CERTS=$extra_ca" "$root"
   secs=$(( $(date +%s) - t0 ))
+  # The previous build of this tag, now untagged: removed unless a container still uses it (its layers stay cached).
+  if [ -n "$before" ] && [ "$before" != "$(docker image inspect -f '{{.Id}}' "$image")" ]; then
+    docker image rm "$before" >/dev/null 2>&1 || true
+  fi
   bytes=$(docker image inspect -f '{{.Size}}' "$image")
   line="$(printf '%-28s %8.0f MB  built in %5d s' "$image" "$(( bytes / 1000000 ))" "$secs")"
   echo "[images] $line"
