@@ -98,6 +98,11 @@ class SandboxSettings(BaseSettings):
         description="Address at which the relay reaches the host's proxy; default: the gateway of Docker's default "
         "bridge network (the proxy must listen there or on 0.0.0.0).",
     )
+    docker_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra labels on rollout and relay containers (JSON in env), e.g. compose's project and service "
+        "labels, so `docker compose down --remove-orphans` removes what a killed worker left.",
+    )
     docker_harness_home: str = Field(
         default="/opt/clawstream-home",
         description="CLAWSTREAM_HOME inside the sandbox image: its harnesses/ holds the npm harnesses.",

@@ -61,6 +61,13 @@ from producers.sandbox.base import (
 )
 from producers.tasks.model import Task
 
+if not hasattr(tarfile, "data_filter"):  # Python < 3.11.4 (Debian bookworm's 3.11.2): PEP 706's filters backported
+    try:
+        from backports import tarfile  # type: ignore[no-redef]
+    except ImportError as _exc:
+        raise ImportError("this Python's tarfile has no extraction filters; pip install 'backports.tarfile>=1.2' "
+                          "(the `docker` extra of clawstream)") from _exc
+
 log = logging.getLogger("clawstream.sandbox.docker")
 
 HOME, GRADER = "/home/sandbox", "/grader"
@@ -101,7 +108,7 @@ def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, worke
         "name": f"clawstream-{sandbox_id}",
         "detach": True,
         "init": True,
-        "labels": {LABEL: sandbox_id, WORKER_LABEL: worker},
+        "labels": {**settings.docker_labels, LABEL: sandbox_id, WORKER_LABEL: worker},
         "working_dir": "/",
         "environment": {"HOME": HOME, MARKER: sandbox_id, "LANG": "C.UTF-8"},
         "network": settings.docker_network,
@@ -313,9 +320,10 @@ class DockerBackend(SandboxBackend):
         with self._setup_lock:
             if self._network_ready:
                 return
-            if not self.client.networks.list(names=[self.s.docker_network]):
+            name = self.s.docker_network
+            if not [n for n in self.client.networks.list(names=[name]) if n.name == name]:  # filter: substrings
                 try:
-                    self.client.networks.create(self.s.docker_network, driver="bridge", internal=True,
+                    self.client.networks.create(name, driver="bridge", internal=True,
                                                 options=NO_HOST_ADDRESS, check_duplicate=True,
                                                 labels={"clawstream": "sandbox-network"})  # fmt: skip
                 except Exception as exc:  # docker.errors.APIError 409: created by someone else meanwhile
@@ -342,7 +350,8 @@ class DockerBackend(SandboxBackend):
         relay = self.client.containers.run(
             self.s.docker_image, ["python3", "-m", "producers.sandbox.relay", "--listen", f"0.0.0.0:{port}",
                                   "--target", f"{host}:{proxy.port or 80}"],
-            name=name, detach=True, init=True, network="bridge", labels={RELAY_LABEL: name, WORKER_LABEL: self.worker},
+            name=name, detach=True, init=True, network="bridge",
+            labels={**self.s.docker_labels, RELAY_LABEL: name, WORKER_LABEL: self.worker},
             mem_limit="256m", pids_limit=64, cap_drop=["ALL"], security_opt=["no-new-privileges"],
         )  # fmt: skip
         self.client.networks.get(self.s.docker_network).connect(relay, aliases=[name])
