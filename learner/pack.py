@@ -251,9 +251,9 @@ class MicroBatch:
     """Several packed trees in one row of T tokens; trees only see themselves (block-diagonal mask).
 
     ``rollout_index[t]`` is the position, in the sequence given to ``pack_trees``, of the tree token ``t`` belongs
-    to: it indexes per-rollout advantages / returns in ``learner.losses``. A tree within the token budget is never
-    split across micro-batches; one over it may be (one row per path), so per-rollout token counts are taken over all
-    the rows of a step (``learner.step``), not one micro-batch.
+    to (a context token several trees share: the first of them): it indexes per-rollout advantages / returns in
+    ``learner.losses``. A tree within the token budget is never split across micro-batches; one over it may be (one
+    row per path), so per-rollout token counts are taken over all the rows of a step (``learner.step``).
     """
 
     input_ids: torch.Tensor  # (T,) long

@@ -38,6 +38,7 @@ Pure: no Kafka. Trees are read through the fields of ``learner.pack.PackedTree``
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -112,12 +113,32 @@ def _shared_strings(prefixes: Sequence[Prefix], min_tokens: int) -> tuple[list[i
 
 
 def shared_savings(prefixes: Sequence[Prefix], min_tokens: int) -> int:
-    """Tokens that sharing removes from a row with these items: Σ P minus the tokens of the radix tree.
+    """Tokens that sharing removes from a row with these items (Σ P minus the tokens of the radix tree)."""
+    ordered = sorted(prefixes)
+    return _sorted_savings([_lcp(a, b) for a, b in zip(ordered, ordered[1:], strict=False)], min_tokens)
 
-    The radix tree of sorted strings s_1..s_m has Σ_k (|s_k| - lcp(s_k, s_{k-1})) tokens."""
-    lengths, strings = _shared_strings(prefixes, min_tokens)
-    trie = sum(len(s) - _lcp(s, prev) for s, prev in zip(strings, [(), *strings], strict=False))
-    return sum(lengths) - trie
+
+def _sorted_savings(adjacent: Sequence[int], min_tokens: int) -> int:
+    """``shared_savings`` from the common prefix lengths of neighbours in sorted order (``adjacent[k]`` of items k and
+    k + 1): O(items) integer work, so rows can be filled incrementally.
+
+    Walking the items in sorted order, an item's shared tokens t = s[:P] add to the radix tree only what no earlier
+    item's t' spells: P - max lcp(t, t'). That maximum is reached at the nearest earlier item with P > 0 (lcp with
+    earlier items only shrinks with distance, and a nearer one with P = 0 shares less than min_tokens with it), so
+    the saving Σ P - radix tokens is Σ min(P, lcp with that item)."""
+    floor = max(min_tokens, 1)
+    lengths = [0] * (len(adjacent) + 1)
+    for k, common in enumerate(adjacent):
+        if common >= floor:
+            lengths[k], lengths[k + 1] = max(lengths[k], common), max(lengths[k + 1], common)
+    saved = 0
+    run = -1  # lcp of the current item with the nearest earlier item that shares (-1: none yet)
+    for k, length in enumerate(lengths):
+        if k:
+            run = adjacent[k - 1] if lengths[k - 1] else (min(run, adjacent[k - 1]) if run >= 0 else -1)
+        if length and run >= 0:
+            saved += min(length, run)
+    return saved
 
 
 @dataclass
@@ -265,37 +286,48 @@ _TOKEN_FIELDS = ("input_ids", "position_ids", "predictor", "loss_mask", "rollout
                  "segment_ids", "temperature", "top_p", "top_k")  # fmt: skip
 
 
+class _Row:
+    """A row being filled: its items' shareable prefixes in sorted order and their neighbours' common prefixes."""
+
+    def __init__(self) -> None:
+        self.trees: list[int] = []
+        self.ordered: list[Prefix] = []
+        self.adjacent: list[int] = []
+        self.raw = 0  # Σ tokens of its trees
+        self.cost = 0  # its packed tokens after sharing
+
+    def with_tree(self, prefixes: Sequence[Prefix]) -> tuple[list[Prefix], list[int]]:
+        """(ordered, adjacent) once a tree with these root prefixes joins."""
+        ordered, adjacent = list(self.ordered), list(self.adjacent)
+        for p in prefixes:
+            at = bisect.bisect_right(ordered, p)
+            left = [_lcp(ordered[at - 1], p)] if at else []
+            right = [_lcp(p, ordered[at])] if at < len(ordered) else []
+            if left and right:  # between two items: their pair (adjacent[at - 1]) becomes two
+                adjacent[at - 1 : at] = left + right
+            else:  # first (a pair in front) or last (a pair at the end) or alone (none)
+                adjacent[max(at - 1, 0) : max(at - 1, 0)] = left + right
+            ordered.insert(at, p)
+        return ordered, adjacent
+
+
 def fill_rows(trees: Sequence[Any], token_budget: int, min_tokens: int) -> list[list[int]]:
     """Rows (lists of positions in ``trees``) for trees given longest first, each row's packed tokens after sharing
     within ``token_budget``: a tree goes to the row it adds the fewest tokens to (ties: the first), else a new row."""
-    prefixes = [root_prefixes(t) for t in trees]
-    # A tree whose roots share nothing among themselves and none of their first min_tokens with a row's leaves the
-    # row's savings unchanged (a common prefix of min_tokens needs the same first min_tokens): no recount needed.
-    keys = [{p[:min_tokens] for p in ps if len(p) >= min_tokens} for ps in prefixes]
-    rows: list[list[int]] = []
-    row_keys: list[set[Prefix]] = []
-    raw: list[int] = []  # Σ tokens of a row's trees
-    cost: list[int] = []  # the row's packed tokens after sharing
+    rows: list[_Row] = []
     for k, tree in enumerate(trees):
         n = int(tree.num_tokens)
-        own = n - shared_savings(prefixes[k], min_tokens)  # its roots may share among themselves
-        best: tuple[int, int, int] | None = None  # (tokens added, row, new cost)
-        for b in range(len(rows)):
-            if own < n or keys[k] & row_keys[b]:
-                new = raw[b] + n - shared_savings([p for j in [*rows[b], k] for p in prefixes[j]], min_tokens)
-            else:
-                new = cost[b] + own
-            if new <= token_budget and (best is None or new - cost[b] < best[0]):
-                best = (new - cost[b], b, new)
-        if best is None:
-            rows.append([k])
-            row_keys.append(set(keys[k]))
-            raw.append(n)
-            cost.append(own)
-        else:
-            _, b, new = best
-            rows[b].append(k)
-            row_keys[b] |= keys[k]
-            raw[b] += n
-            cost[b] = new
-    return rows
+        prefixes = root_prefixes(tree)
+        best: tuple[int, _Row, list[Prefix], list[int], int] | None = None  # (tokens added, row, its new state)
+        for row in [*rows, _Row()]:  # the existing rows, then a new one
+            ordered, adjacent = row.with_tree(prefixes)
+            cost = row.raw + n - _sorted_savings(adjacent, min_tokens)
+            if (cost <= token_budget or not row.trees) and (best is None or cost - row.cost < best[0]):
+                best = (cost - row.cost, row, ordered, adjacent, cost)
+        assert best is not None  # a new row always takes the tree
+        _, row, row.ordered, row.adjacent, row.cost = best
+        if not row.trees:
+            rows.append(row)
+        row.trees.append(k)
+        row.raw += n
+    return [row.trees for row in rows]

@@ -156,6 +156,33 @@ def test_a_forest_tree_shares_between_its_own_roots_and_with_others() -> None:
     assert not bool(allowed[8, 6]) and not bool(allowed[9, 7]) and bool(allowed[9, :6].all())
 
 
+def test_savings_match_a_brute_force_trie_and_the_rows_built_on_random_roots() -> None:
+    g = torch.Generator().manual_seed(11)
+    for case in range(60):
+        # Roots over a 3-letter alphabet from a few stems, so prefixes of every length are shared.
+        stems = [torch.randint(1, 4, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(3)]  # fmt: skip
+        roots = [stems[int(torch.randint(0, 3, (1,), generator=g))]
+                 + torch.randint(1, 4, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(int(torch.randint(1, 7, (1,), generator=g)))]  # fmt: skip
+        min_tokens = case % 5
+        prefixes = [tuple(r) for r in roots]
+        lengths = shared_lengths(prefixes, min_tokens)
+        for i, (p, n) in enumerate(zip(prefixes, lengths, strict=True)):  # the longest prefix shared with another
+            others = [q for j, q in enumerate(prefixes) if j != i]
+            best = max((k for k in range(len(p) + 1) for q in others if q[:k] == p[:k]), default=0)
+            assert n == (best if best >= max(min_tokens, 1) else 0)
+        trie = {p[:k] for p, n in zip(prefixes, lengths, strict=True) for k in range(1, n + 1)}
+        assert shared_savings(prefixes, min_tokens) == sum(lengths) - len(trie), (roots, min_tokens)
+        trees = [[seg(0, -1, r, False), seg(1, 0, [9], True)] for r in roots]
+        plain = row(trees, share=0).num_tokens
+        shared = row(trees, share=min_tokens) if min_tokens else row(trees, share=1)
+        expected = shared_savings(prefixes, max(min_tokens, 1))
+        assert plain - shared.num_tokens == expected and shared.shared_tokens == len(
+            {p[:k] for p, n in zip(prefixes, shared_lengths(prefixes, max(min_tokens, 1)), strict=True)
+             for k in range(1, n + 1)})  # fmt: skip
+
+
 # ---------------------------------------------------------------- bin packing
 
 
