@@ -417,8 +417,8 @@ def model_sft(ctx: click.Context) -> None:
               help="Start RL from this model directory (e.g. `clawstream model sft` output) instead of the built-in "
               "warm start.")
 @click.option("--sft-steps", type=int, default=None,
-              help="Warm start recipe: SFT steps (once per recipe; cached). 0: RL from the random model.  "
-              "[default: 300]")
+              help="Warm start: an N-step single-stage SFT recipe (once per recipe; cached) instead of the shipped "
+              "checkpoint; 0: RL from the random model.  [default: the shipped warm start, models/warmstart/]")
 @click.option("--sft-seed", type=int, default=None, help="Warm start recipe: seed.  [default: 0]")
 @click.option("--eval-tasks", type=int, default=None,
               help="Held-out tasks per harness and mode, before and after RL (0: no evaluation).  [default: 256]")

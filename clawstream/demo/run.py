@@ -28,7 +28,7 @@ from clawstream.stack.services import (
     start_scheduler,
     start_streams,
 )
-from learner.warmstart.sft import DEFAULT_STEPS as SFT_STEPS
+from learner.warmstart.sft import SHIPPED_RECIPE
 
 HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
 
@@ -48,7 +48,8 @@ class DemoConfig:
     settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
     seed: int = 0  # scheduler's task sampling and the learner's torch seed
     model: Path | None = None  # start RL from this model directory instead of the tiny model's warm start below
-    sft_steps: int = SFT_STEPS  # warm start recipe (0: RL from the random model)
+    sft_steps: int | None = None  # None: the shipped warm start (its recipe: sft.SHIPPED_RECIPE); N: an N-step
+    # single-stage recipe with the sizes below; 0: RL from the random model
     sft_seed: int = 0
     sft_batch_size: int = 16
     sft_n_tasks: int = 1024
@@ -61,6 +62,9 @@ class DemoConfig:
 
 def warm_start_dir(models: Path, cfg: DemoConfig) -> Path:
     """Where the warm start of this recipe is cached: the recipe is in the name, so another recipe trains anew."""
+    if cfg.sft_steps is None:
+        digest = hashlib.sha256(json.dumps(list(SHIPPED_RECIPE), sort_keys=True).encode()).hexdigest()[:8]
+        return models / f"tiny-qwen3-sft-shipped-recipe-{digest}"
     recipe = {"steps": cfg.sft_steps, "seed": cfg.sft_seed, "batch_size": cfg.sft_batch_size,
               "n_tasks": cfg.sft_n_tasks}  # fmt: skip
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
@@ -68,14 +72,14 @@ def warm_start_dir(models: Path, cfg: DemoConfig) -> Path:
 
 
 def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
-    """The tiny base model (built once) warm-started by SFT with the recipe of ``cfg`` (trained once; cached)."""
+    """The warm start RL begins from: by default the repository's shipped checkpoint (when intact; else its recipe
+    is trained once and cached), or the single-stage recipe of ``cfg.sft_steps`` (trained once; cached; 0: the tiny
+    base model itself)."""
     from learner.warmstart import sft
     from policy.tiny_model import init_tiny_model, is_current
 
-    if cfg.sft_steps > 0:  # the repository's checkpoint of this recipe, when it is intact: RL starts at once
-        recipe = {"steps": cfg.sft_steps, "seed": cfg.sft_seed, "batch_size": cfg.sft_batch_size,
-                  "n_tasks": cfg.sft_n_tasks}  # fmt: skip
-        shipped, why = sft.shipped_warm_start(recipe)
+    if cfg.sft_steps is None:  # the shipped checkpoint: RL starts at once
+        shipped, why = sft.shipped_warm_start()
         if shipped is not None:
             say(f"==> warm start: {shipped} (shipped; {why})")
             return shipped
@@ -87,20 +91,26 @@ def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
         shutil.rmtree(base, ignore_errors=True)
         say(f"==> building the tiny Qwen3-architecture model into {base}")
         init_tiny_model(base, seed=0, progress=lambda _msg: None)
-    if cfg.sft_steps <= 0:
+    if cfg.sft_steps is not None and cfg.sft_steps <= 0:
         return base
     _quiet_transformers()
     warm = warm_start_dir(models, cfg)
     if (warm / "sft_summary.json").exists():
         summary = json.loads((warm / "sft_summary.json").read_text())
-        say(f"==> warm start: {warm} (cached; {summary.get('steps')} SFT steps, seed {cfg.sft_seed})")
+        say(f"==> warm start: {warm} (cached; {summary.get('steps')} SFT steps)")
         return warm
-    say(f"==> warm start: {cfg.sft_steps} SFT steps (seed {cfg.sft_seed}) on synthetic agent demonstrations, once → "
-        f"{warm}")  # fmt: skip
     partial = warm.with_name(warm.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    sft.sft(base, partial, steps=cfg.sft_steps, seed=cfg.sft_seed, batch_size=cfg.sft_batch_size,
-            n_tasks=cfg.sft_n_tasks, eval_tasks=0, progress=cfg.progress)  # fmt: skip
+    if cfg.sft_steps is None:
+        total = sum(stage["steps"] for stage in SHIPPED_RECIPE)
+        say(f"==> warm start: training the shipped recipe ({total} SFT steps in {len(SHIPPED_RECIPE)} stages; about "
+            f"an hour on 2 cores), once → {warm}")  # fmt: skip
+        sft.train_recipe(base, partial, eval_tasks=0, progress=cfg.progress)
+    else:
+        say(f"==> warm start: {cfg.sft_steps} SFT steps (seed {cfg.sft_seed}) on synthetic agent demonstrations, "
+            f"once → {warm}")  # fmt: skip
+        sft.sft(base, partial, steps=cfg.sft_steps, seed=cfg.sft_seed, batch_size=cfg.sft_batch_size,
+                n_tasks=cfg.sft_n_tasks, eval_tasks=0, progress=cfg.progress)  # fmt: skip
     partial.rename(warm)  # only a finished warm start is ever found in the cache
     return warm
 

@@ -4,11 +4,12 @@ evaluation before and after, the table and the plot. This is `clawstream demo` a
 groups, four held-out tasks — with the CPU engine, and with a real vLLM server that the inference worker drives
 (skipped, with the reason, where vLLM is not installed: `clawstream vllm install`).
 
-RL starts from a warm start of WARM_RECIPE (SFT; trained once into the real ``$CLAWSTREAM_HOME/models`` cache, the
-one ``make demo`` uses, then reused): the random model never calls a tool, so every rollout of a task earns the same
-reward and every GRPO advantage is 0, and a 60-step warm start still does nothing that changes a reward. At 300
-steps rollouts of one task differ: 15 of 40 groups of four had unequal rewards in three demo runs, so with 12
-groups the chance that no batch has a non-zero advantage is ~0.4 % (with the 4 groups of 2 × 2 it was 15 %).
+RL starts from the warm start ``make demo`` uses: the checkpoint shipped in models/warmstart/ (its sha256 checked;
+were it missing or damaged, its recipe would be trained once into the real ``$CLAWSTREAM_HOME/models`` cache). The
+random model never calls a tool, so every rollout of a task earns the same reward and every GRPO advantage is 0, and
+a 60-step warm start still does nothing that changes a reward. Already at 300 SFT steps rollouts of one task differ:
+15 of 40 groups of four had unequal rewards in three demo runs, so with 12 groups the chance that no batch has a
+non-zero advantage is ~0.4 % (with the 4 groups of 2 × 2 it was 15 %); the shipped warm start solves more.
 
 Beyond "it runs", two things are checked against an independent recomputation from the artefacts the run left (the
 published weight files and the batches on Kafka):
@@ -40,7 +41,6 @@ pytestmark = pytest.mark.integration
 
 LR = 1e-5
 SEED = 3
-WARM_RECIPE = {"sft_steps": 300, "sft_seed": 0, "sft_batch_size": 16, "sft_n_tasks": 1024}
 PRINTED = re.compile(r"pg loss ([+-]\d\.\d{4}e[+-]\d+) .*→ v(\d+)")
 
 
@@ -110,7 +110,7 @@ def test_two_steps_train_and_the_engine_serves_each_version(
     from learner.config import LearnerConfig
     from learner.step import train_step
 
-    warm = prepare_model(clawstream_home() / "models", DemoConfig(progress=False, **WARM_RECIPE))
+    warm = prepare_model(clawstream_home() / "models", DemoConfig(progress=False))
     home = tmp_path / "home"
     if engine == "vllm":
         from consumers.inference.vllm_server import is_installed, vllm_home

@@ -23,13 +23,14 @@ def _defaults(command: str) -> dict[str, str]:
 def test_demo_help_states_the_configs_defaults() -> None:
     d, cfg = _defaults("demo"), DemoConfig()
     fields = {"steps": "steps", "tasks-per-step": "tasks_per_step", "group-size": "group_size", "lr": "lr",
-              "seed": "seed", "sft-steps": "sft_steps", "sft-seed": "sft_seed", "eval-tasks": "eval_tasks",
+              "seed": "seed", "sft-seed": "sft_seed", "eval-tasks": "eval_tasks",
               "concurrency": "concurrency", "timeout": "timeout_s"}  # fmt: skip
     for flag, name in fields.items():
         value = getattr(cfg, name)
         assert flag in d, (flag, d)
         assert float(d[flag]) == float(value), (flag, d[flag], value)
     assert d["eval-mode"] == ", ".join(cfg.eval_modes)
+    assert cfg.sft_steps is None and d["sft-steps"].startswith("the shipped warm start")  # not a step count
 
 
 def test_eval_help_states_the_configs_defaults() -> None:

@@ -65,12 +65,15 @@ def test_bad_budgets_are_refused() -> None:
 
 
 def test_a_shipped_warm_start_is_used_only_for_its_recipe_and_checksum(model_dir: Path, tmp_path: Path) -> None:
-    made = sft.sft(model_dir, tmp_path / "shipped", steps=2, seed=5, **RECIPE)
-    recipe = {"steps": 2, "seed": 5, "batch_size": RECIPE["batch_size"], "n_tasks": RECIPE["n_tasks"],
-              "lr": RECIPE["lr"]}  # fmt: skip
+    stage = {k: v for k, v in RECIPE.items() if k in ("lr", "batch_size", "n_tasks")}
+    recipe = ({"steps": 2, "seed": 5, **stage}, {"steps": 1, "seed": 6, **stage})
+    made = sft.train_recipe(model_dir, tmp_path / "shipped", recipe, eval_tasks=0, progress=False, log_every=1)
+    assert made["recipe"] == list(recipe) and made["steps"] == 1  # the last stage's summary
+    assert made["base_sha256"] != sft.weights_sha256(model_dir)  # stage 2 started from stage 1, not the base
+    assert not (tmp_path / "shipped.stage1").exists()  # the intermediate stage is removed
     found, why = sft.shipped_warm_start(recipe, tmp_path / "shipped")
-    assert found == tmp_path / "shipped" and "sha256 verified" in why and made["sha256"] in sft.weights_sha256(found)
-    other, why = sft.shipped_warm_start({**recipe, "steps": 3}, tmp_path / "shipped")
+    assert found == tmp_path / "shipped" and "verified" in why and made["sha256"] == sft.weights_sha256(found)
+    other, why = sft.shipped_warm_start((recipe[0],), tmp_path / "shipped")
     assert other is None and "not" in why  # another recipe trains anew
     weights = next((tmp_path / "shipped").glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
@@ -79,3 +82,6 @@ def test_a_shipped_warm_start_is_used_only_for_its_recipe_and_checksum(model_dir
     damaged, why = sft.shipped_warm_start(recipe, tmp_path / "shipped")
     assert damaged is None and "damaged" in why
     assert sft.shipped_warm_start(recipe, tmp_path / "missing")[0] is None
+    commands = sft.recipe_commands(recipe)
+    assert commands[0].startswith("clawstream model sft --model-dir BASE --out STAGE1 --steps 2 --seed 5")
+    assert commands[1].startswith("clawstream model sft --model-dir STAGE1 --out OUT --steps 1 --seed 6")
