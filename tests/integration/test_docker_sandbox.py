@@ -41,7 +41,7 @@ from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
 from tests.support.docker_images import ensure_images, unavailable
 from tests.support.proxy_server import running_proxy
-from tests.support.sandbox_stack import by_rollout, run_requests
+from tests.support.sandbox_stack import assert_solved_by_harness, by_rollout, run_requests
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
 
 pytestmark = pytest.mark.integration
@@ -131,13 +131,7 @@ async def test_real_harness_runs_in_a_container_through_the_proxy(engine, kafka_
         events, rewards = await run_requests(kafka_settings, [req], timeout=300)
         me = st["worker"].ctx.backend.worker
         assert containers_of(engine, me) and all(c.labels.get("clawstream.relay") for c in containers_of(engine, me))
-    ev, rw = by_rollout(events, rewards)
-    states = [e.state for e in ev[req.rollout_id]]
-    assert states == [RolloutState.STARTED, RolloutState.HARNESS_EXITED], ev[req.rollout_id]
-    exited = ev[req.rollout_id][-1]
-    assert exited.exit_code == 0 and exited.calls_served >= 2, exited
-    (reward,) = rw[req.rollout_id]
-    assert reward.status == RewardStatus.OK and reward.reward == 1.0, reward
+    assert_solved_by_harness(events, rewards, req.rollout_id)
     assert containers_of(engine, me) == [], "the sandbox or the relay outlived the worker"
     assert not any((tmp_path / "sandboxes").iterdir())
 

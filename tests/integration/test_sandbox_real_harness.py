@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 from producers.harnesses.install import HarnessInstallError, install_harness
-from schemas.events import RewardStatus, RolloutState
 from tests.support import sandbox_helpers as S
-from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
+from tests.support.sandbox_stack import assert_clean, assert_solved_by_harness, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
 pytestmark = pytest.mark.integration
@@ -60,11 +59,5 @@ async def test_real_harness_through_worker(kafka_settings, group_id, tmp_path, n
     async with stack(kafka_settings, group_id, tmp_path, responder(name, str(sandboxes))):
         req = S.request("hello", name, rollout_id=f"real-{name}", timeout_s=180)
         events, rewards = await run_requests(kafka_settings, [req], timeout=240)
-    ev, rw = by_rollout(events, rewards)
-    states = [e.state for e in ev[req.rollout_id]]
-    assert states == [RolloutState.STARTED, RolloutState.HARNESS_EXITED], ev[req.rollout_id]
-    exited = ev[req.rollout_id][-1]
-    assert exited.exit_code == 0 and exited.calls_served >= 2, exited
-    (reward,) = rw[req.rollout_id]
-    assert reward.status == RewardStatus.OK and reward.reward == 1.0, reward
+    assert_solved_by_harness(events, rewards, req.rollout_id)
     assert_clean(sandboxes)

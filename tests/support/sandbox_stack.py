@@ -76,3 +76,15 @@ def by_rollout(events, rewards):
     for r in rewards:
         rw.setdefault(r.rollout_id, []).append(r)
     return ev, rw
+
+
+def assert_solved_by_harness(events, rewards, rollout_id: str) -> None:
+    """The rollout's harness exited by itself (exit 0, at least 2 model calls) and the grader gave it 1.0."""
+    from schemas.events import RewardStatus, RolloutState
+
+    ev, rw = by_rollout(events, rewards)
+    assert [e.state for e in ev[rollout_id]] == [RolloutState.STARTED, RolloutState.HARNESS_EXITED], ev[rollout_id]
+    exited = ev[rollout_id][-1]
+    assert exited.exit_code == 0 and exited.calls_served >= 2, exited
+    (reward,) = rw[rollout_id]
+    assert reward.status == RewardStatus.OK and reward.reward == 1.0, reward
