@@ -122,7 +122,10 @@ def _batch_loss(model: Any, seqs: list[Sequence], prefix_len: int, pad_id: int) 
 
 @dataclass
 class SFTConfig:
-    steps: int = DEFAULT_STEPS  # the budget: optimizer steps (the learning-rate schedule spans exactly these)
+    steps: int = DEFAULT_STEPS  # the budget: optimizer steps (the learning-rate schedule spans these by default)
+    schedule_steps: int = 0  # the cosine spans this many steps (0: ``steps``); more than ``steps`` stops part-way
+    # through a longer schedule: the first N steps of any run are then the same, whatever the run's length
+    checkpoint_every: int = 0  # also save the model every this many steps to OUT/checkpoints/step-N (0: off)
     minutes: float | None = None  # safety cap on training time (evaluations excluded); None: no cap
     lr: float = 2e-3
     warmup_steps: int = 20
@@ -140,6 +143,8 @@ class SFTConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.minutes is not None and self.minutes <= 0:
             raise ValueError(f"minutes (a cap) must be > 0 or None, got {self.minutes}")
+        if self.schedule_steps and self.schedule_steps < self.steps:
+            raise ValueError(f"schedule_steps ({self.schedule_steps}) must be 0 or >= steps ({self.steps})")
 
 
 def lr_scale(step: int, steps: int, warmup_steps: int) -> float:
@@ -186,7 +191,7 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
         if time.perf_counter() - t0 - eval_s >= budget_s:
             cut = True
             break
-        scale = lr_scale(step, cfg.steps, cfg.warmup_steps)
+        scale = lr_scale(step, cfg.schedule_steps or cfg.steps, cfg.warmup_steps)
         for group in opt.param_groups:
             group["lr"] = cfg.lr * scale
         dialect = DIALECTS[step % len(DIALECTS)]
@@ -214,6 +219,8 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
                       f"lr {cfg.lr * scale:.2e} {rate:.0f} tok/s")  # fmt: skip
             t_log = dt
             window_loss, window_tok, window_pos = 0.0, 0, 0
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+            save_model(model, tokenizer, model_dir, Path(out_dir, "checkpoints", f"step-{step}"))
         if cfg.eval_every and step % cfg.eval_every == 0:  # not counted in the time cap
             t_eval = time.perf_counter()
             model.eval()
@@ -352,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, required=True, help="model to warm-start (policy.tiny_model output)")
     p.add_argument("--out", type=Path, help="where to save the warm-started model (required unless --eval-only)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps: the recipe's budget (%(default)s)")
+    p.add_argument("--schedule-steps", type=int, default=d.schedule_steps,
+                   help="the learning-rate cosine spans this many steps (0: --steps); larger than --steps stops "
+                   "part-way through that schedule (%(default)s)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="also save OUT/checkpoints/step-N every this many steps (0: off)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the data, its order and torch (%(default)s)")
     p.add_argument("--minutes", type=float, default=None,
                    help="safety cap on training minutes (default: none); a cut run is reported, not the recipe")
@@ -382,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sha256 {summary['sha256']}: {same} the shipped warm start's ({shipped})")
         return 0
     try:
-        cfg = SFTConfig(steps=a.steps, minutes=a.minutes, lr=a.lr, batch_size=a.batch_size, n_tasks=a.n_tasks,
+        cfg = SFTConfig(steps=a.steps, schedule_steps=a.schedule_steps, checkpoint_every=a.checkpoint_every,
+                        minutes=a.minutes, lr=a.lr, batch_size=a.batch_size, n_tasks=a.n_tasks,
                         seed=a.seed, eval_every=a.eval_every, eval_tasks=a.eval_tasks,
                         progress=not a.no_progress)  # fmt: skip
     except ValueError as exc:

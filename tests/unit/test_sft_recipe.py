@@ -41,6 +41,19 @@ def test_same_steps_and_seed_give_the_same_weights(model_dir: Path, tmp_path: Pa
     assert saved["steps_per_s"] > 0
 
 
+def test_a_run_cut_part_way_through_a_longer_schedule_is_that_schedule_s_checkpoint(model_dir: Path,
+                                                                                   tmp_path: Path) -> None:  # fmt: skip
+    long = sft.sft(model_dir, tmp_path / "long", steps=6, checkpoint_every=3, seed=3, **RECIPE)
+    cut = sft.sft(model_dir, tmp_path / "cut", steps=3, schedule_steps=6, seed=3, **RECIPE)
+    short = sft.sft(model_dir, tmp_path / "short", steps=3, seed=3, **RECIPE)
+    checkpoint = tmp_path / "long" / "checkpoints" / "step-3"
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["step-3"]  # none at the end: that is OUT itself
+    assert cut["sha256"] == sft.weights_sha256(checkpoint) != long["sha256"]
+    assert short["sha256"] != cut["sha256"]  # its own, shorter cosine: other learning rates from the first step
+    with pytest.raises(ValueError, match="schedule_steps"):
+        sft.SFTConfig(steps=6, schedule_steps=3)
+
+
 def test_a_minutes_cap_that_cuts_the_run_is_reported(model_dir: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     summary = sft.sft(model_dir, tmp_path / "cut", steps=10_000, minutes=1e-6, **RECIPE)
