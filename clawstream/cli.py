@@ -28,6 +28,16 @@ class _Group(click.Group):
             sys.exit(1)
 
 
+
+def _sigterm_interrupts() -> None:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: the ``finally`` that stops a command's child services runs.
+    (Python's default SIGTERM ends the process at once, leaving the engine, proxy, workers running.)"""
+
+    def _interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="clawstream")
 def main() -> None:
@@ -206,10 +216,7 @@ def vllm_serve(model_dir: Path, port: int, host: str, max_model_len: int, kv_cac
                    home=home)  # fmt: skip
     click.echo(f"serving; stop with Ctrl-C (log: {server.log_path})")
 
-    def _terminate(_signum: int, _frame: object) -> None:  # a supervisor's SIGTERM stops vLLM too
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
+    _sigterm_interrupts()  # a supervisor's SIGTERM stops vLLM too
     try:
         while server.alive():
             time.sleep(1)
@@ -413,6 +420,9 @@ def model_sft(ctx: click.Context) -> None:
 @click.option("--group-size", type=int, default=None, help="Rollouts per instance (GRPO group).  [default: 4]")
 @click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
 @click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
+@click.option("--hp", multiple=True, metavar="NAME=VALUE",
+              help="Another learner hyperparameter (repeat; `clawstream learner --help` lists them), e.g. "
+              "--hp mini_batches=2 --hp kl_coef=0.01.")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               help="Start RL from this model directory (e.g. `clawstream model sft` output) instead of the built-in "
               "warm start.")
@@ -431,15 +441,17 @@ def model_sft(ctx: click.Context) -> None:
               help="Inference engine: the project's CPU engine, or real vLLM (`clawstream vllm install` first).")
 @click.option("--no-progress", is_flag=True, help="Log lines only, no progress bars.")
 def demo(steps: int | None, tasks_per_step: int | None, group_size: int | None, lr: float | None, seed: int | None,
-         model_dir: Path | None, sft_steps: int | None, sft_seed: int | None, eval_tasks: int | None,
-         eval_modes: tuple[str, ...],
+         hp: tuple[str, ...], model_dir: Path | None, sft_steps: int | None, sft_seed: int | None,
+         eval_tasks: int | None, eval_modes: tuple[str, ...],
          concurrency: int | None, timeout: float | None, engine: str, no_progress: bool) -> None:  # fmt: skip
     """CPU quickstart: warm start, then RL through every service (engine, proxy, sandbox worker, streams, learner,
     scheduler) on a local broker, then held-out reward per harness before and after, a plot and TensorBoard scalars
     in $CLAWSTREAM_HOME/demo/<run>/ (docs/quickstart.md)."""
     from clawstream.demo import run_demo
 
+    _sigterm_interrupts()  # `kill` stops the demo's services too (its finally), as Ctrl-C does
     given = {"steps": steps, "tasks_per_step": tasks_per_step, "group_size": group_size, "lr": lr, "seed": seed,
+             "hp": tuple(hp) or None,
              "model": model_dir, "sft_steps": sft_steps, "sft_seed": sft_seed, "eval_tasks": eval_tasks,
              "eval_modes": tuple(eval_modes) or None, "concurrency": concurrency, "timeout_s": timeout}  # fmt: skip
     run_demo(engine=engine, progress=not no_progress, **{k: v for k, v in given.items() if v is not None})
@@ -520,6 +532,7 @@ def eval_command(model_dir: Path, harnesses: tuple[str, ...], suite: str, split:
     cfg = EvalConfig(harnesses=tuple(harnesses), suite=suite, split=split, tasks=tasks, modes=tuple(modes),
                      temperature=temperature, max_tokens=max_tokens, concurrency=concurrency,
                      engine=engine)  # fmt: skip
+    _sigterm_interrupts()  # `kill` stops the evaluation's services too, as Ctrl-C does
     result = run_eval(model_dir, cfg)
     click.echo(result.table)
     click.echo(f"({result.seconds:.0f} s)")

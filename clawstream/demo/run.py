@@ -41,6 +41,7 @@ class DemoConfig:
     tasks_per_step: int = 4
     group_size: int = 4
     lr: float = 2e-5  # learner AdamW learning rate
+    hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (LearnerConfig; `clawstream learner --help`)
     max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
     temperature: float = 1.0
     max_tokens: int = 256  # per model call
@@ -171,7 +172,8 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
                            max_batch_size=max(16, cfg.concurrency))  # fmt: skip
         start_streams(stack, run_dir, group_size=cfg.group_size, batch_groups=cfg.tasks_per_step,
                       settle_interval_s=cfg.settle_interval_s, harness_mix=HARNESS_MIX)  # fmt: skip
-        start_learner(stack, model, run_dir, {"lr": cfg.lr, "seed": cfg.seed})
+        hparams = {"lr": cfg.lr, "seed": cfg.seed, **dict(h.split("=", 1) for h in cfg.hp)}
+        start_learner(stack, model, run_dir, hparams)
         try:  # a view of the run, not part of it: the demo goes on without it
             say(f"==> dashboard: {start_dashboard(stack)}  (reward, statuses, trees, capture health, weights)")
         except ClawstreamError as exc:
@@ -246,3 +248,13 @@ def check(cfg: DemoConfig) -> None:
         raise ClawstreamError("--steps, --tasks-per-step and --group-size must be >= 1")
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
+    from dataclasses import fields
+
+    from learner.config import LearnerConfig
+
+    known = {f.name for f in fields(LearnerConfig)} - {"lr", "seed"}
+    for h in cfg.hp:
+        name = h.split("=", 1)[0]
+        if "=" not in h or name not in known:
+            raise ClawstreamError(f"--hp {h!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(known))} "
+                                  "(--lr and --seed have their own flags)")  # fmt: skip

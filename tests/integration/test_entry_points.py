@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,56 @@ def test_learner_refuses_a_prefix_without_topics(kafka_bootstrap: str, tmp_path:
     assert "never-created.clawstream.batches" in proc.stderr and "clawstream topics create --prefix never-created." \
         in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+
+def _children(pid: int) -> list[int]:
+    """Live (non-zombie) processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_services_a_command_started(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """`kill` (SIGTERM) on `clawstream eval` stops the engine, proxy and sandbox worker it started, as Ctrl-C does;
+    Python's default SIGTERM would end the command at once and leave them running (found with a killed demo)."""
+    from policy.tiny_model import init_tiny_model
+
+    model = init_tiny_model(tmp_path / "tiny-sigterm", hidden_size=64, intermediate_size=128, num_layers=2,
+                            num_heads=4, num_kv_heads=2, progress=None)  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
+               CLAWSTREAM_HOME=str(tmp_path / "home"))  # fmt: skip
+    log = tmp_path / "eval.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(CLI), "eval", "--model", str(model), "--tasks", "64", "--mode", "greedy"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        services: list[int] = []
+        deadline = time.monotonic() + 300  # a bound on waiting for the state below, not the trigger
+        while len(services) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            services = _children(proc.pid)  # engine, proxy, sandbox worker: all three started
+            time.sleep(0.2)
+        assert len(services) >= 3, f"the eval's engine, proxy and worker never all ran: {services}\n{log.read_text()}"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, log.read_text()[-2000:]
+    left = [p for p in services if _alive(p)]
+    assert left == [], f"services still running after SIGTERM: {left}\n{log.read_text()[-2000:]}"

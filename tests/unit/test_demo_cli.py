@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from click.testing import CliRunner
 
 from clawstream.cli import main
@@ -39,3 +40,13 @@ def test_eval_help_states_the_configs_defaults() -> None:
     assert int(d["tasks"]) == cfg.tasks and d["mode"] == ", ".join(cfg.modes)
     assert float(d["temperature"]) == cfg.temperature and int(d["max-tokens"]) == cfg.max_tokens
     assert int(d["concurrency"]) == cfg.concurrency
+
+
+def test_demo_passes_learner_hyperparameters_by_name_and_refuses_unknown_ones() -> None:
+    from clawstream.demo.run import check
+    from clawstream.errors import ClawstreamError
+
+    check(DemoConfig(hp=("mini_batches=2", "kl_coef=0.01")))
+    for bad in ("bogus=1", "mini_batches", "lr=1e-4"):  # unknown; no value; has its own flag
+        with pytest.raises(ClawstreamError, match="--hp"):
+            check(DemoConfig(hp=(bad,)))
