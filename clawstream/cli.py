@@ -28,7 +28,6 @@ class _Group(click.Group):
             sys.exit(1)
 
 
-
 def _sigterm_interrupts() -> None:
     """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: the ``finally`` that stops a command's child services runs.
     (Python's default SIGTERM ends the process at once, leaving the engine, proxy, workers running.)"""
@@ -37,6 +36,7 @@ def _sigterm_interrupts() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
+
 
 @click.group(cls=_Group)
 @click.version_option(__version__, prog_name="clawstream")

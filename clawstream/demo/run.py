@@ -9,7 +9,7 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from clawstream.stack.services import (
     start_scheduler,
     start_streams,
 )
+from learner.config import LearnerConfig
 from learner.warmstart.sft import SHIPPED_RECIPE
 
 HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
@@ -248,10 +249,6 @@ def check(cfg: DemoConfig) -> None:
         raise ClawstreamError("--steps, --tasks-per-step and --group-size must be >= 1")
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
-    from dataclasses import fields
-
-    from learner.config import LearnerConfig
-
     known = {f.name for f in fields(LearnerConfig)} - {"lr", "seed"}
     for h in cfg.hp:
         name = h.split("=", 1)[0]

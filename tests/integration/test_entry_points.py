@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.sandbox_helpers import pid_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).with_name("clawstream")
 
@@ -122,7 +124,6 @@ def test_learner_refuses_a_prefix_without_topics(kafka_bootstrap: str, tmp_path:
     assert "Traceback" not in proc.stderr
 
 
-
 def _children(pid: int) -> list[int]:
     """Live (non-zombie) processes whose parent is ``pid``."""
     found = []
@@ -136,14 +137,6 @@ def _children(pid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[1]) == pid:
             found.append(int(entry))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def test_sigterm_stops_the_services_a_command_started(kafka_bootstrap: str, tmp_path: Path) -> None:
     """`kill` (SIGTERM) on `clawstream eval` stops the engine, proxy and sandbox worker it started, as Ctrl-C does;
@@ -171,5 +164,5 @@ def test_sigterm_stops_the_services_a_command_started(kafka_bootstrap: str, tmp_
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0, log.read_text()[-2000:]
-    left = [p for p in services if _alive(p)]
+    left = [p for p in services if pid_alive(p)]
     assert left == [], f"services still running after SIGTERM: {left}\n{log.read_text()[-2000:]}"
