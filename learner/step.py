@@ -21,7 +21,9 @@ step also measures what it did:
    batch's samples), ``update_kl_k3``, and for GRPO ``update_adv_dot`` = mean over rollouts of A_r × the mean change
    of its tokens' logprobs (> 0: the step moved the policy in the advantages' direction) and ``update_sign_agreement``
    = the fraction of rollouts with A ≠ 0 whose mean logprob change has A's sign;
-5. GRPO's π_old logits also give ``entropy``: the mean entropy (nats) of π_old's next-token distribution (at each
+5. with ``kl_coef > 0``, a frozen reference policy (the learner's initial model) gives each row's logprobs
+   (no grad) for the k3 KL term, logged as ``ref_kl``;
+6. GRPO's π_old logits also give ``entropy``: the mean entropy (nats) of π_old's next-token distribution (at each
    token's sampling temperature, before top-k/top-p) at the trainable tokens.
 """
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clawstream.errors import ConfigError
 from consumers.inference.sampling import apply_temperature
 from learner.config import LearnerConfig
 from learner.losses import grpo_loss, ppo_loss
@@ -63,12 +66,16 @@ def train_step(
     trees: Sequence[ScoredTree],
     config: LearnerConfig,
     value_head: ValueHead | None = None,
+    ref_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """Train on one batch; returns scalar metrics (loss, clip fractions, IS weight stats, reward per harness, ...).
 
-    PPO (``config.algorithm == "ppo"``) needs ``value_head`` (its parameters must be in ``optimizer``)."""
+    PPO (``config.algorithm == "ppo"``) needs ``value_head`` (its parameters must be in ``optimizer``);
+    ``kl_coef > 0`` needs ``ref_model``, the frozen reference policy of the KL term."""
     if config.algorithm == "ppo" and value_head is None:
         raise ValueError("PPO needs a value head")
+    if config.kl_coef > 0 and ref_model is None:
+        raise ConfigError("kl_coef > 0 needs a reference policy (ref_model): the learner loads its initial model")
     started = time.perf_counter()
     device = next(model.parameters()).device
     # Mini-batches are sets of whole trees; each is packed into rows (a tree never spans two rows).
@@ -88,10 +95,15 @@ def train_step(
         with torch.no_grad(), _autocast(device):
             old = [[_old_forward(model, value_head, r, config, entropy) for r in rs] for rs in rows]
 
+    ref: list[list[torch.Tensor | None]] = [[None] * len(rs) for rs in rows]
+    if config.kl_coef > 0 and ref_model is not None:
+        with torch.no_grad(), _autocast(device):
+            ref = [[packed_logprobs(ref_model, r, only_trainable=True) for r in rs] for rs in rows]  # (T,) each
+
     model.train()
     sums: dict[str, float] = defaultdict(float)
     steps = 0
-    for part, part_rows, part_old in zip(parts, rows, old, strict=True):
+    for part, part_rows, part_old, part_ref in zip(parts, rows, old, ref, strict=True):
         n_tokens = int(sum(int(r.loss_mask.sum()) for r in part_rows))
         if n_tokens == 0:
             continue
@@ -107,7 +119,7 @@ def train_step(
         part_stats: dict[str, float] = {}
         for i, (row, row_old) in enumerate(zip(part_rows, part_old, strict=True)):  # (logprobs, values | None)
             stats, used_old = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part),
-                                            per_rollout, entropy)  # fmt: skip
+                                            per_rollout, entropy, part_ref[i])  # fmt: skip
             part_old[i] = used_old
             _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
         for key, value in part_stats.items():
@@ -244,6 +256,7 @@ def _row_backward(
     n_rollouts: int,
     rollout_tokens: torch.Tensor,  # (R,) trainable tokens of each rollout over all its rows
     entropy: list,
+    logp_ref: torch.Tensor | None = None,  # (T,) reference-policy logprobs for the KL term; None: no KL
 ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor | None]]:
     """Loss and backward of one row; returns its statistics and the (π_old, V_old) it used."""
     device = next(model.parameters()).device
@@ -258,7 +271,8 @@ def _row_backward(
         with _autocast(device):
             logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
     logp_old, values_old = old
-    common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts, "rollout_tokens": rollout_tokens}
+    common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts, "rollout_tokens": rollout_tokens,
+              "logp_ref": logp_ref}
     if config.algorithm == "ppo":
         assert values is not None
         loss, stats = ppo_loss(

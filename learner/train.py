@@ -117,6 +117,11 @@ class Learner:
         self.device = torch.device("cuda" if want_cuda else "cpu")
         self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, attn_implementation="sdpa")
         self.model.to(self.device)
+        # The KL term's reference is the initial policy (model_dir), also after a resume from a published version.
+        self.ref_model: torch.nn.Module | None = None
+        if config.kl_coef > 0:
+            self.ref_model = AutoModelForCausalLM.from_pretrained(settings.model_dir, attn_implementation="sdpa")
+            self.ref_model.to(self.device).eval().requires_grad_(False)
         self.value_head: ValueHead | None = None
         params = list(self.model.parameters())
         if config.algorithm == "ppo":
@@ -195,7 +200,7 @@ class Learner:
             return {}, f"cannot recompute the rollout logprobs' distribution: {exc}"
         except PackError as exc:
             return {}, f"cannot pack the batch: {exc}"
-        return train_step(self.model, self.optimizer, trees, self.config, self.value_head), None
+        return train_step(self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model), None
 
     def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], str | None]:
         if batch.seal.index != len(batch.records):

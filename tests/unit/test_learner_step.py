@@ -138,3 +138,32 @@ def test_value_pretraining_fits_rewards_and_ppo_step_trains_policy_and_head(mode
     assert logp.shape == values.shape == (row.num_tokens,)
     with pytest.raises(ValueError, match="value head"):
         train_step(model, optimizer, trees, config, None)
+
+
+def test_kl_term_pulls_the_policy_back_toward_the_reference(model_dir: Path) -> None:
+    """kl_coef > 0: the step computes the reference policy's logprobs and the k3 KL's gradient moves toward it."""
+    from clawstream.errors import ConfigError
+
+    torch.manual_seed(0)
+    ref, model = _load(model_dir), _load(model_dir)
+    with torch.no_grad():  # the policy has drifted from the reference
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    traj = branching_trajectory("t", np.random.default_rng(5))
+    [row] = pack_trees([traj.segments], 4096)
+
+    def ref_gap() -> float:  # mean |log π − log π_ref| on the sampled tokens
+        with torch.no_grad():
+            a, b = packed_logprobs(model, row, only_trainable=True), packed_logprobs(ref, row, only_trainable=True)
+        return float((a - b)[row.loss_mask].abs().mean())
+
+    # Zero advantage: the policy-gradient term is 0, so only the KL term can move the policy.
+    trees = [ScoredTree(traj.segments, 0.0, 1.0, "h")]
+    config = LearnerConfig(lr=1e-3, kl_coef=1.0, is_mode="none")
+    with pytest.raises(ConfigError, match="reference policy"):
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trees, config)
+    before = ref_gap()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    metrics = [train_step(model, optimizer, trees, config, ref_model=ref) for _ in range(5)]
+    assert metrics[0]["ref_kl"] > 0 and metrics[-1]["ref_kl"] < metrics[0]["ref_kl"]
+    assert ref_gap() < before
