@@ -28,7 +28,11 @@ class LearnerConfig:
     algorithm: Literal["grpo", "ppo"] = _hp(
         "grpo", "grpo: group-normalised advantage per rollout. ppo: A_t = R - V(s_t) with a value head (γ = λ = 1)."
     )
-    lr: float = _hp(1e-5, "AdamW learning rate (constant).")
+    lr: float = _hp(1e-5, "AdamW learning rate (constant after the warm-up).")
+    lr_warmup_steps: int = _hp(
+        0, "Linear warm-up: training step k (from 0, counted over restarts) uses lr * min(1, (k + 1) / N); 0 = off. "
+        "AdamW's first steps move every weight by about lr whatever its gradient's size.",
+    )
     betas: tuple[float, float] = _hp((0.9, 0.999), "AdamW betas.")
     weight_decay: float = _hp(0.0, "AdamW weight decay.")
     max_grad_norm: float = _hp(1.0, "Gradient clipping by global norm; <= 0 disables it.")
@@ -58,6 +62,12 @@ class LearnerConfig:
     vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
     value_clip: float = _hp(0.0, "PPO: clip range of the value loss around the step's old values; 0 = plain MSE.")
     seed: int = _hp(0, "Seed for torch.")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of training step ``step`` (0-based)."""
+        if self.lr_warmup_steps <= 0:
+            return self.lr
+        return self.lr * min(1.0, (step + 1) / self.lr_warmup_steps)
 
     def loss_config(self) -> LossConfig:
         return LossConfig(

@@ -200,7 +200,11 @@ class Learner:
             return {}, f"cannot recompute the rollout logprobs' distribution: {exc}"
         except PackError as exc:
             return {}, f"cannot pack the batch: {exc}"
-        return train_step(self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model), None
+        lr = self.config.lr_at(self.version)  # self.version = steps trained so far, also after a resume
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics = train_step(self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model)
+        return {**metrics, "lr": lr}, None
 
     def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], str | None]:
         if batch.seal.index != len(batch.records):

@@ -167,3 +167,10 @@ def test_kl_term_pulls_the_policy_back_toward_the_reference(model_dir: Path) -> 
     metrics = [train_step(model, optimizer, trees, config, ref_model=ref) for _ in range(5)]
     assert metrics[0]["ref_kl"] > 0 and metrics[-1]["ref_kl"] < metrics[0]["ref_kl"]
     assert ref_gap() < before
+
+
+def test_lr_warmup_is_linear_then_constant() -> None:
+    config = LearnerConfig(lr=1e-3, lr_warmup_steps=4)
+    assert [config.lr_at(k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert LearnerConfig(lr=1e-3).lr_at(0) == 1e-3
+    assert parse_hparams(["lr_warmup_steps=3"]).lr_warmup_steps == 3
