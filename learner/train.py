@@ -112,6 +112,8 @@ class Learner:
         from transformers import AutoModelForCausalLM
 
         self.settings, self.config, self.kafka = settings, config, kafka
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(config.seed)
         want_cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if want_cuda else "cpu")

@@ -48,16 +48,19 @@ def stack_for(kafka: KafkaSettings, log_dir: Path) -> Stack:
                                "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix})  # fmt: skip
 
 
-def start_engine(stack: Stack, engine: str, model: Path, *, max_batch_size: int = 16) -> str:
+def start_engine(stack: Stack, engine: str, model: Path, *, max_batch_size: int = 16,
+                 torch_threads: int | None = None) -> str:  # fmt: skip
     """Start the inference engine; returns the URL the proxy calls.
 
-    ``cpu``: the project's CPU engine, which also follows weight versions. ``vllm``: a real vLLM server
+    ``cpu``: the project's CPU engine, which also follows weight versions (``torch_threads``: its intra-op threads,
+    default all cores). ``vllm``: a real vLLM server
     (``clawstream vllm serve``; needs ``clawstream vllm install``) plus the inference worker in vLLM mode, which
     applies each weight version to it (``consumers/inference/vllm_adapter.py``).
     """
     if engine == "cpu":
+        threads = {"CLAWSTREAM_INFER_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
         found = stack.start(Service("engine", ["consumers.inference.server", "--model", str(model), "--port", "0",
-                                               "--max-batch-size", str(max_batch_size)],
+                                               "--max-batch-size", str(max_batch_size)], env=threads,
                                     ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
         return str(found.found)
     if engine != "vllm":
@@ -84,11 +87,12 @@ class RolloutSide:
 
 
 def start_rollout_side(stack: Stack, model: Path, *, engine: str = "cpu", concurrency: int = 4,
-                       suites: dict[str, str] | None = None, max_batch_size: int = 16) -> RolloutSide:  # fmt: skip
+                       suites: dict[str, str] | None = None, max_batch_size: int = 16,
+                       torch_threads: int | None = None) -> RolloutSide:  # fmt: skip
     """Engine, serving proxy and sandbox worker: everything a rollout request needs to become a reward.
 
     ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``)."""
-    engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size)
+    engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size, torch_threads=torch_threads)
     token, port = secrets.token_hex(16), free_port()  # hex: a token starting with "-" would read as a flag
     proxy_url = f"http://127.0.0.1:{port}"
     stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", engine_url,
@@ -122,12 +126,15 @@ def start_streams(stack: Stack, run_dir: Path, *, group_size: int, batch_groups:
                                     "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": str(settle_interval_s)}))  # fmt: skip
 
 
-def start_learner(stack: Stack, model: Path, run_dir: Path, hparams: dict[str, object]) -> Service:
+def start_learner(stack: Stack, model: Path, run_dir: Path, hparams: dict[str, object],
+                  torch_threads: int | None = None) -> Service:  # fmt: skip
     """The learner: weights under ``run_dir/weights``, TensorBoard scalars under ``run_dir/tensorboard``."""
     hp = [arg for name, value in hparams.items() for arg in ("--hp", f"{name}={value}")]
+    threads = {"CLAWSTREAM_LEARNER_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
     return stack.start(Service("learner", ["learner.train", "--model-dir", str(model), "--weight-store",
                                            str(run_dir / "weights"), "--model-name", "policy",
-                                           "--tensorboard-dir", str(run_dir / "tensorboard"), *hp]))  # fmt: skip
+                                           "--tensorboard-dir", str(run_dir / "tensorboard"), *hp],
+                               env=threads))  # fmt: skip
 
 
 def start_scheduler(stack: Stack, steps: int, settings: dict[str, object]) -> Service:
