@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from clawstream.errors import ConfigError
 from learner.losses import LossConfig
 from policy import DEFAULT_MODEL_NAME
 
@@ -59,9 +60,17 @@ class LearnerConfig:
         "token_mean = mean over all trainable tokens; a shared prefix counts once per rollout either way.",
     )
     kl_coef: float = _hp(0.0, "k3 KL to the reference (initial) policy; 0 = off, as in the paper.")
+    neg_adv_scale: float = _hp(
+        1.0, "GRPO: negative advantages are multiplied by this. 1 = GRPO as in the paper; 0 = reinforce only the "
+        "rollouts better than their group's mean (positive-sample reinforcement: sharper, less diverse policy).",
+    )
     vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
     value_clip: float = _hp(0.0, "PPO: clip range of the value loss around the step's old values; 0 = plain MSE.")
     seed: int = _hp(0, "Seed for torch.")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.neg_adv_scale <= 1.0:
+            raise ConfigError(f"neg_adv_scale must be in [0, 1] (1 = GRPO as in the paper), got {self.neg_adv_scale}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of training step ``step`` (0-based)."""

@@ -110,7 +110,9 @@ def train_step(
         if config.algorithm == "ppo":  # returns R (γ = λ = 1); the advantage R - V_old(s_t) is formed per token
             advantages = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
         else:
-            advantages = torch.tensor([t.advantage for t in part], dtype=torch.float32, device=device)  # (R_part,)
+            # neg_adv_scale < 1 departs from the paper (LearnerConfig's help): negative advantages weigh less.
+            advantages = torch.tensor([t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale
+                                       for t in part], dtype=torch.float32, device=device)  # (R_part,)  # fmt: skip
         # A rollout's trainable tokens over all its rows (a tree over the token budget spans several): (R_part,)
         per_rollout = torch.zeros(len(part), dtype=torch.float32, device=device)
         for row in part_rows:

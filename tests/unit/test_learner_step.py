@@ -174,3 +174,24 @@ def test_lr_warmup_is_linear_then_constant() -> None:
     assert [config.lr_at(k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
     assert LearnerConfig(lr=1e-3).lr_at(0) == 1e-3
     assert parse_hparams(["lr_warmup_steps=3"]).lr_warmup_steps == 3
+
+
+def test_neg_adv_scale_zero_trains_as_if_negative_advantages_were_zero(model_dir: Path) -> None:
+    from clawstream.errors import ConfigError
+
+    rng = np.random.default_rng(7)
+    good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)
+
+    def trained(advantages: tuple[float, float], **hp: float) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = _load(model_dir)
+        trees = [ScoredTree(good.segments, advantages[0], 1.0, "h"), ScoredTree(bad.segments, advantages[1], 0.0, "h")]
+        config = LearnerConfig(lr=1e-2, is_mode="none", **hp)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=config.lr), trees, config)
+        return model.state_dict()
+
+    scaled, zeroed, plain = trained((1.0, -1.0), neg_adv_scale=0.0), trained((1.0, 0.0)), trained((1.0, -1.0))
+    assert all(torch.allclose(scaled[k], zeroed[k]) for k in scaled)
+    assert any(not torch.allclose(scaled[k], plain[k]) for k in scaled)  # the negative rollout did count in GRPO
+    with pytest.raises(ConfigError, match="neg_adv_scale"):
+        LearnerConfig(neg_adv_scale=-1.0)
