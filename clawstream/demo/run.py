@@ -179,7 +179,9 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
     watcher = Watcher(kafka, cfg.steps, rollouts_per_step, progress=cfg.progress, say=say)
     try:
         threads = service_threads()
-        say(f"==> starting services (logs in {run_dir / 'logs'}; engine and learner: {threads} torch thread{'s' * (threads > 1)} each)")
+        plural = "s" if threads > 1 else ""
+        say(f"==> starting services (logs in {run_dir / 'logs'}; "
+            f"engine and learner: {threads} torch thread{plural} each)")
         start_rollout_side(stack, model, engine=cfg.engine, concurrency=cfg.concurrency,
                            max_batch_size=max(16, cfg.concurrency), torch_threads=threads)  # fmt: skip
         start_streams(stack, run_dir, group_size=cfg.group_size, batch_groups=cfg.tasks_per_step,
