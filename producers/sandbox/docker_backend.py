@@ -279,7 +279,7 @@ class DockerSandbox(Sandbox):
             if "No such container" not in str(exc) and "404" not in str(exc):
                 report.leftover_paths.append(f"container {self.container.id}: {exc}")
         mine = {"label": f"{LABEL}={self.sandbox_id}"}
-        left = await asyncio.to_thread(self.client.containers.list, all=True, filters=mine)
+        left = await asyncio.to_thread(self.client.containers.list, all=True, filters=mine, ignore_removed=True)
         if left:
             report.leftover_paths.append(f"container {self.sandbox_id} still exists")
         await asyncio.to_thread(shutil.rmtree, self.root, True)
@@ -345,7 +345,7 @@ class DockerBackend(SandboxBackend):
         host = self.s.docker_host_address or self._bridge_gateway()
         name = f"clawstream-relay-{socket.gethostname()}-{os.getpid()}"[:63]
         port = self.s.docker_relay_port
-        for old in self.client.containers.list(all=True, filters={"name": f"^{name}$"}):
+        for old in self.client.containers.list(all=True, filters={"name": f"^{name}$"}, ignore_removed=True):
             old.remove(force=True)  # a previous incarnation of this pid (a restarted container)
         relay = self.client.containers.run(
             self.s.docker_image, ["python3", "-m", "producers.sandbox.relay", "--listen", f"0.0.0.0:{port}",
@@ -391,10 +391,18 @@ class DockerBackend(SandboxBackend):
         """Remove the containers (sandboxes and relays) of workers of this host that are gone; the number removed."""
 
         def work() -> int:
+            client = self.client  # a SandboxError when docker is missing, before the import below
+            from docker.errors import NotFound
+
             removed = 0
-            for c in self.client.containers.list(all=True, filters={"label": WORKER_LABEL}):
+            # ignore_removed: a container removed between docker's list and its inspect of each (its own worker
+            # finishing a rollout, another sweeper) is skipped instead of failing the sweep with a 404.
+            for c in client.containers.list(all=True, filters={"label": WORKER_LABEL}, ignore_removed=True):
                 if owner_alive(str(c.labels.get(WORKER_LABEL, ""))) is False:
-                    c.remove(force=True)
+                    try:
+                        c.remove(force=True)
+                    except NotFound:
+                        continue  # removed meanwhile by someone else
                     removed += 1
             return removed
 

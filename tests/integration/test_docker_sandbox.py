@@ -67,7 +67,7 @@ def network(engine: Any, group_id: str) -> Any:
     """A sandbox network of this test; removed with every container of it afterwards."""
     name = f"cs-test-{group_id}"
     yield name
-    for c in engine.containers.list(all=True, filters={"network": name}):
+    for c in engine.containers.list(all=True, filters={"network": name}, ignore_removed=True):
         c.remove(force=True)
     for n in engine.networks.list(names=[name]):
         n.remove()
@@ -101,7 +101,8 @@ async def docker_stack(engine: Any, kafka, group_id: str, tmp: Path, network: st
 
 
 def containers_of(client: Any, identity_prefix: str) -> list[Any]:
-    return [c for c in client.containers.list(all=True, filters={"label": WORKER_LABEL})
+    # ignore_removed: the worker being watched removes containers while docker-py inspects the listed ones (a 404).
+    return [c for c in client.containers.list(all=True, filters={"label": WORKER_LABEL}, ignore_removed=True)
             if str(c.labels.get(WORKER_LABEL, "")).startswith(identity_prefix)]  # fmt: skip
 
 
