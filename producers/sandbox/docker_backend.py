@@ -204,6 +204,18 @@ class DockerSandbox(Sandbox):
     # --- copy in / copy out -----------------------------------------------------------------------------------
 
     def _exec(self, argv: list[str]) -> tuple[int | None, bytes]:
+        code, out = self._exec_once(argv)
+        if b"OCI runtime exec failed" in out:
+            # The container could not start one more process: what the harness left running (a fork bomb's children)
+            # holds every pid of its limit. Copying in or out happens between commands, so no work of ours runs
+            # there: a restart stops them all (the filesystem stays) and the copy is tried once more. Seen in the
+            # limits test: a Python harness's 400 `sleep 60` children outlived it and the grader's copy failed.
+            log.warning("sandbox %s cannot start a process (%r): restarting it", self.sandbox_id, out[-200:])
+            self.container.restart(timeout=0)
+            code, out = self._exec_once(argv)
+        return code, out
+
+    def _exec_once(self, argv: list[str]) -> tuple[int | None, bytes]:
         api = self.client.api
         exec_id = api.exec_create(self.container.id, argv, stdin=False)["Id"]
         out = api.exec_start(exec_id)
