@@ -64,6 +64,11 @@ class LearnerConfig:
         1.0, "GRPO: negative advantages are multiplied by this. 1 = GRPO as in the paper; 0 = reinforce only the "
         "rollouts better than their group's mean (positive-sample reinforcement: sharper, less diverse policy).",
     )
+    logit_scale_lr: float = _hp(
+        0.0, "AdamW lr of a learned logit scale (one scalar s: the final norm's output times exp(s), a temperature of "
+        "exp(-s) built into the policy), trained by the same loss and folded into the norm's gain after every step, "
+        "so the published model stays a plain Qwen3; 0 = off, as in the paper (learner/logit_scale.py says why).",
+    )
     vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
     value_clip: float = _hp(0.0, "PPO: clip range of the value loss around the step's old values; 0 = plain MSE.")
     seed: int = _hp(0, "Seed for torch.")
@@ -71,6 +76,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.neg_adv_scale <= 1.0:
             raise ConfigError(f"neg_adv_scale must be in [0, 1] (1 = GRPO as in the paper), got {self.neg_adv_scale}")
+        if self.logit_scale_lr < 0:
+            raise ConfigError(f"logit_scale_lr must be >= 0 (0 = off), got {self.logit_scale_lr}")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of training step ``step`` (0-based)."""

@@ -54,6 +54,7 @@ from clawstream.kafka.clients import (
 from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
 from clawstream.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
+from learner.logit_scale import LogitScale
 from learner.pack import PackError, pack_trees
 from learner.segment_sampling import UnreproducibleSampling
 from learner.step import ScoredTree, max_path_tokens, train_step
@@ -131,7 +132,12 @@ class Learner:
             if settings.value_head is not None:
                 self.value_head.load(settings.value_head)
             params += list(self.value_head.parameters())
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        groups: list[dict] = [{"params": params}]
+        self.logit_scale: LogitScale | None = None
+        if config.logit_scale_lr > 0:  # one scalar with its own lr (learner/logit_scale.py: why)
+            self.logit_scale = LogitScale(self.model)
+            groups.append({"params": [self.logit_scale.log_scale], "lr": config.logit_scale_lr, "logit_scale": True})
+        self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self.version = 0
         self.trained: dict[str, int] = {}  # batch id → the version it was published as
         txn_id = settings.resolved_transactional_id(kafka.topic_prefix)
@@ -204,8 +210,12 @@ class Learner:
             return {}, f"cannot pack the batch: {exc}"
         lr = self.config.lr_at(self.version)  # self.version = steps trained so far, also after a resume
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            warm = lr / self.config.lr if self.config.lr else 1.0  # the warm-up applies to the logit scale too
+            group["lr"] = self.config.logit_scale_lr * warm if group.get("logit_scale") else lr
         metrics = train_step(self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model)
+        if self.logit_scale is not None:  # the published weights are a plain model: exp(s) goes into the norm's gain
+            metrics["logit_scale_step"] = self.logit_scale.fold()
+            metrics["logit_scale"] = self.logit_scale.relative_gain()  # since the initial model (≈ 1/temperature)
         return {**metrics, "lr": lr}, None
 
     def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], str | None]:
