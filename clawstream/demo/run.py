@@ -43,6 +43,7 @@ class DemoConfig:
     tasks_per_step: int = 4
     group_size: int = 4
     lr: float = 2e-5  # learner AdamW learning rate
+    logit_scale_lr: float = 0.0  # learner's learned logit scale (learner/logit_scale.py); --hp logit_scale_lr=X
     hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (LearnerConfig; `clawstream learner --help`)
     max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
     temperature: float = 1.0
@@ -186,7 +187,8 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
                            max_batch_size=max(16, cfg.concurrency), torch_threads=threads)  # fmt: skip
         start_streams(stack, run_dir, group_size=cfg.group_size, batch_groups=cfg.tasks_per_step,
                       settle_interval_s=cfg.settle_interval_s, harness_mix=HARNESS_MIX)  # fmt: skip
-        hparams = {"lr": cfg.lr, "seed": cfg.seed, **dict(h.split("=", 1) for h in cfg.hp)}
+        hparams = {"lr": cfg.lr, "seed": cfg.seed, "logit_scale_lr": cfg.logit_scale_lr,
+                   **dict(h.split("=", 1) for h in cfg.hp)}  # fmt: skip
         start_learner(stack, model, run_dir, hparams, torch_threads=threads)
         try:  # a view of the run, not part of it: the demo goes on without it
             say(f"==> dashboard: {start_dashboard(stack)}  (reward, statuses, trees, capture health, weights)")
