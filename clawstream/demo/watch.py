@@ -37,7 +37,8 @@ def step_line(metric: Metric) -> str:
             f"clipped {v.get('clip_frac', 0.0):.1%}  IS weight {v.get('is_weight_mean', float('nan')):.3f}  "
             f"KL {v.get('update_kl', float('nan')):.2e}  entropy {v.get('entropy', float('nan')):.3f}"
             + (f"  logit scale {v['logit_scale']:.3f}" if "logit_scale" in v else "")  # learner/logit_scale.py
-            + f" | {v.get('tokens_per_s', 0.0):.0f} tok/s, {v.get('step_seconds', 0.0):.1f} s → v{metric.policy_version}")
+            + f" | {v.get('tokens_per_s', 0.0):.0f} tok/s, {v.get('step_seconds', 0.0):.1f} s"
+            f" → v{metric.policy_version}")
 
 
 @dataclass
