@@ -414,15 +414,16 @@ def model_sft(ctx: click.Context) -> None:
 
 # ---- demo --------------------------------------------------------------------------------------------------------
 @main.command("demo")
-@click.option("--steps", type=int, default=None, help="RL training steps.  [default: 3]")
+@click.option("--steps", type=int, default=None, help="RL training steps.  [default: 20]")
 @click.option("--tasks-per-step", type=int, default=None, help="Task x harness instances (GRPO groups) per step.  "
               "[default: 4]")
-@click.option("--group-size", type=int, default=None, help="Rollouts per instance (GRPO group).  [default: 4]")
+@click.option("--group-size", type=int, default=None, help="Rollouts per instance (GRPO group).  [default: 8]")
 @click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
 @click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
 @click.option("--hp", multiple=True, metavar="NAME=VALUE",
               help="Another learner hyperparameter (repeat; `clawstream learner --help` lists them), e.g. "
-              "--hp mini_batches=2 --hp kl_coef=0.01.")
+              "--hp mini_batches=2 --hp kl_coef=0.01. The demo sets logit_scale_lr=0.1 (learner/logit_scale.py; "
+              "--hp logit_scale_lr=0 turns it off).")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
               help="Start RL from this model directory (e.g. `clawstream model sft` output) instead of the built-in "
               "warm start.")

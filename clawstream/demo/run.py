@@ -39,11 +39,11 @@ HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
 class DemoConfig:
     """Every size of the quickstart. RL: ``steps`` × ``tasks_per_step`` GRPO groups of ``group_size`` rollouts."""
 
-    steps: int = 3
+    steps: int = 20
     tasks_per_step: int = 4
-    group_size: int = 4
+    group_size: int = 8
     lr: float = 2e-5  # learner AdamW learning rate
-    logit_scale_lr: float = 0.0  # learner's learned logit scale (learner/logit_scale.py); --hp logit_scale_lr=X
+    logit_scale_lr: float = 0.1  # learner's learned logit scale (learner/logit_scale.py); --hp logit_scale_lr=X
     hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (LearnerConfig; `clawstream learner --help`)
     max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
     temperature: float = 1.0
