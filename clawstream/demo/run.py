@@ -64,6 +64,20 @@ class DemoConfig:
     progress: bool = True
 
 
+def _claim_run_dir(parent: Path, name: str) -> str:
+    """A run name no other demo has: two demos started in the same second shared a directory and a topic prefix
+    (one's streams then died, the other's topics held both runs' rollouts). mkdir is the atomic claim."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for k in range(1, 1000):
+        candidate = name if k == 1 else f"{name}-{k}"
+        try:
+            (parent / candidate).mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise ClawstreamError(f"no free run directory for {name} under {parent}")
+
+
 def warm_start_dir(models: Path, cfg: DemoConfig) -> Path:
     """Where the warm start of this recipe is cached: the recipe is in the name, so another recipe trains anew."""
     if cfg.sft_steps is None:
@@ -166,7 +180,7 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
     say = _say
     t0 = time.monotonic()
     home = clawstream_home()
-    run = time.strftime("%Y%m%d-%H%M%S")
+    run = _claim_run_dir(home / "demo", time.strftime("%Y%m%d-%H%M%S"))
     run_dir = home / "demo" / run
     prefix = f"demo-{run}."
     kafka = run_kafka(prefix, say)
