@@ -383,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"streams: no clean-shutdown marker in {tabledir}: wiping local tables, they are rebuilt from the "
                   "changelogs", file=sys.stderr)  # fmt: skip
         _CleanShutdown(app)
-    if args and args[0] == "worker" and not {"--with-web", "--without-web"} & set(args):
+    # "worker" is not args[0] when Faust's app options come first (the demo passes --datadir DIR worker ...).
+    if "worker" in args and not {"--with-web", "--without-web"} & set(args):
         # Faust's worker command turns its web server on by default, whatever web_enabled says, and binds port
         # 6066 on every interface: a second worker on the same host (scaling out) would fail to start.
         args.append("--without-web")
