@@ -209,8 +209,8 @@ class Learner:
         except PackError as exc:
             return {}, f"cannot pack the batch: {exc}"
         lr = self.config.lr_at(self.version)  # self.version = steps trained so far, also after a resume
+        warm = lr / self.config.lr if self.config.lr else 1.0  # the warm-up applies to the logit scale too
         for group in self.optimizer.param_groups:
-            warm = lr / self.config.lr if self.config.lr else 1.0  # the warm-up applies to the logit scale too
             group["lr"] = self.config.logit_scale_lr * warm if group.get("logit_scale") else lr
         metrics = train_step(self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model)
         if self.logit_scale is not None:  # the published weights are a plain model: exp(s) goes into the norm's gain
