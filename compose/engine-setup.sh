@@ -21,6 +21,8 @@ HOME_DIR="${CLAWSTREAM_HOME:-$HOME/.cache/clawstream}"
 mkdir -p "$HOME_DIR/bin" "$HOME_DIR/logs"
 t0=$(date +%s)
 say() { echo "[engine-setup +$(( $(date +%s) - t0 ))s] $*"; }
+# set -e alone exits without a word (CI once printed only "make: Error 2"): name the line and the command.
+trap 'echo "engine-setup: line $LINENO failed (exit $?): $BASH_COMMAND" >&2' ERR
 
 # 1. engine
 if ! command -v dockerd >/dev/null 2>&1; then
@@ -66,8 +68,18 @@ if ! docker image inspect "$PUBLIC_BASE" >/dev/null 2>&1 && ! docker image inspe
     command -v debootstrap >/dev/null 2>&1 || {
       apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null; }
     # The machine's own Debian mirror (deb822 or one-line sources), never a hard-coded host.
-    mirror=$(grep -hE '^(URIs:|deb )' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null \
-             | grep -v security | grep -oE 'https?://[^ ]+' | head -1)
+    # Only the files that exist: a deb822-only machine has no /etc/apt/sources.list, and grep's exit 2 for the
+    # missing file failed the whole pipeline under pipefail (the CI failure of stop 25).
+    sources=()
+    for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list /etc/apt/sources.list; do
+      [ -f "$f" ] && sources+=("$f")
+    done
+    mirror=""
+    if [ ${#sources[@]} -gt 0 ]; then
+      urls=$(cat "${sources[@]}" | grep -E '^(URIs:|deb )' | grep -v security | grep -oE 'https?://[^ ]+' || true)
+      # A Debian mirror over a third-party repository (nodesource, cloud SDKs) listed before it.
+      mirror=$(grep -m1 debian <<<"$urls" || head -1 <<<"$urls" || true)
+    fi
     [ -n "$mirror" ] || { echo "no Debian mirror found in /etc/apt/sources*" >&2; exit 1; }
     say "no registry: bootstrapping Debian bookworm from $mirror into $LOCAL_BASE (~2.5 min)"
     rootfs=$(mktemp -d)
