@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from schemas.events import (
@@ -24,7 +26,11 @@ from schemas.events import (
     WeightVersion,
 )
 
-T0 = 1_790_000_000_000
+# Record timestamps for tests that write them to the broker: the start of the previous hour, not a fixed date. The
+# catalog's topics keep a week by time (schemas/topics.py), so the broker's retention deletes records stamped with an
+# older date while a test reads them: with a fixed 2026-09-22 T0, from 2026-09-29 on a tail test lost its first
+# records to a deleted segment ("Offset out of range", CI of stop 25). Within the hour keeps +offsets in the past.
+T0 = (int(time.time()) // 3600 - 1) * 3_600_000
 
 
 def sample_trajectory(rollout_id: str = "r-1") -> Trajectory:
