@@ -16,7 +16,7 @@ Without ``--model`` it builds the project's tiny Qwen3 (``policy.tiny_model`` de
 is measured in-process (scheduler thread, no HTTP): ``k`` requests submitted at once, each generating exactly
 ``--max-tokens`` tokens (eos ignored) at temperature 1; tokens/s = generated tokens / wall time, median of
 ``--rounds``. The naive baseline runs the same requests one after another with ``model.generate(do_sample=True)``
-(its own KV cache, batch 1). The swap part starts ``clawstream.kafka.local.LocalKafka`` in a temp home, follows
+(its own KV cache, batch 1). The swap part starts ``clawbase.kafka.local.LocalKafka`` in a temp home, follows
 the weights topic with ``consumers.inference.weight_follower.WeightsFollower``, publishes perturbed weights and times
 publish →
 ``engine.policy_version`` changing, idle and with 8 requests in flight (those finish on the old weights first).
@@ -45,6 +45,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 
 from bench import engine_rollout  # noqa: E402
 from consumers.inference.engine import Engine, SamplingParams  # noqa: E402
+from schemas.topics import CATALOG
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.md"
 TEXTS = ["list the files in src", "count the lines of notes.txt", "read config.json and print the port",
@@ -123,9 +124,9 @@ def swap_latency(model_dir: Path, model: Any, tokenizer: Any, max_tokens: int, r
     """Publish → applied, idle and under load, through a private local broker."""
     from safetensors.torch import load_file, save_file
 
-    from clawstream.kafka.clients import create_topics, make_producer
-    from clawstream.kafka.local import LocalKafka
-    from clawstream.settings import KafkaSettings
+    from clawbase.kafka.clients import create_topics, make_producer
+    from clawbase.kafka.local import LocalKafka
+    from clawbase.settings import KafkaSettings
     from consumers.inference.weight_follower import EngineWeightsTarget, Reporter, WeightsFollower
     from schemas.events import WeightVersion, now_ms
     from schemas.topics import WEIGHTS
@@ -139,7 +140,7 @@ def swap_latency(model_dir: Path, model: Any, tokenizer: Any, max_tokens: int, r
     follower = None
     try:
         settings = KafkaSettings(bootstrap_servers=state.bootstrap, topic_prefix="bench.")
-        create_topics(settings)
+        create_topics(settings, CATALOG)
         reporter = Reporter(settings, "inference-worker/bench")
         follower = WeightsFollower(settings, EngineWeightsTarget(engine), model_name="tiny", reporter=reporter)
         follower.start()

@@ -35,7 +35,7 @@ def _model(device: str, tmp: Path) -> torch.nn.Module:
 
 def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
     from learner.pack import pack_trees, packed_logprobs
-    from streams.tree_paths import path_tokens, paths
+    from schemas.tree_paths import path_tokens, paths
     from tests.support.learner_data import branching_trajectory
 
     rng = np.random.default_rng(0)

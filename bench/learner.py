@@ -28,8 +28,8 @@ import torch
 
 from learner.losses import grpo_loss
 from learner.pack import pack_trees, packed_logprobs
+from schemas.tree_paths import path_tokens, path_trainable_mask, paths
 from streams.tree import Segment, TreeCall, build_tree
-from streams.tree_paths import path_tokens, path_trainable_mask, paths
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learner.md"
 SYSTEM, TOOL_RESULT, ANSWER = 600, 120, 60  # tokens: system prompt, each tool result, each generated turn

@@ -2,7 +2,7 @@
 
 The batch is shaped like the quickstart's (docs/quickstart.md, "Where a step's time goes"): 4 tasks of the built-in
 CPU suite × 4 rollouts, 2 in each chat dialect of the built-in loop (OpenAI, Anthropic). Each rollout is the task's
-scripted correct episode (``learner.warmstart.demos.build_episodes``: the real agent loop through the real TITO
+scripted correct episode (``warmstart.demos.build_episodes``: the real agent loop through the real TITO
 renderer and tokenizer), turned into its rollout tree by ``streams.tree.build_tree``; advantages ±1 per dialect
 within a task (scripted episodes are greedy: a task's rollouts in one dialect are the same episode). The model
 is the quickstart's: ``policy.tiny_model.init_tiny_model`` with its defaults. Every rollout's root is its first
@@ -37,8 +37,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "prefix_share.md"
 
 def quickstart_batch(tokenizer, tasks: int = 4, per_dialect: int = 2) -> list[ScoredTree]:  # noqa: ANN001
     """``tasks`` × 2 dialects × ``per_dialect`` rollout trees of scripted episodes, a GRPO group per task."""
-    from learner.warmstart.demos import build_episodes, train_tasks
     from streams.tree import TreeCall, build_tree
+    from warmstart.demos import build_episodes, train_tasks
 
     out = []
     for e, ep in enumerate(build_episodes(tokenizer, train_tasks(tasks))):  # task 0 openai, task 0 anthropic, ...

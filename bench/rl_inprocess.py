@@ -1,7 +1,7 @@
 """In-process GRPO on the CPU suite, no Kafka or services: how far can RL move the shipped warm start, and along what?
 
 An experiment behind issue #13's tuning (bench/results/rl_inprocess.md), kept so its numbers can be re-measured.
-Rollouts run through the real built-in agent loop against the in-process proxy (``learner.warmstart.episodes``),
+Rollouts run through the real built-in agent loop against the in-process proxy (``warmstart.episodes``),
 sampled at temperature 1 from the model with HF ``generate``, graded by the tasks' own graders. Each step: ``--tasks``
 training tasks of the suite's 96 (random dialect each) × ``--group`` rollouts, GRPO advantages per group, on-policy
 REINFORCE loss (mean over rollouts of A × the rollout's token-mean logprob), one clipped AdamW step. Then the held-out
@@ -24,12 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 
-from learner.warmstart.demos import heldout_tasks  # noqa: E402
-from learner.warmstart.episodes import EpisodeResult, run_episode  # noqa: E402
 from policy.chat_template import IM_END  # noqa: E402
 from producers.proxy.render import TemplateRenderer  # noqa: E402
 from producers.tasks.cpu import generate  # noqa: E402
 from producers.tasks.model import Task  # noqa: E402
+from warmstart.demos import heldout_tasks  # noqa: E402
+from warmstart.episodes import EpisodeResult, run_episode  # noqa: E402
 
 WARM_START = "models/warmstart"
 

@@ -27,11 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from clawstream.kafka.clients import create_topics  # noqa: E402
-from clawstream.settings import KafkaSettings  # noqa: E402
+from clawbase.kafka.clients import create_topics  # noqa: E402
+from clawbase.settings import KafkaSettings  # noqa: E402
 from producers.sandbox.base import SandboxSettings  # noqa: E402
 from producers.sandbox.worker import SandboxWorker  # noqa: E402
 from producers.tasks.cpu import cpu_suite  # noqa: E402
+from schemas.topics import CATALOG
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support import sandbox_helpers as S  # noqa: E402
 from tests.support.proxy_server import running_proxy  # noqa: E402
@@ -80,7 +81,7 @@ async def main_async(levels: list[tuple[int, int]]) -> list[dict]:
     bootstrap = os.environ.get("CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS")
     broker = None
     if not bootstrap:
-        from clawstream.kafka.local import LocalKafka
+        from clawbase.kafka.local import LocalKafka
 
         broker = LocalKafka(home=tmp / "kafka")
         bootstrap = (await asyncio.to_thread(broker.up, timeout=120, quiet=True)).bootstrap
@@ -89,7 +90,7 @@ async def main_async(levels: list[tuple[int, int]]) -> list[dict]:
         for concurrency, n in levels:
             # a fresh topic prefix per level: a new group must not find the previous level's requests
             kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{time.time_ns()}.")
-            create_topics(kafka)
+            create_topics(kafka, CATALOG)
             r = await run_level(kafka, concurrency, n, tmp)
             print(f"concurrency {concurrency}: {r['n']} rollouts in {r['wall']:.1f}s = {r['rps']:.2f}/s", flush=True)
             results.append(r)

@@ -50,11 +50,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from clawstream.kafka.clients import consumer_config, create_topics, make_producer  # noqa: E402
-from clawstream.kafka.local import LocalKafka  # noqa: E402
-from clawstream.settings import KafkaSettings  # noqa: E402
+from clawbase.kafka.clients import consumer_config, create_topics, make_producer  # noqa: E402
+from clawbase.kafka.local import LocalKafka  # noqa: E402
+from clawbase.settings import KafkaSettings  # noqa: E402
 from schemas.events import CallEvent, Trajectory  # noqa: E402
-from schemas.topics import CALLS, TRAJECTORIES  # noqa: E402
+from schemas.topics import CALLS, CATALOG, TRAJECTORIES  # noqa: E402
 from streams.settings import StreamsSettings  # noqa: E402
 from tests.support.stream_harness import Collector, Feeder, Worker, produce  # noqa: E402
 from tests.support.stream_load import SynthRollout, interleave, make_groups  # noqa: E402
@@ -245,7 +245,7 @@ def run_once(bootstrap: str, variant: Variant, args: argparse.Namespace, spy: st
     settings = {"store": args.store, "processing_guarantee": args.guarantee, "settle_interval_s": args.settle_interval,
                 "settle_timeout_s": 60.0, "session_timeout_s": 6.0, "batch_groups": 4, **variant.timing}  # fmt: skip
     kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{uuid.uuid4().hex[:8]}.")
-    create_topics(kafka)
+    create_topics(kafka, CATALOG)
     app_id = "bench-streams"
     with tempfile.TemporaryDirectory(prefix="bench-worker-") as work:
         worker = CodeWorker(variant.root, kafka, Path(work), app_id=app_id, **settings)

@@ -1,8 +1,9 @@
-"""clawstream: black-box RL through real agent harnesses over Apache Kafka (ClawGym II, arXiv 2608.16798).
+"""clawstream: the application shell — the ``clawstream`` command, the CPU quickstart and the supervised stack.
 
-This small package holds what every service shares: the CLI, settings, errors and Kafka client plumbing.
-The pipeline stages live in the top-level packages ``producers``, ``streams``, ``consumers`` and ``learner``;
-the contracts in ``schemas``.
+Black-box RL through real agent harnesses over Apache Kafka (ClawGym II, arXiv 2608.16798). This package is the
+roof: ``cli`` (every command), ``demo`` (the quickstart), ``stack`` (services as supervised processes, evaluation).
+It imports every stage; nothing imports it. The ground every service stands on is ``clawbase``; the stages are the
+top-level packages ``producers``, ``streams``, ``consumers``, ``learner`` and ``warmstart``; the contracts ``schemas``.
 """
 
 __version__ = "0.1.0"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
+from clawbase.errors import ClawstreamError
 from clawstream import __version__
-from clawstream.errors import ClawstreamError
 
 
 class _Group(click.Group):
@@ -51,7 +51,7 @@ def kafka() -> None:
 
 
 def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
-    from clawstream.kafka.local import LocalKafka
+    from clawbase.kafka.local import LocalKafka
 
     return LocalKafka(home=home)
 
@@ -133,12 +133,13 @@ def topics() -> None:
 )
 def topics_create(prefix: str | None, bootstrap: str | None) -> None:
     """Create every catalog topic that does not exist yet (idempotent)."""
-    from clawstream.kafka.clients import create_topics
-    from clawstream.settings import KafkaSettings, load_settings
+    from clawbase.kafka.clients import create_topics
+    from clawbase.settings import KafkaSettings, load_settings
+    from schemas.topics import CATALOG
 
     overrides = {k: v for k, v in {"topic_prefix": prefix, "bootstrap_servers": bootstrap}.items() if v is not None}
     settings = load_settings(KafkaSettings, **overrides)
-    for name, outcome in create_topics(settings).items():
+    for name, outcome in create_topics(settings, CATALOG).items():
         click.echo(f"{outcome:8} {name}")
 
 
@@ -405,9 +406,9 @@ def tasks_grade(task: str, workspace: Path, suite: str | None, transcript: Path 
 @model.command("sft", context_settings=_PASSTHROUGH)
 @click.pass_context
 def model_sft(ctx: click.Context) -> None:
-    """SFT warm start on synthetic agent demonstrations of the CPU task suite (learner/warmstart/sft.py; --help for
+    """SFT warm start on synthetic agent demonstrations of the CPU task suite (warmstart/sft.py; --help for
     options)."""
-    from learner.warmstart.sft import main as run
+    from warmstart.sft import main as run
 
     sys.exit(run(ctx.args))
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ConfigError
+from clawbase.errors import ConfigError
 from learner.losses import LossConfig
 from policy import DEFAULT_MODEL_NAME
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from clawstream.errors import ConfigError
+from clawbase.errors import ConfigError
 
 
 def final_norm(model: torch.nn.Module) -> torch.nn.Module:

@@ -61,7 +61,7 @@ from typing import Literal
 
 import torch
 
-from clawstream.errors import ClawstreamError, ConfigError
+from clawbase.errors import ClawstreamError, ConfigError
 
 __all__ = [
     "Aggregation",

@@ -17,7 +17,7 @@ With that, ``log_softmax(logits[predictor[t]])[token[t]]`` equals the logprob th
 plain causal sequence would give (checked to 1e-5 in fp32 by tests/unit/test_pack.py).
 
 Sampling settings. A rollout's logprobs are those of the distribution its tokens were drawn from: temperature, then
-top-k, then top-p, renormalised (the engine's processed logprobs, ``consumers.inference.sampling``). For the
+top-k, then top-p, renormalised (the engine's processed logprobs, ``policy.sampling``). For the
 importance weights π_old/π_rollout to mean anything, the learner's logprobs must be of the same transform of its own
 logits, so every trainable token carries its call's (temperature, top_p, top_k), recorded by the proxy on the call
 event and by the assembler on the segment, and ``gather_token_logprobs`` applies them per token with the engine's
@@ -57,11 +57,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from clawstream.errors import ClawstreamError
-from consumers.inference.sampling import MIN_REPORTED_LOGPROB, apply_temperature, apply_top_k, apply_top_p
+from clawbase.errors import ClawstreamError
 from learner.prefix_share import fill_rows, shared_row
 from learner.segment_sampling import PLAIN_SAMPLING, UnreproducibleSampling, segment_sampling
 from learner.tree_split import is_chain, split_into_paths
+from policy.sampling import MIN_REPORTED_LOGPROB, apply_temperature, apply_top_k, apply_top_p
 
 __all__ = [
     "MicroBatch",
@@ -466,7 +466,7 @@ def gather_token_logprobs(logits: torch.Tensor, batch: MicroBatch, *, only_train
     """Per-token logprobs from a micro-batch's logits under each token's own sampling distribution.
 
     ``log q_t(token[t])`` with ``q_t = softmax(top_p(top_k(logits[predictor[t]] / temperature[t])))``, the
-    transform the engine sampled with (``consumers.inference.sampling``; greedy rows are divided by 1, as there);
+    transform the engine sampled with (``policy.sampling``; greedy rows are divided by 1, as there);
     top-k and top-p run only when a token of the row asked for them. logits: (T, V) or (1, T, V). Returns (T,) in
     float32, 0.0 where a token has no predictor (or is not trainable when ``only_trainable``), floored at
     ``MIN_LOGPROB`` where the token is outside the support; only the needed rows are normalised, in fp32, to bound

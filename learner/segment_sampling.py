@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 
 __all__ = ["PLAIN_SAMPLING", "UnreproducibleSampling", "segment_sampling"]
 

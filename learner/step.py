@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from clawstream.errors import ConfigError
-from consumers.inference.sampling import apply_temperature
+from clawbase.errors import ConfigError
 from learner.config import LearnerConfig
 from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, gather_token_logprobs, pack_trees, packed_forward, packed_logprobs
 from learner.value import ValueHead, policy_and_values
+from policy.sampling import apply_temperature
 
 
 @dataclass

@@ -24,8 +24,8 @@ where the batches continue. A version without that file (written by an older lea
 and says so.
 
 Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
-Fault injection for tests: ``CLAWSTREAM_LEARNER_FAULT=after_save`` (or ``after_save:N`` for version N only) exits
-right after saving weights, before the transaction commits.
+Fault point (``clawbase.faults``, docs/faults.md): ``learner.after_save``, after a version's files are saved and
+before its transaction commits.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import (
+from clawbase.errors import ClawstreamError
+from clawbase.faults import fault_point
+from clawbase.kafka.clients import (
     assign_from_beginning,
     check_broker,
     make_consumer,
@@ -51,8 +52,7 @@ from clawstream.kafka.clients import (
     require_topics,
     where,
 )
-from clawstream.kafka.dead_letter import dead_letter, dead_letter_of
-from clawstream.settings import KafkaSettings
+from clawbase.settings import KafkaSettings
 from learner.config import LearnerConfig, LearnerSettings
 from learner.logit_scale import LogitScale
 from learner.pack import PackError, pack_trees
@@ -68,6 +68,7 @@ from policy.weight_store import (
     value_head_path,
     verify_file,
 )
+from schemas.dead_letter import dead_letter, dead_letter_of
 from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
@@ -244,9 +245,7 @@ class Learner:
         partial = state_file.with_suffix(".partial")
         torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, partial)
         partial.replace(state_file)  # a crash mid-write leaves no half file under the version's name
-        if os.environ.get("CLAWSTREAM_LEARNER_FAULT") in ("after_save", f"after_save:{version}"):
-            log.error("fault injection: exiting after saving v%d, before the transaction commits", version)
-            os._exit(17)
+        fault_point("learner.after_save")  # saved, not yet published: a crash here must not train the batch twice
         event = WeightVersion(
             policy_version=version, timestamp_ms=now_ms(), model_name=self.settings.model_name, step=batch.step,
             uri=saved.uri, sha256=saved.sha256, size_bytes=saved.size_bytes, batch_id=batch.batch_id,
@@ -340,7 +339,7 @@ def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | N
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from clawstream.settings import add_kafka_arguments, kafka_settings, load_settings
+    from clawbase.settings import add_kafka_arguments, kafka_settings, load_settings
 
     parser = argparse.ArgumentParser(prog="python -m learner.train", description=__doc__.splitlines()[0],
                                      epilog="hyperparameters (--hp NAME=VALUE):\n" + LearnerConfig.help_table(),
@@ -376,7 +375,7 @@ def parse_hparams(pairs: list[str]) -> LearnerConfig:
     """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
     import dataclasses
 
-    from clawstream.errors import ConfigError
+    from clawbase.errors import ConfigError
 
     known = {f.name: f for f in dataclasses.fields(LearnerConfig)}
     values = {}

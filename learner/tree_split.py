@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from learner.segment_sampling import PLAIN_SAMPLING, segment_sampling
-from streams.tree_paths import paths
+from schemas.tree_paths import paths
 
 __all__ = ["PathSegment", "is_chain", "split_into_paths"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from learner.pack import MicroBatch, gather_token_logprobs, pack_trees, packed_forward
 
 log = logging.getLogger("clawstream.value")
@@ -110,7 +110,7 @@ def pretrain_value(
 
 def read_scored_trajectories(kafka, limit: int, timeout: float = 30.0) -> list[tuple[Sequence, float]]:  # noqa: ANN001
     """Read back up to ``limit`` graded, trainable trajectories from ``clawstream.trajectories`` (read_committed)."""
-    from clawstream.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+    from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
     from schemas.events import Trajectory, TrajectoryStatus
     from schemas.topics import TRAJECTORIES
 
@@ -134,8 +134,8 @@ def read_scored_trajectories(kafka, limit: int, timeout: float = 30.0) -> list[t
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
-    from clawstream.kafka.clients import check_broker
-    from clawstream.settings import add_kafka_arguments, kafka_settings
+    from clawbase.kafka.clients import check_broker
+    from clawbase.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(prog="python -m learner.value", description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", required=True, type=Path, help="the policy (HF format)")

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from policy.chat_template import (
     ADDED_TOKENS,
     ASSISTANT_TURN_SUFFIX,

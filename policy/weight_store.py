@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from schemas.events import WeightVersion
 
 

@@ -24,7 +24,7 @@ from fastavro.schema import fingerprint as avro_fingerprint
 from fastavro.schema import to_parsing_canonical_form
 from fastavro.validation import validate
 
-from clawstream.errors import CodecError, CorruptRecordError, UnknownSchemaError
+from clawbase.errors import CodecError, CorruptRecordError, UnknownSchemaError
 
 SCHEMA_DIR = Path(__file__).resolve().parent
 MARKER = b"\xc3\x01"

@@ -8,7 +8,7 @@ infrastructure failure when its grader crashes. Pure: no Kafka import.
 
 from __future__ import annotations
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from schemas.events import RolloutState
 
 # None = no event yet. A sandbox that cannot even be created fails before STARTED.

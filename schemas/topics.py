@@ -1,34 +1,24 @@
 """The topic catalog: every clawstream topic, its key, value schema, partition count and configs.
 
 ``calls``, ``rollout.events`` and ``rewards`` are co-partitioned (same partition count, all keyed by rollout id)
-so the Faust assembler can join them per partition. Pure: creation lives in ``clawstream.kafka.clients``.
+so the Faust assembler can join them per partition. Pure: creation lives in
+``clawbase.kafka.clients``; what a topic spec is, in ``clawbase.kafka.topic_spec``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from clawbase.kafka.topic_spec import MAX_MESSAGE_BYTES, TopicSpec
+from clawbase.kafka.topic_spec import co_partition_groups as _groups
+
+__all__ = ["CATALOG", "BY_NAME", "MAX_MESSAGE_BYTES", "ROLLOUT_PARTITIONS", "TopicSpec", "co_partition_groups"]
 
 # Partitions of the rollout-keyed topics: enough to spread a few hundred concurrent rollouts over several
 # stream workers. Changing it after topics exist breaks co-partitioning; `topics create` refuses mismatches.
 ROLLOUT_PARTITIONS = 8
 
-# The largest record any clawstream topic carries (a big prefix tree with logprobs); matches the broker recipe.
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _BIG = {"max.message.bytes": str(MAX_MESSAGE_BYTES + 1024 * 1024)}
 _WEEK_MS = str(7 * 24 * 3600 * 1000)
 
-
-@dataclass(frozen=True)
-class TopicSpec:
-    """One topic of the catalog (``name`` without prefix)."""
-
-    name: str
-    key: str
-    value_schema: str
-    partitions: int
-    configs: dict[str, str] = field(default_factory=dict)
-    co_partition_group: str | None = None
-    description: str = ""
 
 
 ROLLOUT_REQUESTS = "clawstream.rollout.requests"
@@ -66,8 +56,4 @@ BY_NAME: dict[str, TopicSpec] = {spec.name: spec for spec in CATALOG}
 
 
 def co_partition_groups(catalog: tuple[TopicSpec, ...] = CATALOG) -> dict[str, list[TopicSpec]]:
-    groups: dict[str, list[TopicSpec]] = {}
-    for spec in catalog:
-        if spec.co_partition_group:
-            groups.setdefault(spec.co_partition_group, []).append(spec)
-    return groups
+    return _groups(catalog)

@@ -32,10 +32,10 @@ from typing import Any, TypeVar
 import faust
 from faust.types import EventT, StreamT
 
-from clawstream.kafka.clients import bootstrap_servers, create_topics
-from clawstream.kafka.dead_letter import dead_letter
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.kafka.clients import bootstrap_servers, create_topics
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from schemas.codec import default_codec
+from schemas.dead_letter import dead_letter
 from schemas.events import BatchRecord, Event, Trajectory, WeightVersion
 from schemas.topics import (
     BATCHES,

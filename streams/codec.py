@@ -18,7 +18,7 @@ EVENT_TYPES: dict[str, type[Event]] = {f"io.clawstream.{cls.SCHEMA}": cls for cl
 
 
 class AvroEventCodec(codecs.Codec):
-    """bytes ⇄ typed event. Decoding errors surface as ``clawstream.errors.CodecError`` subclasses."""
+    """bytes ⇄ typed event. Decoding errors surface as ``clawbase.errors.CodecError`` subclasses."""
 
     def _dumps(self, obj: Any) -> bytes:
         if isinstance(obj, Event):

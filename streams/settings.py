@@ -1,7 +1,7 @@
 """Settings of the stream processors (assembler, grouper, batcher): env prefix ``CLAWSTREAM_STREAMS_``.
 
-Kafka itself (bootstrap, security, topic prefix) comes from :class:`clawstream.settings.KafkaSettings`
-(``CLAWSTREAM_KAFKA_*``). Load with ``clawstream.settings.load_settings(StreamsSettings)`` so a bad value is
+Kafka itself (bootstrap, security, topic prefix) comes from :class:`clawbase.settings.KafkaSettings`
+(``CLAWSTREAM_KAFKA_*``). Load with ``clawbase.settings.load_settings(StreamsSettings)`` so a bad value is
 reported with the variable to set. Pure: no Kafka or Faust import.
 """
 
@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.settings import clawstream_home
+from clawbase.settings import clawstream_home
 
 
 class StreamsSettings(BaseSettings):

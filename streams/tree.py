@@ -62,7 +62,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 
 MAIN = "main"
 COMPACTION = "compaction"

@@ -17,9 +17,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from clawstream.kafka.clients import create_topics
-from clawstream.kafka.local import LocalKafka
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import create_topics
+from clawbase.kafka.local import LocalKafka
+from clawbase.settings import KafkaSettings
+from schemas.topics import CATALOG
 
 # The shared helpers assert too (admin calls, leak checks): give them pytest's detailed failure messages.
 pytest.register_assert_rewrite("tests.support")
@@ -48,7 +49,7 @@ def topic_prefix() -> str:
 def kafka_settings(kafka_bootstrap: str, topic_prefix: str) -> KafkaSettings:
     """Settings with a fresh topic prefix; every catalog topic exists (created for this test)."""
     settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=topic_prefix)
-    create_topics(settings)
+    create_topics(settings, CATALOG)
     return settings
 
 

@@ -2,7 +2,7 @@
 
 1. start (or reuse) the local Apache Kafka broker and create the topic catalog under a fresh per-run prefix;
 2. build the tiny Qwen3-architecture policy (once; cached) and warm-start it by SFT with a step-bounded, seeded
-   recipe (``learner.warmstart.sft``; once per recipe, cached), with a progress bar;
+   recipe (``warmstart.sft``; once per recipe, cached), with a progress bar;
 3. start the services as separate processes, exactly as an operator would: inference engine (vLLM protocol),
    serving proxy, sandbox worker, Faust stream processors, learner, scheduler (``clawstream.stack.services``);
 4. train ``steps`` RL steps mixing two heterogeneous built-in harnesses (``agentloop`` over OpenAI Chat and

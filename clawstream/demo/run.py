@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from clawbase.errors import ClawstreamError
+from clawbase.settings import clawstream_home
 from clawstream.demo import report
 from clawstream.demo.timeline import read_timeline, timeline_table
 from clawstream.demo.watch import Watcher
-from clawstream.errors import ClawstreamError
-from clawstream.settings import clawstream_home
 from clawstream.stack.evaluate import EvalConfig, EvalResult, run_eval
 from clawstream.stack.services import (
     run_kafka,
@@ -30,7 +30,7 @@ from clawstream.stack.services import (
     start_streams,
 )
 from learner.config import LearnerConfig
-from learner.warmstart.sft import SHIPPED_RECIPE
+from warmstart.sft import SHIPPED_RECIPE
 
 HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
 
@@ -93,8 +93,8 @@ def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
     """The warm start RL begins from: by default the repository's shipped checkpoint (when intact; else its recipe
     is trained once and cached), or the single-stage recipe of ``cfg.sft_steps`` (trained once; cached; 0: the tiny
     base model itself)."""
-    from learner.warmstart import sft
     from policy.tiny_model import init_tiny_model, is_current
+    from warmstart import sft
 
     if cfg.sft_steps is None:  # the shipped checkpoint: RL starts at once
         shipped, why = sft.shipped_warm_start()
@@ -138,8 +138,8 @@ def export_version(model: Path, weights: Path, version: int, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.warmstart.sft import save_model
     from policy.weight_store import copy_into, load_checked, version_path
+    from warmstart.sft import save_model
 
     _quiet_transformers()
     net = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
@@ -150,7 +150,7 @@ def export_version(model: Path, weights: Path, version: int, out: Path) -> Path:
 
 def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> EvalResult:
     """``run_eval``, reused when this exact model (weights sha256) was evaluated with this exact config before."""
-    from learner.warmstart.sft import weights_sha256
+    from warmstart.sft import weights_sha256
 
     path = cache / f"{weights_sha256(model)[:16]}-{cfg.key()}.json"
     if path.exists():

@@ -25,8 +25,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from clawstream.kafka.clients import assign_from_beginning, make_consumer, read_to_end
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+from clawbase.settings import KafkaSettings
 from schemas.events import (
     BatchRecord,
     BatchRecordKind,

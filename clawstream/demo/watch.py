@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import make_consumer
-from clawstream.settings import KafkaSettings
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import make_consumer
+from clawbase.settings import KafkaSettings
 from clawstream.stack import Stack
-from learner.warmstart.progress import progress_bar
 from schemas.events import Metric, RewardEvent, RewardStatus, RolloutRequest
 from schemas.topics import METRICS, REWARDS, ROLLOUT_REQUESTS
+from warmstart.progress import progress_bar
 
 
 def step_line(metric: Metric) -> str:

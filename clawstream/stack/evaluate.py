@@ -8,7 +8,7 @@ the result is, per harness and mode, the mean reward, its standard error, the so
 
 Suites: any suite spec (``builtin:cpu``, ``native:DIR``, ``clawgym:DIR``, ``pinchbench:DIR``). ``builtin:cpu`` has 48
 held-out tasks; asked for more, the evaluation uses the warm start's extended held-out split
-(``learner.warmstart.demos.heldout_tasks``: its first 48 are the suite's, and the SFT data never contains any of
+(``warmstart.demos.heldout_tasks``: its first 48 are the suite's, and the SFT data never contains any of
 the first 256), written once as a native suite under ``$CLAWSTREAM_HOME/suites/``.
 
 Topics: ``clawstream.rollout.requests`` out; ``clawstream.rewards`` in (under a fresh topic prefix per evaluation;
@@ -28,12 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clawstream.errors import ClawstreamError
-from clawstream.settings import KafkaSettings, clawstream_home
+from clawbase.errors import ClawstreamError
+from clawbase.settings import KafkaSettings, clawstream_home
 from clawstream.stack.process import Stack
 from clawstream.stack.services import run_kafka, stack_for, start_rollout_side
-from learner.warmstart.progress import progress_bar
 from producers.scheduler.plan import EVAL_MODES, EvalScore, eval_table
+from schemas.topics import CATALOG
+from warmstart.progress import progress_bar
 
 BUILTIN_CPU = "builtin:cpu"
 BUILTIN_HELDOUT = 48  # held-out tasks of builtin:cpu (producers.tasks.cpu.cpu_suite)
@@ -106,8 +107,8 @@ def resolve_suite(cfg: EvalConfig, home: Path | None = None) -> tuple[dict[str, 
 
 def extended_heldout(n: int, seed: int = 0, home: Path | None = None) -> Path:
     """The first ``n`` tasks of the warm start's held-out split as a native suite directory (written once)."""
-    from learner.warmstart.demos import heldout_tasks
     from producers.tasks.native import write_native_task
+    from warmstart.demos import heldout_tasks
 
     root = (home or clawstream_home()) / "suites" / f"cpu-heldout-{n}-seed{seed}"
     if (root / ".complete").exists():
@@ -165,10 +166,10 @@ def run_eval(model: Path, cfg: EvalConfig, *, kafka: KafkaSettings | None = None
 
 
 def _with_prefix(kafka: KafkaSettings, prefix: str) -> KafkaSettings:
-    from clawstream.kafka.clients import create_topics
+    from clawbase.kafka.clients import create_topics
 
     settings = kafka.model_copy(update={"topic_prefix": prefix})
-    create_topics(settings)
+    create_topics(settings, CATALOG)
     return settings
 
 

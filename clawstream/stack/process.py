@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `python -m` runs from there
 

@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import bootstrap_servers, create_topics
-from clawstream.kafka.local import LocalKafka
-from clawstream.settings import KafkaSettings, load_settings
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import bootstrap_servers, create_topics
+from clawbase.kafka.local import LocalKafka
+from clawbase.settings import KafkaSettings, load_settings
 from clawstream.stack.process import Service, Stack
+from schemas.topics import CATALOG
 
 
 def free_port() -> int:
@@ -38,7 +39,7 @@ def run_kafka(prefix: str, say: Callable[[str], None] = print) -> KafkaSettings:
         settings = load_settings(KafkaSettings, bootstrap_servers=state.bootstrap, topic_prefix=prefix)
     else:
         settings = load_settings(KafkaSettings, bootstrap_servers=settings.bootstrap_servers, topic_prefix=prefix)
-    create_topics(settings)
+    create_topics(settings, CATALOG)
     return settings
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from clawstream.errors import CodecError, CorruptRecordError
+from clawbase.errors import CodecError, CorruptRecordError
 from consumers.analytics.records import NESTED_RECORDS, PACKED_FIELDS, EventLogError, short_name
 from schemas.codec import AvroCodec, default_codec
 

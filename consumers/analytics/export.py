@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from clawstream.errors import ClawstreamError
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings
+from clawbase.errors import ClawstreamError
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings
 from consumers.analytics.reader import install_stop_signals, offsets_at, open_reader, read_range, watermarks
 from consumers.analytics.records import (
     ALL_PARTITIONS,

@@ -10,7 +10,7 @@ Shared by ``tail`` and ``export`` (and any tool that reads the log without joini
 * :func:`read_range` — the records from ``starts`` up to ``ends`` (exclusive; ``None``: follow for ever), in poll
   order, until every partition is done or ``stop()`` turns true. Whether a partition is done is judged by consumer
   *positions*, so a transactional topic whose last offsets are commit markers ends (see
-  ``clawstream.kafka.clients.partitions_at_end``).
+  ``clawbase.kafka.clients.partitions_at_end``).
 
 Topics: any, read-only (``isolation.level=read_committed``, like every consumer of the project).
 """
@@ -27,8 +27,8 @@ from typing import TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from clawstream.kafka.clients import bootstrap_servers, check_broker, make_consumer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import bootstrap_servers, check_broker, make_consumer
+from clawbase.settings import KafkaSettings
 from consumers.analytics.records import EventLogError, TopicRef, resolve_topic
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from clawstream.errors import ClawstreamError, CodecError
+from clawbase.errors import ClawstreamError, CodecError
 from schemas.codec import MARKER, AvroCodec, default_codec
 from schemas.events import ALL_EVENTS, TreeSegment
 from schemas.topics import BY_NAME, TopicSpec

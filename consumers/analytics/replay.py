@@ -34,9 +34,9 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ClawstreamError, ConfigError, TopicError
-from clawstream.kafka.clients import create_topics, make_admin, make_producer
-from clawstream.settings import KafkaSettings, clawstream_home, load_settings
+from clawbase.errors import ClawstreamError, ConfigError, TopicError
+from clawbase.kafka.clients import create_topics, make_admin, make_producer
+from clawbase.settings import KafkaSettings, clawstream_home, load_settings
 from consumers.analytics.reader import READ_BATCH, offsets_at, open_reader, read_range, watermarks
 from consumers.analytics.records import parse_offsets, parse_time_ms
 from consumers.analytics.replay_plan import (
@@ -325,7 +325,7 @@ def replay(kafka: KafkaSettings, settings: ReplaySettings,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawstream.settings import add_kafka_arguments, kafka_settings
+    from clawbase.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(
         prog="clawstream replay", description=__doc__.split("\n\n")[0],

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from clawstream.errors import ConfigError
+from clawbase.errors import ConfigError
 from consumers.analytics.records import ALL_PARTITIONS
 from schemas.topics import BY_NAME, CATALOG, TopicSpec
 

@@ -29,8 +29,8 @@ from typing import Any, TextIO
 
 from confluent_kafka import Consumer, Message
 
-from clawstream.errors import ClawstreamError
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings
+from clawbase.errors import ClawstreamError
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings
 from consumers.analytics.reader import install_stop_signals, offsets_at, open_reader, read_range, watermarks
 from consumers.analytics.records import (
     TOKEN_MODES,

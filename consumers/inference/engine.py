@@ -60,7 +60,6 @@ from typing import Any, Literal
 import torch
 from transformers.cache_utils import Cache
 
-from consumers.inference import sampling
 from consumers.inference.generation import (
     Callback,
     EngineError,
@@ -80,6 +79,7 @@ from consumers.inference.kv_batch import (
     use_engine_attention,
 )
 from consumers.inference.prefix_cache import PrefixCache
+from policy import sampling
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "SamplingParams", "SequenceOutput", "SwapOutcome",
            "WeightSwap"]  # fmt: skip

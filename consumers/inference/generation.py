@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from clawstream.errors import ClawstreamError
-from consumers.inference import sampling
+from clawbase.errors import ClawstreamError
+from policy import sampling
 
 
 class EngineError(ClawstreamError):

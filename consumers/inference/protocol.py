@@ -35,7 +35,7 @@ readings when the response was built, ``{"gpu_utilization": percent, "gpu_memory
 
 Departures: streaming, ``echo``, stop strings, penalties, ``min_p``, ``logit_bias``, ``prompt_logprobs`` and the
 other options listed in ``UNSUPPORTED`` are rejected with 400 instead of being honoured; unknown fields are ignored
-(as vLLM does). Which log-probs are reported is explained in ``consumers.inference.sampling`` (processed by
+(as vLLM does). Which log-probs are reported is explained in ``policy.sampling`` (processed by
 default, vLLM's default is raw).
 """
 
@@ -47,9 +47,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from consumers.inference.engine import GenerationResult, SamplingParams
-from consumers.inference.sampling import clamp_logprob
+from policy.sampling import clamp_logprob
 
 # vLLM's --max-logprobs default (ModelConfig.max_logprobs).
 DEFAULT_MAX_LOGPROBS = 20

@@ -34,7 +34,7 @@ Run (the ``clawstream infer`` command calls :func:`main`)::
     python -m consumers.inference.server --engine vllm --engine-url http://gpu-host:8000  # vLLM serving 'policy'
 
 Configuration: :class:`InferenceWorkerSettings` (environment ``CLAWSTREAM_INFER_*``; flags override), Kafka from
-``CLAWSTREAM_KAFKA_*`` (``clawstream.settings.KafkaSettings``).
+``CLAWSTREAM_KAFKA_*`` (``clawbase.settings.KafkaSettings``).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ from aiohttp import web
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ClawstreamError, ConfigError
-from clawstream.kafka.clients import check_broker
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.kafka.clients import check_broker
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from consumers.inference.metrics import EngineMetrics, ServedCounters, stats_values
 from consumers.inference.protocol import (
     DEFAULT_MAX_LOGPROBS,

@@ -54,8 +54,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clawstream.errors import ClawstreamError
-from clawstream.settings import clawstream_home
+from clawbase.errors import ClawstreamError
+from clawbase.settings import clawstream_home
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"

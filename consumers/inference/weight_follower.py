@@ -34,8 +34,8 @@ from typing import Any, Protocol
 import torch
 from confluent_kafka import Message
 
-from clawstream.errors import ClawstreamError, CodecError
-from clawstream.kafka.clients import (
+from clawbase.errors import ClawstreamError, CodecError
+from clawbase.kafka.clients import (
     assign_from_beginning,
     make_consumer,
     make_producer,
@@ -43,11 +43,11 @@ from clawstream.kafka.clients import (
     read_to_end,
     where,
 )
-from clawstream.kafka.dead_letter import dead_letter_of
-from clawstream.settings import KafkaSettings
+from clawbase.settings import KafkaSettings
 from consumers.inference.engine import Engine, SwapOutcome, WeightSwap
 from consumers.inference.telemetry import gpu_readings
 from policy.weight_store import WeightsRejected, copy_into, load_checked, verify_file
+from schemas.dead_letter import dead_letter_of
 from schemas.events import Metric, WeightVersion, now_ms
 from schemas.topics import DEADLETTER, METRICS, WEIGHTS
 

@@ -17,7 +17,7 @@ answers without a tool call, or after ``--max-turns`` calls. Exit 0 then; exit 3
 e.g. 401 after the rollout was sealed, or unreachable), with the reason on stderr. Non-streaming requests.
 
 The HTTP transport is a parameter of :func:`run_openai` / :func:`run_anthropic` (``post``, a :data:`Post`; default
-the urllib :func:`post`), so the warm start (``learner.warmstart``) can drive this very loop against an in-process
+the urllib :func:`post`), so the warm start (``warmstart``) can drive this very loop against an in-process
 stand-in of the serving proxy without patching the module.
 """
 

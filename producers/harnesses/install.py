@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from clawstream.errors import ClawstreamError
-from clawstream.settings import clawstream_home
+from clawbase.errors import ClawstreamError
+from clawbase.settings import clawstream_home
 
 
 class HarnessInstallError(ClawstreamError):

@@ -49,10 +49,10 @@ from aiohttp import web
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ConfigError
-from clawstream.kafka.clients import check_broker
-from clawstream.kafka.publisher import KafkaPublisher, Publisher, PublishError
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.errors import ConfigError
+from clawbase.kafka.clients import check_broker
+from clawbase.kafka.publisher import KafkaPublisher, Publisher, PublishError
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
 from producers.proxy.conversation import (

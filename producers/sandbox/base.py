@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from producers.tasks.model import Task, write_tree
 
 # Environment variable every sandboxed process carries: how cleanup finds a dead worker's leftovers.

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from producers.harnesses.base import HarnessAdapter, LaunchContext, launch_spec
 from producers.sandbox.base import CleanupReport, Sandbox, SandboxBackend, SandboxError, SandboxSettings
 from producers.sandbox.grade import grade

@@ -30,11 +30,10 @@ from pathlib import Path
 
 from confluent_kafka import KafkaException, TopicPartition
 
-from clawstream.errors import ClawstreamError, CodecError
-from clawstream.kafka.clients import check_broker, make_consumer, where
-from clawstream.kafka.dead_letter import dead_letter_of
-from clawstream.kafka.publisher import KafkaPublisher
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.errors import ClawstreamError, CodecError
+from clawbase.kafka.clients import check_broker, make_consumer, where
+from clawbase.kafka.publisher import KafkaPublisher
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.harnesses.base import HarnessAdapter
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
@@ -43,6 +42,7 @@ from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker
 from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute
 from producers.tasks.catalog import SuiteCatalog
+from schemas.dead_letter import dead_letter_of
 from schemas.events import RewardEvent, RolloutEvent, RolloutRequest
 from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 

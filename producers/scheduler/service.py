@@ -32,10 +32,10 @@ from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import CodecError
-from clawstream.kafka.clients import check_broker, make_consumer, where
-from clawstream.kafka.publisher import KafkaPublisher
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.errors import CodecError
+from clawbase.kafka.clients import check_broker, make_consumer, where
+from clawbase.kafka.publisher import KafkaPublisher
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.scheduler.plan import (
     EVAL_MODE_KEY,
     EvalScore,

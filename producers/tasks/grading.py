@@ -1,7 +1,7 @@
 """Grading rules, pure: how a task's grader is invoked and how its output becomes a reward; the LLM-judge call.
 
 This is the one place that knows a grader's contract; ``producers.sandbox.grade`` runs it inside a rollout's
-sandbox and the warm start (``learner.warmstart``) runs it in a temporary directory, both through
+sandbox and the warm start (``warmstart``) runs it in a temporary directory, both through
 :func:`grader_invocation` and :func:`parse_grader_output`. The grader files are laid out in a grader directory
 outside the workspace, with the task's hard-coded mount dir rewritten to the workspace path where the task asks for
 it; the command runs with cwd = the grader dir and ``WORKSPACE`` / ``CLAWGYM_WORKSPACE`` set. Outputs:
@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 from producers.tasks import pinchbench
 from producers.tasks.model import Task
 from schemas.events import RewardStatus

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from clawstream.errors import ClawstreamError
+from clawbase.errors import ClawstreamError
 
 GraderOutput = Literal["subscores_json", "reward_float"]
 GradingType = Literal["automated", "llm_judge", "hybrid"]

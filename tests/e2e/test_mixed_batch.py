@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from clawstream.kafka.clients import bootstrap_servers, make_consumer
+from clawbase.kafka.clients import bootstrap_servers, make_consumer
 from schemas.events import BatchRecord, BatchRecordKind, RewardStatus, Trajectory, WeightVersion
 from schemas.topics import BATCHES, TRAJECTORIES, WEIGHTS
 from tests.support import proxy_helpers as H

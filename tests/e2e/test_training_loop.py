@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
+from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+from clawbase.settings import KafkaSettings
 from clawstream.demo import run_demo
-from clawstream.kafka.clients import assign_from_beginning, make_consumer, read_to_end
-from clawstream.settings import KafkaSettings
 from schemas.events import BatchRecord, BatchRecordKind, Trajectory, WeightVersion
 from schemas.topics import BATCHES, WEIGHTS
 
@@ -105,8 +105,8 @@ def test_two_steps_train_and_the_engine_serves_each_version(
 ) -> None:  # fmt: skip
     import torch
 
+    from clawbase.settings import clawstream_home
     from clawstream.demo.run import DemoConfig, prepare_model
-    from clawstream.settings import clawstream_home
     from learner.config import LearnerConfig
     from learner.step import train_step
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clawstream.kafka.clients import make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_producer
+from clawbase.settings import KafkaSettings
 from schemas.events import Trajectory, TrajectoryStatus, TreeSegment
 from schemas.topics import TRAJECTORIES
 from streams.tree import TreeCall, build_tree

@@ -25,9 +25,9 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import NewTopic
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import make_admin, make_producer, producer_config
-from clawstream.settings import KafkaSettings
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import make_admin, make_producer, producer_config
+from clawbase.settings import KafkaSettings
 from consumers.analytics.export import ExportRequest, export
 from consumers.analytics.export import main as export_main
 from consumers.analytics.records import DecodeOptions, EventLogError

@@ -7,9 +7,9 @@ import time
 import pytest
 from confluent_kafka.admin import NewTopic
 
-from clawstream.errors import TopicError
-from clawstream.kafka.clients import create_topics, make_admin, make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.errors import TopicError
+from clawbase.kafka.clients import create_topics, make_admin, make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from schemas.events import CallEvent
 from schemas.topics import BY_NAME, CATALOG, DEADLETTER
 from tests.support.factories import sample_events
@@ -78,7 +78,7 @@ def test_large_call_event_fits(kafka_settings: KafkaSettings, group_id: str) -> 
 
 
 def test_create_topics_is_idempotent_and_applies_configs(kafka_settings: KafkaSettings) -> None:
-    again = create_topics(kafka_settings)
+    again = create_topics(kafka_settings, CATALOG)
     assert set(again.values()) == {"exists"} and len(again) == len(CATALOG)
     admin = make_admin(kafka_settings)
     meta = admin.list_topics(timeout=10).topics
@@ -97,4 +97,4 @@ def test_co_partition_mismatch_is_refused(kafka_bootstrap: str, topic_prefix: st
         "" or settings.topic("clawstream.rewards")
     ].result()
     with pytest.raises(TopicError, match="co-partitioned group 'rollout'"):
-        create_topics(settings)
+        create_topics(settings, CATALOG)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from confluent_kafka import TopicPartition
 
-from clawstream.kafka.clients import make_admin, make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_admin, make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from producers.proxy.conversation import Conversation, Message
 from producers.proxy.render import FULL_RENDER, RenderResult, RolloutRenderer, TemplateRenderer
 from schemas.events import (

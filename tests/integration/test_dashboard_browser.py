@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from clawstream.kafka.clients import make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_producer
+from clawbase.settings import KafkaSettings
 from schemas.events import (
     CallEvent,
     CallKind,
@@ -44,7 +44,7 @@ from schemas.events import (
     Trajectory,
     WeightVersion,
 )
-from schemas.topics import CALLS, METRICS, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES, WEIGHTS
+from schemas.topics import CALLS, CATALOG, METRICS, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES, WEIGHTS
 from streams.assemble import RolloutAccumulator, build_trajectory
 from streams.settings import StreamsSettings
 
@@ -339,7 +339,7 @@ def test_dashboard_in_process_picks_up_topics_created_later_and_counts_bad_recor
                                                                                    topic_prefix: str) -> None:
     """No browser needed: the in-process starter the demo can use, the HTTP routes, a topic that appears after
     start, an undecodable record (counted, not fatal)."""
-    from clawstream.kafka.clients import create_topics
+    from clawbase.kafka.clients import create_topics
     from consumers.analytics.dashboard.server import plotly_js, start_dashboard
 
     settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_prefix=topic_prefix)
@@ -354,7 +354,7 @@ def test_dashboard_in_process_picks_up_topics_created_later_and_counts_bad_recor
         assert _get(handle.url + "static/secret.txt")[0] == 404
         assert _get(handle.url + "healthz")[0] == 200
 
-        create_topics(settings)
+        create_topics(settings, CATALOG)
         run = Run(int(time.time() * 1000) - 30_000)
         produce(settings, run.step_events(0))
         producer = make_producer(settings)

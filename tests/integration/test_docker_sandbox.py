@@ -29,14 +29,15 @@ from typing import Any
 
 import pytest
 
-from clawstream.kafka.clients import create_topics
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import create_topics
+from clawbase.settings import KafkaSettings
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxSettings
 from producers.sandbox.docker_backend import WORKER_LABEL, DockerBackend, bridge_gateway
 from producers.sandbox.worker import SandboxWorker
 from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardStatus, RolloutState
+from schemas.topics import CATALOG
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
 from tests.support.docker_images import ensure_images, unavailable
@@ -275,7 +276,7 @@ async def test_a_sigkilled_workers_containers_are_swept_on_restart(engine, kafka
         # Another topic prefix: the restarted worker must not pick the killed rollout's request up again.
         other = KafkaSettings(bootstrap_servers=kafka_settings.bootstrap_servers,
                               topic_prefix=kafka_settings.topic_prefix + "restart.")  # fmt: skip
-        create_topics(other)
+        create_topics(other, CATALOG)
         restarted = SandboxWorker(settings_for(url, network, tmp_path, group_id), other, adapters=ADAPTERS)
         stop = asyncio.Event()
         task = asyncio.create_task(restarted.run(stop))

@@ -34,7 +34,7 @@ MODULES = [
     "consumers.analytics.replay",
     "learner",
     "learner.value",
-    "learner.warmstart",
+    "warmstart",
     "policy.tiny_model",
     "streams",
     "streams.app",

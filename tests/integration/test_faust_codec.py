@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import bootstrap_servers, make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from schemas.events import Metric, RewardEvent, RewardStatus
 
 pytestmark = pytest.mark.integration

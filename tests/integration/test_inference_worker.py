@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from clawstream.kafka.clients import make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from policy.tiny_model import init_tiny_model
 from schemas.events import DeadLetter, Metric, WeightVersion, now_ms
 from schemas.topics import DEADLETTER, METRICS, WEIGHTS

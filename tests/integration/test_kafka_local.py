@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from clawstream.kafka.clients import create_topics, make_admin
-from clawstream.kafka.local import LocalKafka, _pid_alive
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import create_topics, make_admin
+from clawbase.kafka.local import LocalKafka, _pid_alive
+from clawbase.settings import KafkaSettings
+from schemas.topics import CATALOG
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +43,7 @@ def test_up_reuse_restart_down(tmp_path: Path) -> None:
         assert json.loads(cli("status", "--json", home=home).stdout)["pid"] == pid
 
         settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix="persist.")
-        create_topics(settings)
+        create_topics(settings, CATALOG)
         assert cli("down", home=home).stdout.strip() == "stopped"
         assert not _pid_alive(pid)
         assert cli("status", home=home).returncode == 3

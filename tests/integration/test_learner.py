@@ -15,11 +15,12 @@ import pytest
 import torch
 from confluent_kafka import TopicPartition
 
-from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase import faults
+from clawbase.kafka.clients import bootstrap_servers, make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from policy.weight_store import sha256_file, verify_file
 from schemas.events import DeadLetter, WeightVersion
-from schemas.topics import BATCHES, DEADLETTER, WEIGHTS
+from schemas.topics import BATCHES, CATALOG, DEADLETTER, WEIGHTS
 from tests.support.inference import Worker
 from tests.support.learner_data import batch_records, small_model
 
@@ -47,9 +48,9 @@ def _run_learner(settings: KafkaSettings, model_dir: Path, store: Path, *, fault
                  max_steps: int = 2, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
     env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
                CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix, PYTHONPATH=str(ROOT))  # fmt: skip
-    env.pop("CLAWSTREAM_LEARNER_FAULT", None)
+    env.pop(faults.ENV, None)
     if fault:
-        env["CLAWSTREAM_LEARNER_FAULT"] = fault
+        env.update(faults.fault_env(store.parent / "faults", **{fault.split("=")[0]: fault.split("=")[1]}))
     cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(store),
            "--max-steps", str(max_steps), "--idle-exit", "20", "--hp", "lr=1e-3", *extra]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -120,8 +121,8 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
 ) -> None:
     records = _produce_batches(kafka_settings, [("c-1", 1), ("c-2", 2)])
     store = tmp_path / "store"
-    crashed = _run_learner(kafka_settings, model_dir, store, fault="after_save:2")
-    assert crashed.returncode == 17, crashed.stderr[-3000:]
+    crashed = _run_learner(kafka_settings, model_dir, store, fault="learner.after_save@2=crash")
+    assert crashed.returncode == faults.CRASH_STATUS, crashed.stderr[-3000:]
     assert (store / "policy" / "v000002" / "model.safetensors").exists()  # saved, never published
     assert [v.policy_version for v in _versions(kafka_settings, "check-a")] == [1]
 
@@ -188,11 +189,11 @@ def test_a_resumed_learner_equals_an_uninterrupted_one(
     optimizer state was saved with each version, the resumed step started from zero AdamW moments."""
     from safetensors.torch import load_file
 
-    from clawstream.kafka.clients import create_topics
+    from clawbase.kafka.clients import create_topics
 
     other = KafkaSettings(bootstrap_servers=kafka_settings.bootstrap_servers, topic_prefix=kafka_settings.topic_prefix
                           + "resumed.")  # fmt: skip
-    create_topics(other)
+    create_topics(other, CATALOG)
     specs = [("b-1", 1), ("b-2", 2), ("b-3", 3)]
     for settings in (kafka_settings, other):
         _produce_batches(settings, specs)

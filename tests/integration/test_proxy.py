@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from clawstream.settings import KafkaSettings
+from clawbase.settings import KafkaSettings
 from policy import DEFAULT_MODEL_NAME
 from schemas.events import CallKind
 from streams.tree import TreeCall, rebuild_prompts

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import (
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import (
     assign_from_beginning,
     bootstrap_servers,
     create_topics,
@@ -25,12 +25,12 @@ from clawstream.kafka.clients import (
     make_producer,
     read_to_end,
 )
-from clawstream.settings import KafkaSettings
+from clawbase.settings import KafkaSettings
 from consumers.analytics.replay import ReplaySettings, replay
 from consumers.analytics.replay_plan import summary_text
 from policy.weight_store import verify_file
 from schemas.events import BatchRecord, WeightVersion
-from schemas.topics import BATCHES, BY_NAME, METRICS, TRAJECTORIES, WEIGHTS
+from schemas.topics import BATCHES, BY_NAME, CATALOG, METRICS, TRAJECTORIES, WEIGHTS
 from tests.support.learner_data import batch_records, small_model
 
 pytestmark = pytest.mark.integration
@@ -85,7 +85,7 @@ def _produce_batches(settings: KafkaSettings, specs: list[tuple[str, int]]) -> l
 
 def _env(settings: KafkaSettings, **extra: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), **extra)
-    for name in ("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS", "CLAWSTREAM_LEARNER_FAULT"):
+    for name in ("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS", "CLAWSTREAM_FAULTS"):
         env.pop(name, None)
     return env
 
@@ -283,7 +283,7 @@ def test_a_paced_replay_feeds_a_learner_already_running_on_the_prefix(
     (a transaction per batch) into it: the learner trains each replayed batch once, in order."""
     _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
     dest = _other(kafka_settings, "live")
-    create_topics(dest)
+    create_topics(dest, CATALOG)
     cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(tmp_path / "w"),
            "--bootstrap", bootstrap_servers(dest), "--topic-prefix", dest.topic_prefix, "--max-steps", "2",
            "--idle-exit", "60", "--hp", "lr=1e-3"]  # fmt: skip

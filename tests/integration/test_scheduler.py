@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from clawstream.kafka.clients import make_consumer, make_producer
+from clawbase.kafka.clients import make_consumer, make_producer
 from producers.scheduler.service import Scheduler, SchedulerSettings
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, WeightVersion, now_ms
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from clawstream.settings import KafkaSettings
+from clawbase.settings import KafkaSettings
 from schemas.events import (
     BatchRecord,
     BatchRecordKind,

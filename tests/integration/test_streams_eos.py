@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from clawstream.kafka.clients import bootstrap_servers, create_topics, make_consumer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import bootstrap_servers, create_topics, make_consumer
+from clawbase.settings import KafkaSettings
 from schemas.topics import TopicSpec
 from tests.support.stream_harness import ROOT, produce_raw
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaException
 
-from clawstream.kafka.clients import make_admin
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_admin
+from clawbase.settings import KafkaSettings
 from schemas.events import Trajectory
 from schemas.topics import CALLS, TRAJECTORIES
 from tests.support.stream_harness import Collector, Worker, produce

@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from clawstream.kafka.clients import make_consumer
-from clawstream.kafka.publisher import KafkaPublisher
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_consumer
+from clawbase.kafka.publisher import KafkaPublisher
+from clawbase.settings import KafkaSettings
 from producers.proxy.app import Proxy, ProxySettings
 from schemas.events import CallEvent
 from schemas.topics import CALLS

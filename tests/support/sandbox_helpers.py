@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clawstream.kafka.clients import make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from producers.harnesses.base import HarnessAdapter
 from producers.sandbox.local_backend import MARKER
 from schemas.events import Dialect, RewardEvent, RolloutEvent, RolloutRequest, now_ms

@@ -24,8 +24,8 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from clawstream.kafka.clients import bootstrap_servers, make_consumer, make_producer
-from clawstream.settings import KafkaSettings
+from clawbase.kafka.clients import bootstrap_servers, make_consumer, make_producer
+from clawbase.settings import KafkaSettings
 from schemas.events import Event
 from schemas.topics import BATCHES, DEADLETTER, METRICS, TRAJECTORIES
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from fastavro import parse_schema, schemaless_writer
 
-from clawstream.errors import CodecError, CorruptRecordError, UnknownSchemaError
+from clawbase.errors import CodecError, CorruptRecordError, UnknownSchemaError
 from schemas.codec import MARKER, SCHEMA_DIR, AvroCodec, default_codec, schema_fingerprint
 from schemas.events import ALL_EVENTS, CallEvent, Trajectory
 from tests.support.factories import sample_events

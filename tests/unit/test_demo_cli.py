@@ -43,8 +43,8 @@ def test_eval_help_states_the_configs_defaults() -> None:
 
 
 def test_demo_passes_learner_hyperparameters_by_name_and_refuses_unknown_ones() -> None:
+    from clawbase.errors import ClawstreamError
     from clawstream.demo.run import check
-    from clawstream.errors import ClawstreamError
 
     check(DemoConfig(hp=("mini_batches=2", "kl_coef=0.01")))
     for bad in ("bogus=1", "mini_batches", "lr=1e-4"):  # unknown; no value; has its own flag

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from consumers.inference import sampling
 from consumers.inference.engine import Engine, EngineError, GenerationResult, SamplingParams, SwapOutcome, WeightSwap
 from consumers.inference.kv_batch import KVBatch, cache_layers, left_pad, merge, select
+from policy import sampling
 from tests.support.tiny_model import EOS, VOCAB, full_logprobs, greedy_reference, tiny_model
 
 PROMPTS = [[5, 17, 3], [40, 9, 23, 2, 11, 7, 30, 12], [8], [60, 61, 62, 63, 64]]

@@ -102,7 +102,7 @@ def test_train_step_moves_logprobs_with_the_advantage(model_dir: Path) -> None:
 def test_hparams_parse_and_name_the_field() -> None:
     config = parse_hparams(["lr=0.5", "is_mode=masked", "betas=0.8,0.9", "mini_batches=3"])
     assert config.lr == 0.5 and config.is_mode == "masked" and config.betas == (0.8, 0.9) and config.mini_batches == 3
-    from clawstream.errors import ConfigError
+    from clawbase.errors import ConfigError
 
     with pytest.raises(ConfigError, match="NAME one of"):
         parse_hparams(["learning_rate=1"])
@@ -142,7 +142,7 @@ def test_value_pretraining_fits_rewards_and_ppo_step_trains_policy_and_head(mode
 
 def test_kl_term_pulls_the_policy_back_toward_the_reference(model_dir: Path) -> None:
     """kl_coef > 0: the step computes the reference policy's logprobs and the k3 KL's gradient moves toward it."""
-    from clawstream.errors import ConfigError
+    from clawbase.errors import ConfigError
 
     torch.manual_seed(0)
     ref, model = _load(model_dir), _load(model_dir)
@@ -177,7 +177,7 @@ def test_lr_warmup_is_linear_then_constant() -> None:
 
 
 def test_neg_adv_scale_zero_trains_as_if_negative_advantages_were_zero(model_dir: Path) -> None:
-    from clawstream.errors import ConfigError
+    from clawbase.errors import ConfigError
 
     rng = np.random.default_rng(7)
     good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)

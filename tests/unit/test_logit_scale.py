@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
-from clawstream.errors import ConfigError  # noqa: E402
+from clawbase.errors import ConfigError  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.logit_scale import LogitScale  # noqa: E402
 from learner.pack import MicroBatch, pack_tree, packed_logprobs  # noqa: E402

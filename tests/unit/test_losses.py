@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 
-from clawstream.errors import ConfigError  # noqa: E402
+from clawbase.errors import ConfigError  # noqa: E402
 from learner.losses import (  # noqa: E402
     LossConfig,
     LossInputError,

@@ -341,7 +341,7 @@ def sampled_tree(g: torch.Generator) -> list[SampledSeg]:
 
 
 def test_logprobs_use_each_tokens_own_sampling_settings_as_the_engine_does() -> None:
-    from consumers.inference.sampling import processed_logprobs
+    from policy.sampling import processed_logprobs
 
     model = tiny_model(0, "eager", **PACK_MODEL)
     tree = sampled_tree(torch.Generator().manual_seed(7))

@@ -414,9 +414,9 @@ def test_packed_tokens_drop_by_the_shared_length_times_trees_minus_one() -> None
 def real_rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list]]:
     from transformers import AutoTokenizer
 
-    from learner.warmstart.demos import build_episodes, train_tasks
     from streams.tree import TreeCall, build_tree
     from tests.support.learner_data import small_model
+    from warmstart.demos import build_episodes, train_tasks
 
     model_dir = small_model(tmp_path_factory.mktemp("tiny"))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

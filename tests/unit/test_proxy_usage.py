@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from clawstream.settings import load_settings
+from clawbase.settings import load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
 from producers.proxy.app import ApiError, EngineReply, ProxySettings, engine_reply

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clawstream.errors import ConfigError
+from clawbase.errors import ConfigError
 from consumers.analytics.replay_plan import (
     ALL,
     Entry,
@@ -128,7 +128,7 @@ def test_summary_names_offsets_on_both_sides_and_skipped_batches() -> None:
 
 
 def test_bad_requests_are_refused_before_any_broker_is_contacted() -> None:
-    from clawstream.settings import KafkaSettings
+    from clawbase.settings import KafkaSettings
     from consumers.analytics.replay import Replayer, ReplaySettings
 
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:1", topic_prefix="runA.")  # nothing listens there

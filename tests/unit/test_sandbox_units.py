@@ -208,7 +208,7 @@ class ListSink:
 
     async def reward(self, reward) -> None:  # noqa: ANN001
         if self.fail_reward:
-            from clawstream.kafka.publisher import PublishError
+            from clawbase.kafka.publisher import PublishError
 
             raise PublishError("kafka down")
         self.rewards.append(reward)

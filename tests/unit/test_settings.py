@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from clawstream.errors import ConfigError
-from clawstream.kafka.clients import bootstrap_servers, check_broker, client_config
-from clawstream.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.errors import ConfigError
+from clawbase.kafka.clients import bootstrap_servers, check_broker, client_config
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 
 
 def test_env_and_passthrough(monkeypatch: pytest.MonkeyPatch) -> None:

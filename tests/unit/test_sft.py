@@ -12,8 +12,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from learner.warmstart import sft  # noqa: E402
-from learner.warmstart.demos import (  # noqa: E402
+from policy.chat_template import IM_END, render_chat  # noqa: E402
+from policy.tiny_model import init_tiny_model  # noqa: E402
+from producers.harnesses import builtin_loop  # noqa: E402
+from producers.proxy.render import TemplateRenderer  # noqa: E402
+from producers.proxy.tool_parse import parse_turn  # noqa: E402
+from producers.tasks.grading import GraderFailure  # noqa: E402
+from producers.tasks.model import Grader, GraderOutput, Task  # noqa: E402
+from warmstart import sft  # noqa: E402
+from warmstart.demos import (  # noqa: E402
     HELDOUT_RESERVE,
     build_demonstrations,
     build_episodes,
@@ -23,15 +30,8 @@ from learner.warmstart.demos import (  # noqa: E402
     tool_call_text,
     train_tasks,
 )
-from learner.warmstart.episodes import DIALECTS, EpisodeResult, Policy, grade_workspace, run_episode  # noqa: E402
-from learner.warmstart.evaluate import evaluate_policy, greedy_policy  # noqa: E402
-from policy.chat_template import IM_END, render_chat  # noqa: E402
-from policy.tiny_model import init_tiny_model  # noqa: E402
-from producers.harnesses import builtin_loop  # noqa: E402
-from producers.proxy.render import TemplateRenderer  # noqa: E402
-from producers.proxy.tool_parse import parse_turn  # noqa: E402
-from producers.tasks.grading import GraderFailure  # noqa: E402
-from producers.tasks.model import Grader, GraderOutput, Task  # noqa: E402
+from warmstart.episodes import DIALECTS, EpisodeResult, Policy, grade_workspace, run_episode  # noqa: E402
+from warmstart.evaluate import evaluate_policy, greedy_policy  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from learner.warmstart import sft  # noqa: E402
 from policy.tiny_model import init_tiny_model  # noqa: E402
+from warmstart import sft  # noqa: E402
 
 RECIPE = {"lr": 3e-3, "warmup_steps": 2, "batch_size": 2, "n_tasks": 8, "eval_tasks": 0, "log_every": 2,
           "progress": False}  # fmt: skip

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from schemas.tree_paths import path_to, path_tokens, path_trainable_mask, paths
 from streams.tree import (
     Segment,
     TreeCall,
@@ -20,7 +21,6 @@ from streams.tree import (
     build_tree,
     rebuild_prompts,
 )
-from streams.tree_paths import path_to, path_tokens, path_trainable_mask, paths
 
 S = [1, 2, 3, 4, 5]
 U = [10, 11, 12]

@@ -23,9 +23,9 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import assign_from_beginning, make_consumer, read_to_end
-from clawstream.settings import KafkaSettings
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+from clawbase.settings import KafkaSettings
 from consumers.analytics.dashboard.state import DashboardState
 from consumers.analytics.reader import read_range
 from schemas.codec import default_codec

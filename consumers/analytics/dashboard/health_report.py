@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clawstream.errors import ClawstreamError
-from clawstream.settings import KafkaSettings
+from clawbase.errors import ClawstreamError
+from clawbase.settings import KafkaSettings
 from consumers.analytics.dashboard.feed import read_events
 from consumers.analytics.health import HealthAggregator, format_rows
 from consumers.analytics.reader import offsets_at, open_reader, watermarks
@@ -128,8 +128,8 @@ def report_json(report: HealthReport, *, per_rollout: bool = False) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawstream.kafka.clients import check_broker
-    from clawstream.settings import add_kafka_arguments, kafka_settings
+    from clawbase.kafka.clients import check_broker
+    from clawbase.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(
         prog="clawstream health", description=__doc__.split("\n\n")[0],

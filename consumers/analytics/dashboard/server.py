@@ -35,8 +35,8 @@ from prometheus_client.registry import Collector
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ClawstreamError, ConfigError
-from clawstream.settings import KafkaSettings, load_settings
+from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.settings import KafkaSettings, load_settings
 from consumers.analytics.dashboard.feed import LiveFeed
 from consumers.analytics.dashboard.state import DashboardState
 
@@ -281,8 +281,8 @@ def start_dashboard(kafka: KafkaSettings, *, host: str = "127.0.0.1", port: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from clawstream.kafka.clients import check_broker
-    from clawstream.settings import add_kafka_arguments, kafka_settings
+    from clawbase.kafka.clients import check_broker
+    from clawbase.settings import add_kafka_arguments, kafka_settings
     from consumers.analytics.records import parse_time_ms
 
     parser = argparse.ArgumentParser(prog="clawstream dashboard", description=__doc__.split("\n\n")[0],

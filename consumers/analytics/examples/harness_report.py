@@ -17,9 +17,9 @@ from collections import defaultdict
 
 from confluent_kafka import Consumer, KafkaError
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import client_config
-from clawstream.settings import add_kafka_arguments, kafka_settings
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import client_config
+from clawbase.settings import add_kafka_arguments, kafka_settings
 from schemas.events import Trajectory, TrajectoryStatus
 from schemas.topics import TRAJECTORIES
 

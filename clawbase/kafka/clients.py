@@ -17,10 +17,10 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from clawstream.errors import ClawstreamError, ConfigError, TopicError
-from clawstream.kafka.local import LocalKafka
-from clawstream.settings import KafkaSettings
-from schemas.topics import CATALOG, MAX_MESSAGE_BYTES, TopicSpec, co_partition_groups
+from clawbase.errors import ClawstreamError, ConfigError, TopicError
+from clawbase.kafka.local import LocalKafka
+from clawbase.kafka.topic_spec import MAX_MESSAGE_BYTES, TopicSpec, co_partition_groups
+from clawbase.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
@@ -228,12 +228,13 @@ def make_admin(settings: KafkaSettings) -> AdminClient:
 
 def create_topics(
     settings: KafkaSettings,
-    catalog: Iterable[TopicSpec] = CATALOG,
+    catalog: Iterable[TopicSpec],
     *,
     partitions: dict[str, int] | None = None,
     timeout: float = 30.0,
 ) -> dict[str, str]:
-    """Create the catalog's topics (with ``settings.topic_prefix``) that do not exist yet. Idempotent.
+    """Create the topics of ``catalog`` (``schemas.topics.CATALOG``: the system's own), with ``settings.topic_prefix``,
+    that do not exist yet. Idempotent.
 
     Returns ``{full topic name: "created" | "exists"}``. Raises :class:`TopicError` when an existing topic's
     partition count breaks a co-partitioned group, or when the broker refuses a creation.
@@ -279,7 +280,7 @@ def _check_co_partitioning(admin: AdminClient, settings: KafkaSettings, specs: l
     missing = names - set(topics)
     if missing:
         raise TopicError(f"topics still invisible {timeout:.0f}s after creation: {', '.join(sorted(missing))}")
-    for group, members in co_partition_groups(tuple(specs)).items():
+    for group, members in co_partition_groups(specs).items():
         counts = {settings.topic(s.name): len(topics[settings.topic(s.name)].partitions) for s in members}
         if len(set(counts.values())) > 1:
             detail = ", ".join(f"{t}={n}" for t, n in counts.items())

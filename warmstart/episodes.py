@@ -1,6 +1,6 @@
 """One agent-loop episode without serving, Kafka or sandbox: the real built-in loop against an in-process proxy.
 
-Both the demonstrations (``learner.warmstart.demos``) and the offline evaluation (``learner.warmstart.evaluate``)
+Both the demonstrations (``warmstart.demos``) and the offline evaluation (``warmstart.evaluate``)
 run the *real* agent loop (``producers.harnesses.builtin_loop.run_openai`` / ``run_anthropic``) through
 :func:`run_episode`. The loop talks to :class:`InProcessProxy`, handed to it as its transport (``post=``): every
 request body the loop builds is parsed with ``producers.proxy.dialects``, rendered with
@@ -9,7 +9,7 @@ request body the loop builds is parsed with ``producers.proxy.dialects``, render
 (``producers.proxy.emit``). The loop's tools run against a temporary copy of the task's workspace, and the task's own
 grader scores it through the one set of grading rules (``producers.tasks.grading``).
 
-Topics: none (offline). Not run on its own: ``python -m learner.warmstart.sft`` (training, or ``--eval-only``).
+Topics: none (offline). Not run on its own: ``python -m warmstart.sft`` (training, or ``--eval-only``).
 """
 
 from __future__ import annotations

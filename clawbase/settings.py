@@ -3,7 +3,7 @@
 Every service reads :class:`KafkaSettings` from ``CLAWSTREAM_KAFKA_*`` environment variables (or keyword arguments);
 its command line adds ``--bootstrap`` / ``--topic-prefix`` (:func:`add_kafka_arguments`, :func:`kafka_settings`),
 which win over the environment. When no bootstrap address is configured, the address of the broker started by
-``clawstream kafka up`` is used (``clawstream.kafka.clients.bootstrap_servers`` resolves it), so a laptop needs no
+``clawstream kafka up`` is used (``clawbase.kafka.clients.bootstrap_servers`` resolves it), so a laptop needs no
 configuration at all. Validation errors are re-raised as :class:`ConfigError` naming the environment variable (or
 flag) and the fix.
 """
@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawstream.errors import ConfigError
+from clawbase.errors import ConfigError
 
 S = TypeVar("S", bound=BaseSettings)
 

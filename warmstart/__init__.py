@@ -1,7 +1,7 @@
 """Warm start: supervised fine-tuning of the policy on demonstrations produced by the real built-in agent loop,
 and an offline evaluation that grades through the one set of grading rules (``producers.tasks.grading``).
 
-Topics: none (offline). Run: ``clawstream model sft --model-dir DIR --out DIR`` or ``python -m learner.warmstart``.
+Topics: none (offline). Run: ``clawstream model sft --model-dir DIR --out DIR`` or ``python -m warmstart``.
 Modules: ``episodes`` (the agent loop against an in-process proxy, graded), ``demos`` (scripted correct episodes,
 task splits), ``sft`` (training bounded by steps and seeded, CLI), ``evaluate`` (greedy offline evaluation),
 ``progress`` (the progress bars with ETA that the warm start, ``clawstream eval`` and the demo show).

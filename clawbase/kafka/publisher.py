@@ -4,7 +4,7 @@ Used by every asyncio service: the proxy (call events), the sandbox worker (life
 the scheduler (rollout requests).
 
 ``KafkaPublisher.publish`` produces one record (idempotent producer, ``acks=all``, zstd: see
-``clawstream.kafka.clients``) and awaits its delivery report. A full local queue (``BufferError``) makes the caller
+``clawbase.kafka.clients``) and awaits its delivery report. A full local queue (``BufferError``) makes the caller
 wait and retry while the poll thread drains it; if the delivery is not confirmed within ``timeout`` seconds (broker
 unreachable, topic missing...) :class:`PublishError` is raised (the proxy then answers 503). librdkafka's own
 ``message.timeout.ms`` is set to the same deadline so a record the proxy gave up on is not delivered much later.
@@ -18,9 +18,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from clawstream.errors import ClawstreamError
-from clawstream.kafka.clients import make_producer, produce_reliably
-from clawstream.settings import KafkaSettings
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.clients import make_producer, produce_reliably
+from clawbase.settings import KafkaSettings
 
 
 class PublishError(ClawstreamError):

@@ -3,9 +3,9 @@
 RL through the built-in agent loops only has signal once the policy solves some tasks (docs/method.md#warm-start:
 a start of ~30-60%). This module trains the model with plain cross-entropy on the assistant tokens of a
 correct solution episode for each task of the built-in CPU suite (``producers.tasks.cpu``) in both agent-loop
-dialects. The episodes come from the *real* agent loop driven by a scripted policy (``learner.warmstart.demos``,
-through the in-process proxy of ``learner.warmstart.episodes``); the model is then evaluated greedily on held-out
-tasks (``learner.warmstart.evaluate``).
+dialects. The episodes come from the *real* agent loop driven by a scripted policy (``warmstart.demos``,
+through the in-process proxy of ``warmstart.episodes``); the model is then evaluated greedily on held-out
+tasks (``warmstart.evaluate``).
 
 Training uses two exact shortcuts (same gradients as training every turn separately on its full prompt):
 * TITO makes an episode append-only (turn k+1's prompt starts with turn k's prompt + generated ids), so one
@@ -21,9 +21,9 @@ recipe, the seed, the sha256 of the base and of the result, steps/s and the held
 
 Topics: none (offline). Run::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m learner.warmstart.sft --model-dir models/tiny --out models/tiny-sft \
+    HF_HUB_OFFLINE=1 .venv/bin/python -m warmstart.sft --model-dir models/tiny --out models/tiny-sft \
         [--steps 300 --seed 0 --minutes 30]
-    .venv/bin/python -m learner.warmstart.sft --model-dir models/tiny-sft --eval-only   # evaluation only
+    .venv/bin/python -m warmstart.sft --model-dir models/tiny-sft --eval-only   # evaluation only
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from learner.warmstart.demos import build_episodes, train_tasks
-from learner.warmstart.episodes import DIALECTS
-from learner.warmstart.evaluate import evaluate, evaluate_model, format_report, progress_bar
 from producers.proxy.render import common_prefix_len
+from warmstart.demos import build_episodes, train_tasks
+from warmstart.episodes import DIALECTS
+from warmstart.evaluate import evaluate, evaluate_model, format_report, progress_bar
 
 # Steps of the default recipe (see docs/quickstart.md#warm-start for what it reaches and how long it takes).
 DEFAULT_STEPS = 300
@@ -357,7 +357,7 @@ def save_model(model: Any, tokenizer: Any, model_dir: str | Path, out_dir: str |
 
 def main(argv: list[str] | None = None) -> int:
     d = SFTConfig()
-    p = argparse.ArgumentParser(prog="python -m learner.warmstart.sft", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m warmstart.sft", description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", type=Path, required=True, help="model to warm-start (policy.tiny_model output)")
     p.add_argument("--out", type=Path, help="where to save the warm-started model (required unless --eval-only)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps: the recipe's budget (%(default)s)")

@@ -1,12 +1,12 @@
 """Offline greedy evaluation of a policy on the CPU suite: mean reward and solve rate, per dialect and template.
 
-Each task runs through the real agent loop against the in-process proxy (``learner.warmstart.episodes``) with the
+Each task runs through the real agent loop against the in-process proxy (``warmstart.episodes``) with the
 model decoding greedily, and the task's own grader scores the workspace. The held-out split never shares a prompt
-with the SFT training tasks (``learner.warmstart.demos``).
+with the SFT training tasks (``warmstart.demos``).
 
 Topics: none (offline). Run::
 
-    .venv/bin/python -m learner.warmstart.sft --model-dir models/tiny-sft --eval-only [--eval-tasks 64]
+    .venv/bin/python -m warmstart.sft --model-dir models/tiny-sft --eval-only [--eval-tasks 64]
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from learner.warmstart.demos import heldout_tasks, train_tasks
-from learner.warmstart.episodes import DIALECTS, Policy, run_episode
-from learner.warmstart.progress import progress_bar
 from policy.chat_template import IM_END
 from producers.proxy.render import TemplateRenderer
 from producers.tasks.model import Task
+from warmstart.demos import heldout_tasks, train_tasks
+from warmstart.episodes import DIALECTS, Policy, run_episode
+from warmstart.progress import progress_bar
 
 
 def greedy_policy(model: Any, eos_id: int, max_new_tokens: int = 96) -> Policy:

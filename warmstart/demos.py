@@ -2,11 +2,11 @@
 
 For every task of the CPU suite (``producers.tasks.cpu``) the canonical solution is derived from its grader's
 ``checks.json`` (:func:`solution_calls`), and a *scripted* policy that emits exactly those tool calls in the chat
-template's own markup drives the real agent loop through ``learner.warmstart.episodes.run_episode``. The recorded
+template's own markup drives the real agent loop through ``warmstart.episodes.run_episode``. The recorded
 (prompt ids, generated ids) turns are the SFT targets. Also the task splits: training tasks never share a prompt with
 the held-out tasks the evaluation uses.
 
-Topics: none (offline). Not run on its own: ``python -m learner.warmstart.sft`` trains on these demonstrations.
+Topics: none (offline). Not run on its own: ``python -m warmstart.sft`` trains on these demonstrations.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from learner.warmstart.episodes import DIALECTS, EpisodeResult, Policy, run_episode
 from policy.chat_template import IM_END
 from producers.harnesses import builtin_loop as agentloop
 from producers.proxy.render import TemplateRenderer
 from producers.tasks.cpu import generate
 from producers.tasks.model import Task
+from warmstart.episodes import DIALECTS, EpisodeResult, Policy, run_episode
 
 _TOOLS = {"openai": agentloop.OPENAI_TOOLS, "anthropic": agentloop.ANTHROPIC_TOOLS}
 FINISH_ARGUMENT = "done"

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from clawstream.errors import KafkaLocalError
-from clawstream.settings import clawstream_home
+from clawbase.errors import KafkaLocalError
+from clawbase.settings import clawstream_home
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "compose" / "kafka-local"
 MIN_JAVA = 17
