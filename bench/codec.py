@@ -43,12 +43,20 @@ def array_variant() -> dict:
 def make_event(prompt_tokens: int, gen_tokens: int) -> CallEvent:
     rng = np.random.default_rng(0)
     return CallEvent(
-        rollout_id="r-bench", policy_version=7, timestamp_ms=1, call_id="c-9", seq=9,
-        dialect=Dialect.ANTHROPIC_MESSAGES, requested_model="policy", call_kind=CallKind.MAIN,
-        new_tokens=rng.integers(0, 151_000, prompt_tokens).astype("<i4"), prompt_len=prompt_tokens,
+        rollout_id="r-bench",
+        policy_version=7,
+        timestamp_ms=1,
+        call_id="c-9",
+        seq=9,
+        dialect=Dialect.ANTHROPIC_MESSAGES,
+        requested_model="policy",
+        call_kind=CallKind.MAIN,
+        new_tokens=rng.integers(0, 151_000, prompt_tokens).astype("<i4"),
+        prompt_len=prompt_tokens,
         generated_tokens=rng.integers(0, 151_000, gen_tokens).astype("<i4"),
-        logprobs=np.log(rng.random(gen_tokens)).astype("<f4"), finish_reason="stop",
-    )  # fmt: skip
+        logprobs=np.log(rng.random(gen_tokens)).astype("<f4"),
+        finish_reason="stop",
+    )
 
 
 def round_trip_bytes(event: CallEvent) -> tuple[float, bytes]:
@@ -70,8 +78,9 @@ def round_trip_arrays(event: CallEvent, schema, fingerprint: bytes) -> tuple[flo
     schemaless_writer(buf, schema, record)
     data = buf.getvalue()
     back = schemaless_reader(io.BytesIO(data[10:]), schema, None)
-    arrays = {name: np.asarray(back[name], dtype="<f4" if kind == "float" else "<i4") for name, kind in
-              ARRAY_TYPES.items()}  # fmt: skip
+    arrays = {
+        name: np.asarray(back[name], dtype="<f4" if kind == "float" else "<i4") for name, kind in ARRAY_TYPES.items()
+    }
     assert arrays["new_tokens"].shape == event.new_tokens.shape
     return time.perf_counter() - t0, data
 

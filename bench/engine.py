@@ -48,15 +48,28 @@ from consumers.inference.engine import Engine, SamplingParams  # noqa: E402
 from schemas.topics import CATALOG
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine.md"
-TEXTS = ["list the files in src", "count the lines of notes.txt", "read config.json and print the port",
-         "rename data.csv to old.csv", "what is 7 + 5?", "fix the failing test in tests/test_io.py",
-         "write a summary of the report", "delete the empty folders under build"]  # fmt: skip
+TEXTS = [
+    "list the files in src",
+    "count the lines of notes.txt",
+    "read config.json and print the port",
+    "rename data.csv to old.csv",
+    "what is 7 + 5?",
+    "fix the failing test in tests/test_io.py",
+    "write a summary of the report",
+    "delete the empty folders under build",
+]
 
 
 def _prompts(tokenizer: Any, k: int) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": TEXTS[i % len(TEXTS)]}],
-                                          add_generation_prompt=True, tokenize=True, return_dict=False)
-            for i in range(k)]  # fmt: skip
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": TEXTS[i % len(TEXTS)]}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for i in range(k)
+    ]
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, seed: int = 0) -> tuple[float, int]:
@@ -73,8 +86,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, seed: 
 
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.submit([prompt], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i, ignore_eos=True),
-                      callback)  # fmt: skip
+        engine.submit(
+            [prompt], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i, ignore_eos=True), callback
+        )
     if not done.wait(600):
         raise RuntimeError("engine did not finish")
     wall = time.perf_counter() - start
@@ -86,8 +100,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, seed: 
 
 def run_naive(model: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     """One ``model.generate`` per request, sequentially (what serving without a scheduler does)."""
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
-                              eos_token_id=[], pad_token_id=0)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens, eos_token_id=[], pad_token_id=0
+    )
     start, tokens = time.perf_counter(), 0
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -110,11 +125,21 @@ def throughput(model: Any, tokenizer: Any, max_tokens: int, rounds: int) -> list
             nai = [run_naive(model, prompts, max_tokens) for _ in range(rounds)]
             eng_tps = statistics.median(t / w for w, t in eng)
             nai_tps = statistics.median(t / w for w, t in nai)
-            rows.append({"concurrency": k, "tokens": eng[0][1], "engine_tps": eng_tps, "naive_tps": nai_tps,
-                         "engine_wall": statistics.median(w for w, _ in eng),
-                         "naive_wall": statistics.median(w for w, _ in nai)})  # fmt: skip
-            print(f"  {k} concurrent: engine {eng_tps:8.1f} tok/s, naive generate loop {nai_tps:8.1f} tok/s "
-                  f"({eng_tps / nai_tps:.2f}x)", flush=True)  # fmt: skip
+            rows.append(
+                {
+                    "concurrency": k,
+                    "tokens": eng[0][1],
+                    "engine_tps": eng_tps,
+                    "naive_tps": nai_tps,
+                    "engine_wall": statistics.median(w for w, _ in eng),
+                    "naive_wall": statistics.median(w for w, _ in nai),
+                }
+            )
+            print(
+                f"  {k} concurrent: engine {eng_tps:8.1f} tok/s, naive generate loop {nai_tps:8.1f} tok/s "
+                f"({eng_tps / nai_tps:.2f}x)",
+                flush=True,
+            )
     finally:
         engine.stop()
     return rows
@@ -157,9 +182,15 @@ def swap_latency(model_dir: Path, model: Any, tokenizer: Any, max_tokens: int, r
                 path.parent.mkdir(parents=True)
                 save_file({k: (v + 0.01 * version).contiguous() for k, v in base.items()}, str(path))
                 data = path.read_bytes()
-                event = WeightVersion(policy_version=version, timestamp_ms=now_ms(), model_name="tiny", step=version,
-                                      uri=path.as_uri(), sha256=hashlib.sha256(data).hexdigest(),
-                                      size_bytes=len(data))  # fmt: skip
+                event = WeightVersion(
+                    policy_version=version,
+                    timestamp_ms=now_ms(),
+                    model_name="tiny",
+                    step=version,
+                    uri=path.as_uri(),
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    size_bytes=len(data),
+                )
                 busy = None
                 if load != "idle":
                     busy = threading.Thread(target=run_engine, args=(engine, _prompts(tokenizer, 8), max_tokens))
@@ -185,8 +216,14 @@ def swap_latency(model_dir: Path, model: Any, tokenizer: Any, max_tokens: int, r
     return rows
 
 
-def write_report(args: argparse.Namespace, model: Any, thr: list[dict[str, Any]] | None,
-                 swaps: list[dict[str, Any]] | None, skipped: str | None, rollout: list[str]) -> str:  # fmt: skip
+def write_report(
+    args: argparse.Namespace,
+    model: Any,
+    thr: list[dict[str, Any]] | None,
+    swaps: list[dict[str, Any]] | None,
+    skipped: str | None,
+    rollout: list[str],
+) -> str:
     n_params = sum(p.numel() for p in model.parameters()) / 1e6
     cfg = model.config
     lines = [
@@ -209,14 +246,20 @@ def write_report(args: argparse.Namespace, model: Any, thr: list[dict[str, Any]]
     ]
     for row in thr or []:
         speedup = row["engine_tps"] / row["naive_tps"]
-        lines.append(f"| {row['concurrency']} | {row['engine_tps']:.0f} ({row['engine_wall']:.2f} s) | "
-                     f"{row['naive_tps']:.0f} ({row['naive_wall']:.2f} s) | {speedup:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {row['concurrency']} | {row['engine_tps']:.0f} ({row['engine_wall']:.2f} s) | "
+            f"{row['naive_tps']:.0f} ({row['naive_wall']:.2f} s) | {speedup:.2f}x |"
+        )
     lines += ["", "## Weight swap: `WeightVersion` published → engine serving it", ""]
     if swaps:
-        lines += [f"Through a private local Kafka broker; safetensors of {swaps[0]['size_mb']:.1f} MB, sha256 "
-                  "checked, shapes checked, copied in between decode steps. Under load the swap first waits for the "
-                  f"8 in-flight requests ({args.max_tokens} tokens each) to finish on the old weights.", "",
-                  "| load | swaps | median | max |", "|---|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            f"Through a private local Kafka broker; safetensors of {swaps[0]['size_mb']:.1f} MB, sha256 "
+            "checked, shapes checked, copied in between decode steps. Under load the swap first waits for the "
+            f"8 in-flight requests ({args.max_tokens} tokens each) to finish on the old weights.",
+            "",
+            "| load | swaps | median | max |",
+            "|---|---:|---:|---:|",
+        ]
         for load in ("idle", "8 in flight"):
             lat = [r["latency_s"] * 1000 for r in swaps if r["load"] == load]
             lines.append(f"| {load} | {len(lat)} | {statistics.median(lat):.0f} ms | {max(lat):.0f} ms |")
@@ -233,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--swaps", type=int, default=3, help="swaps per load condition")
     parser.add_argument("--no-kafka", action="store_true", help="skip the swap-latency part")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--engines", default=",".join(engine_rollout.ENGINES),
-                        help="engines of the rollout scenario, comma-separated (cpu, cpu-nocache, vllm; '' skips it)")
+    parser.add_argument(
+        "--engines",
+        default=",".join(engine_rollout.ENGINES),
+        help="engines of the rollout scenario, comma-separated (cpu, cpu-nocache, vllm; '' skips it)",
+    )
     parser.add_argument("--calls", type=int, default=engine_rollout.CALLS, help="follow-up calls of the rollout")
     parser.add_argument("--nocache-calls", type=int, default=2, help="follow-up calls for cpu-nocache (slow)")
     parser.add_argument("--first-prompt", type=int, default=engine_rollout.FIRST_PROMPT, help="call 1's tokens")

@@ -41,8 +41,9 @@ class Scenario:
     max_tokens: int
 
 
-def scenario(vocab: int, *, seed: int = 0, first: int = FIRST_PROMPT, calls: int = CALLS,
-             max_tokens: int = 32) -> Scenario:  # fmt: skip
+def scenario(
+    vocab: int, *, seed: int = 0, first: int = FIRST_PROMPT, calls: int = CALLS, max_tokens: int = 32
+) -> Scenario:
     """Token ids below ``vocab - 16`` (clear of the tokenizer's added tokens), all drawn from one seeded stream."""
     rng = random.Random(seed)
 
@@ -78,10 +79,17 @@ class EngineRun:
 
 def complete(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 3600) -> tuple[list[int], int | None]:
     """One greedy /v1/completions call with a token-id prompt; returns (generated ids, cached prompt tokens)."""
-    body = {"model": "policy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": "policy",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         answer = json.load(response)
     details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
@@ -89,8 +97,9 @@ def complete(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 36
     return list(answer["choices"][0]["token_ids"]), cached if cached is not None else (0 if details == {} else None)
 
 
-def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], pids: dict[str, int],
-                 say: Any = print) -> dict[str, list[Call]]:  # fmt: skip
+def run_rollouts(
+    urls: dict[str, str], s: Scenario, calls: dict[str, int], pids: dict[str, int], say: Any = print
+) -> dict[str, list[Call]]:
     """Per engine: call 1, then ``calls[engine]`` follow-ups (each the previous prompt + its answer + a tool result),
     then the branch. Interleaved — call k goes to every engine before call k+1 goes to any — so a load spike on
     this shared machine hits all engines alike; after each call the next waits until that engine is quiet."""
@@ -105,8 +114,10 @@ def run_rollouts(urls: dict[str, str], s: Scenario, calls: dict[str, int], pids:
             answer, cached = complete(url, prompt, s.max_tokens)
             out[engine].append(Call(f"call {k + 1}", len(prompt), cached, time.perf_counter() - t0))
             wait_quiet(pids[engine])
-            say(f"    {engine} call {k + 1}: {len(prompt)} prompt tokens, cached {cached}, "
-                f"{out[engine][-1].latency_s:.2f} s")  # fmt: skip
+            say(
+                f"    {engine} call {k + 1}: {len(prompt)} prompt tokens, cached {cached}, "
+                f"{out[engine][-1].latency_s:.2f} s"
+            )
             if k < calls[engine]:
                 prompts[engine] = prompt + answer + s.additions[k]
     for engine, url in urls.items():
@@ -205,11 +216,25 @@ def wait_quiet(pid: int, timeout_s: float = 15.0) -> float:
     return time.monotonic() - t0
 
 
-def start_cpu_engine(model_dir: Path, port: int, prefix_cache_gib: float, max_model_len: int,
-                     log: Path) -> subprocess.Popen[bytes]:  # fmt: skip
-    cmd = [sys.executable, "-m", "consumers.inference.server", "--model", str(model_dir), "--port", str(port),
-           "--no-weights", "--prefix-cache-gib", str(prefix_cache_gib), "--max-model-len", str(max_model_len),
-           "--metrics-interval-s", "0"]  # fmt: skip
+def start_cpu_engine(
+    model_dir: Path, port: int, prefix_cache_gib: float, max_model_len: int, log: Path
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "consumers.inference.server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--no-weights",
+        "--prefix-cache-gib",
+        str(prefix_cache_gib),
+        "--max-model-len",
+        str(max_model_len),
+        "--metrics-interval-s",
+        "0",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -229,8 +254,9 @@ def start_cpu_engine(model_dir: Path, port: int, prefix_cache_gib: float, max_mo
 ENGINES = ("cpu", "cpu-nocache", "vllm")
 
 
-def measure(engines: list[str], model_dir: Path, s: Scenario, calls: dict[str, int], workdir: Path,
-            say: Any = print) -> list[EngineRun]:  # fmt: skip
+def measure(
+    engines: list[str], model_dir: Path, s: Scenario, calls: dict[str, int], workdir: Path, say: Any = print
+) -> list[EngineRun]:
     """Start every engine on ``model_dir``, run the rollout on all of them interleaved, then each one's
     short-during-prefill check alone; stop them. An engine that fails is reported, the others still run."""
     from consumers.inference.vllm_server import free_port, is_installed, serve
@@ -252,8 +278,9 @@ def measure(engines: list[str], model_dir: Path, s: Scenario, calls: dict[str, i
                     urls[engine], pids[engine] = server.url, server.process.pid
                 else:
                     port = free_port()
-                    process = start_cpu_engine(model_dir, port, 2.0 if engine == "cpu" else 0.0, max_model_len,
-                                               workdir / f"{engine}.log")  # fmt: skip
+                    process = start_cpu_engine(
+                        model_dir, port, 2.0 if engine == "cpu" else 0.0, max_model_len, workdir / f"{engine}.log"
+                    )
                     stops.append(process.kill)
                     urls[engine], pids[engine] = f"http://127.0.0.1:{port}", process.pid
                 runs[engine].startup_s = time.perf_counter() - t0
@@ -268,8 +295,10 @@ def measure(engines: list[str], model_dir: Path, s: Scenario, calls: dict[str, i
             for other in pids.values():
                 wait_quiet(other)
             run.short_ttft_s, run.fresh_prefill_s = short_during_prefill(url, s)
-            say(f"    {engine}: 10-token request during a {len(s.fresh)}-token prefill: {run.short_ttft_s:.2f} s "
-                f"(the prefill: {run.fresh_prefill_s:.1f} s)")  # fmt: skip
+            say(
+                f"    {engine}: 10-token request during a {len(s.fresh)}-token prefill: {run.short_ttft_s:.2f} s "
+                f"(the prefill: {run.fresh_prefill_s:.1f} s)"
+            )
             run.peak_rss_mb = tree_peak_rss_mb(pids[engine])
     finally:
         for stop in stops:
@@ -323,21 +352,31 @@ def report(runs: list[EngineRun], s: Scenario) -> list[str]:
         n = len(by["cpu-nocache"].calls) - 2  # follow-ups both ran
         on = _median([c.latency_s for c in by["cpu"].calls[1 : 1 + n]])
         off = _median([c.latency_s for c in by["cpu-nocache"].calls[1 : 1 + n]])
-        lines += ["", f"Calls 2..{n + 1}, same prompts: cache off {off:.2f} s, on {on:.2f} s: "
-                  f"**{off / on:.0f}× faster** with prefix caching."]  # fmt: skip
+        lines += [
+            "",
+            f"Calls 2..{n + 1}, same prompts: cache off {off:.2f} s, on {on:.2f} s: "
+            f"**{off / on:.0f}× faster** with prefix caching.",
+        ]
     if "cpu" in by and "vllm" in by:
         ours = _median([c.latency_s for c in by["cpu"].calls[1:] if c.name != "branch"])
         theirs = _median([c.latency_s for c in by["vllm"].calls[1:] if c.name != "branch"])
         lines += ["", f"Calls ≥ 2: CPU engine {ours:.2f} s, vLLM {theirs:.2f} s (vLLM / ours = {theirs / ours:.2f})."]
-    lines += ["", "Per call (latency s / prefilled tokens):", "",
-              "| call | prompt tokens | " + " | ".join(r.engine for r in runs if r.calls) + " |",
-              "|---|---:|" + "---:|" * len([r for r in runs if r.calls])]  # fmt: skip
+    lines += [
+        "",
+        "Per call (latency s / prefilled tokens):",
+        "",
+        "| call | prompt tokens | " + " | ".join(r.engine for r in runs if r.calls) + " |",
+        "|---|---:|" + "---:|" * len([r for r in runs if r.calls]),
+    ]
     longest = max((r for r in runs if r.calls), key=lambda r: len(r.calls), default=None)
     for i, call in enumerate(longest.calls if longest else []):
         cells = []
         for run in (r for r in runs if r.calls):
-            match = next((c for c in run.calls if c.name == call.name), None) if call.name == "branch" else (
-                run.calls[i] if i < len(run.calls) and run.calls[i].name == call.name else None)
+            match = (
+                next((c for c in run.calls if c.name == call.name), None)
+                if call.name == "branch"
+                else (run.calls[i] if i < len(run.calls) and run.calls[i].name == call.name else None)
+            )
             cells.append("—" if match is None else f"{match.latency_s:.2f} / {match.prefilled}")
         lines.append(f"| {call.name} | {call.prompt_tokens:,} | " + " | ".join(cells) + " |")
     return lines

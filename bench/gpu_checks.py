@@ -65,8 +65,10 @@ def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
         limit = 1e-4 if not autocast else 0.25
         passed = worst <= limit
         ok &= passed
-        report.append(f"| packed vs per-path logprobs, {label} | max abs diff {worst:.2e} (limit {limit}) | "
-                      f"{'ok' if passed else 'FAIL'} |")  # fmt: skip
+        report.append(
+            f"| packed vs per-path logprobs, {label} | max abs diff {worst:.2e} (limit {limit}) | "
+            f"{'ok' if passed else 'FAIL'} |"
+        )
     return ok
 
 
@@ -105,9 +107,11 @@ def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
     elapsed = time.perf_counter() - started
     after = mean_lp(good.segments), mean_lp(bad.segments)
     passed = np.isfinite(metrics["loss"]) and after[0] > before[0] and after[1] < before[1]
-    report.append(f"| learner train_step on CUDA (bf16 autocast) | loss {metrics['loss']:.4f}, good lp "
-                  f"{before[0]:.3f}→{after[0]:.3f}, bad lp {before[1]:.3f}→{after[1]:.3f}, {elapsed * 1000:.0f} ms | "
-                  f"{'ok' if passed else 'FAIL'} |")  # fmt: skip
+    report.append(
+        f"| learner train_step on CUDA (bf16 autocast) | loss {metrics['loss']:.4f}, good lp "
+        f"{before[0]:.3f}→{after[0]:.3f}, bad lp {before[1]:.3f}→{after[1]:.3f}, {elapsed * 1000:.0f} ms | "
+        f"{'ok' if passed else 'FAIL'} |"
+    )
     return bool(passed)
 
 

@@ -45,16 +45,36 @@ def _calls(shape: str, n_calls: int, rng: np.random.Generator) -> list[TreeCall]
     for i in range(n_calls):
         prompt = history + (moving if shape == "openclaw" else [])
         gen = toks(ANSWER)
-        calls.append(TreeCall(call_id=f"c{i}", seq=i, parent_call_id=None, shared_prefix_len=0, new_tokens=prompt,
-                              generated_tokens=gen, logprobs=(-rng.random(ANSWER)).tolist(), call_kind="main",
-                              policy_version=0))  # fmt: skip
+        calls.append(
+            TreeCall(
+                call_id=f"c{i}",
+                seq=i,
+                parent_call_id=None,
+                shared_prefix_len=0,
+                new_tokens=prompt,
+                generated_tokens=gen,
+                logprobs=(-rng.random(ANSWER)).tolist(),
+                call_kind="main",
+                policy_version=0,
+            )
+        )
         history = history + gen + toks(TOOL_RESULT)
         if shape != "openclaw" and i in (n_calls // 3, 2 * n_calls // 3):  # a retry from this point
             retry = toks(ANSWER)
             lps = (-rng.random(ANSWER)).tolist()
-            calls.append(TreeCall(call_id=f"r{i}", seq=len(calls), parent_call_id=None, shared_prefix_len=0,
-                                  new_tokens=list(prompt), generated_tokens=retry, logprobs=lps, call_kind="main",
-                                  policy_version=0))  # fmt: skip
+            calls.append(
+                TreeCall(
+                    call_id=f"r{i}",
+                    seq=len(calls),
+                    parent_call_id=None,
+                    shared_prefix_len=0,
+                    new_tokens=list(prompt),
+                    generated_tokens=retry,
+                    logprobs=lps,
+                    call_kind="main",
+                    policy_version=0,
+                )
+            )
     return [TreeCall(**{**c.__dict__, "seq": k}) for k, c in enumerate(calls)]
 
 
@@ -115,8 +135,16 @@ def _packed_time(model: torch.nn.Module, trees: list[list[Segment]], budget: int
     for row in rows:
         with _autocast(device):
             logp = packed_logprobs(model, row, only_trainable=True)
-        loss, _ = grpo_loss(logp, None, row.rollout_logprobs, adv, row.rollout_index, row.loss_mask,
-                            num_tokens=n_tokens, num_rollouts=len(trees))  # fmt: skip
+        loss, _ = grpo_loss(
+            logp,
+            None,
+            row.rollout_logprobs,
+            adv,
+            row.rollout_index,
+            row.loss_mask,
+            num_tokens=n_tokens,
+            num_rollouts=len(trees),
+        )
         loss.backward()
     _sync(device)
     return time.perf_counter() - started
@@ -139,13 +167,17 @@ def main() -> None:
     from policy.tiny_model import init_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        init_tiny_model(Path(tmp), hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                        num_layers=args.layers, progress=None)  # fmt: skip
+        init_tiny_model(
+            Path(tmp), hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_layers=args.layers, progress=None
+        )
         model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").to(args.device)
     model.train()
     params = sum(p.numel() for p in model.parameters())
-    where = f"{torch.cuda.get_device_name()} (bf16 autocast)" if args.device == "cuda" else (
-        f"fp32 on {torch.get_num_threads()} CPU threads")  # fmt: skip
+    where = (
+        f"{torch.cuda.get_device_name()} (bf16 autocast)"
+        if args.device == "cuda"
+        else (f"fp32 on {torch.get_num_threads()} CPU threads")
+    )
 
     lines = [
         "# Learner benchmark: tree-packed vs per-path training",
@@ -170,8 +202,10 @@ def main() -> None:
             times["per_path"].append(_per_path_time(model, trees))
         packed, naive = statistics.median(times["packed"]), statistics.median(times["per_path"])
         leaves = sum(map(len, path_lists)) / len(trees)
-        lines.append(f"| {shape} | {leaves:.1f} | {unique:,} | {path_total:,} | {path_total / unique:.2f} | "
-                     f"{packed:.2f} | {naive:.2f} | **{naive / packed:.2f}x** |")  # fmt: skip
+        lines.append(
+            f"| {shape} | {leaves:.1f} | {unique:,} | {path_total:,} | {path_total / unique:.2f} | "
+            f"{packed:.2f} | {naive:.2f} | **{naive / packed:.2f}x** |"
+        )
         print(lines[-1], flush=True)
     lines += [
         "",

@@ -42,9 +42,20 @@ def quickstart_batch(tokenizer, tasks: int = 4, per_dialect: int = 2) -> list[Sc
 
     out = []
     for e, ep in enumerate(build_episodes(tokenizer, train_tasks(tasks))):  # task 0 openai, task 0 anthropic, ...
-        calls = [TreeCall(call_id=f"c{i}", seq=i, parent_call_id=None, shared_prefix_len=0, new_tokens=prompt,
-                          generated_tokens=gen, logprobs=[-0.5] * len(gen), call_kind="main", policy_version=0)
-                 for i, (prompt, gen) in enumerate(ep.turns)]  # fmt: skip
+        calls = [
+            TreeCall(
+                call_id=f"c{i}",
+                seq=i,
+                parent_call_id=None,
+                shared_prefix_len=0,
+                new_tokens=prompt,
+                generated_tokens=gen,
+                logprobs=[-0.5] * len(gen),
+                call_kind="main",
+                policy_version=0,
+            )
+            for i, (prompt, gen) in enumerate(ep.turns)
+        ]
         segments = build_tree(calls).segments
         harness = "agentloop" if ep.dialect == "openai" else "agentloop-anthropic"
         # The copies of an episode are identical: they get the same advantage (opposite ones would cancel).
@@ -76,8 +87,10 @@ def main() -> None:
     trees = quickstart_batch(tokenizer)
     on_cfg = LearnerConfig()
     off_cfg = dataclasses.replace(on_cfg, share_prefix_min=0)
-    rows = {name: pack_trees([t.segments for t in trees], cfg.token_budget, share_prefix_min=cfg.share_prefix_min)
-            for name, cfg in (("off", off_cfg), ("on", on_cfg))}  # fmt: skip
+    rows = {
+        name: pack_trees([t.segments for t in trees], cfg.token_budget, share_prefix_min=cfg.share_prefix_min)
+        for name, cfg in (("off", off_cfg), ("on", on_cfg))
+    }
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     load = [os.getloadavg()[0]]  # the machine is shared: say how busy it was
     _step(model, trees, on_cfg)  # warm-up
@@ -112,9 +125,11 @@ def main() -> None:
     ]
     labels = {"off": "off (`share_prefix_min=0`)", "on": f"on (`share_prefix_min={on_cfg.share_prefix_min}`)"}
     for name, label in labels.items():
-        lines.append(f"| {label} | {med(name, 'tokens'):,.0f} | {med(name, 'trainable_tokens'):,.0f} | "
-                     f"{med(name, 'micro_batches'):.0f} | {med(name, 'step_seconds'):.2f} | "
-                     f"{med(name, 'tokens_per_s'):,.0f} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {med(name, 'tokens'):,.0f} | {med(name, 'trainable_tokens'):,.0f} | "
+            f"{med(name, 'micro_batches'):.0f} | {med(name, 'step_seconds'):.2f} | "
+            f"{med(name, 'tokens_per_s'):,.0f} |"
+        )
     tokens_ratio = med("off", "tokens") / med("on", "tokens")
     time_ratio = med("off", "step_seconds") / med("on", "step_seconds")
     # Each round's pair ran back to back: its ratio is less exposed to the machine's load drifting between rounds.

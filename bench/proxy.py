@@ -85,20 +85,28 @@ class TimedEngine(ScriptedEngine):
     async def _chat(self, request: web.Request) -> web.Response:
         """OpenAI Chat served by the engine itself (what vLLM's route does), for the LiteLLM comparison only."""
         body = await request.json()
-        prompt = self.tok.apply_chat_template(body["messages"], tools=body.get("tools"), add_generation_prompt=True,
-                                              tokenize=True, return_dict=False)  # fmt: skip
+        prompt = self.tok.apply_chat_template(
+            body["messages"], tools=body.get("tools"), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         ids, finish = self.generate(list(prompt), body)
         turn = parse_turn(self.tok.decode(ids, skip_special_tokens=True))
-        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-                 for i, c in enumerate(turn.tool_calls)]  # fmt: skip
+        calls = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for i, c in enumerate(turn.tool_calls)
+        ]
         message = {"role": "assistant", "content": turn.text or None, **({"tool_calls": calls} if calls else {})}
         out = {
-            "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": body.get("model", "policy"),
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if calls else finish}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                      "total_tokens": len(prompt) + len(ids)},
-        }  # fmt: skip
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(ids),
+                "total_tokens": len(prompt) + len(ids),
+            },
+        }
         return web.json_response(out)
 
     def app(self) -> web.Application:
@@ -138,9 +146,21 @@ class LiteLLM:
         env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
         log = open(self.dir / "litellm.log", "wb")  # noqa: SIM115 (lives as long as the process)
         self.proc = await asyncio.create_subprocess_exec(
-            self.exe, "--config", str(self.dir / "config.yaml"), "--host", "127.0.0.1", "--port", str(self.port),
-            "--num_workers", "1", cwd=self.dir, env=env, stdout=log, stderr=log, start_new_session=True,
-        )  # fmt: skip
+            self.exe,
+            "--config",
+            str(self.dir / "config.yaml"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--num_workers",
+            "1",
+            cwd=self.dir,
+            env=env,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.returncode is None:
             try:
@@ -196,26 +216,35 @@ async def latency(
     http: aiohttp.ClientSession, engine: ScriptedEngine, url: str, rounds: int, litellm: LiteLLM | None
 ) -> dict[str, Any]:
     body = H.qwen_request([], stream=False)
-    prompt = H.tiny_tokenizer().apply_chat_template(body["messages"], tools=body["tools"], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)  # fmt: skip
+    prompt = H.tiny_tokenizer().apply_chat_template(
+        body["messages"], tools=body["tools"], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     times: dict[str, list[float]] = {"direct": [], "direct_chat": [], "proxy": [], "litellm": []}
     warmup = 5
     for i in range(rounds + warmup):  # interleaved: the machine is shared and noisy
-        row = {"direct": await timed_post(http, f"{engine.url}/v1/completions",
-                                          {"prompt": list(prompt), "max_tokens": 64}, {})}  # fmt: skip
+        row = {
+            "direct": await timed_post(
+                http, f"{engine.url}/v1/completions", {"prompt": list(prompt), "max_tokens": 64}, {}
+            )
+        }
         secret = await register(http, url, f"lat-{i}")
-        row["proxy"] = await timed_post(http, f"{url}/r/lat-{i}/v1/chat/completions", body,
-                                        {"Authorization": f"Bearer {secret}"})  # fmt: skip
+        row["proxy"] = await timed_post(
+            http, f"{url}/r/lat-{i}/v1/chat/completions", body, {"Authorization": f"Bearer {secret}"}
+        )
         if litellm is not None:
             row["direct_chat"] = await timed_post(http, f"{engine.url}/v1/chat/completions", body, {})
-            row["litellm"] = await timed_post(http, f"{litellm.url}/v1/chat/completions", body,
-                                              {"Authorization": f"Bearer {litellm.key}"})  # fmt: skip
+            row["litellm"] = await timed_post(
+                http, f"{litellm.url}/v1/chat/completions", body, {"Authorization": f"Bearer {litellm.key}"}
+            )
         if i >= warmup:  # the first calls of each path pay for connection set-up and lazy imports
             for k, v in row.items():
                 times[k].append(v)
     med = {k: statistics.median(v) for k, v in times.items() if v}
-    out: dict[str, Any] = {"prompt_tokens": len(prompt), "ms": {k: v * 1000 for k, v in med.items()},
-                           "cps": {k: 1 / v for k, v in med.items()}}  # fmt: skip
+    out: dict[str, Any] = {
+        "prompt_tokens": len(prompt),
+        "ms": {k: v * 1000 for k, v in med.items()},
+        "cps": {k: 1 / v for k, v in med.items()},
+    }
     out["added_ms"] = {"proxy": (med["proxy"] - med["direct"]) * 1000}
     if litellm is not None:
         out["added_ms"]["litellm"] = (med["litellm"] - med["direct_chat"]) * 1000
@@ -238,8 +267,16 @@ async def growth(http: aiohttp.ClientSession, url: str, calls: int, pub: MemoryP
             answer = await r.json()
         cpu = time.process_time() - cpu0 - (TimedEngine.cpu - eng0)
         event = CallEvent.from_bytes(pub.values[-1])
-        rows.append({"call": i + 1, "prompt_len": event.prompt_len, "new": len(event.new_tokens),
-                     "render_ms": event.render_ms, "proxy_cpu_ms": cpu * 1000, "flags": event.flags})  # fmt: skip
+        rows.append(
+            {
+                "call": i + 1,
+                "prompt_len": event.prompt_len,
+                "new": len(event.new_tokens),
+                "render_ms": event.render_ms,
+                "proxy_cpu_ms": cpu * 1000,
+                "flags": event.flags,
+            }
+        )
         result = " ".join(rng.choice(WORDS) for _ in range(480))  # ~640 tokens of tool output
         history += H.claude_followup(answer, result)
     rows[0]["values"] = pub.values[first_value:]
@@ -275,8 +312,10 @@ async def main_async(args: argparse.Namespace) -> str:
         litellm: LiteLLM | None = None
         exe = find_litellm(args.litellm)
         if exe is None:
-            litellm_skip = (f"LiteLLM not found ({args.litellm or '/tmp/litellm-venv/bin/litellm or litellm on PATH'});"
-                            " install it in its own venv, see the module docstring")  # fmt: skip
+            litellm_skip = (
+                f"LiteLLM not found ({args.litellm or '/tmp/litellm-venv/bin/litellm or litellm on PATH'});"
+                " install it in its own venv, see the module docstring"
+            )
         else:
             litellm = LiteLLM(exe, engine.url)
             try:
@@ -323,8 +362,10 @@ async def main_async(args: argparse.Namespace) -> str:
         "|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in [*head, *tail]:
-        lines.append(f"| {r['call']} | {r['prompt_len']} | {r['new']} | {r['render_ms']:.2f} | "
-                     f"{r['render_cpu_ms']:.2f} | {r['proxy_cpu_ms']:.2f} | {','.join(r['flags'])} |")  # fmt: skip
+        lines.append(
+            f"| {r['call']} | {r['prompt_len']} | {r['new']} | {r['render_ms']:.2f} | "
+            f"{r['render_cpu_ms']:.2f} | {r['proxy_cpu_ms']:.2f} | {','.join(r['flags'])} |"
+        )
     lines += [
         "",
         f"Render CPU alone (parse excluded, one cold render per call): calls 2-6 median {r_first:.2f} ms, last 5 calls "
@@ -350,8 +391,12 @@ async def main_async(args: argparse.Namespace) -> str:
 def litellm_version(exe: str) -> str:
     python = Path(exe).parent / "python"  # the venv LiteLLM was installed in
     try:
-        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return out.stdout.strip()
     except OSError:
         return ""

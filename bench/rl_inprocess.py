@@ -43,11 +43,25 @@ def load(model_dir: str = WARM_START) -> tuple:
 def sampling_policy(model, eos: int, temperature: float = 1.0, max_new: int = 96):  # noqa: ANN001, ANN201
     """temperature 0 = greedy; else sampling with top_k=0, top_p=1 set explicitly (docs/method.md)."""
     if temperature == 0:
-        cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos,
-                               top_k=None, top_p=None, temperature=None)  # fmt: skip
+        cfg = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
     else:
-        cfg = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new,
-                               eos_token_id=eos, pad_token_id=eos)  # fmt: skip
+        cfg = GenerationConfig(
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
 
     def policy(prompt: list[int]) -> list[int]:
         ids = torch.tensor([prompt])  # (1, L)
@@ -154,9 +168,12 @@ def main() -> None:  # noqa: PLR0915 - an experiment, one screen
             (-(ad * (lp * m).sum() / m.sum()) / n).backward()
         gn = torch.nn.utils.clip_grad_norm_([q for g in groups for q in g["params"]], 1.0)
         opt.step()
-        print(f"step {step} trainable {len(batch)} sample {ts:.0f}s train {time.time() - t0 - ts:.0f}s "
-              f"gradnorm {gn:.3f} finalnorm {model.model.norm.weight.mean().item():.3f} "
-              f"scale {logscale.exp().item():.3f}", flush=True)  # fmt: skip
+        print(
+            f"step {step} trainable {len(batch)} sample {ts:.0f}s train {time.time() - t0 - ts:.0f}s "
+            f"gradnorm {gn:.3f} finalnorm {model.model.norm.weight.mean().item():.3f} "
+            f"scale {logscale.exp().item():.3f}",
+            flush=True,
+        )
     model.eval()
     t0 = time.time()
     res = [run_episode(t, "openai", sampling_policy(model, eos), r) for t in ho]

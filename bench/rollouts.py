@@ -39,9 +39,13 @@ from tests.support.proxy_server import running_proxy  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "rollouts.md"
-PHASES = [("create", "t0", "created"), ("create→harness start", "created", "harness_start"),
-          ("harness run", "harness_start", "harness_end"), ("grade", "grade_start", "grade_end"),
-          ("grade→destroy", "grade_end", "destroyed")]  # fmt: skip
+PHASES = [
+    ("create", "t0", "created"),
+    ("create→harness start", "created", "harness_start"),
+    ("harness run", "harness_start", "harness_end"),
+    ("grade", "grade_start", "grade_end"),
+    ("grade→destroy", "grade_end", "destroyed"),
+]
 
 
 async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -> dict:
@@ -52,8 +56,14 @@ async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -
         ScriptedEngine(H.tiny_tokenizer(), S.agent_responder()) as engine,
         running_proxy(kafka, engine.url, keepalive_s=5.0) as (_proxy, url),
     ):
-        settings = SandboxSettings(proxy_url=url, proxy_admin_token="admin", group_id=group, root=tmp / group,
-                                   suites={"cpu_builtin": "builtin:cpu"}, concurrency=concurrency)  # fmt: skip
+        settings = SandboxSettings(
+            proxy_url=url,
+            proxy_admin_token="admin",
+            group_id=group,
+            root=tmp / group,
+            suites={"cpu_builtin": "builtin:cpu"},
+            concurrency=concurrency,
+        )
         worker = SandboxWorker(settings, kafka)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
@@ -71,9 +81,15 @@ async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -
     for name, a, b in PHASES:
         xs = [o.timings[b] - o.timings[a] for o in outs if a in o.timings and b in o.timings]
         phases[name] = 1000 * statistics.mean(xs) if xs else float("nan")
-    return {"concurrency": concurrency, "n": len(outs), "wall": wall, "rps": len(outs) / wall,
-            "mean_reward": statistics.mean(rewards) if rewards else float("nan"),
-            "clean": all(o.cleanup is not None and o.cleanup.clean for o in outs), **phases}  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "n": len(outs),
+        "wall": wall,
+        "rps": len(outs) / wall,
+        "mean_reward": statistics.mean(rewards) if rewards else float("nan"),
+        "clean": all(o.cleanup is not None and o.cleanup.clean for o in outs),
+        **phases,
+    }
 
 
 async def main_async(levels: list[tuple[int, int]]) -> list[dict]:
@@ -107,23 +123,28 @@ def main() -> int:
     levels = list(zip((1, 4, 16), args.rollouts, strict=True))
     results = asyncio.run(main_async(levels))
     lines = [
-        "# Rollout throughput and sandbox overhead (`bench/rollouts.py`)", "",
+        "# Rollout throughput and sandbox overhead (`bench/rollouts.py`)",
+        "",
         f"Machine: {platform.platform()}, {os.cpu_count()} CPUs (shared), Python {platform.python_version()}. "
         "Harness: `agentloop` (a Python subprocess per rollout), 2 calls per rollout through the real proxy to an "
         "instant scripted engine; local sandboxes; graders in the sandbox; events and rewards acked by a local "
-        "Kafka broker. Times are means per rollout in ms.", "",
+        "Kafka broker. Times are means per rollout in ms.",
+        "",
         "| concurrent | rollouts | wall s | rollouts/s | create | create→harness start | harness run | grade | "
         "grade→destroy | mean reward | all clean |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for r in results:
         lines.append(
             f"| {r['concurrency']} | {r['n']} | {r['wall']:.1f} | {r['rps']:.2f} | {r['create']:.0f} | "
             f"{r['create→harness start']:.0f} | {r['harness run']:.0f} | {r['grade']:.0f} | "
             f"{r['grade→destroy']:.0f} | {r['mean_reward']:.2f} | {r['clean']} |"
         )
-    lines += ["", "The scripted policy writes the first quoted name with the second quoted text, so `write` tasks "
-              "score 1 and `copy`/`sum` tasks get partial credit: the mean reward is a sanity check, not a score."]
+    lines += [
+        "",
+        "The scripted policy writes the first quoted name with the second quoted text, so `write` tasks "
+        "score 1 and `copy`/`sum` tasks get partial credit: the mean reward is a sanity check, not a score.",
+    ]
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

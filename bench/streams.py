@@ -115,8 +115,15 @@ def broker(bootstrap: str | None) -> Iterator[str]:
 
 
 def rollouts(n_groups: int, seed: int, calls: tuple[int, int], token_scale: int) -> list[SynthRollout]:
-    groups = make_groups(n_groups, ("claude-code", "openclaw"), group_size=8, seed=seed, faults=False, calls=calls,
-                         token_scale=token_scale)  # fmt: skip
+    groups = make_groups(
+        n_groups,
+        ("claude-code", "openclaw"),
+        group_size=8,
+        seed=seed,
+        faults=False,
+        calls=calls,
+        token_scale=token_scale,
+    )
     return [r for members in groups for r in members]
 
 
@@ -140,8 +147,12 @@ def changelog_records(kafka: KafkaSettings, app_id: str) -> int:
     try:
         prefix = kafka.topic_prefix + app_id
         topics = consumer.list_topics(timeout=10).topics
-        tps = [TopicPartition(t, p, OFFSET_BEGINNING) for t, meta in topics.items()
-               if t.startswith(prefix) and t.endswith("-changelog") for p in meta.partitions]  # fmt: skip
+        tps = [
+            TopicPartition(t, p, OFFSET_BEGINNING)
+            for t, meta in topics.items()
+            if t.startswith(prefix) and t.endswith("-changelog")
+            for p in meta.partitions
+        ]
         ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in tps}
         consumer.assign(tps)
         n, deadline = 0, time.monotonic() + 120
@@ -242,8 +253,15 @@ def pct(values: list[float], q: float) -> float:
 
 def run_once(bootstrap: str, variant: Variant, args: argparse.Namespace, spy: str | None) -> RunResult:
     """One fresh worker (fresh topics) of ``variant``: probe, burst, paced latency phase."""
-    settings = {"store": args.store, "processing_guarantee": args.guarantee, "settle_interval_s": args.settle_interval,
-                "settle_timeout_s": 60.0, "session_timeout_s": 6.0, "batch_groups": 4, **variant.timing}  # fmt: skip
+    settings = {
+        "store": args.store,
+        "processing_guarantee": args.guarantee,
+        "settle_interval_s": args.settle_interval,
+        "settle_timeout_s": 60.0,
+        "session_timeout_s": 6.0,
+        "batch_groups": 4,
+        **variant.timing,
+    }
     kafka = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix=f"bench-{uuid.uuid4().hex[:8]}.")
     create_topics(kafka, CATALOG)
     app_id = "bench-streams"
@@ -265,9 +283,23 @@ def run_once(bootstrap: str, variant: Variant, args: argparse.Namespace, spy: st
             assert worker.proc is not None
             recorder = None
             if spy:
-                recorder = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--nonblocking",
-                                             "-r", "100", "--format", "raw", "-o", spy, "--pid", str(worker.proc.pid)],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                recorder = subprocess.Popen(
+                    [
+                        str(Path(sys.executable).parent / "py-spy"),
+                        "record",
+                        "--nonblocking",
+                        "-r",
+                        "100",
+                        "--format",
+                        "raw",
+                        "-o",
+                        spy,
+                        "--pid",
+                        str(worker.proc.pid),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             producer = make_producer(kafka)
             t0, cpu0 = time.monotonic(), cpu_seconds(worker.proc.pid)
             for topic, key, value in encoded:
@@ -286,8 +318,9 @@ def run_once(bootstrap: str, variant: Variant, args: argparse.Namespace, spy: st
                 recorder.send_signal(2)  # SIGINT: py-spy writes its file and exits
                 recorder.wait(30)
             arrived = wait_trajectories(collector, worker, {r.rollout_id for r in burst}, 300)
-            result = RunResult(n_calls / consumed_s, len(records) / consumed_s, cpu_s / len(records) * 1e6,
-                               max(arrived.values()) - t0)  # fmt: skip
+            result = RunResult(
+                n_calls / consumed_s, len(records) / consumed_s, cpu_s / len(records) * 1e6, max(arrived.values()) - t0
+            )
             result.call_share = n_calls / len(records)
             result.changelog_per_record = changelog_records(kafka, app_id) / (len(records) + len(probe[0].records))
 
@@ -301,10 +334,12 @@ def run_once(bootstrap: str, variant: Variant, args: argparse.Namespace, spy: st
             result.lat = [arrived_lat[r.rollout_id] - feed.sent_at[r.rollout_id] for r in paced]
             result.load = os.getloadavg()[0]
             del producer  # before the broker goes away, or librdkafka keeps trying to reconnect
-            print(f"{variant.label}: {result.rate:.0f} call events/s, {result.cpu_us:.0f} us CPU/record, "
-                  f"{result.changelog_per_record:.2f} changelog records/record, latency p50 "
-                  f"{statistics.median(result.lat):.2f} s p99 {pct(result.lat, 99):.2f} s (load {result.load:.1f})",
-                  flush=True)  # fmt: skip
+            print(
+                f"{variant.label}: {result.rate:.0f} call events/s, {result.cpu_us:.0f} us CPU/record, "
+                f"{result.changelog_per_record:.2f} changelog records/record, latency p50 "
+                f"{statistics.median(result.lat):.2f} s p99 {pct(result.lat, 99):.2f} s (load {result.load:.1f})",
+                flush=True,
+            )
             return result
         finally:
             collector.close()
@@ -340,8 +375,13 @@ def main() -> None:
     variants = [Variant("after", ROOT, NEW_TIMING | override)]
     for spec in args.also:
         tick, commit = (float(x) for x in spec.split(":"))
-        variants.append(Variant(f"after, tick {tick:g} / commit {commit:g}", ROOT,
-                                {"tick_interval_s": tick, "commit_interval_s": commit}))  # fmt: skip
+        variants.append(
+            Variant(
+                f"after, tick {tick:g} / commit {commit:g}",
+                ROOT,
+                {"tick_interval_s": tick, "commit_interval_s": commit},
+            )
+        )
     if args.before is not None:
         variants.insert(0, Variant("before", args.before.resolve(), OLD_TIMING | override))
     results: dict[str, list[RunResult]] = {v.label: [] for v in variants}
@@ -384,15 +424,22 @@ def profile_report(profiles: dict[str, tuple[dict[str, float], int, float]]) -> 
     for name in [n for n, _ in PROFILE_CATEGORIES] + [OTHER]:
         cells = [f"{profiles[k][0][name] * 100:.1f} % ({profiles[k][0][name] * profiles[k][2]:.0f} µs)" for k in labels]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| **worker CPU per record (samples)** | " + " | ".join(
-        f"**{profiles[k][2]:.0f} µs** ({profiles[k][1]})" for k in labels) + " |")  # fmt: skip
+    lines.append(
+        "| **worker CPU per record (samples)** | "
+        + " | ".join(f"**{profiles[k][2]:.0f} µs** ({profiles[k][1]})" for k in labels)
+        + " |"
+    )
     return "\n".join(lines) + "\n"
 
 
 GOAL = 5000  # call events/s per worker, exactly-once (issue 16 part 6)
-DOMAIN = ("Avro decode of input records", "table writes (Faust table + RocksDB put/delete)", "table reads",
-          "settling: trajectory build (tree, call decode, encode), group close, batch form",
-          "domain core (state JSON, rules, due index)")  # fmt: skip
+DOMAIN = (
+    "Avro decode of input records",
+    "table writes (Faust table + RocksDB put/delete)",
+    "table reads",
+    "settling: trajectory build (tree, call decode, encode), group close, batch form",
+    "domain core (state JSON, rules, due index)",
+)
 
 
 def goal_report(after: list[RunResult], profile: tuple[dict[str, float], int, float] | None) -> str:
@@ -400,29 +447,44 @@ def goal_report(after: list[RunResult], profile: tuple[dict[str, float], int, fl
     share = statistics.median(r.call_share for r in after)
     cpu = statistics.median(r.cpu_us for r in after)
     budget = 1e6 / (GOAL / share)
-    lines = ["", f"## The {GOAL:,} call events/s goal", "",
-             f"Call events are {share:.0%} of the input records, so {GOAL:,} call events/s is {GOAL / share:,.0f} "
-             f"records/s: **{budget:.0f} µs per record** for everything a worker does (one Python process: the "
-             f"asyncio loop and Faust's consumer thread share one interpreter lock, so about one core). The current "
-             f"code spends **{cpu:.0f} µs** of worker CPU per record (median of the rounds above), a ceiling of "
-             f"{1e6 / cpu * share:,.0f} call events/s with a core to itself."]  # fmt: skip
+    lines = [
+        "",
+        f"## The {GOAL:,} call events/s goal",
+        "",
+        f"Call events are {share:.0%} of the input records, so {GOAL:,} call events/s is {GOAL / share:,.0f} "
+        f"records/s: **{budget:.0f} µs per record** for everything a worker does (one Python process: the "
+        f"asyncio loop and Faust's consumer thread share one interpreter lock, so about one core). The current "
+        f"code spends **{cpu:.0f} µs** of worker CPU per record (median of the rounds above), a ceiling of "
+        f"{1e6 / cpu * share:,.0f} call events/s with a core to itself.",
+    ]
     if profile is not None:
         shares = profile[0]
         ours = sum(shares[k] for k in DOMAIN)
         faust_us = (1 - ours) * cpu  # the profiled run's shares, at the measured rounds' CPU per record
-        verdict = (f"That part alone is {faust_us / budget:.1f}× the budget: the goal is out of reach for one Faust "
-                   "worker; it needs a client whose per-record path is not Python (Kafka Streams, or librdkafka with "
-                   "batch-level processing) or more workers (8 partitions: up to 8)." if faust_us > budget
-                   else "That part fits the budget.")  # fmt: skip
-        lines += ["", f"By the profile, {ours:.0%} of it ({ours * cpu:.0f} µs) is this project's own "
-                  f"per-record work (decode, state, table writes and reads, settling) and {1 - ours:.0%} "
-                  f"({faust_us:.0f} µs) is Faust and aiokafka moving the record: consuming it, the stream machinery, "
-                  f"producing changelog records and outputs, the transactions. {verdict}"]  # fmt: skip
+        verdict = (
+            f"That part alone is {faust_us / budget:.1f}× the budget: the goal is out of reach for one Faust "
+            "worker; it needs a client whose per-record path is not Python (Kafka Streams, or librdkafka with "
+            "batch-level processing) or more workers (8 partitions: up to 8)."
+            if faust_us > budget
+            else "That part fits the budget."
+        )
+        lines += [
+            "",
+            f"By the profile, {ours:.0%} of it ({ours * cpu:.0f} µs) is this project's own "
+            f"per-record work (decode, state, table writes and reads, settling) and {1 - ours:.0%} "
+            f"({faust_us:.0f} µs) is Faust and aiokafka moving the record: consuming it, the stream machinery, "
+            f"producing changelog records and outputs, the transactions. {verdict}",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def report(args: argparse.Namespace, variants: list[Variant], results: dict[str, list[RunResult]], load_before: float,
-           total_s: float) -> str:  # fmt: skip
+def report(
+    args: argparse.Namespace,
+    variants: list[Variant],
+    results: dict[str, list[RunResult]],
+    load_before: float,
+    total_s: float,
+) -> str:
     q = args.settle_interval
     cpus = os.cpu_count()
     lines = [
@@ -454,14 +516,17 @@ def report(args: argparse.Namespace, variants: list[Variant], results: dict[str,
                 f"{r.last_out_s:.1f} s | "
                 f"{statistics.median(r.lat):.2f} s | {pct(r.lat, 99):.2f} s | {pct(r.lat, 99) - q:.2f} s | "
                 f"{r.load:.1f} |"
-            )  # fmt: skip
+            )
     if args.before is not None:
         b, a = results["before"], results["after"]
         rate = statistics.median(r.rate for r in a) / statistics.median(r.rate for r in b)
         cpu = statistics.median(r.cpu_us for r in b) / statistics.median(r.cpu_us for r in a)
-        lines += ["", f"Median of the rounds, after vs before: **{rate:.1f}× call events/s**, {cpu:.1f}× less worker "
-                  f"CPU per record; p99 beyond the quiet period {statistics.median(pct(r.lat, 99) for r in b) - q:.2f}"
-                  f" s → **{statistics.median(pct(r.lat, 99) for r in a) - q:.2f} s**."]  # fmt: skip
+        lines += [
+            "",
+            f"Median of the rounds, after vs before: **{rate:.1f}× call events/s**, {cpu:.1f}× less worker "
+            f"CPU per record; p99 beyond the quiet period {statistics.median(pct(r.lat, 99) for r in b) - q:.2f}"
+            f" s → **{statistics.median(pct(r.lat, 99) for r in a) - q:.2f} s**.",
+        ]
     lines += ["", f"Whole run {total_s:.0f} s.", ""]
     return "\n".join(lines)
 

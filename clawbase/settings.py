@@ -22,6 +22,7 @@ from clawbase.errors import ConfigError
 
 S = TypeVar("S", bound=BaseSettings)
 
+
 def clawstream_home() -> Path:
     """Local state directory (broker data, jar cache, weight store): ``$CLAWSTREAM_HOME`` or ``~/.cache/clawstream``."""
     return Path(os.environ.get("CLAWSTREAM_HOME") or Path.home() / ".cache" / "clawstream")
@@ -110,11 +111,19 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
 def add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
     """``--bootstrap`` and ``--topic-prefix`` on a service's command line (they override ``CLAWSTREAM_KAFKA_*``)."""
     group = parser.add_argument_group("Kafka (flags override the CLAWSTREAM_KAFKA_* environment variables)")
-    group.add_argument("--bootstrap", metavar="HOST:PORT[,...]", default=None,
-                       help="broker address (env CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS; default: the broker of "
-                       "`clawstream kafka up`, found under $CLAWSTREAM_HOME/kafka)")  # fmt: skip
-    group.add_argument("--topic-prefix", metavar="PREFIX", default=None,
-                       help="prepended to every topic name (env CLAWSTREAM_KAFKA_TOPIC_PREFIX; default: none)")
+    group.add_argument(
+        "--bootstrap",
+        metavar="HOST:PORT[,...]",
+        default=None,
+        help="broker address (env CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS; default: the broker of "
+        "`clawstream kafka up`, found under $CLAWSTREAM_HOME/kafka)",
+    )
+    group.add_argument(
+        "--topic-prefix",
+        metavar="PREFIX",
+        default=None,
+        help="prepended to every topic name (env CLAWSTREAM_KAFKA_TOPIC_PREFIX; default: none)",
+    )
 
 
 def kafka_settings(args: argparse.Namespace | None = None, **overrides: Any) -> KafkaSettings:

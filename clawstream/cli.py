@@ -57,9 +57,11 @@ def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` sta
 
 
 _home_option = click.option(
-    "--home", type=click.Path(path_type=Path), default=None,
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
     help="Broker state directory (default: $CLAWSTREAM_HOME/kafka, i.e. ~/.cache/clawstream/kafka).",
-)  # fmt: skip
+)
 
 
 @kafka.command("up")
@@ -125,9 +127,12 @@ def topics() -> None:
 
 @topics.command("create")
 @click.option(
-    "--prefix", "--topic-prefix", "prefix", default=None,
+    "--prefix",
+    "--topic-prefix",
+    "prefix",
+    default=None,
     help="Topic name prefix for an isolated run (else CLAWSTREAM_KAFKA_TOPIC_PREFIX).",
-)  # fmt: skip
+)
 @click.option(
     "--bootstrap", default=None, help="host:port (else CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else local broker)."
 )
@@ -176,9 +181,11 @@ def vllm() -> None:
 
 
 _vllm_home_option = click.option(
-    "--home", type=click.Path(path_type=Path), default=None,
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
     help="State directory (default: $CLAWSTREAM_HOME, i.e. ~/.cache/clawstream); vLLM goes to HOME/vllm-cpu.",
-)  # fmt: skip
+)
 
 
 @vllm.command("install")
@@ -207,22 +214,42 @@ def vllm_install(home: Path | None, python: str | None) -> None:
 @click.option("--served-model-name", default="policy", show_default=True, help="Model name clients ask for.")
 @click.option("--startup-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for ready.")
 @_vllm_home_option
-def vllm_serve(model_dir: Path, port: int, host: str, max_model_len: int, kv_cache_gib: float, threads: int | None,
-               served_model_name: str, startup_timeout: float, home: Path | None) -> None:  # fmt: skip
+def vllm_serve(
+    model_dir: Path,
+    port: int,
+    host: str,
+    max_model_len: int,
+    kv_cache_gib: float,
+    threads: int | None,
+    served_model_name: str,
+    startup_timeout: float,
+    home: Path | None,
+) -> None:
     """Start the vLLM server (fp32, prefix caching, dev + RL weight endpoints) and keep it running until Ctrl-C."""
     from consumers.inference.vllm_server import serve
 
-    server = serve(model_dir, port, host=host, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                   threads=threads, served_model_name=served_model_name, startup_timeout_s=startup_timeout,
-                   home=home)  # fmt: skip
+    server = serve(
+        model_dir,
+        port,
+        host=host,
+        max_model_len=max_model_len,
+        kv_cache_gib=kv_cache_gib,
+        threads=threads,
+        served_model_name=served_model_name,
+        startup_timeout_s=startup_timeout,
+        home=home,
+    )
     click.echo(f"serving; stop with Ctrl-C (log: {server.log_path})")
 
     _sigterm_interrupts()  # a supervisor's SIGTERM stops vLLM too
     try:
         while server.alive():
             time.sleep(1)
-        click.secho(f"vLLM exited with code {server.process.returncode}; end of its log:\n{server.log_tail()}",
-                    fg="red", err=True)  # fmt: skip
+        click.secho(
+            f"vLLM exited with code {server.process.returncode}; end of its log:\n{server.log_tail()}",
+            fg="red",
+            err=True,
+        )
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("stopping vLLM ...")
@@ -332,8 +359,13 @@ def tasks() -> None:
     """
 
 
-_suite_option = click.option("--suite", "suite", default=None, metavar="SUITE",
-                             help="Suite spec TASK is an id of (else TASK is a task directory or file).")  # fmt: skip
+_suite_option = click.option(
+    "--suite",
+    "suite",
+    default=None,
+    metavar="SUITE",
+    help="Suite spec TASK is an id of (else TASK is a task directory or file).",
+)
 
 
 @tasks.command("list")
@@ -362,16 +394,28 @@ def tasks_show(task: str, suite: str | None, as_json: bool) -> None:
 @click.argument("task")
 @click.argument("workspace", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @_suite_option
-@click.option("--transcript", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="The run's transcript, for graders that read one: an OpenClaw session file (JSON lines) for "
-              "tasks graded on OpenClaw's session format (PinchBench, ClawGym-Bench), else the harness's "
-              "machine-readable output.")
+@click.option(
+    "--transcript",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The run's transcript, for graders that read one: an OpenClaw session file (JSON lines) for "
+    "tasks graded on OpenClaw's session format (PinchBench, ClawGym-Bench), else the harness's "
+    "machine-readable output.",
+)
 @click.option("--judge-url", default=None, help="OpenAI-compatible base URL (…/v1) of an LLM judge.")
 @click.option("--judge-model", default="judge", show_default=True, help="Model name sent to the judge.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Longest grader run (seconds).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def tasks_grade(task: str, workspace: Path, suite: str | None, transcript: Path | None, judge_url: str | None,
-                judge_model: str, timeout: float, as_json: bool) -> None:  # fmt: skip
+def tasks_grade(
+    task: str,
+    workspace: Path,
+    suite: str | None,
+    transcript: Path | None,
+    judge_url: str | None,
+    judge_model: str,
+    timeout: float,
+    as_json: bool,
+) -> None:
     """Grade WORKSPACE with TASK's grader, exactly as a rollout is graded: in a fresh local sandbox holding a copy
     of WORKSPACE (left unchanged). Prints the reward and the sub-scores; a grader failure is an error (exit 1)."""
     import asyncio
@@ -387,13 +431,24 @@ def tasks_grade(task: str, workspace: Path, suite: str | None, transcript: Path 
     session = text if found.grader.transcript == "openclaw_session" else None
     stdout = text if text is not None and session is None else ""
     with tempfile.TemporaryDirectory(prefix="clawstream-grade-") as tmp:
-        settings = SandboxSettings(root=Path(tmp), grader_timeout_s=timeout, judge_url=judge_url,
-                                   judge_model=judge_model)  # fmt: skip
+        settings = SandboxSettings(
+            root=Path(tmp), grader_timeout_s=timeout, judge_url=judge_url, judge_model=judge_model
+        )
         backend = LocalBackend(settings)
         result = asyncio.run(grade_directory(found, workspace, backend, settings, stdout=stdout, session=session))
     if as_json:
-        click.echo(json.dumps({"task": found.ref, "status": result.status.value, "reward": result.reward,
-                               "grader": result.grader, "sub_scores": result.sub_scores, "reason": result.reason}))
+        click.echo(
+            json.dumps(
+                {
+                    "task": found.ref,
+                    "status": result.status.value,
+                    "reward": result.reward,
+                    "grader": result.grader,
+                    "sub_scores": result.sub_scores,
+                    "reason": result.reason,
+                }
+            )
+        )
         return
     reward = "none" if result.reward is None else str(round(result.reward, 6))
     click.echo(f"reward {reward}  ({result.status.value}, grader {result.grader}, task {found.ref})")
@@ -416,46 +471,98 @@ def model_sft(ctx: click.Context) -> None:
 # ---- demo --------------------------------------------------------------------------------------------------------
 @main.command("demo")
 @click.option("--steps", type=int, default=None, help="RL training steps.  [default: 20]")
-@click.option("--tasks-per-step", type=int, default=None, help="Task x harness instances (GRPO groups) per step.  "
-              "[default: 4]")
+@click.option(
+    "--tasks-per-step", type=int, default=None, help="Task x harness instances (GRPO groups) per step.  [default: 4]"
+)
 @click.option("--group-size", type=int, default=None, help="Rollouts per instance (GRPO group).  [default: 8]")
 @click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
 @click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
-@click.option("--hp", multiple=True, metavar="NAME=VALUE",
-              help="Another learner hyperparameter (repeat; `clawstream learner --help` lists them), e.g. "
-              "--hp mini_batches=2 --hp kl_coef=0.01. The demo sets logit_scale_lr=0.1 (learner/logit_scale.py; "
-              "--hp logit_scale_lr=0 turns it off).")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="Start RL from this model directory (e.g. `clawstream model sft` output) instead of the built-in "
-              "warm start.")
-@click.option("--sft-steps", type=int, default=None,
-              help="Warm start: an N-step single-stage SFT recipe (once per recipe; cached) instead of the shipped "
-              "checkpoint; 0: RL from the random model.  [default: the shipped warm start, models/warmstart/]")
+@click.option(
+    "--hp",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Another learner hyperparameter (repeat; `clawstream learner --help` lists them), e.g. "
+    "--hp mini_batches=2 --hp kl_coef=0.01. The demo sets logit_scale_lr=0.1 (learner/logit_scale.py; "
+    "--hp logit_scale_lr=0 turns it off).",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="Start RL from this model directory (e.g. `clawstream model sft` output) instead of the built-in warm start.",
+)
+@click.option(
+    "--sft-steps",
+    type=int,
+    default=None,
+    help="Warm start: an N-step single-stage SFT recipe (once per recipe; cached) instead of the shipped "
+    "checkpoint; 0: RL from the random model.  [default: the shipped warm start, models/warmstart/]",
+)
 @click.option("--sft-seed", type=int, default=None, help="Warm start recipe: seed.  [default: 0]")
-@click.option("--eval-tasks", type=int, default=None,
-              help="Held-out tasks per harness and mode, before and after RL (0: no evaluation).  [default: 256]")
-@click.option("--eval-mode", "eval_modes", multiple=True, type=click.Choice(["greedy", "sampled"]),
-              help="Evaluation decoding (repeat).  [default: greedy, sampled]")
+@click.option(
+    "--eval-tasks",
+    type=int,
+    default=None,
+    help="Held-out tasks per harness and mode, before and after RL (0: no evaluation).  [default: 256]",
+)
+@click.option(
+    "--eval-mode",
+    "eval_modes",
+    multiple=True,
+    type=click.Choice(["greedy", "sampled"]),
+    help="Evaluation decoding (repeat).  [default: greedy, sampled]",
+)
 @click.option("--concurrency", type=int, default=None, help="Rollouts at once.  [default: 8]")
-@click.option("--timeout", type=float, default=None, help="Give up on the RL part after this many seconds.  "
-              "[default: 3600]")
-@click.option("--engine", type=click.Choice(["cpu", "vllm"]), default="cpu", show_default=True,
-              help="Inference engine: the project's CPU engine, or real vLLM (`clawstream vllm install` first).")
+@click.option(
+    "--timeout", type=float, default=None, help="Give up on the RL part after this many seconds.  [default: 3600]"
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["cpu", "vllm"]),
+    default="cpu",
+    show_default=True,
+    help="Inference engine: the project's CPU engine, or real vLLM (`clawstream vllm install` first).",
+)
 @click.option("--no-progress", is_flag=True, help="Log lines only, no progress bars.")
-def demo(steps: int | None, tasks_per_step: int | None, group_size: int | None, lr: float | None, seed: int | None,
-         hp: tuple[str, ...], model_dir: Path | None, sft_steps: int | None, sft_seed: int | None,
-         eval_tasks: int | None, eval_modes: tuple[str, ...],
-         concurrency: int | None, timeout: float | None, engine: str, no_progress: bool) -> None:  # fmt: skip
+def demo(
+    steps: int | None,
+    tasks_per_step: int | None,
+    group_size: int | None,
+    lr: float | None,
+    seed: int | None,
+    hp: tuple[str, ...],
+    model_dir: Path | None,
+    sft_steps: int | None,
+    sft_seed: int | None,
+    eval_tasks: int | None,
+    eval_modes: tuple[str, ...],
+    concurrency: int | None,
+    timeout: float | None,
+    engine: str,
+    no_progress: bool,
+) -> None:
     """CPU quickstart: warm start, then RL through every service (engine, proxy, sandbox worker, streams, learner,
     scheduler) on a local broker, then held-out reward per harness before and after, a plot and TensorBoard scalars
     in $CLAWSTREAM_HOME/demo/<run>/ (docs/quickstart.md)."""
     from clawstream.demo import run_demo
 
     _sigterm_interrupts()  # `kill` stops the demo's services too (its finally), as Ctrl-C does
-    given = {"steps": steps, "tasks_per_step": tasks_per_step, "group_size": group_size, "lr": lr, "seed": seed,
-             "hp": tuple(hp) or None,
-             "model": model_dir, "sft_steps": sft_steps, "sft_seed": sft_seed, "eval_tasks": eval_tasks,
-             "eval_modes": tuple(eval_modes) or None, "concurrency": concurrency, "timeout_s": timeout}  # fmt: skip
+    given = {
+        "steps": steps,
+        "tasks_per_step": tasks_per_step,
+        "group_size": group_size,
+        "lr": lr,
+        "seed": seed,
+        "hp": tuple(hp) or None,
+        "model": model_dir,
+        "sft_steps": sft_steps,
+        "sft_seed": sft_seed,
+        "eval_tasks": eval_tasks,
+        "eval_modes": tuple(eval_modes) or None,
+        "concurrency": concurrency,
+        "timeout_s": timeout,
+    }
     run_demo(engine=engine, progress=not no_progress, **{k: v for k, v in given.items() if v is not None})
 
 
@@ -499,29 +606,75 @@ def health(ctx: click.Context) -> None:
 
 # ---- eval --------------------------------------------------------------------------------------------------------
 @main.command("eval")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
-              help="Model directory (HF format: `clawstream model init`/`model sft`, or a demo run's exported "
-              "final model).")
-@click.option("--harness", "harnesses", multiple=True, default=("agentloop", "agentloop-anthropic"),
-              show_default=True, help="Harness to evaluate (repeat for several; `clawstream harness list`).")
-@click.option("--suite", default="builtin:cpu", show_default=True,
-              help="Suite spec: builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR.")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    required=True,
+    help="Model directory (HF format: `clawstream model init`/`model sft`, or a demo run's exported final model).",
+)
+@click.option(
+    "--harness",
+    "harnesses",
+    multiple=True,
+    default=("agentloop", "agentloop-anthropic"),
+    show_default=True,
+    help="Harness to evaluate (repeat for several; `clawstream harness list`).",
+)
+@click.option(
+    "--suite",
+    default="builtin:cpu",
+    show_default=True,
+    help="Suite spec: builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR.",
+)
 @click.option("--split", default="heldout", show_default=True, help="Split of the suite to run.")
-@click.option("--tasks", type=int, default=256, show_default=True,
-              help="Tasks (prompts) per harness and mode; 0 = the whole split. builtin:cpu beyond its 48 held-out "
-              "tasks uses the warm start's extended held-out split (never in the SFT data up to 256).")
-@click.option("--mode", "modes", multiple=True, type=click.Choice(["greedy", "sampled"]),
-              default=("greedy", "sampled"), show_default=True, help="Decoding: greedy (temperature 0), sampled.")
+@click.option(
+    "--tasks",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Tasks (prompts) per harness and mode; 0 = the whole split. builtin:cpu beyond its 48 held-out "
+    "tasks uses the warm start's extended held-out split (never in the SFT data up to 256).",
+)
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    type=click.Choice(["greedy", "sampled"]),
+    default=("greedy", "sampled"),
+    show_default=True,
+    help="Decoding: greedy (temperature 0), sampled.",
+)
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampled mode's temperature.")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Generation cap per model call.")
 @click.option("--concurrency", type=int, default=12, show_default=True, help="Rollouts at once.")
-@click.option("--engine", type=click.Choice(["cpu", "vllm"]), default="cpu", show_default=True,
-              help="Inference engine serving the model.")
-@click.option("--json", "json_out", type=click.Path(path_type=Path, dir_okay=False), default=None,
-              help="Also write the result (rows, config, seconds) as JSON here.")
-def eval_command(model_dir: Path, harnesses: tuple[str, ...], suite: str, split: str, tasks: int,
-                 modes: tuple[str, ...], temperature: float, max_tokens: int, concurrency: int, engine: str,
-                 json_out: Path | None) -> None:  # fmt: skip
+@click.option(
+    "--engine",
+    type=click.Choice(["cpu", "vllm"]),
+    default="cpu",
+    show_default=True,
+    help="Inference engine serving the model.",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the result (rows, config, seconds) as JSON here.",
+)
+def eval_command(
+    model_dir: Path,
+    harnesses: tuple[str, ...],
+    suite: str,
+    split: str,
+    tasks: int,
+    modes: tuple[str, ...],
+    temperature: float,
+    max_tokens: int,
+    concurrency: int,
+    engine: str,
+    json_out: Path | None,
+) -> None:
     """Held-out score of a model per harness, greedy and sampled: mean reward ± standard error, solved fraction, n.
 
     Starts the inference engine, serving proxy and sandbox worker for the model (on the broker the demo uses:
@@ -531,9 +684,17 @@ def eval_command(model_dir: Path, harnesses: tuple[str, ...], suite: str, split:
     """
     from clawstream.stack.evaluate import EvalConfig, run_eval
 
-    cfg = EvalConfig(harnesses=tuple(harnesses), suite=suite, split=split, tasks=tasks, modes=tuple(modes),
-                     temperature=temperature, max_tokens=max_tokens, concurrency=concurrency,
-                     engine=engine)  # fmt: skip
+    cfg = EvalConfig(
+        harnesses=tuple(harnesses),
+        suite=suite,
+        split=split,
+        tasks=tasks,
+        modes=tuple(modes),
+        temperature=temperature,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        engine=engine,
+    )
     _sigterm_interrupts()  # `kill` stops the evaluation's services too, as Ctrl-C does
     result = run_eval(model_dir, cfg)
     click.echo(result.table)

@@ -31,7 +31,8 @@ class LearnerConfig:
     )
     lr: float = _hp(1e-5, "AdamW learning rate (constant after the warm-up).")
     lr_warmup_steps: int = _hp(
-        0, "Linear warm-up: training step k (from 0, counted over restarts) uses lr * min(1, (k + 1) / N); 0 = off. "
+        0,
+        "Linear warm-up: training step k (from 0, counted over restarts) uses lr * min(1, (k + 1) / N); 0 = off. "
         "AdamW's first steps move every weight by about lr whatever its gradient's size.",
     )
     betas: tuple[float, float] = _hp((0.9, 0.999), "AdamW betas.")
@@ -39,11 +40,13 @@ class LearnerConfig:
     max_grad_norm: float = _hp(1.0, "Gradient clipping by global norm; <= 0 disables it.")
     token_budget: int = _hp(4096, "Tokens per micro-batch row of packed trees (first-fit decreasing; dense mask).")
     max_path_tokens: int = _hp(
-        0, "Longest root-to-leaf path a row may hold (a tree over token_budget is trained path by path, without a "
+        0,
+        "Longest root-to-leaf path a row may hold (a tree over token_budget is trained path by path, without a "
         "dense mask); 0 = the model's context length. A longer path dead-letters its batch.",
     )
     share_prefix_min: int = _hp(
-        16, "Trees in one micro-batch row store the root context they begin with in common (a dialect's system "
+        16,
+        "Trees in one micro-batch row store the root context they begin with in common (a dialect's system "
         "prompt and tool schemas, a group's user prompt) once, when at least this many tokens; 0 = off (each keeps "
         "its own copy). Exact: same logprobs and gradients, fewer tokens.",
     )
@@ -61,11 +64,13 @@ class LearnerConfig:
     )
     kl_coef: float = _hp(0.0, "k3 KL to the reference (initial) policy; 0 = off, as in the paper.")
     neg_adv_scale: float = _hp(
-        1.0, "GRPO: negative advantages are multiplied by this. 1 = GRPO as in the paper; 0 = reinforce only the "
+        1.0,
+        "GRPO: negative advantages are multiplied by this. 1 = GRPO as in the paper; 0 = reinforce only the "
         "rollouts better than their group's mean (positive-sample reinforcement: sharper, less diverse policy).",
     )
     logit_scale_lr: float = _hp(
-        0.0, "AdamW lr of a learned logit scale (one scalar s: the final norm's output times exp(s), a temperature of "
+        0.0,
+        "AdamW lr of a learned logit scale (one scalar s: the final norm's output times exp(s), a temperature of "
         "exp(-s) built into the policy), trained by the same loss and folded into the norm's gain after every step, "
         "so the published model stays a plain Qwen3; 0 = off, as in the paper (learner/logit_scale.py says why).",
     )
@@ -87,10 +92,15 @@ class LearnerConfig:
 
     def loss_config(self) -> LossConfig:
         return LossConfig(
-            eps_low=self.eps_low, eps_high=self.eps_high, is_mode=self.is_mode, is_cap=self.is_cap,
-            aggregation=self.aggregation, kl_coef=self.kl_coef, vf_coef=self.vf_coef,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            is_mode=self.is_mode,
+            is_cap=self.is_cap,
+            aggregation=self.aggregation,
+            kl_coef=self.kl_coef,
+            vf_coef=self.vf_coef,
             value_clip=self.value_clip or None,
-        )  # fmt: skip
+        )
 
     @classmethod
     def help_table(cls) -> str:
@@ -122,10 +132,11 @@ class LearnerSettings(BaseSettings):
     )
     device: str = Field(default="auto", description="'cpu', 'cuda' or 'auto' (cuda when available).")
     torch_threads: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="torch intra-op threads (default: torch's, all cores). Beside a CPU engine on the same cores, "
         "give each a share: two processes with a thread per core each ran 1.7x slower than with half each.",
-    )  # fmt: skip
+    )
     max_steps: int | None = Field(default=None, description="Stop after this many steps (None = run forever).")
     idle_exit_s: float | None = Field(default=None, description="Exit after this long without a batch (None = never).")
 

@@ -441,8 +441,15 @@ def value_loss(
         err_clipped = (clipped - returns.detach()) ** 2  # (T,)
         clip_frac = torch.tensor(_frac(err_clipped > err, mask))
         err = torch.maximum(err, err_clipped)
-    loss = 0.5 * aggregate(err, mask, rollout_index, aggregation, num_tokens=num_tokens, num_rollouts=num_rollouts,
-                           rollout_tokens=rollout_tokens)  # fmt: skip
+    loss = 0.5 * aggregate(
+        err,
+        mask,
+        rollout_index,
+        aggregation,
+        num_tokens=num_tokens,
+        num_rollouts=num_rollouts,
+        rollout_tokens=rollout_tokens,
+    )
     stats = {
         "value_loss": float(loss.detach().item()),
         "value_clip_frac": float(clip_frac.item()),

@@ -83,6 +83,7 @@ SUPPORTED_ATTN_IMPLEMENTATIONS: frozenset[str] = frozenset({"eager", "sdpa"})
 # Floor of a token's logprob: a sampled token outside the learner's top-k/top-p support (-inf) gets this instead.
 MIN_LOGPROB = MIN_REPORTED_LOGPROB
 
+
 class PackError(ClawstreamError):
     """A tree cannot be packed: malformed segments, or a tree larger than the micro-batch token budget."""
 
@@ -286,9 +287,11 @@ class MicroBatch:
         ``share_prefix_min > 0``: root context the trees have in common (at least that many tokens) is stored once."""
         if len(trees) != len(tree_indices):
             raise PackError(f"{len(trees)} trees but {len(tree_indices)} tree indices")
-        flags = {"tree_indices": tuple(int(i) for i in tree_indices),
-                 "uses_top_k": any(bool((t.top_k > 0).any()) for t in trees),
-                 "uses_top_p": any(bool((t.top_p < 1).any()) for t in trees)}  # fmt: skip
+        flags = {
+            "tree_indices": tuple(int(i) for i in tree_indices),
+            "uses_top_k": any(bool((t.top_k > 0).any()) for t in trees),
+            "uses_top_p": any(bool((t.top_p < 1).any()) for t in trees),
+        }
         shared = shared_row(trees, tree_indices, share_prefix_min) if share_prefix_min > 0 else None
         if shared is not None:
             return cls(**shared, **flags)
@@ -356,8 +359,13 @@ class MicroBatch:
                 "top_k",
             )
         }
-        return MicroBatch(**moved, tree_indices=self.tree_indices, uses_top_k=self.uses_top_k,
-                          uses_top_p=self.uses_top_p, shared_tokens=self.shared_tokens)  # fmt: skip
+        return MicroBatch(
+            **moved,
+            tree_indices=self.tree_indices,
+            uses_top_k=self.uses_top_k,
+            uses_top_p=self.uses_top_p,
+            shared_tokens=self.shared_tokens,
+        )
 
 
 def additive_mask(
@@ -397,8 +405,10 @@ def pack_trees(
             rows = [whole] if is_chain(segments) else [pack_tree(p) for p in split_into_paths(segments)]
             for row in rows:
                 if max_path_tokens is not None and row.num_tokens > max_path_tokens:
-                    raise PackError(f"a root-to-leaf path of {row.num_tokens} tokens is longer than the "
-                                    f"{max_path_tokens} a row may hold (max_path_tokens, at most the model's context)")
+                    raise PackError(
+                        f"a root-to-leaf path of {row.num_tokens} tokens is longer than the "
+                        f"{max_path_tokens} a row may hold (max_path_tokens, at most the model's context)"
+                    )
                 alone.append(len(packed))
                 packed.append(row)
                 owner.append(i)
@@ -409,11 +419,17 @@ def pack_trees(
     order = sorted(together, key=lambda k: (-packed[k].num_tokens, k))
     bins: list[list[int]] = [[k] for k in sorted(alone, key=lambda k: (-packed[k].num_tokens, k))]
     if share_prefix_min > 0:  # rows of their own are chains without a dense mask: never shared
-        bins += [[order[j] for j in row] for row in fill_rows([packed[k] for k in order], token_budget,
-                                                              share_prefix_min)]  # fmt: skip
-        return [MicroBatch.from_trees([packed[k] for k in b], [owner[k] for k in b],
-                                      share_prefix_min=share_prefix_min if len(b) > 1 or b[0] not in on_own else 0)
-                for b in bins]  # fmt: skip
+        bins += [
+            [order[j] for j in row] for row in fill_rows([packed[k] for k in order], token_budget, share_prefix_min)
+        ]
+        return [
+            MicroBatch.from_trees(
+                [packed[k] for k in b],
+                [owner[k] for k in b],
+                share_prefix_min=share_prefix_min if len(b) > 1 or b[0] not in on_own else 0,
+            )
+            for b in bins
+        ]
     loads: list[int] = [token_budget] * len(bins)  # full: nothing joins a row of its own
     for k in order:
         n = packed[k].num_tokens

@@ -244,8 +244,9 @@ def shared_row(trees: Sequence[Any], tree_indices: Sequence[int], min_tokens: in
     parts["loss_mask"].append(torch.zeros(v_tokens, dtype=torch.bool))
     parts["rollout_logprobs"].append(torch.zeros(v_tokens, dtype=torch.float32))
     parts["rollout_index"].append(torch.tensor(owner, dtype=torch.long))
-    parts["segment_ids"].append(torch.tensor([seg_of[v] for v in order for _ in range(nodes[v].end - nodes[v].start)],
-                                             dtype=torch.long))  # fmt: skip
+    parts["segment_ids"].append(
+        torch.tensor([seg_of[v] for v in order for _ in range(nodes[v].end - nodes[v].start)], dtype=torch.long)
+    )
     parts["temperature"].append(torch.ones(v_tokens, dtype=torch.float32))
     parts["top_p"].append(torch.ones(v_tokens, dtype=torch.float32))
     parts["top_k"].append(torch.zeros(v_tokens, dtype=torch.long))
@@ -282,8 +283,18 @@ def shared_row(trees: Sequence[Any], tree_indices: Sequence[int], min_tokens: in
 
 
 # The per-token (T,) fields of a micro-batch row.
-_TOKEN_FIELDS = ("input_ids", "position_ids", "predictor", "loss_mask", "rollout_logprobs", "rollout_index",
-                 "segment_ids", "temperature", "top_p", "top_k")  # fmt: skip
+_TOKEN_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "predictor",
+    "loss_mask",
+    "rollout_logprobs",
+    "rollout_index",
+    "segment_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+)
 
 
 class _Row:

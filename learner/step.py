@@ -82,9 +82,15 @@ def train_step(
     parts = [list(trees[i :: config.mini_batches]) for i in range(config.mini_batches)]
     parts = [p for p in parts if p]
     max_path = max_path_tokens(model, config)
-    rows = [[r.to(device) for r in pack_trees([t.segments for t in part], config.token_budget, max_path,
-                                              share_prefix_min=config.share_prefix_min)]
-            for part in parts]  # fmt: skip
+    rows = [
+        [
+            r.to(device)
+            for r in pack_trees(
+                [t.segments for t in part], config.token_budget, max_path, share_prefix_min=config.share_prefix_min
+            )
+        ]
+        for part in parts
+    ]
 
     entropy = [0.0, 0]  # summed over trainable tokens, and their count (GRPO's π_old)
     old: list[list[tuple[torch.Tensor, torch.Tensor | None] | None]]
@@ -111,8 +117,11 @@ def train_step(
             advantages = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
         else:
             # neg_adv_scale < 1 departs from the paper (LearnerConfig's help): negative advantages weigh less.
-            advantages = torch.tensor([t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale
-                                       for t in part], dtype=torch.float32, device=device)  # (R_part,)  # fmt: skip
+            advantages = torch.tensor(
+                [t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale for t in part],
+                dtype=torch.float32,
+                device=device,
+            )  # (R_part,)
         # A rollout's trainable tokens over all its rows (a tree over the token budget spans several): (R_part,)
         per_rollout = torch.zeros(len(part), dtype=torch.float32, device=device)
         for row in part_rows:
@@ -120,8 +129,19 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         part_stats: dict[str, float] = {}
         for i, (row, row_old) in enumerate(zip(part_rows, part_old, strict=True)):  # (logprobs, values | None)
-            stats, used_old = _row_backward(model, value_head, row, row_old, advantages, config, n_tokens, len(part),
-                                            per_rollout, entropy, part_ref[i])  # fmt: skip
+            stats, used_old = _row_backward(
+                model,
+                value_head,
+                row,
+                row_old,
+                advantages,
+                config,
+                n_tokens,
+                len(part),
+                per_rollout,
+                entropy,
+                part_ref[i],
+            )
             part_old[i] = used_old
             _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
         for key, value in part_stats.items():
@@ -141,11 +161,18 @@ def train_step(
     tokens = sum(r.num_tokens for rs in rows for r in rs)
     trainable = sum(int(r.loss_mask.sum()) for rs in rows for r in rs)
     elapsed = time.perf_counter() - started
-    metrics.update({
-        "optimizer_steps": float(steps), "rollouts": float(len(trees)), "micro_batches": float(sum(map(len, rows))),
-        "tokens": float(tokens), "trainable_tokens": float(trainable), "tokens_per_s": tokens / trained_s,
-        "step_seconds": elapsed, "update_stats_seconds": elapsed - trained_s,
-    })  # fmt: skip
+    metrics.update(
+        {
+            "optimizer_steps": float(steps),
+            "rollouts": float(len(trees)),
+            "micro_batches": float(sum(map(len, rows))),
+            "tokens": float(tokens),
+            "trainable_tokens": float(trainable),
+            "tokens_per_s": tokens / trained_s,
+            "step_seconds": elapsed,
+            "update_stats_seconds": elapsed - trained_s,
+        }
+    )
     metrics.update(_reward_metrics(trees))
     return metrics
 
@@ -240,8 +267,9 @@ def _entropy_of(logits: torch.Tensor, row: MicroBatch, entropy: list) -> None:
     with torch.no_grad():
         rows = (row.loss_mask & (row.predictor >= 0)).nonzero(as_tuple=True)[0].to(logits.device)  # (K,)
         if rows.numel():
-            scaled = apply_temperature(logits[0][row.predictor.to(logits.device)[rows]].detach(),
-                                       row.temperature.to(logits.device)[rows])  # (K, V) fp32
+            scaled = apply_temperature(
+                logits[0][row.predictor.to(logits.device)[rows]].detach(), row.temperature.to(logits.device)[rows]
+            )  # (K, V) fp32
             logq = torch.log_softmax(scaled, dim=-1)
             entropy[0] += float(-(logq.exp() * logq).sum())
             entropy[1] += int(rows.numel())
@@ -273,19 +301,37 @@ def _row_backward(
         with _autocast(device):
             logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
     logp_old, values_old = old
-    common = {"num_tokens": n_tokens, "num_rollouts": n_rollouts, "rollout_tokens": rollout_tokens,
-              "logp_ref": logp_ref}
+    common = {
+        "num_tokens": n_tokens,
+        "num_rollouts": n_rollouts,
+        "rollout_tokens": rollout_tokens,
+        "logp_ref": logp_ref,
+    }
     if config.algorithm == "ppo":
         assert values is not None
         loss, stats = ppo_loss(
-            logp_new, logp_old, row.rollout_logprobs, values, targets, row.rollout_index, row.loss_mask,
-            config.loss_config(), old_values=values_old, **common,
-        )  # fmt: skip
+            logp_new,
+            logp_old,
+            row.rollout_logprobs,
+            values,
+            targets,
+            row.rollout_index,
+            row.loss_mask,
+            config.loss_config(),
+            old_values=values_old,
+            **common,
+        )
     else:
         loss, stats = grpo_loss(
-            logp_new, logp_old, row.rollout_logprobs, targets, row.rollout_index, row.loss_mask,
-            config.loss_config(), **common,
-        )  # fmt: skip
+            logp_new,
+            logp_old,
+            row.rollout_logprobs,
+            targets,
+            row.rollout_index,
+            row.loss_mask,
+            config.loss_config(),
+            **common,
+        )
     loss.backward()
     return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}, old
 

@@ -247,13 +247,26 @@ class Learner:
         partial.replace(state_file)  # a crash mid-write leaves no half file under the version's name
         fault_point("learner.after_save")  # saved, not yet published: a crash here must not train the batch twice
         event = WeightVersion(
-            policy_version=version, timestamp_ms=now_ms(), model_name=self.settings.model_name, step=batch.step,
-            uri=saved.uri, sha256=saved.sha256, size_bytes=saved.size_bytes, batch_id=batch.batch_id,
+            policy_version=version,
+            timestamp_ms=now_ms(),
+            model_name=self.settings.model_name,
+            step=batch.step,
+            uri=saved.uri,
+            sha256=saved.sha256,
+            size_bytes=saved.size_bytes,
+            batch_id=batch.batch_id,
             metrics={k: v for k, v in metrics.items() if not k.startswith("rollouts/")},
-        )  # fmt: skip
+        )
         self._produce(WEIGHTS, self.settings.model_name, event.to_bytes())
-        metric = Metric(policy_version=version, timestamp_ms=now_ms(), source="learner", name="train_step",
-                        step=batch.step, values=metrics, labels={"model": self.settings.model_name})  # fmt: skip
+        metric = Metric(
+            policy_version=version,
+            timestamp_ms=now_ms(),
+            source="learner",
+            name="train_step",
+            step=batch.step,
+            values=metrics,
+            labels={"model": self.settings.model_name},
+        )
         self._produce(METRICS, "learner", metric.to_bytes())
         self.version = version
         self.trained[batch.batch_id] = version
@@ -261,10 +274,16 @@ class Learner:
             for key, value in metrics.items():
                 self.writer.add_scalar(key, value, batch.step)
             self.writer.flush()
-        log.info("step %d → v%d: loss %.4e (policy %.4e), update KL %.3e, entropy %.3f, %s", batch.step, version,
-                 metrics.get("loss", float("nan")), metrics.get("policy_loss", float("nan")),
-                 metrics.get("update_kl", float("nan")), metrics.get("entropy", float("nan")),
-                 {k: round(v, 3) for k, v in metrics.items() if k.startswith("reward/")})  # fmt: skip
+        log.info(
+            "step %d → v%d: loss %.4e (policy %.4e), update KL %.3e, entropy %.3f, %s",
+            batch.step,
+            version,
+            metrics.get("loss", float("nan")),
+            metrics.get("policy_loss", float("nan")),
+            metrics.get("update_kl", float("nan")),
+            metrics.get("entropy", float("nan")),
+            {k: round(v, 3) for k, v in metrics.items() if k.startswith("reward/")},
+        )
 
     def _commit_offsets(self, batch: SealedBatch) -> None:
         offsets = [TopicPartition(self.kafka.topic(BATCHES), 0, batch.commit_offset)]
@@ -275,8 +294,14 @@ class Learner:
 
     def _dead_letter(self, batch: SealedBatch, reason: str) -> None:
         log.error("batch %s not trainable: %s; dead-lettered", batch.batch_id, reason)
-        letter = dead_letter("learner", reason, "UntrainableBatch", topic=self.kafka.topic(BATCHES),
-                             policy_version=self.version, value=batch.seal.to_bytes())  # fmt: skip
+        letter = dead_letter(
+            "learner",
+            reason,
+            "UntrainableBatch",
+            topic=self.kafka.topic(BATCHES),
+            policy_version=self.version,
+            value=batch.seal.to_bytes(),
+        )
         self._produce(DEADLETTER, batch.batch_id, letter.to_bytes())
 
     def _dead_letter_raw(self, msg, exc: Exception) -> None:  # noqa: ANN001 - confluent_kafka.Message
@@ -293,8 +318,9 @@ class Learner:
         self.trained = {v.batch_id: v.policy_version for v in versions if v.batch_id}
         latest = max(versions, key=lambda v: v.policy_version, default=None)
         if latest is None:
-            log.info("no published version of %s: starting from %s as v0", self.settings.model_name,
-                     self.settings.model_dir)  # fmt: skip
+            log.info(
+                "no published version of %s: starting from %s as v0", self.settings.model_name, self.settings.model_dir
+            )
             return
         copy_into(self.model, load_checked(verify_file(latest), self.model))
         head_file = value_head_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
@@ -306,8 +332,9 @@ class Learner:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["torch_rng"].cpu())
         else:
-            log.warning("no optimizer state for v%d (%s): resuming with fresh AdamW moments", latest.policy_version,
-                        state_file)  # fmt: skip
+            log.warning(
+                "no optimizer state for v%d (%s): resuming with fresh AdamW moments", latest.policy_version, state_file
+            )
         self.version = latest.policy_version
         log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, latest.uri)
 
@@ -322,7 +349,6 @@ def published_versions(kafka: KafkaSettings, model_name: str, timeout: float = 3
         return [e for e in events if e.model_name == model_name]
     finally:
         consumer.close()
-
 
 
 def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | None
@@ -341,9 +367,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from clawbase.settings import add_kafka_arguments, kafka_settings, load_settings
 
-    parser = argparse.ArgumentParser(prog="python -m learner.train", description=__doc__.splitlines()[0],
-                                     epilog="hyperparameters (--hp NAME=VALUE):\n" + LearnerConfig.help_table(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m learner.train",
+        description=__doc__.splitlines()[0],
+        epilog="hyperparameters (--hp NAME=VALUE):\n" + LearnerConfig.help_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--weight-store", required=True)
     parser.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="key of the published weight versions")
@@ -355,9 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    settings = load_settings(LearnerSettings, model_dir=args.model_dir, weight_store=args.weight_store,
-                             model_name=args.model_name, max_steps=args.max_steps, idle_exit_s=args.idle_exit,
-                             tensorboard_dir=args.tensorboard_dir, value_head=args.value_head)  # fmt: skip
+    settings = load_settings(
+        LearnerSettings,
+        model_dir=args.model_dir,
+        weight_store=args.weight_store,
+        model_name=args.model_name,
+        max_steps=args.max_steps,
+        idle_exit_s=args.idle_exit,
+        tensorboard_dir=args.tensorboard_dir,
+        value_head=args.value_head,
+    )
     config = parse_hparams(args.hp)
     kafka = kafka_settings(args)
     try:  # before loading the model: a wrong broker or prefix is one clear line, not a traceback at first produce

@@ -66,10 +66,17 @@ def split_into_paths(segments: Sequence[Any]) -> list[list[PathSegment]]:
         for position, i in enumerate(path):
             seg = segments[i]
             train = i in owned
-            row.append(PathSegment(
-                parent=position - 1, tokens=list(seg.tokens), trainable=train,
-                logprobs=list(seg.logprobs) if train else [], temperature=sampling[i][0], top_p=sampling[i][1],
-                top_k=sampling[i][2], call_id=getattr(seg, "call_id", None),
-            ))  # fmt: skip
+            row.append(
+                PathSegment(
+                    parent=position - 1,
+                    tokens=list(seg.tokens),
+                    trainable=train,
+                    logprobs=list(seg.logprobs) if train else [],
+                    temperature=sampling[i][0],
+                    top_p=sampling[i][1],
+                    top_k=sampling[i][2],
+                    call_id=getattr(seg, "call_id", None),
+                )
+            )
         rows.append(row)
     return rows

@@ -71,6 +71,7 @@ QWEN2_SPLIT_PATTERN = (
 
 # --- synthetic corpus -----------------------------------------------------------------------------------------
 
+
 def build_tokenizer(seed: int, vocab_size: int, num_documents: int) -> Any:
     """Train the byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast`` with the chat template.
 

@@ -79,7 +79,6 @@ class WeightsRejected(ClawstreamError):
         self.reason = reason
 
 
-
 # ---- verification (used by the learner on resume and by inference workers before a swap) ---------------------------
 def resolve_uri(uri: str) -> Path:
     """``file:///abs/path`` (or a bare absolute path) → Path; other schemes are rejected."""
@@ -139,8 +138,10 @@ def load_checked(path: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         raise WeightsRejected("unexpected_tensor", f"{path} has tensors the model lacks: {', '.join(unknown[:5])}")
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(reference[name].shape):
-            raise WeightsRejected("shape_mismatch", f"{name}: file has shape {tuple(tensor.shape)}, "
-                                  f"model has {tuple(reference[name].shape)}")  # fmt: skip
+            raise WeightsRejected(
+                "shape_mismatch",
+                f"{name}: file has shape {tuple(tensor.shape)}, model has {tuple(reference[name].shape)}",
+            )
     for group in tied_groups(model):
         present = [n for n in group if n in tensors]
         if not present:

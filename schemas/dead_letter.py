@@ -28,10 +28,18 @@ def dead_letter(
 ) -> DeadLetter:
     """A dead letter stamped now; unknown partition/offset are -1."""
     return DeadLetter(
-        timestamp_ms=now_ms(), source=source, reason=reason, error_type=error_type, original_topic=topic or "",
-        original_partition=-1 if partition is None else partition, original_offset=-1 if offset is None else offset,
-        rollout_id=rollout_id, policy_version=policy_version, original_key=key, original_value=value,
-    )  # fmt: skip
+        timestamp_ms=now_ms(),
+        source=source,
+        reason=reason,
+        error_type=error_type,
+        original_topic=topic or "",
+        original_partition=-1 if partition is None else partition,
+        original_offset=-1 if offset is None else offset,
+        rollout_id=rollout_id,
+        policy_version=policy_version,
+        original_key=key,
+        original_value=value,
+    )
 
 
 def dead_letter_of(
@@ -45,6 +53,14 @@ def dead_letter_of(
 ) -> DeadLetter:
     """A dead letter for a consumed ``confluent_kafka.Message`` (its topic, partition, offset, key and value)."""
     return dead_letter(
-        source, reason, error_type, topic=msg.topic() or "", partition=msg.partition(), offset=msg.offset(),
-        key=msg.key(), value=msg.value(), rollout_id=rollout_id, policy_version=policy_version,
-    )  # fmt: skip
+        source,
+        reason,
+        error_type,
+        topic=msg.topic() or "",
+        partition=msg.partition(),
+        offset=msg.offset(),
+        key=msg.key(),
+        value=msg.value(),
+        rollout_id=rollout_id,
+        policy_version=policy_version,
+    )

@@ -341,5 +341,13 @@ class DeadLetter(Event):
 
 
 ALL_EVENTS: tuple[type[Event], ...] = (
-    RolloutRequest, RolloutEvent, CallEvent, RewardEvent, Trajectory, BatchRecord, WeightVersion, Metric, DeadLetter,
-)  # fmt: skip
+    RolloutRequest,
+    RolloutEvent,
+    CallEvent,
+    RewardEvent,
+    Trajectory,
+    BatchRecord,
+    WeightVersion,
+    Metric,
+    DeadLetter,
+)

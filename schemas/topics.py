@@ -20,7 +20,6 @@ _BIG = {"max.message.bytes": str(MAX_MESSAGE_BYTES + 1024 * 1024)}
 _WEEK_MS = str(7 * 24 * 3600 * 1000)
 
 
-
 ROLLOUT_REQUESTS = "clawstream.rollout.requests"
 ROLLOUT_EVENTS = "clawstream.rollout.events"
 CALLS = "clawstream.calls"
@@ -32,25 +31,71 @@ METRICS = "clawstream.metrics"
 DEADLETTER = "clawstream.deadletter"
 
 CATALOG: tuple[TopicSpec, ...] = (
-    TopicSpec(ROLLOUT_REQUESTS, "rollout_id", "RolloutRequest", ROLLOUT_PARTITIONS,
-              {"retention.ms": _WEEK_MS}, description="scheduler → sandbox workers"),
-    TopicSpec(ROLLOUT_EVENTS, "rollout_id", "RolloutEvent", ROLLOUT_PARTITIONS,
-              {"retention.ms": _WEEK_MS}, "rollout", "sandbox worker → streams (lifecycle)"),
-    TopicSpec(CALLS, "rollout_id", "CallEvent", ROLLOUT_PARTITIONS,
-              {**_BIG, "retention.ms": _WEEK_MS}, "rollout", "proxy → streams (one model call)"),
-    TopicSpec(REWARDS, "rollout_id", "RewardEvent", ROLLOUT_PARTITIONS,
-              {"retention.ms": _WEEK_MS}, "rollout", "sandbox worker / judges → streams"),
-    TopicSpec(TRAJECTORIES, "rollout_id", "Trajectory", ROLLOUT_PARTITIONS,
-              {**_BIG, "retention.ms": _WEEK_MS}, description="streams → grouper, analytics, replay"),
+    TopicSpec(
+        ROLLOUT_REQUESTS,
+        "rollout_id",
+        "RolloutRequest",
+        ROLLOUT_PARTITIONS,
+        {"retention.ms": _WEEK_MS},
+        description="scheduler → sandbox workers",
+    ),
+    TopicSpec(
+        ROLLOUT_EVENTS,
+        "rollout_id",
+        "RolloutEvent",
+        ROLLOUT_PARTITIONS,
+        {"retention.ms": _WEEK_MS},
+        "rollout",
+        "sandbox worker → streams (lifecycle)",
+    ),
+    TopicSpec(
+        CALLS,
+        "rollout_id",
+        "CallEvent",
+        ROLLOUT_PARTITIONS,
+        {**_BIG, "retention.ms": _WEEK_MS},
+        "rollout",
+        "proxy → streams (one model call)",
+    ),
+    TopicSpec(
+        REWARDS,
+        "rollout_id",
+        "RewardEvent",
+        ROLLOUT_PARTITIONS,
+        {"retention.ms": _WEEK_MS},
+        "rollout",
+        "sandbox worker / judges → streams",
+    ),
+    TopicSpec(
+        TRAJECTORIES,
+        "rollout_id",
+        "Trajectory",
+        ROLLOUT_PARTITIONS,
+        {**_BIG, "retention.ms": _WEEK_MS},
+        description="streams → grouper, analytics, replay",
+    ),
     # One partition: a batch's records and its seal stay in order, and the learner reads batches in order.
-    TopicSpec(BATCHES, "batch_id", "BatchRecord", 1, {**_BIG, "retention.ms": _WEEK_MS},
-              description="streams → learner"),
-    TopicSpec(WEIGHTS, "model_name", "WeightVersion", 1, {"retention.ms": "-1"},
-              description="learner → inference workers, scheduler (full history kept)"),
+    TopicSpec(
+        BATCHES, "batch_id", "BatchRecord", 1, {**_BIG, "retention.ms": _WEEK_MS}, description="streams → learner"
+    ),
+    TopicSpec(
+        WEIGHTS,
+        "model_name",
+        "WeightVersion",
+        1,
+        {"retention.ms": "-1"},
+        description="learner → inference workers, scheduler (full history kept)",
+    ),
     TopicSpec(METRICS, "source", "Metric", 1, {"retention.ms": _WEEK_MS}, description="all → analytics"),
-    TopicSpec(DEADLETTER, "original key", "DeadLetter", 1, {**_BIG, "retention.ms": "-1"},
-              description="any → operators (rejected records + reason)"),
-)  # fmt: skip
+    TopicSpec(
+        DEADLETTER,
+        "original key",
+        "DeadLetter",
+        1,
+        {**_BIG, "retention.ms": "-1"},
+        description="any → operators (rejected records + reason)",
+    ),
+)
 
 BY_NAME: dict[str, TopicSpec] = {spec.name: spec for spec in CATALOG}
 

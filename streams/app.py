@@ -92,8 +92,17 @@ async def send_dead_letter(
     """Send the event's record to the dead-letter topic, keyed like the original (built by the shared builder)."""
     msg = event.message
     log.warning("%s: %s → dead letter (%s): %s", source, where(event), error_type, reason)
-    record = dead_letter(source, reason, error_type, topic=msg.topic, partition=msg.partition, offset=msg.offset,
-                         key=msg.key, value=msg.value, rollout_id=rollout_id)  # fmt: skip
+    record = dead_letter(
+        source,
+        reason,
+        error_type,
+        topic=msg.topic,
+        partition=msg.partition,
+        offset=msg.offset,
+        key=msg.key,
+        value=msg.value,
+        rollout_id=rollout_id,
+    )
     await deadletter.send(key=msg.key, value=record.to_bytes())
 
 
@@ -127,10 +136,11 @@ def internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[str, Top
     big = {"max.message.bytes": str(MAX_MESSAGE_BYTES + 1024 * 1024)}
     hour = {"retention.ms": str(3600 * 1000)}
     changelogs = {
-        f"{name}-changelog": TopicSpec(f"{app_id}-{name}-changelog", "table key", "bytes", partitions,
-                                       {**big, "cleanup.policy": "compact"})
+        f"{name}-changelog": TopicSpec(
+            f"{app_id}-{name}-changelog", "table key", "bytes", partitions, {**big, "cleanup.policy": "compact"}
+        )
         for name, (partitions, _) in TABLES.items()
-    }  # fmt: skip
+    }
     return changelogs | {
         "ticks-assemble": TopicSpec(f"{app_id}-ticks-assemble", "-", "-", ROLLOUT_PARTITIONS, hour),
         "ticks-group": TopicSpec(f"{app_id}-ticks-group", "-", "-", ROLLOUT_PARTITIONS, hour),
@@ -190,15 +200,18 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
     own = {role: app.topic(spec.name, **RAW) for role, spec in internal_topics(cfg, kafka).items()}
     a_ticks, g_ticks, by_group = own["ticks-assemble"], own["ticks-group"], own["by-group"]
     scored_groups = own["scored-groups"]
-    assembler_in = app.topic(*(kafka.topic(n) for n in (CALLS, ROLLOUT_EVENTS, REWARDS, ROLLOUT_REQUESTS)),
-                             a_ticks.get_topic_name(), **RAW)  # fmt: skip
+    assembler_in = app.topic(
+        *(kafka.topic(n) for n in (CALLS, ROLLOUT_EVENTS, REWARDS, ROLLOUT_REQUESTS)), a_ticks.get_topic_name(), **RAW
+    )
     grouper_in = app.topic(by_group.get_topic_name(), g_ticks.get_topic_name(), **RAW)
     batcher_in = app.topic(scored_groups.get_topic_name(), kafka.topic(WEIGHTS), **RAW)
     trajectories, batches = topic(TRAJECTORIES), topic(BATCHES)
     metrics, deadletter = topic(METRICS), topic(DEADLETTER)
 
-    tables = {name: app.Table(name, default=None, partitions=n, help=help, **TABLE_TYPES)
-              for name, (n, help) in TABLES.items()}  # fmt: skip
+    tables = {
+        name: app.Table(name, default=None, partitions=n, help=help, **TABLE_TYPES)
+        for name, (n, help) in TABLES.items()
+    }
     assembler = Assembler(cfg, tables["assembler-state"], tables["assembler-calls"], tables["assembler-index"])
     grouper = Grouper(cfg, tables["grouper-groups"], tables["grouper-members"], tables["grouper-index"])
     batcher = Batcher(cfg, tables["batcher-state"], tables["batcher-members"], app_id)
@@ -230,8 +243,14 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
                     result = assembler.on_record(record, msg.value, msg.partition, now)
                     if result.rejected:
                         rollout_id = getattr(record, "rollout_id", None)
-                        await send_dead_letter(deadletter, event, "streams.assembler", result.rejected.reason,
-                                               result.rejected.verdict.value, rollout_id)  # fmt: skip
+                        await send_dead_letter(
+                            deadletter,
+                            event,
+                            "streams.assembler",
+                            result.rejected.reason,
+                            result.rejected.verdict.value,
+                            rollout_id,
+                        )
                 await send_all(trajectories, result.trajectories, "rollout_id", msg.partition)
 
     @app.agent(trajectories, name="rekey")
@@ -260,8 +279,14 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
                         continue
                     out = grouper.on_trajectory(t, msg.value, msg.partition, now)
                     if out.rejected:
-                        await send_dead_letter(deadletter, event, "streams.grouper", out.rejected.reason,
-                                               out.rejected.verdict.value, t.rollout_id)  # fmt: skip
+                        await send_dead_letter(
+                            deadletter,
+                            event,
+                            "streams.grouper",
+                            out.rejected.reason,
+                            out.rejected.verdict.value,
+                            t.rollout_id,
+                        )
                 await send_all(scored_groups, out.records, "batch_id")
                 await send_all(metrics, out.metrics, "source")
 
@@ -322,8 +347,9 @@ def _credentials(kafka: KafkaSettings) -> Any:
             context.load_cert_chain(kafka.ssl_certificate_location, kafka.ssl_key_location)
     if kafka.security_protocol == "SSL":
         return faust.SSLCredentials(context)
-    return faust.SASLCredentials(username=kafka.sasl_username, password=kafka.sasl_password,
-                                 mechanism=kafka.sasl_mechanism, ssl_context=context)  # fmt: skip
+    return faust.SASLCredentials(
+        username=kafka.sasl_username, password=kafka.sasl_password, mechanism=kafka.sasl_mechanism, ssl_context=context
+    )
 
 
 class _CleanShutdown:
@@ -380,8 +406,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         tabledir = Path(app.conf.tabledir)
         if eos.prepare_rocksdb(tabledir, exactly_once=cfg.processing_guarantee == "exactly_once"):
             # Faust has not set up logging yet (and something gives this logger a NullHandler): say it plainly.
-            print(f"streams: no clean-shutdown marker in {tabledir}: wiping local tables, they are rebuilt from the "
-                  "changelogs", file=sys.stderr)  # fmt: skip
+            print(
+                f"streams: no clean-shutdown marker in {tabledir}: wiping local tables, they are rebuilt from the "
+                "changelogs",
+                file=sys.stderr,
+            )
         _CleanShutdown(app)
     # "worker" is not args[0] when Faust's app options come first (the demo passes --datadir DIR worker ...).
     if "worker" in args and not {"--with-web", "--without-web"} & set(args):

@@ -161,8 +161,11 @@ class RolloutAccumulator:
     # ---- records ----------------------------------------------------------------------------------------------
     def _late(self, what: str, now_ms: int) -> Outcome:
         assert self.settled is not None
-        return Outcome(Verdict.LATE, f"late {what}: rollout {self.rollout_id} settled as {self.settled['status']} "
-                                     f"{now_ms - self.settled['at_ms']} ms earlier")  # fmt: skip
+        return Outcome(
+            Verdict.LATE,
+            f"late {what}: rollout {self.rollout_id} settled as {self.settled['status']} "
+            f"{now_ms - self.settled['at_ms']} ms earlier",
+        )
 
     def _touch(self, now_ms: int) -> Outcome:
         self.last_ms = max(self.last_ms, now_ms)
@@ -175,8 +178,11 @@ class RolloutAccumulator:
     def on_call(self, call: CallEvent, now_ms: int) -> Outcome:
         attempt = call.attempt_id
         if self.settled:
-            if (attempt and attempt != self.settled["attempt_id"]
-                    and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE):  # fmt: skip
+            if (
+                attempt
+                and attempt != self.settled["attempt_id"]
+                and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE
+            ):
                 return self._hold(attempt, call.call_id)  # a re-issue's call before its STARTED reopens the rollout
             known = " (a duplicate of an included call)" if call.call_id in self.call_ids else ""
             return self._late(f"call {call.call_id} seq {call.seq}{known}", now_ms)
@@ -209,22 +215,32 @@ class RolloutAccumulator:
         return [c for calls in self.held.values() for c in calls]
 
     def on_request(self, req: RolloutRequest, now_ms: int) -> Outcome:
-        if self.settled and not (self.settled["status"] == TrajectoryStatus.INFRA_FAILURE
-                                 and req.attempt > self.attempt):  # fmt: skip
+        if self.settled and not (
+            self.settled["status"] == TrajectoryStatus.INFRA_FAILURE and req.attempt > self.attempt
+        ):
             return self._late(f"request attempt {req.attempt}", now_ms)
         if self.request is not None and self.request["attempt"] >= req.attempt:
             return self._duplicate()
         self.request = {
-            "task_id": req.task_id, "step": req.step, "group_id": req.group_id, "harness": req.harness,
-            "suite": req.suite, "timeout_s": req.timeout_s, "eval": req.eval, "metadata": dict(req.metadata),
+            "task_id": req.task_id,
+            "step": req.step,
+            "group_id": req.group_id,
+            "harness": req.harness,
+            "suite": req.suite,
+            "timeout_s": req.timeout_s,
+            "eval": req.eval,
+            "metadata": dict(req.metadata),
             "attempt": req.attempt,
-        }  # fmt: skip
+        }
         return Outcome(Verdict.ACCEPTED) if self.settled else self._touch(now_ms)
 
     def on_event(self, ev: RolloutEvent, now_ms: int) -> Outcome:
         if self.settled:
-            if (ev.state is RolloutState.STARTED and ev.attempt_id != self.settled["attempt_id"]
-                    and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE):  # fmt: skip
+            if (
+                ev.state is RolloutState.STARTED
+                and ev.attempt_id != self.settled["attempt_id"]
+                and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE
+            ):
                 self._reopen(now_ms)
             else:
                 return self._late(f"lifecycle {ev.state.value} of attempt {ev.attempt_id}", now_ms)
@@ -234,28 +250,44 @@ class RolloutAccumulator:
             rerun = ev.attempt == self.attempt and self.terminal is None
             if ev.state is RolloutState.STARTED and (ev.attempt > self.attempt or rerun):
                 return Outcome(Verdict.SUPERSEDES, f"attempt {ev.attempt} ({ev.attempt_id}) started")
-            return Outcome(Verdict.REJECTED, f"lifecycle {ev.state.value} of attempt {ev.attempt_id}, but rollout "
-                                             f"{self.rollout_id} is assembling attempt {self.attempt_id}")  # fmt: skip
+            return Outcome(
+                Verdict.REJECTED,
+                f"lifecycle {ev.state.value} of attempt {ev.attempt_id}, but rollout "
+                f"{self.rollout_id} is assembling attempt {self.attempt_id}",
+            )
         current = self.state
         if ev.state is current or (ev.state is RolloutState.STARTED and self.started):
             return self._duplicate()
         lenient = current is None and ev.state in TERMINAL  # STARTED may be lost; the terminal event says enough
         if not (lenient or can_transition(current, ev.state)):
-            return Outcome(Verdict.REJECTED, f"lifecycle {current.value if current else 'start'} → {ev.state.value} "
-                                             "is not allowed (schemas/lifecycle.py)")  # fmt: skip
+            return Outcome(
+                Verdict.REJECTED,
+                f"lifecycle {current.value if current else 'start'} → {ev.state.value} "
+                "is not allowed (schemas/lifecycle.py)",
+            )
         self.attempt = ev.attempt
         if ev.attempt_id != self.attempt_id:
             self._assemble_attempt(ev.attempt_id)
-        info = {"attempt_id": ev.attempt_id, "harness": ev.harness, "group_id": ev.group_id,
-                "policy_version": ev.policy_version}  # fmt: skip
+        info = {
+            "attempt_id": ev.attempt_id,
+            "harness": ev.harness,
+            "group_id": ev.group_id,
+            "policy_version": ev.policy_version,
+        }
         if ev.state is RolloutState.STARTED:
             self.started = info
         else:
             served = ev.calls_served
             if served is None and self.terminal is not None:  # HARNESS_EXITED → FAILED keeps the sealed count
                 served = self.terminal.get("calls_served")
-            self.terminal = {**info, "state": ev.state.value, "calls_served": served, "reason": ev.reason,
-                             "exit_code": ev.exit_code, "at_ms": now_ms}  # fmt: skip
+            self.terminal = {
+                **info,
+                "state": ev.state.value,
+                "calls_served": served,
+                "reason": ev.reason,
+                "exit_code": ev.exit_code,
+                "at_ms": now_ms,
+            }
         return self._touch(now_ms)
 
     def on_reward(self, rew: RewardEvent, now_ms: int) -> Outcome:
@@ -265,16 +297,27 @@ class RolloutAccumulator:
             same = (self.reward["attempt_id"], self.reward["status"], self.reward["reward"])
             if same == (rew.attempt_id, rew.status.value, rew.reward):
                 return self._duplicate()
-            return Outcome(Verdict.REJECTED, f"second, different reward for attempt {rew.attempt_id} of rollout "
-                                             f"{self.rollout_id} (first: {self.reward['status']} "
-                                             f"{self.reward['reward']})")  # fmt: skip
+            return Outcome(
+                Verdict.REJECTED,
+                f"second, different reward for attempt {rew.attempt_id} of rollout "
+                f"{self.rollout_id} (first: {self.reward['status']} "
+                f"{self.reward['reward']})",
+            )
         if self.attempt_id is not None and rew.attempt_id != self.attempt_id:
-            return Outcome(Verdict.REJECTED, f"reward of attempt {rew.attempt_id}, but rollout {self.rollout_id} "
-                                             f"is assembling attempt {self.attempt_id}")  # fmt: skip
+            return Outcome(
+                Verdict.REJECTED,
+                f"reward of attempt {rew.attempt_id}, but rollout {self.rollout_id} "
+                f"is assembling attempt {self.attempt_id}",
+            )
         if rew.attempt_id != self.attempt_id:
             self._assemble_attempt(rew.attempt_id)
-        self.reward = {"attempt_id": rew.attempt_id, "status": rew.status.value, "reward": rew.reward,
-                       "reason": rew.reason, "grader": rew.grader}  # fmt: skip
+        self.reward = {
+            "attempt_id": rew.attempt_id,
+            "status": rew.status.value,
+            "reward": rew.reward,
+            "reason": rew.reason,
+            "grader": rew.grader,
+        }
         return self._touch(now_ms)
 
     def _reopen(self, now_ms: int) -> None:
@@ -312,12 +355,20 @@ def _classify(acc: RolloutAccumulator, forced: str | None) -> tuple[TrajectorySt
 
 def tree_calls(calls: Sequence[CallEvent]) -> list[TreeCall]:
     return [
-        TreeCall(call_id=c.call_id, seq=c.seq, parent_call_id=c.parent_call_id, shared_prefix_len=c.shared_prefix_len,
-                 new_tokens=c.new_tokens.tolist(), generated_tokens=c.generated_tokens.tolist(),
-                 logprobs=c.logprobs.tolist(), call_kind=c.call_kind.value, policy_version=c.policy_version,
-                 finish_reason=c.finish_reason)
+        TreeCall(
+            call_id=c.call_id,
+            seq=c.seq,
+            parent_call_id=c.parent_call_id,
+            shared_prefix_len=c.shared_prefix_len,
+            new_tokens=c.new_tokens.tolist(),
+            generated_tokens=c.generated_tokens.tolist(),
+            logprobs=c.logprobs.tolist(),
+            call_kind=c.call_kind.value,
+            policy_version=c.policy_version,
+            finish_reason=c.finish_reason,
+        )
         for c in calls
-    ]  # fmt: skip
+    ]
 
 
 def _sampling_of(call: CallEvent | None) -> dict[str, Any]:
@@ -354,8 +405,12 @@ def build_trajectory(
         else:
             excluded = dict(tree.excluded_calls)
             st = tree.stats
-            stats = {"leaves": st.leaves, "unique_tokens": st.unique_tokens, "path_tokens": st.path_tokens,
-                     "prefix_reuse_ratio": st.prefix_reuse_ratio}  # fmt: skip
+            stats = {
+                "leaves": st.leaves,
+                "unique_tokens": st.unique_tokens,
+                "path_tokens": st.path_tokens,
+                "prefix_reuse_ratio": st.prefix_reuse_ratio,
+            }
             if st.min_policy_version is not None:
                 policy_version = st.min_policy_version
             if tree.dropped_reason is not None:
@@ -363,17 +418,35 @@ def build_trajectory(
             else:
                 by_call = {c.call_id: c for c in calls}
                 segments = [
-                    TreeSegment(parent=s.parent, tokens=np.asarray(s.tokens, dtype="<i4"), trainable=s.trainable,
-                                logprobs=np.asarray(s.logprobs, dtype="<f4"), policy_version=s.policy_version,
-                                call_id=s.call_id, **(_sampling_of(by_call.get(s.call_id)) if s.trainable else {}))
+                    TreeSegment(
+                        parent=s.parent,
+                        tokens=np.asarray(s.tokens, dtype="<i4"),
+                        trainable=s.trainable,
+                        logprobs=np.asarray(s.logprobs, dtype="<f4"),
+                        policy_version=s.policy_version,
+                        call_id=s.call_id,
+                        **(_sampling_of(by_call.get(s.call_id)) if s.trainable else {}),
+                    )
                     for s in tree.segments
-                ]  # fmt: skip
+                ]
     return Trajectory(
-        rollout_id=acc.rollout_id, policy_version=policy_version, timestamp_ms=now_ms,
-        attempt_id=acc.attempt_id or "", group_id=group_id, task_id=task_id,
-        harness=req.get("harness") or info.get("harness") or "", step=step, status=status, segments=segments,
-        calls=len(calls), reward=reward, drop_reason=drop_reason, excluded_calls=excluded, metadata=metadata, **stats,
-    )  # fmt: skip
+        rollout_id=acc.rollout_id,
+        policy_version=policy_version,
+        timestamp_ms=now_ms,
+        attempt_id=acc.attempt_id or "",
+        group_id=group_id,
+        task_id=task_id,
+        harness=req.get("harness") or info.get("harness") or "",
+        step=step,
+        status=status,
+        segments=segments,
+        calls=len(calls),
+        reward=reward,
+        drop_reason=drop_reason,
+        excluded_calls=excluded,
+        metadata=metadata,
+        **stats,
+    )
 
 
 @dataclass
@@ -391,8 +464,13 @@ def call_key(rollout_id: str, call_id: str) -> str:
 class Assembler:
     """The assembler over three key → bytes maps (Faust tables in the app, dicts in tests); pure."""
 
-    def __init__(self, cfg: StreamsSettings, state: MutableMapping[str, bytes], calls: MutableMapping[str, bytes],
-                 index: MutableMapping[str, bytes]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: StreamsSettings,
+        state: MutableMapping[str, bytes],
+        calls: MutableMapping[str, bytes],
+        index: MutableMapping[str, bytes],
+    ) -> None:
         self.cfg, self.state, self.calls, self.index = cfg, state, calls, index
         self.deadlines = Deadlines(state, index)
 
@@ -436,16 +514,21 @@ class Assembler:
             return acc.on_request(event, now_ms)
         return Outcome(Verdict.REJECTED, f"the assembler does not take {type(event).__name__} records")
 
-    def _settle(self, acc: RolloutAccumulator, now_ms: int, *, forced: str | None,
-                superseded: str | None = None) -> Trajectory:  # fmt: skip
+    def _settle(
+        self, acc: RolloutAccumulator, now_ms: int, *, forced: str | None, superseded: str | None = None
+    ) -> Trajectory:
         calls = []
         for cid in acc.call_ids:
             data = self.calls.pop(call_key(acc.rollout_id, cid), None)
             if data is not None:
                 calls.append(CallEvent.from_bytes(data))
         if superseded is not None:  # a newer attempt started: whatever this one was, it did not finish properly
-            acc.terminal = {**(acc.terminal or acc.started or {}), "state": RolloutState.FAILED.value,
-                            "reason": f"superseded: {superseded}", "at_ms": now_ms}  # fmt: skip
+            acc.terminal = {
+                **(acc.terminal or acc.started or {}),
+                "state": RolloutState.FAILED.value,
+                "reason": f"superseded: {superseded}",
+                "at_ms": now_ms,
+            }
         trajectory = build_trajectory(acc, calls, now_ms, self.cfg, forced=forced)
         acc.mark_settled(trajectory.status, now_ms)
         return trajectory

@@ -131,8 +131,13 @@ def member_key(group_id: str, index: int) -> str:
 class Batcher:
     """The batcher over two key → bytes maps (Faust tables in the app, dicts in tests); pure."""
 
-    def __init__(self, cfg: StreamsSettings, state: MutableMapping[str, bytes], members: MutableMapping[str, bytes],
-                 batch_prefix: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: StreamsSettings,
+        state: MutableMapping[str, bytes],
+        members: MutableMapping[str, bytes],
+        batch_prefix: str,
+    ) -> None:
         self.cfg, self.state, self.members, self.prefix = cfg, state, members, batch_prefix
 
     def _load(self) -> BatcherState:
@@ -150,8 +155,14 @@ class Batcher:
             st.open[gid] = st.open.get(gid, 0) + 1
         else:
             got = st.open.pop(gid, 0)
-            group = {"group_id": gid, "harness": rec.harness or "", "step": rec.step, "size": rec.index,
-                     "policy_version": rec.policy_version, "arrived_ms": now_ms}  # fmt: skip
+            group = {
+                "group_id": gid,
+                "harness": rec.harness or "",
+                "step": rec.step,
+                "size": rec.index,
+                "policy_version": rec.policy_version,
+                "arrived_ms": now_ms,
+            }
             if got != rec.index:
                 self._drop(st, group, f"group {gid}: SEAL announces {rec.index} records, {got} arrived", out)
             elif st.stale(group, self.cfg.max_policy_lag):
@@ -175,8 +186,10 @@ class Batcher:
         return out
 
     def _stale_reason(self, st: BatcherState, group: Mapping[str, Any]) -> str:
-        return (f"stale group {group['group_id']}: policy version {group['policy_version']}, newest "
-                f"{st.newest_version}, lag bound {self.cfg.max_policy_lag}")  # fmt: skip
+        return (
+            f"stale group {group['group_id']}: policy version {group['policy_version']}, newest "
+            f"{st.newest_version}, lag bound {self.cfg.max_policy_lag}"
+        )
 
     def _remember(self, st: BatcherState, gid: str) -> None:
         st.recent.append(gid)
@@ -207,12 +220,25 @@ class Batcher:
                     out.records.append(rec)
                     counts[rec.harness or ""] = counts.get(rec.harness or "", 0) + 1
                 self._remember(st, group["group_id"])
-            out.records.append(BatchRecord(
-                batch_id=batch_id, policy_version=st.newest_version if st.newest_version is not None
-                else max(g["policy_version"] for g in groups), timestamp_ms=now_ms, kind=BatchRecordKind.SEAL,
-                step=n, index=sum(counts.values()), harness_counts=counts,
-            ))  # fmt: skip
+            out.records.append(
+                BatchRecord(
+                    batch_id=batch_id,
+                    policy_version=st.newest_version
+                    if st.newest_version is not None
+                    else max(g["policy_version"] for g in groups),
+                    timestamp_ms=now_ms,
+                    kind=BatchRecordKind.SEAL,
+                    step=n,
+                    index=sum(counts.values()),
+                    harness_counts=counts,
+                )
+            )
             st.pending = [g for i, g in enumerate(st.pending) if i not in set(chosen)]
             st.next_batch = n + 1
-            log.info("batch %s: %d groups, %d trajectories, harnesses %s", batch_id, len(groups),
-                     sum(counts.values()), counts)  # fmt: skip
+            log.info(
+                "batch %s: %d groups, %d trajectories, harnesses %s",
+                batch_id,
+                len(groups),
+                sum(counts.values()),
+                counts,
+            )

@@ -103,8 +103,17 @@ class SourcePartitionTransactionManager(TransactionManager):
             self._changelogs = frozenset(t.changelog_topic.get_topic_name() for t in self.app.tables.values())
         return self._changelogs
 
-    async def send(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None,
-                   timestamp: float | None, headers: Any, *, transactional_id: str | None = None) -> Any:  # fmt: skip
+    async def send(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        partition: int | None,
+        timestamp: float | None,
+        headers: Any,
+        *,
+        transactional_id: str | None = None,
+    ) -> Any:
         if topic in self._changelog_topics():  # explicit partition = the source partition: Faust's routing is right
             return await super().send(topic, key, value, partition, timestamp, headers)
         event = current_event()
@@ -191,8 +200,15 @@ class EosConsumer(faust_aiokafka.Consumer):
         top = max(acked) + 1
         faust = _faust_offset(sorted(acked), self._committed_offset[tp], self._gap[tp])
         if faust != top:
-            log.debug("eos: %s: committing %d where Faust's rule gives %s (acked %s..%s, committed %s)", tp, top,
-                        faust, min(acked), max(acked), self._committed_offset[tp])  # fmt: skip
+            log.debug(
+                "eos: %s: committing %d where Faust's rule gives %s (acked %s..%s, committed %s)",
+                tp,
+                top,
+                faust,
+                min(acked),
+                max(acked),
+                self._committed_offset[tp],
+            )
         acked.clear()
         self._acked_index[tp].clear()
         if self._gap[tp]:
@@ -244,8 +260,9 @@ class EosProducer(faust_aiokafka.Producer):
     (if any) is raised, so the caller sees the same failure as with Faust's loop, after the others finished.
     """
 
-    async def commit_transactions(self, tid_to_offset_map: Any, group_id: str,
-                                  start_new_transaction: bool = True) -> None:  # fmt: skip
+    async def commit_transactions(
+        self, tid_to_offset_map: Any, group_id: str, start_new_transaction: bool = True
+    ) -> None:
         one = super().commit_transactions
         commits = [
             one({tid: offsets}, group_id, start_new_transaction=start_new_transaction)
@@ -349,8 +366,9 @@ def prepare_rocksdb(tabledir: Path, *, exactly_once: bool) -> bool:
     clean = marker.exists()
     marker.unlink(missing_ok=True)
     if exactly_once and not clean and tabledir.exists() and any(tabledir.iterdir()):
-        log.warning("no clean-shutdown marker in %s: wiping local tables, they are rebuilt from the changelogs",
-                    tabledir)  # fmt: skip
+        log.warning(
+            "no clean-shutdown marker in %s: wiping local tables, they are rebuilt from the changelogs", tabledir
+        )
         shutil.rmtree(tabledir)
         return True
     return False
@@ -381,13 +399,16 @@ async def _on_recovery_completed(self: Recovery, generation_id: int = 0) -> None
     self.log.info("Restore complete!")
     await self.app.on_rebalance_complete.send()
     self._set_recovery_ended()
-    callbacks = [asyncio.ensure_future(t.on_recovery_completed(self.actives_for_table[t], self.standbys_for_table[t]))
-                 for t in self.tables.values()]  # fmt: skip
+    callbacks = [
+        asyncio.ensure_future(t.on_recovery_completed(self.actives_for_table[t], self.standbys_for_table[t]))
+        for t in self.tables.values()
+    ]
     if callbacks:
         await asyncio.wait(callbacks)
     if self.app.consumer_generation_id != generation_id:
-        self.log.warning("Recovery rebalancing again app id %s param %s", self.app.consumer_generation_id,
-                         generation_id)  # fmt: skip
+        self.log.warning(
+            "Recovery rebalancing again app id %s param %s", self.app.consumer_generation_id, generation_id
+        )
         return
     await _seek_then_resume(self)
     self.tables.on_actives_ready()

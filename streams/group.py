@@ -122,9 +122,14 @@ class GroupState:
                 why = f"attempt {t.attempt_id}, {t.status.value}, after {old['status']}"
                 return Outcome(Verdict.REJECTED, f"second trajectory of rollout {t.rollout_id} ({why})")
         self.members[t.rollout_id] = {
-            "attempt_id": t.attempt_id, "status": t.status.value, "reward": t.reward, "harness": t.harness,
-            "policy_version": t.policy_version, "trainable": trainable(t), "reissue": awaits_reissue(t),
-        }  # fmt: skip
+            "attempt_id": t.attempt_id,
+            "status": t.status.value,
+            "reward": t.reward,
+            "harness": t.harness,
+            "policy_version": t.policy_version,
+            "trainable": trainable(t),
+            "reissue": awaits_reissue(t),
+        }
         self.harness, self.step = self.harness or t.harness, t.step if self.step < 0 else self.step
         return Outcome(Verdict.ACCEPTED)
 
@@ -148,8 +153,11 @@ class Scored:
 def score(group: GroupState, cfg: StreamsSettings) -> Scored:
     """GRPO statistics and advantages of a group (rules in the module docstring)."""
     members = group.members
-    with_reward = {rid: m["reward"] for rid, m in members.items()
-                   if m["reward"] is not None and m["status"] != TrajectoryStatus.DROPPED}  # fmt: skip
+    with_reward = {
+        rid: m["reward"]
+        for rid, m in members.items()
+        if m["reward"] is not None and m["status"] != TrajectoryStatus.DROPPED
+    }
     infra = sum(m["status"] == TrajectoryStatus.INFRA_FAILURE for m in members.values())
     if not with_reward:
         return Scored({}, None, None, 0, infra, "no_reward")
@@ -182,8 +190,13 @@ def member_key(group_id: str, rollout_id: str) -> str:
 class Grouper:
     """The grouper over three key → bytes maps (Faust tables in the app, dicts in tests); pure."""
 
-    def __init__(self, cfg: StreamsSettings, groups: MutableMapping[str, bytes], members: MutableMapping[str, bytes],
-                 index: MutableMapping[str, bytes]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: StreamsSettings,
+        groups: MutableMapping[str, bytes],
+        members: MutableMapping[str, bytes],
+        index: MutableMapping[str, bytes],
+    ) -> None:
         self.cfg, self.groups, self.members, self.index = cfg, groups, members, index
         self.deadlines = Deadlines(groups, index)
 
@@ -195,8 +208,11 @@ class Grouper:
             out.rejected = Outcome(Verdict.REJECTED, f"trajectory {t.rollout_id} has no group id")
             return out
         data = self.groups.get(t.group_id)
-        group = (GroupState.from_bytes(data) if data
-                 else GroupState(t.group_id, expected_size(t, self.cfg.group_size), now_ms))  # fmt: skip
+        group = (
+            GroupState.from_bytes(data)
+            if data
+            else GroupState(t.group_id, expected_size(t, self.cfg.group_size), now_ms)
+        )
         replaced = group.members.get(t.rollout_id)
         outcome = group.add(t)
         if outcome.verdict is not Verdict.ACCEPTED:
@@ -231,8 +247,11 @@ class Grouper:
     def _close(self, group: GroupState, now_ms: int, by: str, out: Emission) -> None:
         scored = score(group, self.cfg)
         group.closed = {"at_ms": now_ms, "by": by, "outcome": scored.outcome}
-        raws = {rid: self.members.pop(member_key(group.group_id, rid), None)
-                for rid, m in group.members.items() if m["trainable"]}  # fmt: skip
+        raws = {
+            rid: self.members.pop(member_key(group.group_id, rid), None)
+            for rid, m in group.members.items()
+            if m["trainable"]
+        }
         versions = [m["policy_version"] for m in group.members.values()] or [0]
         counts: dict[str, int] = {}
         for rid, adv in scored.advantages.items():
@@ -240,27 +259,69 @@ class Grouper:
             if raw is None:  # stored with the member; missing only if the state was tampered with
                 log.error("group %s: bytes of trajectory %s are missing; left out", group.group_id, rid)
                 continue
-            out.records.append(BatchRecord(
-                batch_id=group.group_id, policy_version=m["policy_version"], timestamp_ms=now_ms,
-                kind=BatchRecordKind.TRAJECTORY, step=group.step, index=sum(counts.values()), rollout_id=rid,
-                group_id=group.group_id, harness=m["harness"], advantage=adv, reward=m["reward"], trajectory=raw,
-            ))  # fmt: skip
+            out.records.append(
+                BatchRecord(
+                    batch_id=group.group_id,
+                    policy_version=m["policy_version"],
+                    timestamp_ms=now_ms,
+                    kind=BatchRecordKind.TRAJECTORY,
+                    step=group.step,
+                    index=sum(counts.values()),
+                    rollout_id=rid,
+                    group_id=group.group_id,
+                    harness=m["harness"],
+                    advantage=adv,
+                    reward=m["reward"],
+                    trajectory=raw,
+                )
+            )
             counts[m["harness"]] = counts.get(m["harness"], 0) + 1
         if counts:
-            out.records.append(BatchRecord(
-                batch_id=group.group_id, policy_version=min(versions), timestamp_ms=now_ms, kind=BatchRecordKind.SEAL,
-                step=group.step, index=sum(counts.values()), group_id=group.group_id, harness=group.harness,
-                harness_counts=counts,
-            ))  # fmt: skip
-        values = {"members": float(len(group.members)), "expected": float(group.expected),
-                  "scored": float(scored.scored), "infra": float(scored.infra),
-                  "trained": float(sum(counts.values()))}  # fmt: skip
+            out.records.append(
+                BatchRecord(
+                    batch_id=group.group_id,
+                    policy_version=min(versions),
+                    timestamp_ms=now_ms,
+                    kind=BatchRecordKind.SEAL,
+                    step=group.step,
+                    index=sum(counts.values()),
+                    group_id=group.group_id,
+                    harness=group.harness,
+                    harness_counts=counts,
+                )
+            )
+        values = {
+            "members": float(len(group.members)),
+            "expected": float(group.expected),
+            "scored": float(scored.scored),
+            "infra": float(scored.infra),
+            "trained": float(sum(counts.values())),
+        }
         if scored.mean is not None:
             values.update(reward_mean=scored.mean, reward_std=scored.std or 0.0)
-        out.metrics.append(Metric(
-            policy_version=min(versions), timestamp_ms=now_ms, source=SOURCE, name="group", values=values,
-            step=group.step, labels={"group_id": group.group_id, "harness": group.harness, "outcome": scored.outcome,
-                                     "closed_by": by},
-        ))  # fmt: skip
-        log.info("group %s closed (%s): %s, %d/%d rollouts, %d infra, %d trained", group.group_id, by, scored.outcome,
-                 len(group.members), group.expected, scored.infra, sum(counts.values()))  # fmt: skip
+        out.metrics.append(
+            Metric(
+                policy_version=min(versions),
+                timestamp_ms=now_ms,
+                source=SOURCE,
+                name="group",
+                values=values,
+                step=group.step,
+                labels={
+                    "group_id": group.group_id,
+                    "harness": group.harness,
+                    "outcome": scored.outcome,
+                    "closed_by": by,
+                },
+            )
+        )
+        log.info(
+            "group %s closed (%s): %s, %d/%d rollouts, %d infra, %d trained",
+            group.group_id,
+            by,
+            scored.outcome,
+            len(group.members),
+            group.expected,
+            scored.infra,
+            sum(counts.values()),
+        )

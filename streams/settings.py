@@ -43,57 +43,68 @@ class StreamsSettings(BaseSettings):
         "'at_least_once': plain Faust commits.",
     )
     commit_interval_s: float = Field(
-        default=0.2, gt=0, description="How often offsets (and, exactly-once, transactions) are committed; outputs "
+        default=0.2,
+        gt=0,
+        description="How often offsets (and, exactly-once, transactions) are committed; outputs "
         "become visible to read_committed consumers at the commit, so this adds to end-to-end latency (records wait "
-        "while a commit runs: bench/results/streams.md measures the trade-off)."
-    )  # fmt: skip
+        "while a commit runs: bench/results/streams.md measures the trade-off).",
+    )
     producer_linger_s: float = Field(
-        default=0.1, ge=0,
+        default=0.1,
+        ge=0,
         description="Exactly-once only: how long the producers gather records into one request before sending; the "
         "commit sends what lingers, so this adds no latency there (at least once, outputs leave after 5 ms).",
-    )  # fmt: skip
+    )
     session_timeout_s: float = Field(
-        default=30.0, ge=6.0,
+        default=30.0,
+        ge=6.0,
         description="Consumer group session timeout: how long a crashed worker holds its partitions.",
-    )  # fmt: skip
+    )
     tick_interval_s: float = Field(
-        default=0.1, gt=0,
+        default=0.1,
+        gt=0,
         description="How often each worker sends itself a tick per owned partition to check settle/group deadlines "
         "(adds up to this much to settle → trajectory latency).",
-    )  # fmt: skip
+    )
     # ---- assembler -------------------------------------------------------------------------------------------------
     settle_interval_s: float = Field(
-        default=2.0, ge=0,
+        default=2.0,
+        ge=0,
         description="Quiet period: a complete rollout settles once no record of it arrived for this long.",
-    )  # fmt: skip
+    )
     settle_timeout_s: float = Field(
-        default=300.0, gt=0,
+        default=300.0,
+        gt=0,
         description="After the terminal lifecycle event, how long to wait for the missing calls/reward before the "
         "rollout settles INCOMPLETE (also the inactivity limit once the rollout was seen, see rollout_timeout_s).",
     )
     rollout_timeout_s: float = Field(
-        default=3600.0, gt=0,
+        default=3600.0,
+        gt=0,
         description="A rollout with no terminal lifecycle event may stay silent this long (its request's timeout_s "
         "when known) plus settle_timeout_s before it is given up as INCOMPLETE.",
     )
     late_retention_s: float = Field(
-        default=3600.0, gt=0,
+        default=3600.0,
+        gt=0,
         description="How long a settled rollout (or closed group) is remembered so late records are dead-lettered "
         "instead of opening a new one.",
     )
     max_leaves: int | None = Field(
         default=64, ge=1, description="Leaf cap of a rollout's tree ('none' in the environment: no cap)."
-    )  # fmt: skip
+    )
     prune: Literal["carried", "strict", "none"] = Field(default="carried", description="Dead-end rule (streams/tree).")
     # ---- grouper ---------------------------------------------------------------------------------------------------
     group_size: int = Field(
-        default=8, ge=1,
+        default=8,
+        ge=1,
         description="Rollouts per GRPO group when a trajectory's metadata has no 'group_size' label.",
-    )  # fmt: skip
+    )
     group_timeout_s: float = Field(
-        default=900.0, gt=0,
+        default=900.0,
+        gt=0,
         description="A group closes this long after its first trajectory even if rollouts are missing.",
-    )  # fmt: skip
+    )
     advantage_estimator: Literal["grpo", "ppo"] = Field(
         default="grpo",
         description="The learner's algorithm (--hp algorithm=...). 'ppo' (one rollout per task, A = R − V(s)) "
@@ -109,15 +120,16 @@ class StreamsSettings(BaseSettings):
     batch_groups: int = Field(default=32, ge=1, description="G: groups per training batch.")
     harness_mix: dict[str, float] = Field(
         default_factory=dict,
-        description="Target share of each harness in a batch, e.g. {\"claude-code\": 0.5, \"openclaw\": 0.5} "
+        description='Target share of each harness in a batch, e.g. {"claude-code": 0.5, "openclaw": 0.5} '
         "(JSON in the env variable; normalised). Empty: every harness weighs the same.",
     )
     mix_seed: int = Field(default=0, description="Seed of the batch mixing (batch n uses seed (mix_seed, n)).")
     max_policy_lag: int = Field(
-        default=2, ge=0,
+        default=2,
+        ge=0,
         description="Groups whose oldest policy version is more than this many versions behind the newest "
         "published weights are dropped as stale.",
-    )  # fmt: skip
+    )
 
     @field_validator("max_leaves", mode="before")
     @classmethod
@@ -154,6 +166,8 @@ class StreamsSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_times(self) -> StreamsSettings:
         if self.settle_timeout_s < self.settle_interval_s:
-            raise ValueError("settle_timeout_s must be >= settle_interval_s (a timeout shorter than the quiet period "
-                             "would give up on every rollout)")  # fmt: skip
+            raise ValueError(
+                "settle_timeout_s must be >= settle_interval_s (a timeout shorter than the quiet period "
+                "would give up on every rollout)"
+            )
         return self

@@ -83,8 +83,10 @@ def train_tasks(n_tasks: int, seed: int = 0) -> list[Task]:
     out: list[Task] = []
     for chunk in range((n_tasks + TRAIN_CHUNK - 1) // TRAIN_CHUNK):
         k = min(TRAIN_CHUNK, n_tasks - len(out))
-        out += [replace(t, task_id=f"{t.task_id}-c{chunk}") if chunk else t
-                for t in generate("train", k, seed + 1000 * chunk, exclude=set(reserved))]  # fmt: skip
+        out += [
+            replace(t, task_id=f"{t.task_id}-c{chunk}") if chunk else t
+            for t in generate("train", k, seed + 1000 * chunk, exclude=set(reserved))
+        ]
     return out
 
 

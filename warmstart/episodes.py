@@ -127,8 +127,14 @@ def run_episode(
         for rel, data in task.files.items():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_bytes(data)
-        args = argparse.Namespace(prompt=task.prompt, base_url="http://in-process", model="policy",
-                                  max_turns=max_turns, max_tokens=1024, http_timeout=60.0)  # fmt: skip
+        args = argparse.Namespace(
+            prompt=task.prompt,
+            base_url="http://in-process",
+            model="policy",
+            max_turns=max_turns,
+            max_tokens=1024,
+            http_timeout=60.0,
+        )
         loop = agentloop.run_openai if dialect == "openai" else agentloop.run_anthropic
         why = loop(args, agentloop.Tools(root, run_timeout=10.0), "", post=proxy.post)
         result = EpisodeResult(task.task_id, dialect, why, proxy.turns)

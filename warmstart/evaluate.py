@@ -28,8 +28,15 @@ def greedy_policy(model: Any, eos_id: int, max_new_tokens: int = 96) -> Policy:
     import torch  # heavy: imported only when a model is evaluated
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_id,
-                              pad_token_id=eos_id, top_k=None, top_p=None, temperature=None)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+    )
 
     def policy(prompt: list[int]) -> list[int]:
         ids = torch.tensor([prompt])  # (1, L)
@@ -41,9 +48,13 @@ def greedy_policy(model: Any, eos_id: int, max_new_tokens: int = 96) -> Policy:
 
 
 def evaluate_policy(
-    make_policy: Callable[[Task, str], Policy], tokenizer: Any, tasks: list[Task], dialects: tuple[str, ...] = DIALECTS,
-    *, progress: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    make_policy: Callable[[Task, str], Policy],
+    tokenizer: Any,
+    tasks: list[Task],
+    dialects: tuple[str, ...] = DIALECTS,
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Run every task in every dialect with the policy ``make_policy(task, dialect)``; mean reward + solve rate."""
     renderer = TemplateRenderer(tokenizer)
     bar = progress_bar(len(tasks) * len(dialects), "held-out eval", "episode", enabled=progress)
@@ -57,8 +68,11 @@ def evaluate_policy(
     for name, subset in [("all", results), *((d, [r for r in results if r.dialect == d]) for d in dialects)]:
         rewards = [r.reward or 0.0 for r in subset]
         n = max(len(rewards), 1)
-        report[name] = {"mean_reward": sum(rewards) / n, "solve_rate": sum(x >= 1.0 for x in rewards) / n,
-                        "n": len(subset)}  # fmt: skip
+        report[name] = {
+            "mean_reward": sum(rewards) / n,
+            "solve_rate": sum(x >= 1.0 for x in rewards) / n,
+            "n": len(subset),
+        }
     templates = {t.task_id: t.metadata.get("template", "?") for t in tasks}
     by_template: dict[str, list[float]] = {}
     for r in results:
@@ -67,16 +81,18 @@ def evaluate_policy(
     return report
 
 
-def evaluate_model(model: Any, tokenizer: Any, n: int = 64, seed: int = 0, split: str = "heldout",
-                   progress: bool = False) -> dict[str, Any]:  # fmt: skip
+def evaluate_model(
+    model: Any, tokenizer: Any, n: int = 64, seed: int = 0, split: str = "heldout", progress: bool = False
+) -> dict[str, Any]:
     """Greedy evaluation of an in-memory model on ``n`` tasks of ``split`` in both dialects."""
     tasks = heldout_tasks(n, seed) if split == "heldout" else train_tasks(n, seed)
     policy = greedy_policy(model, tokenizer.convert_tokens_to_ids(IM_END))
     return evaluate_policy(lambda _t, _d: policy, tokenizer, tasks, progress=progress)
 
 
-def evaluate(model_dir: str | Path, split: str = "heldout", n: int = 64, seed: int = 0,
-             progress: bool = False) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    model_dir: str | Path, split: str = "heldout", n: int = 64, seed: int = 0, progress: bool = False
+) -> dict[str, Any]:
     """Greedy offline evaluation of a saved model on ``n`` tasks of ``split`` in both dialects."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,6 +104,9 @@ def evaluate(model_dir: str | Path, split: str = "heldout", n: int = 64, seed: i
 
 def format_report(report: dict[str, Any]) -> str:
     """One log line of an evaluation report: reward and solve rate overall and per dialect, reward per template."""
-    parts = [f"{k} reward {v['mean_reward']:.3f} solved {v['solve_rate']:.3f}" for k, v in report.items()
-             if isinstance(v, dict) and "mean_reward" in v]  # fmt: skip
+    parts = [
+        f"{k} reward {v['mean_reward']:.3f} solved {v['solve_rate']:.3f}"
+        for k, v in report.items()
+        if isinstance(v, dict) and "mean_reward" in v
+    ]
     return "; ".join(parts) + f"; by template {report['by_template']}"

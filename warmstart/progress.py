@@ -39,8 +39,15 @@ class _Off:
         pass
 
 
-def progress_bar(total: int | None, desc: str, unit: str = "it", *, enabled: bool = True, log_interval_s: float = 30.0,
-                 stream: TextIO | None = None) -> Any:  # fmt: skip
+def progress_bar(
+    total: int | None,
+    desc: str,
+    unit: str = "it",
+    *,
+    enabled: bool = True,
+    log_interval_s: float = 30.0,
+    stream: TextIO | None = None,
+) -> Any:
     """A tqdm bar on ``stream`` (stdout); a no-op object with the same methods when ``enabled`` is false or tqdm is
     missing. ``bar.write(line)`` prints a line above the bar."""
     if not enabled:
@@ -51,6 +58,16 @@ def progress_bar(total: int | None, desc: str, unit: str = "it", *, enabled: boo
         return _Off()
     out = stream or sys.stdout
     tty = bool(getattr(out, "isatty", lambda: False)())
-    return tqdm(total=total, desc=desc, unit=unit, file=out, dynamic_ncols=tty, ncols=None if tty else 100,
-                mininterval=0.5 if tty else log_interval_s, maxinterval=max(log_interval_s, 10.0),
-                ascii=not tty, leave=True, smoothing=0.1)  # fmt: skip
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=out,
+        dynamic_ncols=tty,
+        ncols=None if tty else 100,
+        mininterval=0.5 if tty else log_interval_s,
+        maxinterval=max(log_interval_s, 10.0),
+        ascii=not tty,
+        leave=True,
+        smoothing=0.1,
+    )

@@ -173,9 +173,11 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
     prefix = {d: _common_prefix(p) if cfg.shared_prefix else 0 for d, p in pools.items()}
     n_target = sum(sum(s.mask) for p in pools.values() for s in p)
     cap = f", capped at {cfg.minutes:g} min" if cfg.minutes else ""
-    _say(f"[sft] {len(episodes)} episodes, {n_target} target tokens, shared prefix {prefix} "
-         f"({time.perf_counter() - t_start:.1f}s); {cfg.steps} steps of {cfg.batch_size}, lr {cfg.lr:g}, "
-         f"seed {cfg.seed}{cap}")  # fmt: skip
+    _say(
+        f"[sft] {len(episodes)} episodes, {n_target} target tokens, shared prefix {prefix} "
+        f"({time.perf_counter() - t_start:.1f}s); {cfg.steps} steps of {cfg.batch_size}, lr {cfg.lr:g}, "
+        f"seed {cfg.seed}{cap}"
+    )
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     budget_s = cfg.minutes * 60.0 if cfg.minutes else math.inf
@@ -215,8 +217,11 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
             history.append((step, window_loss / max(window_tok, 1)))
             rate = window_pos / max(dt - t_log, 1e-9)
             bar.set_postfix_str(f"loss {history[-1][1]:.3f}, {rate:.0f} tok/s", refresh=False)
-            _log(bar, f"[sft] step {step}/{cfg.steps} {dt / 60:.1f}min loss {history[-1][1]:.4f} "
-                      f"lr {cfg.lr * scale:.2e} {rate:.0f} tok/s")  # fmt: skip
+            _log(
+                bar,
+                f"[sft] step {step}/{cfg.steps} {dt / 60:.1f}min loss {history[-1][1]:.4f} "
+                f"lr {cfg.lr * scale:.2e} {rate:.0f} tok/s",
+            )
             t_log = dt
             window_loss, window_tok, window_pos = 0.0, 0, 0
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
@@ -231,19 +236,31 @@ def sft(model_dir: str | Path, out_dir: str | Path, cfg: SFTConfig | None = None
     bar.close()
     train_s = time.perf_counter() - t0 - eval_s
     if cut:
-        _say(f"[sft] WARNING: the --minutes {cfg.minutes:g} cap cut the run at step {step} of {cfg.steps}: this "
-             "model is NOT the recipe's (raise or drop the cap to reproduce it)")  # fmt: skip
+        _say(
+            f"[sft] WARNING: the --minutes {cfg.minutes:g} cap cut the run at step {step} of {cfg.steps}: this "
+            "model is NOT the recipe's (raise or drop the cap to reproduce it)"
+        )
     model.eval()
     save_model(model, tokenizer, model_dir, out_dir)
     summary: dict[str, Any] = {
-        "steps": step, "steps_planned": cfg.steps, "cut_by_minutes": cut, "train_minutes": round(train_s / 60, 2),
-        "steps_per_s": round(step / max(train_s, 1e-9), 4), "tokens_per_s": round(all_pos / max(train_s, 1e-9)),
-        "final_loss": history[-1][1] if history else None, "history": history, "config": vars(cfg),
-        "base_sha256": weights_sha256(model_dir), "sha256": weights_sha256(out_dir),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-    }  # fmt: skip
-    _say(f"[sft] {step} steps in {train_s / 60:.1f} min ({summary['steps_per_s']:.2f} steps/s, "
-         f"{summary['tokens_per_s']} tok/s); weights sha256 {summary['sha256'][:16]}…")  # fmt: skip
+        "steps": step,
+        "steps_planned": cfg.steps,
+        "cut_by_minutes": cut,
+        "train_minutes": round(train_s / 60, 2),
+        "steps_per_s": round(step / max(train_s, 1e-9), 4),
+        "tokens_per_s": round(all_pos / max(train_s, 1e-9)),
+        "final_loss": history[-1][1] if history else None,
+        "history": history,
+        "config": vars(cfg),
+        "base_sha256": weights_sha256(model_dir),
+        "sha256": weights_sha256(out_dir),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    _say(
+        f"[sft] {step} steps in {train_s / 60:.1f} min ({summary['steps_per_s']:.2f} steps/s, "
+        f"{summary['tokens_per_s']} tok/s); weights sha256 {summary['sha256'][:16]}…"
+    )
     if cfg.eval_tasks:
         summary["eval"] = evaluate_model(model, tokenizer, n=cfg.eval_tasks, seed=cfg.seed, progress=cfg.progress)
         _say(f"[sft] held-out eval: {format_report(summary['eval'])}")
@@ -292,15 +309,18 @@ def recipe_commands(recipe: tuple[dict[str, Any], ...] = SHIPPED_RECIPE) -> list
     lines, source = [], "BASE"
     for i, stage in enumerate(recipe, 1):
         out = "OUT" if i == len(recipe) else f"STAGE{i}"
-        flags = " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
-                         for k, v in stage.items())  # fmt: skip
+        flags = " ".join(
+            f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+            for k, v in stage.items()
+        )
         lines.append(f"clawstream model sft --model-dir {source} --out {out} {flags}")
         source = out
     return lines
 
 
-def train_recipe(base: str | Path, out: str | Path, recipe: tuple[dict[str, Any], ...] = SHIPPED_RECIPE,
-                 **overrides: Any) -> dict[str, Any]:  # fmt: skip
+def train_recipe(
+    base: str | Path, out: str | Path, recipe: tuple[dict[str, Any], ...] = SHIPPED_RECIPE, **overrides: Any
+) -> dict[str, Any]:
     """Run a staged recipe (each stage an :func:`sft` run on the previous output); the last stage's summary, with
     ``recipe`` (the stages) added, is also written to ``out/sft_summary.json``."""
     out = Path(out)
@@ -318,8 +338,9 @@ def train_recipe(base: str | Path, out: str | Path, recipe: tuple[dict[str, Any]
     return summary
 
 
-def shipped_warm_start(recipe: tuple[dict[str, Any], ...] = SHIPPED_RECIPE,
-                       shipped: Path = SHIPPED_DIR) -> tuple[Path | None, str]:  # fmt: skip
+def shipped_warm_start(
+    recipe: tuple[dict[str, Any], ...] = SHIPPED_RECIPE, shipped: Path = SHIPPED_DIR
+) -> tuple[Path | None, str]:
     """The shipped checkpoint when ``recipe`` is the one that made it and its weights still have the recorded
     sha256; else ``(None, why not)``. A mismatch of the weights is never used silently."""
     summary_path = shipped / "sft_summary.json"
@@ -330,8 +351,10 @@ def shipped_warm_start(recipe: tuple[dict[str, Any], ...] = SHIPPED_RECIPE,
         return None, f"the shipped warm start was made by {summary.get('recipe')}, not {list(recipe)}"
     actual = weights_sha256(shipped)
     if actual != summary.get("sha256"):
-        return None, (f"the shipped warm start's weights have sha256 {actual[:16]}…, not the recorded "
-                      f"{str(summary.get('sha256'))[:16]}… (damaged or changed; train it with `clawstream model sft`)")
+        return None, (
+            f"the shipped warm start's weights have sha256 {actual[:16]}…, not the recorded "
+            f"{str(summary.get('sha256'))[:16]}… (damaged or changed; train it with `clawstream model sft`)"
+        )
     return shipped, f"{len(recipe)}-stage SFT recipe (docs/quickstart.md), sha256 {actual[:16]}… verified"
 
 
@@ -361,25 +384,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-dir", type=Path, required=True, help="model to warm-start (policy.tiny_model output)")
     p.add_argument("--out", type=Path, help="where to save the warm-started model (required unless --eval-only)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps: the recipe's budget (%(default)s)")
-    p.add_argument("--schedule-steps", type=int, default=d.schedule_steps,
-                   help="the learning-rate cosine spans this many steps (0: --steps); larger than --steps stops "
-                   "part-way through that schedule (%(default)s)")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
-                   help="also save OUT/checkpoints/step-N every this many steps (0: off)")
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=d.schedule_steps,
+        help="the learning-rate cosine spans this many steps (0: --steps); larger than --steps stops "
+        "part-way through that schedule (%(default)s)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        help="also save OUT/checkpoints/step-N every this many steps (0: off)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the data, its order and torch (%(default)s)")
-    p.add_argument("--minutes", type=float, default=None,
-                   help="safety cap on training minutes (default: none); a cut run is reported, not the recipe")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="safety cap on training minutes (default: none); a cut run is reported, not the recipe",
+    )
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate, then cosine to 10%% (%(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="episodes per step, one dialect per step (%(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=d.batch_size, help="episodes per step, one dialect per step (%(default)s)"
+    )
     p.add_argument("--n-tasks", type=int, default=d.n_tasks, help="training tasks, each in both dialects (%(default)s)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between small evals (0: off)")
-    p.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
-                   help="held-out tasks for the final eval, x2 dialects (%(default)s)")
+    p.add_argument(
+        "--eval-tasks",
+        type=int,
+        default=d.eval_tasks,
+        help="held-out tasks for the final eval, x2 dialects (%(default)s)",
+    )
     p.add_argument("--eval-only", action="store_true", help="only evaluate --model-dir")
-    p.add_argument("--shipped-recipe", action="store_true",
-                   help="train the shipped warm start's staged recipe from --model-dir (the tiny base model; "
-                   "the stage flags above are then ignored): " + " && ".join(recipe_commands()))
+    p.add_argument(
+        "--shipped-recipe",
+        action="store_true",
+        help="train the shipped warm start's staged recipe from --model-dir (the tiny base model; "
+        "the stage flags above are then ignored): " + " && ".join(recipe_commands()),
+    )
     p.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
     a = p.parse_args(argv)
     if a.eval_only:
@@ -390,16 +433,28 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out is required")
     if a.shipped_recipe:
         summary = train_recipe(a.model_dir, a.out, eval_tasks=a.eval_tasks, progress=not a.no_progress)
-        shipped = json.loads((SHIPPED_DIR / "sft_summary.json").read_text()).get("sha256") if (
-            SHIPPED_DIR / "sft_summary.json").exists() else None  # fmt: skip
+        shipped = (
+            json.loads((SHIPPED_DIR / "sft_summary.json").read_text()).get("sha256")
+            if (SHIPPED_DIR / "sft_summary.json").exists()
+            else None
+        )
         same = "the same as" if summary["sha256"] == shipped else "NOT the same as"
         print(f"sha256 {summary['sha256']}: {same} the shipped warm start's ({shipped})")
         return 0
     try:
-        cfg = SFTConfig(steps=a.steps, schedule_steps=a.schedule_steps, checkpoint_every=a.checkpoint_every,
-                        minutes=a.minutes, lr=a.lr, batch_size=a.batch_size, n_tasks=a.n_tasks,
-                        seed=a.seed, eval_every=a.eval_every, eval_tasks=a.eval_tasks,
-                        progress=not a.no_progress)  # fmt: skip
+        cfg = SFTConfig(
+            steps=a.steps,
+            schedule_steps=a.schedule_steps,
+            checkpoint_every=a.checkpoint_every,
+            minutes=a.minutes,
+            lr=a.lr,
+            batch_size=a.batch_size,
+            n_tasks=a.n_tasks,
+            seed=a.seed,
+            eval_every=a.eval_every,
+            eval_tasks=a.eval_tasks,
+            progress=not a.no_progress,
+        )
     except ValueError as exc:
         p.error(str(exc))
     sft(a.model_dir, a.out, cfg)

@@ -44,13 +44,18 @@ def check_broker(settings: KafkaSettings, timeout: float = 15.0) -> str:
     """The bootstrap address, once a broker there has answered; a :class:`ConfigError` naming the address tried
     (and where it came from) when none answers within ``timeout`` seconds."""
     bootstrap = bootstrap_servers(settings)
-    source = "--bootstrap / CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS" if settings.bootstrap_servers else (
-        f"the local broker's state in {LocalKafka().home}")  # fmt: skip
+    source = (
+        "--bootstrap / CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS"
+        if settings.bootstrap_servers
+        else (f"the local broker's state in {LocalKafka().home}")
+    )
     try:
         AdminClient(client_config(settings)).list_topics(timeout=timeout)
     except KafkaException as exc:
-        raise ConfigError(f"no Kafka broker answered at {bootstrap} (from {source}) within {timeout:g}s: "
-                          f"{exc.args[0] if exc.args else exc}") from exc  # fmt: skip
+        raise ConfigError(
+            f"no Kafka broker answered at {bootstrap} (from {source}) within {timeout:g}s: "
+            f"{exc.args[0] if exc.args else exc}"
+        ) from exc
     return bootstrap
 
 
@@ -65,8 +70,10 @@ def require_topics(settings: KafkaSettings, names: Iterable[str], *, timeout: fl
     missing = [settings.topic(n) for n in names if settings.topic(n) not in existing]
     if missing:
         prefix = f" --prefix {settings.topic_prefix}" if settings.topic_prefix else ""
-        raise ConfigError(f"topic(s) {', '.join(missing)} do not exist at {bootstrap_servers(settings)}; create the "
-                          f"catalog with `clawstream topics create{prefix}`")  # fmt: skip
+        raise ConfigError(
+            f"topic(s) {', '.join(missing)} do not exist at {bootstrap_servers(settings)}; create the "
+            f"catalog with `clawstream topics create{prefix}`"
+        )
 
 
 def client_config(settings: KafkaSettings) -> dict[str, Any]:
@@ -186,30 +193,34 @@ def produce_reliably(
 
 def producer_config(settings: KafkaSettings, **overrides: Any) -> dict[str, Any]:
     conf = client_config(settings)
-    conf.update({
-        "enable.idempotence": True,
-        "acks": "all",
-        "compression.type": "zstd",
-        "linger.ms": 5,
-        # Java's (and aiokafka's) key hashing, not librdkafka's CRC32 default: a rollout's calls, events and rewards
-        # must land on the same partition number whoever produces them (Faust joins them per partition).
-        "partitioner": "murmur2_random",
-        "message.max.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
-    })  # fmt: skip
+    conf.update(
+        {
+            "enable.idempotence": True,
+            "acks": "all",
+            "compression.type": "zstd",
+            "linger.ms": 5,
+            # Java's (and aiokafka's) key hashing, not librdkafka's CRC32 default: a rollout's calls, events and rewards
+            # must land on the same partition number whoever produces them (Faust joins them per partition).
+            "partitioner": "murmur2_random",
+            "message.max.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
+        }
+    )
     conf.update(overrides)
     return conf
 
 
 def consumer_config(settings: KafkaSettings, group_id: str, **overrides: Any) -> dict[str, Any]:
     conf = client_config(settings)
-    conf.update({
-        "group.id": group_id,
-        "auto.offset.reset": "earliest",
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES,
-        "max.partition.fetch.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
-    })  # fmt: skip
+    conf.update(
+        {
+            "group.id": group_id,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "fetch.max.bytes": 4 * MAX_MESSAGE_BYTES,
+            "max.partition.fetch.bytes": MAX_MESSAGE_BYTES + 1024 * 1024,
+        }
+    )
     conf.update(overrides)
     return conf
 

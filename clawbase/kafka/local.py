@@ -187,9 +187,15 @@ class LocalKafka:
             staging = lib.parent / "lib.partial"
             shutil.rmtree(staging, ignore_errors=True)
             cmd = [
-                mvn, "-B", "-q", "-f", str(RECIPE_DIR / "pom.xml"), "dependency:copy-dependencies",
-                f"-DoutputDirectory={staging}", "-DincludeScope=runtime",
-            ]  # fmt: skip
+                mvn,
+                "-B",
+                "-q",
+                "-f",
+                str(RECIPE_DIR / "pom.xml"),
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={staging}",
+                "-DincludeScope=runtime",
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
@@ -229,9 +235,20 @@ class LocalKafka:
         if (self.data_dir / "meta.properties").exists():
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [java, "-Xmx256m", f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
-               "-cp", f"{lib}/*", "kafka.tools.StorageTool", "format", "-t", cluster_id,
-               "-c", str(self.properties_file), "--ignore-formatted"]  # fmt: skip
+        cmd = [
+            java,
+            "-Xmx256m",
+            f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
+            "-cp",
+            f"{lib}/*",
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            cluster_id,
+            "-c",
+            str(self.properties_file),
+            "--ignore-formatted",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise KafkaLocalError(f"formatting KRaft storage failed:\n{(proc.stdout + proc.stderr).strip()[-2000:]}")
@@ -259,11 +276,22 @@ class LocalKafka:
             self._write_properties(state)
             self._format_storage(java, lib, state.cluster_id)
             heap = os.environ.get("CLAWSTREAM_KAFKA_HEAP", "512m")
-            cmd = [java, f"-Xms{heap}", f"-Xmx{heap}", "-server", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-                   "-XX:+ExplicitGCInvokesConcurrent", "-Djava.awt.headless=true",
-                   f"-Dkafka.logs.dir={self.home / 'logs'}",
-                   f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
-                   "-cp", f"{lib}/*", "kafka.Kafka", str(self.properties_file)]  # fmt: skip
+            cmd = [
+                java,
+                f"-Xms{heap}",
+                f"-Xmx{heap}",
+                "-server",
+                "-XX:+UseG1GC",
+                "-XX:MaxGCPauseMillis=20",
+                "-XX:+ExplicitGCInvokesConcurrent",
+                "-Djava.awt.headless=true",
+                f"-Dkafka.logs.dir={self.home / 'logs'}",
+                f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
+                "-cp",
+                f"{lib}/*",
+                "kafka.Kafka",
+                str(self.properties_file),
+            ]
             log = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child, closed below
             try:
                 proc = subprocess.Popen(

@@ -67,8 +67,16 @@ class KafkaPublisher:
             # Local queue full (rare: it holds 100k records): wait in a thread while the poll thread drains it, so
             # the event loop keeps serving (SSE keep-alives, other calls) meanwhile; never drop the record.
             try:
-                await asyncio.to_thread(produce_reliably, self._producer, topic, key.encode(), value,
-                                        on_delivery=on_delivery, timeout=timeout, wait=time.sleep)  # fmt: skip
+                await asyncio.to_thread(
+                    produce_reliably,
+                    self._producer,
+                    topic,
+                    key.encode(),
+                    value,
+                    on_delivery=on_delivery,
+                    timeout=timeout,
+                    wait=time.sleep,
+                )
             except ClawstreamError as exc:
                 raise PublishError(str(exc)) from exc
         try:

@@ -38,11 +38,23 @@ def before_after_rows(before: EvalResult, after: EvalResult) -> list[dict[str, A
     for b in before.rows:
         a = after.row(b.harness, b.mode)
         g, g_se = gain(b, a)
-        rows.append({"harness": b.harness, "mode": b.mode, "n_before": b.graded, "n_after": a.graded if a else 0,
-                     "before": b.mean, "before_se": b.stderr, "after": a.mean if a else None,
-                     "after_se": a.stderr if a else None, "gain": g, "gain_se": g_se,
-                     "solved_before": b.solved, "solved_after": a.solved if a else None,
-                     "significant": g is not None and g_se is not None and g > 2 * g_se})  # fmt: skip
+        rows.append(
+            {
+                "harness": b.harness,
+                "mode": b.mode,
+                "n_before": b.graded,
+                "n_after": a.graded if a else 0,
+                "before": b.mean,
+                "before_se": b.stderr,
+                "after": a.mean if a else None,
+                "after_se": a.stderr if a else None,
+                "gain": g,
+                "gain_se": g_se,
+                "solved_before": b.solved,
+                "solved_after": a.solved if a else None,
+                "significant": g is not None and g_se is not None and g > 2 * g_se,
+            }
+        )
     return rows
 
 
@@ -50,12 +62,17 @@ def before_after_table(before: EvalResult, after: EvalResult) -> str:
     """Markdown: per harness and mode, held-out mean reward ± s.e. before and after, the gain ± s.e., solved."""
     lines = ["| harness | mode | n | before | after | gain | solved before → after |", "|---|---|---|---|---|---|---|"]
     for r in before_after_rows(before, after):
-        solved = (f"{r['solved_before']:.1%} → {r['solved_after']:.1%}"
-                  if r["solved_before"] is not None and r["solved_after"] is not None else "n/a")  # fmt: skip
+        solved = (
+            f"{r['solved_before']:.1%} → {r['solved_after']:.1%}"
+            if r["solved_before"] is not None and r["solved_after"] is not None
+            else "n/a"
+        )
         mark = " (> 2 s.e.)" if r["significant"] else ""
-        lines.append(f"| {r['harness']} | {r['mode']} | {r['n_after']} | {_pm(r['before'], r['before_se'])} | "
-                     f"{_pm(r['after'], r['after_se'])} | {_pm(r['gain'], r['gain_se'], signed=True)}{mark} | "
-                     f"{solved} |")  # fmt: skip
+        lines.append(
+            f"| {r['harness']} | {r['mode']} | {r['n_after']} | {_pm(r['before'], r['before_se'])} | "
+            f"{_pm(r['after'], r['after_se'])} | {_pm(r['gain'], r['gain_se'], signed=True)}{mark} | "
+            f"{solved} |"
+        )
     return "\n".join(lines)
 
 
@@ -80,8 +97,12 @@ def plot(path: Path, trained: Sequence[Metric], before: EvalResult | None, after
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     for harness, points in sorted(reward_curves(trained).items()):
         left.plot([s for s, _ in points], [r for _, r in points], marker="o", label=harness)
-    left.set(xlabel="training step", ylabel="mean reward of the step's rollouts", ylim=(0, 1),
-             title="Reward per harness per step (training rollouts)")  # fmt: skip
+    left.set(
+        xlabel="training step",
+        ylabel="mean reward of the step's rollouts",
+        ylim=(0, 1),
+        title="Reward per harness per step (training rollouts)",
+    )
     left.xaxis.get_major_locator().set_params(integer=True)
     left.grid(alpha=0.3)
     left.legend(loc="best")
@@ -96,8 +117,9 @@ def plot(path: Path, trained: Sequence[Metric], before: EvalResult | None, after
             right.bar([x + offset for x in xs], values, width, yerr=errors, capsize=3, label=name)
         right.set_xticks(xs, labels, fontsize=8)
         n = max((r["n_after"] for r in rows), default=0)
-        right.set(ylabel="held-out mean reward (± 1 s.e.)", ylim=(0, 1),
-                  title=f"Held-out before / after ({n} tasks per bar)")  # fmt: skip
+        right.set(
+            ylabel="held-out mean reward (± 1 s.e.)", ylim=(0, 1), title=f"Held-out before / after ({n} tasks per bar)"
+        )
         right.legend(loc="upper left", fontsize=8)
     else:
         right.set_axis_off()

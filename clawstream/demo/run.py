@@ -83,8 +83,12 @@ def warm_start_dir(models: Path, cfg: DemoConfig) -> Path:
     if cfg.sft_steps is None:
         digest = hashlib.sha256(json.dumps(list(SHIPPED_RECIPE), sort_keys=True).encode()).hexdigest()[:8]
         return models / f"tiny-qwen3-sft-shipped-recipe-{digest}"
-    recipe = {"steps": cfg.sft_steps, "seed": cfg.sft_seed, "batch_size": cfg.sft_batch_size,
-              "n_tasks": cfg.sft_n_tasks}  # fmt: skip
+    recipe = {
+        "steps": cfg.sft_steps,
+        "seed": cfg.sft_seed,
+        "batch_size": cfg.sft_batch_size,
+        "n_tasks": cfg.sft_n_tasks,
+    }
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:8]
     return models / f"tiny-qwen3-sft-{cfg.sft_steps}steps-seed{cfg.sft_seed}-{digest}"
 
@@ -121,14 +125,26 @@ def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     if cfg.sft_steps is None:
         total = sum(stage["steps"] for stage in SHIPPED_RECIPE)
-        say(f"==> warm start: training the shipped recipe ({total} SFT steps in {len(SHIPPED_RECIPE)} stages; about "
-            f"an hour on 2 cores), once → {warm}")  # fmt: skip
+        say(
+            f"==> warm start: training the shipped recipe ({total} SFT steps in {len(SHIPPED_RECIPE)} stages; about "
+            f"an hour on 2 cores), once → {warm}"
+        )
         sft.train_recipe(base, partial, eval_tasks=0, progress=cfg.progress)
     else:
-        say(f"==> warm start: {cfg.sft_steps} SFT steps (seed {cfg.sft_seed}) on synthetic agent demonstrations, "
-            f"once → {warm}")  # fmt: skip
-        sft.sft(base, partial, steps=cfg.sft_steps, seed=cfg.sft_seed, batch_size=cfg.sft_batch_size,
-                n_tasks=cfg.sft_n_tasks, eval_tasks=0, progress=cfg.progress)  # fmt: skip
+        say(
+            f"==> warm start: {cfg.sft_steps} SFT steps (seed {cfg.sft_seed}) on synthetic agent demonstrations, "
+            f"once → {warm}"
+        )
+        sft.sft(
+            base,
+            partial,
+            steps=cfg.sft_steps,
+            seed=cfg.sft_seed,
+            batch_size=cfg.sft_batch_size,
+            n_tasks=cfg.sft_n_tasks,
+            eval_tasks=0,
+            progress=cfg.progress,
+        )
     partial.rename(warm)  # only a finished warm start is ever found in the cache
     return warm
 
@@ -195,36 +211,72 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
     try:
         threads = service_threads()
         plural = "s" if threads > 1 else ""
-        say(f"==> starting services (logs in {run_dir / 'logs'}; "
-            f"engine and learner: {threads} torch thread{plural} each)")
-        start_rollout_side(stack, model, engine=cfg.engine, concurrency=cfg.concurrency,
-                           max_batch_size=max(16, cfg.concurrency), torch_threads=threads)  # fmt: skip
-        start_streams(stack, run_dir, group_size=cfg.group_size, batch_groups=cfg.tasks_per_step,
-                      settle_interval_s=cfg.settle_interval_s, harness_mix=HARNESS_MIX)  # fmt: skip
-        hparams = {"lr": cfg.lr, "seed": cfg.seed, "logit_scale_lr": cfg.logit_scale_lr,
-                   **dict(h.split("=", 1) for h in cfg.hp)}  # fmt: skip
+        say(
+            f"==> starting services (logs in {run_dir / 'logs'}; "
+            f"engine and learner: {threads} torch thread{plural} each)"
+        )
+        start_rollout_side(
+            stack,
+            model,
+            engine=cfg.engine,
+            concurrency=cfg.concurrency,
+            max_batch_size=max(16, cfg.concurrency),
+            torch_threads=threads,
+        )
+        start_streams(
+            stack,
+            run_dir,
+            group_size=cfg.group_size,
+            batch_groups=cfg.tasks_per_step,
+            settle_interval_s=cfg.settle_interval_s,
+            harness_mix=HARNESS_MIX,
+        )
+        hparams = {
+            "lr": cfg.lr,
+            "seed": cfg.seed,
+            "logit_scale_lr": cfg.logit_scale_lr,
+            **dict(h.split("=", 1) for h in cfg.hp),
+        }
         start_learner(stack, model, run_dir, hparams, torch_threads=threads)
         try:  # a view of the run, not part of it: the demo goes on without it
             say(f"==> dashboard: {start_dashboard(stack)}  (reward, statuses, trees, capture health, weights)")
         except ClawstreamError as exc:
             say(f"==> dashboard did not start ({exc}); the run goes on without it")
-        start_scheduler(stack, cfg.steps, {
-            "tasks_per_step": cfg.tasks_per_step, "group_size": cfg.group_size, "harness_mix": HARNESS_MIX,
-            "max_tokens": cfg.max_tokens, "temperature": cfg.temperature, "max_policy_lag": cfg.max_policy_lag,
-            "seed": cfg.seed, "drain_timeout_s": 120,
-        })  # fmt: skip
+        start_scheduler(
+            stack,
+            cfg.steps,
+            {
+                "tasks_per_step": cfg.tasks_per_step,
+                "group_size": cfg.group_size,
+                "harness_mix": HARNESS_MIX,
+                "max_tokens": cfg.max_tokens,
+                "temperature": cfg.temperature,
+                "max_policy_lag": cfg.max_policy_lag,
+                "seed": cfg.seed,
+                "drain_timeout_s": 120,
+            },
+        )
         rl_started = time.monotonic() - t0
-        say(f"==> RL begins {rl_started:.0f} s after the start: {cfg.steps} steps of {cfg.tasks_per_step} tasks × "
-            f"{cfg.group_size} rollouts, harnesses {' + '.join(HARNESS_MIX)}")  # fmt: skip
+        say(
+            f"==> RL begins {rl_started:.0f} s after the start: {cfg.steps} steps of {cfg.tasks_per_step} tasks × "
+            f"{cfg.group_size} rollouts, harnesses {' + '.join(HARNESS_MIX)}"
+        )
         trained, applied = watcher.follow(stack, cfg.timeout_s, started=t0)
     finally:
         watcher.close()
         say("==> stopping services")
         stack.stop()
     rl_seconds = time.monotonic() - t0 - rl_started
-    result: dict[str, Any] = {"prefix": prefix, "run_dir": str(run_dir), "trained": trained, "applied": applied,
-                              "config": asdict(cfg), "model": str(model), "rl_started_s": round(rl_started, 1),
-                              "rl_seconds": round(rl_seconds, 1)}  # fmt: skip
+    result: dict[str, Any] = {
+        "prefix": prefix,
+        "run_dir": str(run_dir),
+        "trained": trained,
+        "applied": applied,
+        "config": asdict(cfg),
+        "model": str(model),
+        "rl_started_s": round(rl_started, 1),
+        "rl_seconds": round(rl_seconds, 1),
+    }
     timeline = read_timeline(kafka)
     (run_dir / "timeline.md").write_text(timeline_table(timeline) + "\n")
     say(f"==> where each step's time went (seconds; {run_dir / 'timeline.md'}):\n{timeline_table(timeline)}")
@@ -232,27 +284,51 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
     before = after = None
     if cfg.eval_tasks > 0 and trained:
         final = export_version(model, run_dir / "weights", max(applied), run_dir / "final-model")
-        ecfg = EvalConfig(harnesses=tuple(HARNESS_MIX), tasks=cfg.eval_tasks, modes=cfg.eval_modes,
-                          temperature=cfg.temperature, max_tokens=cfg.max_tokens, engine=cfg.engine,
-                          concurrency=max(cfg.concurrency, 12))  # fmt: skip
+        ecfg = EvalConfig(
+            harnesses=tuple(HARNESS_MIX),
+            tasks=cfg.eval_tasks,
+            modes=cfg.eval_modes,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            engine=cfg.engine,
+            concurrency=max(cfg.concurrency, 12),
+        )
         # The warm start's score does not change between runs: measured once per model and config, then reused.
-        before = cached_eval(model, ecfg, home / "eval-cache", kafka=kafka, run_dir=run_dir / "eval-before",
-                             label="held-out eval, before RL (v0)", progress=cfg.progress, say=say)  # fmt: skip
-        after = run_eval(final, ecfg, kafka=kafka, run_dir=run_dir / "eval-after", progress=cfg.progress, say=say,
-                         label=f"held-out eval, after RL (v{max(applied)})")  # fmt: skip
+        before = cached_eval(
+            model,
+            ecfg,
+            home / "eval-cache",
+            kafka=kafka,
+            run_dir=run_dir / "eval-before",
+            label="held-out eval, before RL (v0)",
+            progress=cfg.progress,
+            say=say,
+        )
+        after = run_eval(
+            final,
+            ecfg,
+            kafka=kafka,
+            run_dir=run_dir / "eval-after",
+            progress=cfg.progress,
+            say=say,
+            label=f"held-out eval, after RL (v{max(applied)})",
+        )
         table = report.before_after_table(before, after)
         (run_dir / "before_after.md").write_text(table + "\n")
-        say(f"==> held-out mean reward per harness, before → after RL ({cfg.eval_tasks} tasks each; ± 1 s.e.):\n"
-            f"{table}")  # fmt: skip
-        result.update(before=before.to_json(), after=after.to_json(),
-                      before_after=report.before_after_rows(before, after))  # fmt: skip
+        say(
+            f"==> held-out mean reward per harness, before → after RL ({cfg.eval_tasks} tasks each; ± 1 s.e.):\n{table}"
+        )
+        result.update(
+            before=before.to_json(), after=after.to_json(), before_after=report.before_after_rows(before, after)
+        )
         report.tensorboard_eval(run_dir / "tensorboard", before, after, max(m.step or 0 for m in trained) + 1)
     png = report.plot(run_dir / "learning.png", trained, before, after)
     say(f"==> plot: {png}\n    TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
     result["total_s"] = round(time.monotonic() - t0, 1)
     rows = [{**asdict(t), "steps": sorted(t.steps)} for t in timeline]
-    report.write_summary(run_dir / "summary.json", {**result, "trained": [_metric(m) for m in trained],
-                                                    "timeline": rows})  # fmt: skip
+    report.write_summary(
+        run_dir / "summary.json", {**result, "trained": [_metric(m) for m in trained], "timeline": rows}
+    )
     say(f"==> done in {result['total_s'] / 60:.1f} min (RL began at {rl_started:.0f} s, took {rl_seconds:.0f} s)")
     return result
 
@@ -282,5 +358,7 @@ def check(cfg: DemoConfig) -> None:
     for h in cfg.hp:
         name = h.split("=", 1)[0]
         if "=" not in h or name not in known:
-            raise ClawstreamError(f"--hp {h!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(known))} "
-                                  "(--lr and --seed have their own flags)")  # fmt: skip
+            raise ClawstreamError(
+                f"--hp {h!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(known))} "
+                "(--lr and --seed have their own flags)"
+            )

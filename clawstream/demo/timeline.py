@@ -40,9 +40,14 @@ from schemas.events import (
 from schemas.topics import BATCHES, METRICS, REWARDS, ROLLOUT_REQUESTS, TRAJECTORIES, WEIGHTS
 
 POINTS = ("requested", "rollouts", "settled", "grouped", "sealed", "published", "applied")
-PHASES = {"rollouts": ("requested", "rollouts"), "settle": ("rollouts", "settled"), "group": ("settled", "grouped"),
-          "batch": ("grouped", "sealed"), "learner": ("sealed", "published"),
-          "apply": ("published", "applied")}  # fmt: skip
+PHASES = {
+    "rollouts": ("requested", "rollouts"),
+    "settle": ("rollouts", "settled"),
+    "group": ("settled", "grouped"),
+    "batch": ("grouped", "sealed"),
+    "learner": ("sealed", "published"),
+    "apply": ("published", "applied"),
+}
 
 
 def step_of_group(group_id: str) -> int | None:
@@ -114,8 +119,12 @@ def build_timeline(records: dict[str, Iterable[bytes]]) -> list[BatchTimes]:
         rids = [r.rollout_id for r in recs if r.rollout_id]
         gids = {r.group_id for r in recs if r.group_id}
         t.steps = {s for g in gids if (s := step_of_group(g)) is not None}
-        for name, table, pick in (("requested", requested, min), ("rollouts", rewarded, max),
-                                  ("settled", settled, max), ("grouped", groups_closed, max)):  # fmt: skip
+        for name, table, pick in (
+            ("requested", requested, min),
+            ("rollouts", rewarded, max),
+            ("settled", settled, max),
+            ("grouped", groups_closed, max),
+        ):
             keys = gids if name == "grouped" else rids
             known = [table[k] for k in keys if k in table]
             if known:
@@ -134,16 +143,21 @@ def timeline_table(batches: list[BatchTimes]) -> str:
     """Markdown: per trained batch the seconds of each phase, the learner's compute within its phase, the whole
     (first request → served), and the gap since the previous version was served (the loop's period)."""
     names = list(PHASES)
-    lines = ["| version | steps | " + " | ".join(names) + " | of which learner compute | requested → served | "
-             "since previous served |", "|---|---|" + "---|" * (len(names) + 3)]  # fmt: skip
+    lines = [
+        "| version | steps | " + " | ".join(names) + " | of which learner compute | requested → served | "
+        "since previous served |",
+        "|---|---|" + "---|" * (len(names) + 3),
+    ]
     previous: int | None = None
     for t in batches:
         cells = [_s(t.phase(n)) for n in names]
         total = (t.at["applied"] - t.at["requested"]) / 1000 if {"applied", "requested"} <= t.at.keys() else None
         period = (t.at["applied"] - previous) / 1000 if previous is not None and "applied" in t.at else None
         steps = ",".join(str(s) for s in sorted(t.steps)) or "-"
-        lines.append(f"| v{t.version} | {steps} | " + " | ".join(cells) + f" | {_s(t.learner_compute_s)} | "
-                     f"{_s(total)} | {_s(period)} |")  # fmt: skip
+        lines.append(
+            f"| v{t.version} | {steps} | " + " | ".join(cells) + f" | {_s(t.learner_compute_s)} | "
+            f"{_s(total)} | {_s(period)} |"
+        )
         previous = t.at.get("applied", previous)
     return "\n".join(lines)
 

@@ -31,14 +31,19 @@ from warmstart.progress import progress_bar
 def step_line(metric: Metric) -> str:
     """The printed line of one trained step (every number straight from the learner's metric)."""
     v = metric.values
-    rewards = "  ".join(f"{k.removeprefix('reward/')} {val:.2f}" for k, val in sorted(v.items())
-                        if k.startswith("reward/") and k != "reward/mean")  # fmt: skip
-    return (f"step {metric.step}: reward {rewards} | pg loss {v.get('policy_loss', float('nan')):+.4e}  "
-            f"clipped {v.get('clip_frac', 0.0):.1%}  IS weight {v.get('is_weight_mean', float('nan')):.3f}  "
-            f"KL {v.get('update_kl', float('nan')):.2e}  entropy {v.get('entropy', float('nan')):.3f}"
-            + (f"  logit scale {v['logit_scale']:.3f}" if "logit_scale" in v else "")  # learner/logit_scale.py
-            + f" | {v.get('tokens_per_s', 0.0):.0f} tok/s, {v.get('step_seconds', 0.0):.1f} s"
-            f" → v{metric.policy_version}")
+    rewards = "  ".join(
+        f"{k.removeprefix('reward/')} {val:.2f}"
+        for k, val in sorted(v.items())
+        if k.startswith("reward/") and k != "reward/mean"
+    )
+    return (
+        f"step {metric.step}: reward {rewards} | pg loss {v.get('policy_loss', float('nan')):+.4e}  "
+        f"clipped {v.get('clip_frac', 0.0):.1%}  IS weight {v.get('is_weight_mean', float('nan')):.3f}  "
+        f"KL {v.get('update_kl', float('nan')):.2e}  entropy {v.get('entropy', float('nan')):.3f}"
+        + (f"  logit scale {v['logit_scale']:.3f}" if "logit_scale" in v else "")  # learner/logit_scale.py
+        + f" | {v.get('tokens_per_s', 0.0):.0f} tok/s, {v.get('step_seconds', 0.0):.1f} s"
+        f" → v{metric.policy_version}"
+    )
 
 
 @dataclass
@@ -52,8 +57,15 @@ class Watcher:
     """Follows a training run's topics and prints what happens; ``follow`` returns when ``steps`` are trained and
     served."""
 
-    def __init__(self, kafka: KafkaSettings, steps: int, rollouts_per_step: int, *, progress: bool = True,
-                 say: Callable[[str], None] = print) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        steps: int,
+        rollouts_per_step: int,
+        *,
+        progress: bool = True,
+        say: Callable[[str], None] = print,
+    ) -> None:
         self.kafka, self.steps, self.per_step = kafka, steps, rollouts_per_step
         self.progress, self.say = progress, say
         self.consumer = make_consumer(kafka, f"{kafka.topic_prefix}demo-watch")
@@ -86,8 +98,9 @@ class Watcher:
         try:
             while len(self.trained) < self.steps or len(self.applied) < self.steps:
                 if time.monotonic() > deadline:
-                    raise ClawstreamError(f"the demo did not finish {self.steps} steps within {timeout_s:.0f}s; "
-                                          "see the logs")  # fmt: skip
+                    raise ClawstreamError(
+                        f"the demo did not finish {self.steps} steps within {timeout_s:.0f}s; see the logs"
+                    )
                 stack.check()
                 msg = self.consumer.poll(0.5)
                 if msg is None or msg.error():
@@ -117,8 +130,10 @@ class Watcher:
                 self._print(step_line(metric))
             elif metric.name == "weights_applied":
                 self.applied.append(metric)
-                self._print(f"engine now serves v{metric.policy_version} "
-                            f"(swap {metric.values.get('swap_latency_s', 0) * 1000:.0f} ms)")  # fmt: skip
+                self._print(
+                    f"engine now serves v{metric.policy_version} "
+                    f"(swap {metric.values.get('swap_latency_s', 0) * 1000:.0f} ms)"
+                )
 
     def _update_bar(self) -> None:
         """One bar at a time: the lowest step whose rollouts are not all done (steps overlap under policy lag)."""
@@ -132,8 +147,9 @@ class Watcher:
         if step != self._bar_step:
             if self._bar is not None:
                 self._bar.close()
-            self._bar = progress_bar(self.per_step, f"step {step}/{self.steps} rollouts", "rollout",
-                                     enabled=self.progress)  # fmt: skip
+            self._bar = progress_bar(
+                self.per_step, f"step {step}/{self.steps} rollouts", "rollout", enabled=self.progress
+            )
             self._bar_step = step
         done = len(self.rollouts[step].done)
         if done > self._bar.n:

@@ -85,8 +85,14 @@ class EvalResult:
         return next((r for r in self.rows if r.harness == harness and r.mode == mode), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "config": asdict(self.config), "rows": [r.as_dict() for r in self.rows],
-                "seconds": round(self.seconds, 1), "table": self.table, **self.extra}  # fmt: skip
+        return {
+            "model": self.model,
+            "config": asdict(self.config),
+            "rows": [r.as_dict() for r in self.rows],
+            "seconds": round(self.seconds, 1),
+            "table": self.table,
+            **self.extra,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EvalResult:
@@ -126,9 +132,16 @@ def extended_heldout(n: int, seed: int = 0, home: Path | None = None) -> Path:
     return root
 
 
-def run_eval(model: Path, cfg: EvalConfig, *, kafka: KafkaSettings | None = None, run_dir: Path | None = None,
-             label: str = "held-out eval", progress: bool = True,
-             say: Callable[[str], None] = print) -> EvalResult:  # fmt: skip
+def run_eval(
+    model: Path,
+    cfg: EvalConfig,
+    *,
+    kafka: KafkaSettings | None = None,
+    run_dir: Path | None = None,
+    label: str = "held-out eval",
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+) -> EvalResult:
     """Evaluate ``model``: start engine + proxy + sandbox worker under a fresh topic prefix, run the scheduler's eval
     mode, stop them. ``kafka``: the broker to use (its prefix is replaced); default: as ``clawstream demo`` finds
     one. Logs and ``eval.json`` go to ``run_dir`` (default ``$CLAWSTREAM_HOME/eval/<time>``)."""
@@ -144,15 +157,33 @@ def run_eval(model: Path, cfg: EvalConfig, *, kafka: KafkaSettings | None = None
     stack = stack_for(settings, run_dir / "logs")
     started = time.monotonic()
     try:
-        say(f"==> {label}: {model} ({', '.join(cfg.harnesses)} × {limit or 'all'} {cfg.split} tasks × "
-            f"{' + '.join(cfg.modes)}; logs in {run_dir / 'logs'})")  # fmt: skip
-        start_rollout_side(stack, Path(model), engine=cfg.engine, concurrency=cfg.concurrency, suites=suites,
-                           max_batch_size=max(16, cfg.concurrency))  # fmt: skip
-        scheduler = Scheduler(SchedulerSettings(
-            suite=suite_name, suites=suites, eval_split=cfg.split, eval_limit=limit, eval_harnesses=list(cfg.harnesses),
-            eval_modes=list(cfg.modes), temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-            eval_timeout_s=cfg.timeout_s,
-        ), settings)  # fmt: skip
+        say(
+            f"==> {label}: {model} ({', '.join(cfg.harnesses)} × {limit or 'all'} {cfg.split} tasks × "
+            f"{' + '.join(cfg.modes)}; logs in {run_dir / 'logs'})"
+        )
+        start_rollout_side(
+            stack,
+            Path(model),
+            engine=cfg.engine,
+            concurrency=cfg.concurrency,
+            suites=suites,
+            max_batch_size=max(16, cfg.concurrency),
+        )
+        scheduler = Scheduler(
+            SchedulerSettings(
+                suite=suite_name,
+                suites=suites,
+                eval_split=cfg.split,
+                eval_limit=limit,
+                eval_harnesses=list(cfg.harnesses),
+                eval_modes=list(cfg.modes),
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_tokens=cfg.max_tokens,
+                eval_timeout_s=cfg.timeout_s,
+            ),
+            settings,
+        )
         rows = asyncio.run(scheduler.evaluate_scores(_progress(stack, label, progress)))
     finally:
         stack.stop()

@@ -44,8 +44,13 @@ class Service:
 class Stack:
     def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                    **(env or {})}  # fmt: skip
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+        }
         self.services: list[Service] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -54,9 +59,14 @@ class Stack:
         handle = open(service.log, "wb")  # noqa: SIM115 - owned by the child from here on
         try:
             service.proc = subprocess.Popen(
-                [sys.executable, "-m", *service.args], cwd=ROOT, env={**self.env, **service.env}, stdout=handle,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
+                [sys.executable, "-m", *service.args],
+                cwd=ROOT,
+                env={**self.env, **service.env},
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             handle.close()
         self.services.append(service)
@@ -69,8 +79,9 @@ class Stack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if service.proc.poll() is not None and not (service.may_finish and service.proc.returncode == 0):
-                raise StackError(f"{service.name} exited with {service.proc.returncode} during start-up:\n"
-                                 f"{self.tail(service)}")  # fmt: skip
+                raise StackError(
+                    f"{service.name} exited with {service.proc.returncode} during start-up:\n{self.tail(service)}"
+                )
             if pattern is not None:
                 match = pattern.search(service.log.read_text(errors="replace"))
                 if match:

@@ -45,12 +45,18 @@ def run_kafka(prefix: str, say: Callable[[str], None] = print) -> KafkaSettings:
 
 def stack_for(kafka: KafkaSettings, log_dir: Path) -> Stack:
     """A stack whose services talk to ``kafka``'s broker under its topic prefix."""
-    return Stack(log_dir, env={"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka),
-                               "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix})  # fmt: skip
+    return Stack(
+        log_dir,
+        env={
+            "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka),
+            "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix,
+        },
+    )
 
 
-def start_engine(stack: Stack, engine: str, model: Path, *, max_batch_size: int = 16,
-                 torch_threads: int | None = None) -> str:  # fmt: skip
+def start_engine(
+    stack: Stack, engine: str, model: Path, *, max_batch_size: int = 16, torch_threads: int | None = None
+) -> str:
     """Start the inference engine; returns the URL the proxy calls.
 
     ``cpu``: the project's CPU engine, which also follows weight versions (``torch_threads``: its intra-op threads,
@@ -60,9 +66,22 @@ def start_engine(stack: Stack, engine: str, model: Path, *, max_batch_size: int 
     """
     if engine == "cpu":
         threads = {"CLAWSTREAM_INFER_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
-        found = stack.start(Service("engine", ["consumers.inference.server", "--model", str(model), "--port", "0",
-                                               "--max-batch-size", str(max_batch_size)], env=threads,
-                                    ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+        found = stack.start(
+            Service(
+                "engine",
+                [
+                    "consumers.inference.server",
+                    "--model",
+                    str(model),
+                    "--port",
+                    "0",
+                    "--max-batch-size",
+                    str(max_batch_size),
+                ],
+                env=threads,
+                ready_line=r"on (http://\S+:\d+)",
+            )
+        )
         return str(found.found)
     if engine != "vllm":
         raise ClawstreamError(f"unknown engine {engine!r}: cpu or vllm")
@@ -70,11 +89,21 @@ def start_engine(stack: Stack, engine: str, model: Path, *, max_batch_size: int 
 
     if not is_installed():
         raise ClawstreamError("--engine vllm needs vLLM installed once: `clawstream vllm install` (or `make vllm`)")
-    vllm = stack.start(Service("vllm", ["clawstream", "vllm", "serve", "--model", str(model), "--port", "0",
-                                        "--max-model-len", "16384"],
-                               ready_line=r"vLLM ready at (http://\S+:\d+)/v1"), timeout=900)  # fmt: skip
-    stack.start(Service("engine", ["consumers.inference.server", "--engine", "vllm", "--engine-url", str(vllm.found),
-                                   "--port", "0"], ready_line=r"on (http://\S+:\d+)"))  # fmt: skip
+    vllm = stack.start(
+        Service(
+            "vllm",
+            ["clawstream", "vllm", "serve", "--model", str(model), "--port", "0", "--max-model-len", "16384"],
+            ready_line=r"vLLM ready at (http://\S+:\d+)/v1",
+        ),
+        timeout=900,
+    )
+    stack.start(
+        Service(
+            "engine",
+            ["consumers.inference.server", "--engine", "vllm", "--engine-url", str(vllm.found), "--port", "0"],
+            ready_line=r"on (http://\S+:\d+)",
+        )
+    )
     return str(vllm.found)
 
 
@@ -87,69 +116,139 @@ class RolloutSide:
     admin_token: str
 
 
-def start_rollout_side(stack: Stack, model: Path, *, engine: str = "cpu", concurrency: int = 4,
-                       suites: dict[str, str] | None = None, max_batch_size: int = 16,
-                       torch_threads: int | None = None) -> RolloutSide:  # fmt: skip
+def start_rollout_side(
+    stack: Stack,
+    model: Path,
+    *,
+    engine: str = "cpu",
+    concurrency: int = 4,
+    suites: dict[str, str] | None = None,
+    max_batch_size: int = 16,
+    torch_threads: int | None = None,
+) -> RolloutSide:
     """Engine, serving proxy and sandbox worker: everything a rollout request needs to become a reward.
 
     ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``)."""
     engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size, torch_threads=torch_threads)
     token, port = secrets.token_hex(16), free_port()  # hex: a token starting with "-" would read as a flag
     proxy_url = f"http://127.0.0.1:{port}"
-    stack.start(Service("proxy", ["producers.proxy.app", "--model", str(model), "--engine-url", engine_url,
-                                  "--port", str(port), "--admin-token", token],
-                        ready_url=f"{proxy_url}/metrics"))  # fmt: skip
+    stack.start(
+        Service(
+            "proxy",
+            [
+                "producers.proxy.app",
+                "--model",
+                str(model),
+                "--engine-url",
+                engine_url,
+                "--port",
+                str(port),
+                "--admin-token",
+                token,
+            ],
+            ready_url=f"{proxy_url}/metrics",
+        )
+    )
     env = {"CLAWSTREAM_SANDBOX_SUITES": json.dumps(suites)} if suites else {}
     prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
-    stack.start(Service("sandbox-worker", ["producers.sandbox.worker", "--concurrency", str(concurrency),
-                                           "--proxy-url", proxy_url, "--proxy-admin-token", token,
-                                           "--group-id", f"{prefix}sandbox-workers"], env=env))  # fmt: skip
+    stack.start(
+        Service(
+            "sandbox-worker",
+            [
+                "producers.sandbox.worker",
+                "--concurrency",
+                str(concurrency),
+                "--proxy-url",
+                proxy_url,
+                "--proxy-admin-token",
+                token,
+                "--group-id",
+                f"{prefix}sandbox-workers",
+            ],
+            env=env,
+        )
+    )
     return RolloutSide(engine_url, proxy_url, token)
 
 
-def start_streams(stack: Stack, run_dir: Path, *, group_size: int, batch_groups: int, settle_interval_s: float,
-                  harness_mix: dict[str, float] | None = None, group_timeout_s: float = 300.0,
-                  zero_variance: str = "keep") -> Service:  # fmt: skip
+def start_streams(
+    stack: Stack,
+    run_dir: Path,
+    *,
+    group_size: int,
+    batch_groups: int,
+    settle_interval_s: float,
+    harness_mix: dict[str, float] | None = None,
+    group_timeout_s: float = 300.0,
+    zero_variance: str = "keep",
+) -> Service:
     """The Faust stream processors (assembler → grouper → batcher), RocksDB state under ``run_dir``.
 
     ``harness_mix``: the batcher fills each batch toward these shares (it waits for a missing harness's group unless
     a backlog builds up); without it a batch takes whichever groups closed first."""
     prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
     mix = {"CLAWSTREAM_STREAMS_HARNESS_MIX": json.dumps(harness_mix)} if harness_mix else {}
-    return stack.start(Service("streams", ["streams.app", "--datadir", str(run_dir / "faust"), "worker",
-                                           "--loglevel", "warn"],
-                               env={**mix, "CLAWSTREAM_STREAMS_APP_ID": f"{prefix}streams",
-                                    "CLAWSTREAM_STREAMS_DATA_DIR": str(run_dir / "streams"),
-                                    "CLAWSTREAM_STREAMS_GROUP_SIZE": str(group_size),
-                                    "CLAWSTREAM_STREAMS_BATCH_GROUPS": str(batch_groups),
-                                    "CLAWSTREAM_STREAMS_ZERO_VARIANCE": zero_variance,
-                                    "CLAWSTREAM_STREAMS_GROUP_TIMEOUT_S": str(group_timeout_s),
-                                    "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": str(settle_interval_s)}))  # fmt: skip
+    return stack.start(
+        Service(
+            "streams",
+            ["streams.app", "--datadir", str(run_dir / "faust"), "worker", "--loglevel", "warn"],
+            env={
+                **mix,
+                "CLAWSTREAM_STREAMS_APP_ID": f"{prefix}streams",
+                "CLAWSTREAM_STREAMS_DATA_DIR": str(run_dir / "streams"),
+                "CLAWSTREAM_STREAMS_GROUP_SIZE": str(group_size),
+                "CLAWSTREAM_STREAMS_BATCH_GROUPS": str(batch_groups),
+                "CLAWSTREAM_STREAMS_ZERO_VARIANCE": zero_variance,
+                "CLAWSTREAM_STREAMS_GROUP_TIMEOUT_S": str(group_timeout_s),
+                "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": str(settle_interval_s),
+            },
+        )
+    )
 
 
-def start_learner(stack: Stack, model: Path, run_dir: Path, hparams: dict[str, object],
-                  torch_threads: int | None = None) -> Service:  # fmt: skip
+def start_learner(
+    stack: Stack, model: Path, run_dir: Path, hparams: dict[str, object], torch_threads: int | None = None
+) -> Service:
     """The learner: weights under ``run_dir/weights``, TensorBoard scalars under ``run_dir/tensorboard``."""
     hp = [arg for name, value in hparams.items() for arg in ("--hp", f"{name}={value}")]
     threads = {"CLAWSTREAM_LEARNER_TORCH_THREADS": str(torch_threads)} if torch_threads else {}
-    return stack.start(Service("learner", ["learner.train", "--model-dir", str(model), "--weight-store",
-                                           str(run_dir / "weights"), "--model-name", "policy",
-                                           "--tensorboard-dir", str(run_dir / "tensorboard"), *hp],
-                               env=threads))  # fmt: skip
+    return stack.start(
+        Service(
+            "learner",
+            [
+                "learner.train",
+                "--model-dir",
+                str(model),
+                "--weight-store",
+                str(run_dir / "weights"),
+                "--model-name",
+                "policy",
+                "--tensorboard-dir",
+                str(run_dir / "tensorboard"),
+                *hp,
+            ],
+            env=threads,
+        )
+    )
 
 
 def start_scheduler(stack: Stack, steps: int, settings: dict[str, object]) -> Service:
     """The scheduler in train mode for ``steps`` steps; ``settings`` are ``SchedulerSettings`` fields."""
-    env = {f"CLAWSTREAM_SCHEDULER_{k.upper()}": v if isinstance(v, str) else json.dumps(v)
-           for k, v in settings.items()}  # fmt: skip
-    return stack.start(Service("scheduler", ["producers.scheduler.service", "--steps", str(steps)], env=env,
-                               may_finish=True))  # fmt: skip
+    env = {f"CLAWSTREAM_SCHEDULER_{k.upper()}": v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
+    return stack.start(
+        Service("scheduler", ["producers.scheduler.service", "--steps", str(steps)], env=env, may_finish=True)
+    )
 
 
 def start_dashboard(stack: Stack, port: int = 0) -> str:
     """The live dashboard over the run's topics (``clawstream dashboard``); returns its URL."""
-    found = stack.start(Service("dashboard", ["consumers.analytics.dashboard", "--port", str(port)],
-                                ready_line=r"dashboard on (http://\S+/)")).found  # fmt: skip
+    found = stack.start(
+        Service(
+            "dashboard",
+            ["consumers.analytics.dashboard", "--port", str(port)],
+            ready_line=r"dashboard on (http://\S+/)",
+        )
+    ).found
     if found is None:
         raise ClawstreamError("the dashboard started but never said where it listens")
     return found

@@ -35,9 +35,15 @@ ENVELOPE: tuple[pa.Field, ...] = (
 )
 TRAILER: tuple[pa.Field, ...] = (pa.field("error", pa.string()), pa.field("raw_value", pa.binary()))
 _PRIMITIVES: dict[str, pa.DataType] = {
-    "string": pa.string(), "long": pa.int64(), "int": pa.int32(), "double": pa.float64(), "float": pa.float32(),
-    "boolean": pa.bool_(), "bytes": pa.binary(), "null": pa.null(),
-}  # fmt: skip
+    "string": pa.string(),
+    "long": pa.int64(),
+    "int": pa.int32(),
+    "double": pa.float64(),
+    "float": pa.float32(),
+    "boolean": pa.bool_(),
+    "bytes": pa.binary(),
+    "null": pa.null(),
+}
 _ARROW_OF_DTYPE: dict[str, pa.DataType] = {"int32": pa.int32(), "float32": pa.float32()}
 
 
@@ -93,14 +99,18 @@ class ArrowLayout:
         raise EventLogError(f"{owner}.{fname}: Avro type {kind!r} has no Arrow column type here")
 
     # ---- rows ------------------------------------------------------------------------------------------------------
-    def row(self, topic: str, partition: int, offset: int, timestamp_ms: int | None, key: bytes | None,
-            value: bytes | None) -> dict[str, Any]:  # fmt: skip
+    def row(
+        self, topic: str, partition: int, offset: int, timestamp_ms: int | None, key: bytes | None, value: bytes | None
+    ) -> dict[str, Any]:
         """One row; an undecodable value (or a record of another schema) gives ``error`` + ``raw_value``."""
         row: dict[str, Any] = {
-            "topic": topic, "partition": partition, "offset": offset, "timestamp": timestamp_ms,
+            "topic": topic,
+            "partition": partition,
+            "offset": offset,
+            "timestamp": timestamp_ms,
             # Every clawstream key is a UTF-8 id; anything else is kept readable rather than dropped.
             "key": None if key is None else key.decode("utf-8", "backslashreplace"),
-        }  # fmt: skip
+        }
         if value is None:
             return row
         try:

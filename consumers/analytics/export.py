@@ -94,8 +94,9 @@ def format_for(out: Path, given: str | None) -> Format:
     return fmt  # type: ignore[return-value]
 
 
-def plan_range(request: ExportRequest, marks: dict[int, tuple[int, int]],
-               at_time: Callable[[int], dict[int, int]]) -> tuple[dict[int, int], dict[int, int]]:  # fmt: skip
+def plan_range(
+    request: ExportRequest, marks: dict[int, tuple[int, int]], at_time: Callable[[int], dict[int, int]]
+) -> tuple[dict[int, int], dict[int, int]]:
     """``(starts, ends)`` per partition from the request's offsets or times; ``at_time(ms)`` looks offsets up."""
     if request.from_offsets is not None:
         starts = start_offsets(request.from_offsets, marks, flag="--from")
@@ -162,13 +163,20 @@ def _parquet_schema(request: ExportRequest, spec_schema: str | None) -> str:
     if name is None:
         from schemas.codec import default_codec
 
-        raise EventLogError(f"{request.topic} is not a catalog topic: give its value schema with --schema NAME "
-                            f"({', '.join(n.rpartition('.')[2] for n in default_codec().names)})")  # fmt: skip
+        raise EventLogError(
+            f"{request.topic} is not a catalog topic: give its value schema with --schema NAME "
+            f"({', '.join(n.rpartition('.')[2] for n in default_codec().names)})"
+        )
     return name
 
 
-def export(settings: KafkaSettings, request: ExportRequest, *, progress: Callable[[ExportSummary], None] | None = None,
-           stop: Callable[[], bool] = lambda: False) -> ExportSummary:  # fmt: skip
+def export(
+    settings: KafkaSettings,
+    request: ExportRequest,
+    *,
+    progress: Callable[[ExportSummary], None] | None = None,
+    stop: Callable[[], bool] = lambda: False,
+) -> ExportSummary:
     """Write the request's records to ``request.out`` atomically; return what was written."""
     started = time.monotonic()
     out = request.out
@@ -184,8 +192,9 @@ def export(settings: KafkaSettings, request: ExportRequest, *, progress: Callabl
         starts, ends = plan_range(request, marks, lambda ms: offsets_at(consumer, ref.name, ms, marks))
         summary.offsets_total = sum(ends[p] - starts[p] for p in starts)
         if request.format == "parquet":  # a schema problem shows before any record is read
-            writer: _Jsonl | _Parquet = _Parquet(tmp, _parquet_schema(request, ref.spec and ref.spec.value_schema),
-                                                 request.row_group)  # fmt: skip
+            writer: _Jsonl | _Parquet = _Parquet(
+                tmp, _parquet_schema(request, ref.spec and ref.spec.value_schema), request.row_group
+            )
         else:
             writer = _Jsonl(tmp, request.decode)
         done = dict(starts)
@@ -221,7 +230,8 @@ def export(settings: KafkaSettings, request: ExportRequest, *, progress: Callabl
 
 def build_parser(prog: str = "clawstream export") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Write a topic's records over an offset or time range to JSON lines or Parquet (atomically).",
         epilog="TOPIC as for `clawstream tail` (catalog name, with or without 'clawstream.', or a full name).\n"
         "examples:\n"
@@ -230,31 +240,66 @@ def build_parser(prog: str = "clawstream export") -> argparse.ArgumentParser:
         "  clawstream export calls --from 3:100 --to 3:200 --format jsonl --out p3.jsonl\n"
         "  duckdb -c \"select harness, avg(reward) from 'run.parquet' group by 1\"\n"
         "columns and types: docs/event_log.md",
-    )  # fmt: skip
+    )
     parser.add_argument("topic", metavar="TOPIC", help="the topic to export")
     parser.add_argument("--out", "-o", type=Path, required=True, metavar="PATH", help="the file to write")
-    parser.add_argument("--format", choices=FORMATS, default=None,
-                        help="jsonl or parquet (default: from the --out suffix: .jsonl / .parquet)")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default=None,
+        help="jsonl or parquet (default: from the --out suffix: .jsonl / .parquet)",
+    )
     start = parser.add_mutually_exclusive_group()
-    start.add_argument("--from", dest="from_offsets", action="append", metavar="[P:]N",
-                       help="start at offset N of every partition, or of partition P (then only the partitions "
-                       "named are read); a negative N counts back from the end")  # fmt: skip
-    start.add_argument("--since", metavar="TIME",
-                       help="start at the first record at or after TIME (epoch ms, ISO-8601, or 15m / 2h ago)")
+    start.add_argument(
+        "--from",
+        dest="from_offsets",
+        action="append",
+        metavar="[P:]N",
+        help="start at offset N of every partition, or of partition P (then only the partitions "
+        "named are read); a negative N counts back from the end",
+    )
+    start.add_argument(
+        "--since",
+        metavar="TIME",
+        help="start at the first record at or after TIME (epoch ms, ISO-8601, or 15m / 2h ago)",
+    )
     end = parser.add_mutually_exclusive_group()
-    end.add_argument("--to", dest="to_offsets", action="append", metavar="[P:]N",
-                     help="stop before offset N of every partition, or of partition P (exclusive)")
+    end.add_argument(
+        "--to",
+        dest="to_offsets",
+        action="append",
+        metavar="[P:]N",
+        help="stop before offset N of every partition, or of partition P (exclusive)",
+    )
     end.add_argument("--until", metavar="TIME", help="stop before the first record at or after TIME (exclusive)")
-    parser.add_argument("--rollout", action="append", default=[], metavar="ID",
-                        help="only records of this rollout (repeat for several)")
-    parser.add_argument("--tokens", choices=TOKEN_MODES, default="list",
-                        help="jsonl: token ids and logprobs as lists or as counts (default: list)")
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="jsonl: model directory whose tokenizer adds F_text beside each token-id field F")
-    parser.add_argument("--schema", default=None, metavar="NAME",
-                        help="parquet: value schema of a topic outside the catalog (e.g. Trajectory)")
-    parser.add_argument("--row-group", type=int, default=ROW_GROUP, metavar="N",
-                        help=f"parquet: records per row group (default {ROW_GROUP}; fewer when records are large)")
+    parser.add_argument(
+        "--rollout", action="append", default=[], metavar="ID", help="only records of this rollout (repeat for several)"
+    )
+    parser.add_argument(
+        "--tokens",
+        choices=TOKEN_MODES,
+        default="list",
+        help="jsonl: token ids and logprobs as lists or as counts (default: list)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="jsonl: model directory whose tokenizer adds F_text beside each token-id field F",
+    )
+    parser.add_argument(
+        "--schema",
+        default=None,
+        metavar="NAME",
+        help="parquet: value schema of a topic outside the catalog (e.g. Trajectory)",
+    )
+    parser.add_argument(
+        "--row-group",
+        type=int,
+        default=ROW_GROUP,
+        metavar="N",
+        help=f"parquet: records per row group (default {ROW_GROUP}; fewer when records are large)",
+    )
     parser.add_argument("--force", action="store_true", help="replace PATH if it exists")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     add_kafka_arguments(parser)
@@ -268,22 +313,27 @@ def request_from_args(args: argparse.Namespace) -> ExportRequest:
     if fmt == "parquet" and args.model:
         raise EventLogError("--model adds decoded text to jsonl exports; Parquet keeps the token ids")
     return ExportRequest(
-        topic=args.topic, out=args.out, format=fmt,
+        topic=args.topic,
+        out=args.out,
+        format=fmt,
         from_offsets=parse_offsets(args.from_offsets, flag="--from") if args.from_offsets else None,
         to_offsets=parse_offsets(args.to_offsets, flag="--to") if args.to_offsets else None,
         since_ms=parse_time_ms(args.since) if args.since is not None else None,
         until_ms=parse_time_ms(args.until) if args.until is not None else None,
         rollouts=frozenset(args.rollout),
         decode=DecodeOptions(tokens=args.tokens, text=load_tokenizer(args.model) if args.model else None),
-        schema=args.schema, force=args.force, row_group=args.row_group,
-    )  # fmt: skip
+        schema=args.schema,
+        force=args.force,
+        row_group=args.row_group,
+    )
 
 
 def _progress_printer(stream: TextIO) -> Callable[[ExportSummary], None]:
     def report(s: ExportSummary) -> None:
         pct = 100.0 * s.offsets_done / s.offsets_total if s.offsets_total else 100.0
-        stream.write(f"export: {pct:5.1f}% of {s.offsets_total} offsets, {s.records} records, "
-                     f"{s.bytes_read / 1e6:.1f} MB read\n")  # fmt: skip
+        stream.write(
+            f"export: {pct:5.1f}% of {s.offsets_total} offsets, {s.records} records, {s.bytes_read / 1e6:.1f} MB read\n"
+        )
         stream.flush()
 
     return report
@@ -296,8 +346,9 @@ def main(argv: list[str] | None = None, prog: str = "clawstream export") -> int:
         settings = kafka_settings(args)
         stopping, restore = install_stop_signals()
         try:
-            summary = export(settings, request, stop=stopping.is_set,
-                             progress=None if args.quiet else _progress_printer(sys.stderr))  # fmt: skip
+            summary = export(
+                settings, request, stop=stopping.is_set, progress=None if args.quiet else _progress_printer(sys.stderr)
+            )
         finally:
             restore()
     except ClawstreamError as exc:
@@ -306,8 +357,11 @@ def main(argv: list[str] | None = None, prog: str = "clawstream export") -> int:
     if not args.quiet:
         bad = f" ({summary.undecodable} undecodable, kept with their bytes)" if summary.undecodable else ""
         size = summary.path.stat().st_size if summary.path else 0
-        print(f"export: wrote {summary.records} records{bad} of {summary.topic} to {summary.path} "
-              f"({size / 1e6:.2f} MB, {request.format}) in {summary.seconds:.1f}s", file=sys.stderr)  # fmt: skip
+        print(
+            f"export: wrote {summary.records} records{bad} of {summary.topic} to {summary.path} "
+            f"({size / 1e6:.2f} MB, {request.format}) in {summary.seconds:.1f}s",
+            file=sys.stderr,
+        )
     return 0
 
 

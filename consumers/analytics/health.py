@@ -290,9 +290,23 @@ class HealthRow:
 
     def add(self, r: RolloutHealth) -> None:
         self.rollouts += 1
-        for name in ("calls", "main_calls", "follow_ups", "extends", "forks", "answer_forks", "roots", "restarts",
-                     "full_renders", "retry_orphans", "stale_attempt_calls", "unresolved_calls", "generated_tokens",
-                     "cache_prompt_tokens", "cached_tokens"):  # fmt: skip
+        for name in (
+            "calls",
+            "main_calls",
+            "follow_ups",
+            "extends",
+            "forks",
+            "answer_forks",
+            "roots",
+            "restarts",
+            "full_renders",
+            "retry_orphans",
+            "stale_attempt_calls",
+            "unresolved_calls",
+            "generated_tokens",
+            "cache_prompt_tokens",
+            "cached_tokens",
+        ):
             setattr(self, name, getattr(self, name) + getattr(r, name))
         if r.masked_tokens is not None:
             self.trajectories += 1
@@ -321,8 +335,13 @@ class HealthRow:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("extends_share", "full_renders_per_rollout", "forks_per_rollout", "masked_token_fraction",
-                     "prefix_cache_hit_rate"):  # fmt: skip
+        for name in (
+            "extends_share",
+            "full_renders_per_rollout",
+            "forks_per_rollout",
+            "masked_token_fraction",
+            "prefix_cache_hit_rate",
+        ):
             out[name] = getattr(self, name)
         return out
 
@@ -415,8 +434,11 @@ class HealthAggregator:
         final = state.trajectory.attempt_id if state.trajectory is not None else None
         if final is None and state.started:
             final = max(state.started)[2]
-        trajectory = state.trajectory if state.trajectory is not None and (
-            final is None or state.trajectory.attempt_id == final) else None  # fmt: skip
+        trajectory = (
+            state.trajectory
+            if state.trajectory is not None and (final is None or state.trajectory.attempt_id == final)
+            else None
+        )
         out = rollout_health(rollout_id, state.calls.values(), final_attempt=final, trajectory=trajectory)
         out.harness = state.harness or UNKNOWN
         dialects = Counter(c.dialect.value.lower() for c in state.calls.values() if c.call_kind == CallKind.MAIN)
@@ -434,22 +456,47 @@ def _per(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-COLUMNS = ("harness", "template", "rollouts", "main calls", "extend exactly", "re-renders/rollout",
-           "forks/rollout", "answer forks", "masked tokens", "retry orphans", "stale attempt", "cache hit")  # fmt: skip
+COLUMNS = (
+    "harness",
+    "template",
+    "rollouts",
+    "main calls",
+    "extend exactly",
+    "re-renders/rollout",
+    "forks/rollout",
+    "answer forks",
+    "masked tokens",
+    "retry orphans",
+    "stale attempt",
+    "cache hit",
+)
 
 
 def format_rows(rows: list[HealthRow]) -> str:
     """A fixed-width table of the rows (what ``clawstream health`` prints)."""
     lines = [list(COLUMNS)]
     for r in rows:
-        lines.append([
-            r.harness, r.template, str(r.rollouts), str(r.main_calls),
-            f"{_pct(r.extends_share)} ({r.extends}/{r.follow_ups})",
-            f"{_per(r.full_renders_per_rollout)} ({r.full_renders})", f"{_per(r.forks_per_rollout)} ({r.forks})",
-            str(r.answer_forks), _pct(r.masked_token_fraction), str(r.retry_orphans), str(r.stale_attempt_calls),
-            _pct(r.prefix_cache_hit_rate),
-        ])  # fmt: skip
+        lines.append(
+            [
+                r.harness,
+                r.template,
+                str(r.rollouts),
+                str(r.main_calls),
+                f"{_pct(r.extends_share)} ({r.extends}/{r.follow_ups})",
+                f"{_per(r.full_renders_per_rollout)} ({r.full_renders})",
+                f"{_per(r.forks_per_rollout)} ({r.forks})",
+                str(r.answer_forks),
+                _pct(r.masked_token_fraction),
+                str(r.retry_orphans),
+                str(r.stale_attempt_calls),
+                _pct(r.prefix_cache_hit_rate),
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
-    text = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths,
-            strict=True))).rstrip() for line in lines]  # fmt: skip
+    text = [
+        "  ".join(
+            cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in lines
+    ]
     return "\n".join([text[0], "  ".join("-" * w for w in widths), *text[1:]])

@@ -34,8 +34,9 @@ from consumers.analytics.records import EventLogError, TopicRef, resolve_topic
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Errors of a topic whose partitions have no leader yet (just created): librdkafka does not flag them retriable.
-_SETTLING = frozenset({KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                       KafkaError.UNKNOWN_TOPIC_OR_PART})  # fmt: skip
+_SETTLING = frozenset(
+    {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+)
 
 # A read that makes no progress this long (no record, no position moving) is reported instead of hanging: with
 # read_committed, an open transaction of a crashed producer holds positions until the broker aborts it.
@@ -47,8 +48,11 @@ def open_reader(settings: KafkaSettings, topic: str, *, timeout: float = 15.0) -
     """A never-committing consumer and the resolved topic; clear errors for no broker or no such topic."""
     check_broker(settings, timeout=timeout)
     ref = resolve_topic(topic, settings.topic_prefix)
-    consumer = make_consumer(settings, f"clawstream-reader-{uuid.uuid4().hex[:12]}",
-                             **{"enable.auto.commit": False, "enable.auto.offset.store": False})  # fmt: skip
+    consumer = make_consumer(
+        settings,
+        f"clawstream-reader-{uuid.uuid4().hex[:12]}",
+        **{"enable.auto.commit": False, "enable.auto.offset.store": False},
+    )
     try:
         existing = consumer.list_topics(timeout=timeout).topics
     except KafkaException as exc:
@@ -62,8 +66,11 @@ def open_reader(settings: KafkaSettings, topic: str, *, timeout: float = 15.0) -
 
 def _missing(ref: TopicRef, existing: list[str], bootstrap: str) -> str:
     similar = [t for t in existing if ref.spec is not None and t.endswith(ref.spec.name)][:8]
-    hint = f"; topics with that name under a prefix: {', '.join(similar)}" if similar else (
-        "; `clawstream topics list` shows the catalog, --topic-prefix P selects a run's prefix")  # fmt: skip
+    hint = (
+        f"; topics with that name under a prefix: {', '.join(similar)}"
+        if similar
+        else ("; `clawstream topics list` shows the catalog, --topic-prefix P selects a run's prefix")
+    )
     return f"no topic {ref.name} on {bootstrap}{hint}"
 
 
@@ -77,28 +84,38 @@ def _retrying(what: str, call: Callable[[], T], timeout: float) -> T:
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             if not (isinstance(err, KafkaError) and (err.retriable() or err.code() in _SETTLING)) or (
-                    time.monotonic() > deadline):  # fmt: skip
+                time.monotonic() > deadline
+            ):
                 raise EventLogError(f"cannot {what}: {exc}") from exc
             time.sleep(0.2)
 
 
 def watermarks(consumer: Consumer, topic: str, timeout: float = 15.0) -> dict[int, tuple[int, int]]:
     """``{partition: (low, high)}`` of every partition of ``topic``, as of now."""
-    meta = _retrying(f"read the partitions of {topic}",
-                     lambda: consumer.list_topics(topic, timeout=timeout).topics[topic], timeout)  # fmt: skip
+    meta = _retrying(
+        f"read the partitions of {topic}", lambda: consumer.list_topics(topic, timeout=timeout).topics[topic], timeout
+    )
     if meta.error is not None or not meta.partitions:
         raise EventLogError(f"cannot read {topic}: {meta.error or 'no partitions'}")
-    return {p: _retrying(f"read the offsets of {topic}[{p}]",
-                         lambda p=p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout),
-                         timeout)
-            for p in sorted(meta.partitions)}  # fmt: skip
+    return {
+        p: _retrying(
+            f"read the offsets of {topic}[{p}]",
+            lambda p=p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout),
+            timeout,
+        )
+        for p in sorted(meta.partitions)
+    }
 
 
-def offsets_at(consumer: Consumer, topic: str, time_ms: int, marks: dict[int, tuple[int, int]],
-               timeout: float = 15.0) -> dict[int, int]:  # fmt: skip
+def offsets_at(
+    consumer: Consumer, topic: str, time_ms: int, marks: dict[int, tuple[int, int]], timeout: float = 15.0
+) -> dict[int, int]:
     """Per partition, the first offset whose record timestamp is at or after ``time_ms`` (``high`` when none)."""
-    found = _retrying(f"look up offsets by time in {topic}", lambda: consumer.offsets_for_times(
-        [TopicPartition(topic, p, time_ms) for p in marks], timeout=timeout), timeout)  # fmt: skip
+    found = _retrying(
+        f"look up offsets by time in {topic}",
+        lambda: consumer.offsets_for_times([TopicPartition(topic, p, time_ms) for p in marks], timeout=timeout),
+        timeout,
+    )
     out: dict[int, int] = {}
     for tp in found:
         if tp.error is not None:
@@ -143,8 +160,9 @@ def read_range(
                     yield msg
             if ends is None:
                 continue
-            positions = {tp.partition: tp.offset for tp in consumer.position(
-                [TopicPartition(topic, p) for p in pending])}  # fmt: skip
+            positions = {
+                tp.partition: tp.offset for tp in consumer.position([TopicPartition(topic, p) for p in pending])
+            }
             done = {p for p, pos in positions.items() if pos >= ends[p]}
             if done:
                 consumer.pause([TopicPartition(topic, p) for p in done])
@@ -153,8 +171,10 @@ def read_range(
                 last_progress, last_positions = time.monotonic(), positions
             elif time.monotonic() - last_progress > stall_s:
                 left = ", ".join(f"{topic}[{p}] at {positions.get(p)} of {ends[p]}" for p in sorted(pending))
-                raise EventLogError(f"no progress for {stall_s:.0f}s reading {left} (an open transaction of a "
-                                    "stopped producer holds read_committed readers until the broker aborts it)")
+                raise EventLogError(
+                    f"no progress for {stall_s:.0f}s reading {left} (an open transaction of a "
+                    "stopped producer holds read_committed readers until the broker aborts it)"
+                )
     finally:
         try:
             # librdkafka keeps a partition's pause across unassign/assign: resume, or the next read of it stalls.

@@ -215,8 +215,10 @@ def load_tokenizer(model_dir: str | Path) -> TokenText:
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.is_file():
-        raise EventLogError(f"--model {model_dir}: no tokenizer.json there (a Hugging Face model directory, e.g. "
-                            "from `clawstream model init --out DIR`)")  # fmt: skip
+        raise EventLogError(
+            f"--model {model_dir}: no tokenizer.json there (a Hugging Face model directory, e.g. "
+            "from `clawstream model init --out DIR`)"
+        )
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
@@ -230,8 +232,9 @@ def load_tokenizer(model_dir: str | Path) -> TokenText:
     def decode(ids: list[int]) -> str:
         # Ids outside the vocabulary (a different model's records) are shown, not dropped silently.
         if any(i < 0 or i >= size for i in ids):
-            return "".join(tokenizer.decode([i], skip_special_tokens=False) if 0 <= i < size else f"<?{i}>"
-                           for i in ids)  # fmt: skip
+            return "".join(
+                tokenizer.decode([i], skip_special_tokens=False) if 0 <= i < size else f"<?{i}>" for i in ids
+            )
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     return TokenText(model_dir, decode)
@@ -255,8 +258,9 @@ def short_name(full: str) -> str:
     return full.rpartition(".")[2]
 
 
-def decode_value(data: bytes, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None
-                 ) -> tuple[str, dict[str, Any]]:  # fmt: skip
+def decode_value(
+    data: bytes, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None
+) -> tuple[str, dict[str, Any]]:
     """``(schema short name, JSON-ready value)``; raises :class:`CodecError` on bytes that are no known record."""
     codec = codec or default_codec()
     name, record = codec.decode(data)
@@ -278,9 +282,18 @@ def where(topic: str, partition: int, offset: int) -> str:
     return f"{topic}[{partition}]@{offset}"
 
 
-def decode_parts(topic: str, partition: int, offset: int, timestamp_ms: int | None, key: bytes | None,
-                 value: bytes | None, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None,
-                 *, keep_raw: bool = False) -> dict[str, Any]:  # fmt: skip
+def decode_parts(
+    topic: str,
+    partition: int,
+    offset: int,
+    timestamp_ms: int | None,
+    key: bytes | None,
+    value: bytes | None,
+    options: DecodeOptions = DecodeOptions(),
+    codec: AvroCodec | None = None,
+    *,
+    keep_raw: bool = False,
+) -> dict[str, Any]:
     """One record as ``{"topic", "partition", "offset", "timestamp", "time", "key", "schema", "value"}``.
 
     A tombstone (no value) has ``"value": null`` and ``"schema": null``. Bytes that do not decode give an error
@@ -288,17 +301,24 @@ def decode_parts(topic: str, partition: int, offset: int, timestamp_ms: int | No
     with ``keep_raw``, ``"raw"`` (the value in base64, so an export loses nothing).
     """
     out: dict[str, Any] = {
-        "topic": topic, "partition": partition, "offset": offset,
+        "topic": topic,
+        "partition": partition,
+        "offset": offset,
         "timestamp": timestamp_ms if timestamp_ms is not None and timestamp_ms >= 0 else None,
-        "time": iso_ms(timestamp_ms), "key": key_text(key),
-    }  # fmt: skip
+        "time": iso_ms(timestamp_ms),
+        "key": key_text(key),
+    }
     if value is None:
         return {**out, "schema": None, "value": None}
     try:
         schema, decoded = decode_value(value, options, codec)
     except CodecError as exc:
-        bad = {**out, "error": f"{type(exc).__name__}: {exc}", "where": where(topic, partition, offset),
-               "bytes": len(value)}  # fmt: skip
+        bad = {
+            **out,
+            "error": f"{type(exc).__name__}: {exc}",
+            "where": where(topic, partition, offset),
+            "bytes": len(value),
+        }
         return {**bad, "raw": base64.b64encode(value).decode("ascii")} if keep_raw else bad
     return {**out, "schema": schema, "value": decoded}
 
@@ -309,11 +329,21 @@ def message_timestamp(msg: Any) -> int | None:
     return ts if kind != 0 and ts >= 0 else None
 
 
-def decode_message(msg: Any, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None,
-                   *, keep_raw: bool = False) -> dict[str, Any]:  # fmt: skip
+def decode_message(
+    msg: Any, options: DecodeOptions = DecodeOptions(), codec: AvroCodec | None = None, *, keep_raw: bool = False
+) -> dict[str, Any]:
     """:func:`decode_parts` of a confluent-kafka ``Message`` (duck-typed: no Kafka import here)."""
-    return decode_parts(msg.topic(), msg.partition(), msg.offset(), message_timestamp(msg), msg.key(), msg.value(),
-                        options, codec, keep_raw=keep_raw)  # fmt: skip
+    return decode_parts(
+        msg.topic(),
+        msg.partition(),
+        msg.offset(),
+        message_timestamp(msg),
+        msg.key(),
+        msg.value(),
+        options,
+        codec,
+        keep_raw=keep_raw,
+    )
 
 
 def is_error(record: dict[str, Any]) -> bool:

@@ -99,16 +99,18 @@ class Replayer:
         try:
             self.dest = load_settings(KafkaSettings, **{**kafka.model_dump(), "topic_prefix": settings.to_prefix})
         except ConfigError as exc:  # the source settings are valid, so the prefix is what is wrong
-            raise ConfigError(f"--to-prefix {settings.to_prefix!r}: topic names allow only letters, digits, '.', '_' "
-                              "and '-'") from exc  # fmt: skip
+            raise ConfigError(
+                f"--to-prefix {settings.to_prefix!r}: topic names allow only letters, digits, '.', '_' and '-'"
+            ) from exc
         self.specs = [resolve_topic(t) for t in settings.topics]
         if len({s.name for s in self.specs}) != len(self.specs):
             raise ConfigError("--topic: a topic is named twice")
         self.starts = parse_offsets(settings.from_offsets, flag="--from")
         self.ends = parse_offsets(settings.to_offsets, flag="--to")
         if (self.starts or self.ends) and len(self.specs) > 1:
-            raise ConfigError("--from/--to are offsets of one topic: pass one --topic with them, or use "
-                              "--since/--until")
+            raise ConfigError(
+                "--from/--to are offsets of one topic: pass one --topic with them, or use --since/--until"
+            )
         self.since = None if settings.since is None else _time(settings.since, "--since")
         self.until = None if settings.until is None else _time(settings.until, "--until")
         self.pacer = Pacer(settings.rate)
@@ -121,8 +123,10 @@ class Replayer:
     def _resolve(self, spec: TopicSpec) -> _Source:
         name = self.kafka.topic(spec.name)
         if name not in self.consumer.list_topics(timeout=30).topics:
-            raise TopicError(f"no topic {name}: is the source --topic-prefix {self.kafka.topic_prefix!r} right? "
-                             "(`clawstream topics list` shows the topics)")
+            raise TopicError(
+                f"no topic {name}: is the source --topic-prefix {self.kafka.topic_prefix!r} right? "
+                "(`clawstream topics list` shows the topics)"
+            )
         marks = watermarks(self.consumer, name)
         since = None if self.since is None else offsets_at(self.consumer, name, self.since, marks)
         until = None if self.until is None else offsets_at(self.consumer, name, self.until, marks)
@@ -139,17 +143,21 @@ class Replayer:
             source.created = True  # created just before copying (not in a dry run)
             return
         if len(meta.partitions) < source.partitions:
-            raise TopicError(f"destination {source.dest} has {len(meta.partitions)} partition(s), the source "
-                             f"{source.name} {source.partitions}: partition numbers are kept, so it needs at least "
-                             f"{source.partitions}; delete it or pick another --to-prefix")  # fmt: skip
+            raise TopicError(
+                f"destination {source.dest} has {len(meta.partitions)} partition(s), the source "
+                f"{source.name} {source.partitions}: partition numbers are kept, so it needs at least "
+                f"{source.partitions}; delete it or pick another --to-prefix"
+            )
         if self.settings.append:
             return
         held = watermarks(self.consumer, source.dest)
         busy = {p: high - low for p, (low, high) in held.items() if high > low}
         if busy:
             detail = ", ".join(f"[{p}] {n}" for p, n in sorted(busy.items()))
-            raise TopicError(f"destination {source.dest} already holds records ({detail} offsets): a replay would "
-                             "mix with them; pick a fresh --to-prefix, or pass --append to add to it")  # fmt: skip
+            raise TopicError(
+                f"destination {source.dest} already holds records ({detail} offsets): a replay would "
+                "mix with them; pick a fresh --to-prefix, or pass --append to add to it"
+            )
 
     # ---- the run -------------------------------------------------------------------------------------------------
     def run(self) -> list[TopicCopy]:
@@ -157,8 +165,9 @@ class Replayer:
             sources = [self._resolve(spec) for spec in self.specs]
             for source in sources:  # every check before the first write: a refused replay writes nothing
                 self._check_destination(source)
-            copies = [TopicCopy(s.name, s.dest, s.created, [PartitionCopy(r.partition, r) for r in s.ranges])
-                      for s in sources]  # fmt: skip
+            copies = [
+                TopicCopy(s.name, s.dest, s.created, [PartitionCopy(r.partition, r) for r in s.ranges]) for s in sources
+            ]
             producer = None
             if not self.settings.dry_run:
                 for source in sources:
@@ -219,8 +228,10 @@ class Replayer:
                 f"{resume} (plus your other bounds)"
             ) from exc
         if plan is not None and len(plan.copy) != part.records:
-            raise ClawstreamError(f"{source.name}[{part.partition}]: planned {len(plan.copy)} records but read "
-                                  f"{part.records} on the second pass (retention deleted some meanwhile?)")  # fmt: skip
+            raise ClawstreamError(
+                f"{source.name}[{part.partition}]: planned {len(plan.copy)} records but read "
+                f"{part.records} on the second pass (retention deleted some meanwhile?)"
+            )
 
     def _read(self, topic: str, rng: PartitionRange, what: str) -> Iterator[Message]:
         """The committed records of ``[rng.start, rng.end)`` of one partition, in order; progress on stderr."""
@@ -230,8 +241,9 @@ class Replayer:
         # read_range takes up to READ_BATCH records per poll and counts the time we spend on them (pacing) as
         # time without progress: allow for pacing one poll's worth on top of the stall timeout.
         stall = self.settings.stall_timeout_s + (READ_BATCH / self.settings.rate if self.settings.rate else 0.0)
-        for msg in read_range(self.consumer, topic, {rng.partition: rng.start}, {rng.partition: rng.end},
-                              stall_s=stall):  # fmt: skip
+        for msg in read_range(
+            self.consumer, topic, {rng.partition: rng.start}, {rng.partition: rng.end}, stall_s=stall
+        ):
             seen += 1
             yield msg
             if time.monotonic() - shown >= 2.0:
@@ -253,8 +265,12 @@ class _Transaction:
         if self.pending == 0:
             self.producer.begin_transaction()
             self.started = time.monotonic()
-        kwargs = {"partition": msg.partition(), "headers": msg.headers(), "timestamp": timestamp,
-                  "on_delivery": self._delivered}  # fmt: skip
+        kwargs = {
+            "partition": msg.partition(),
+            "headers": msg.headers(),
+            "timestamp": timestamp,
+            "on_delivery": self._delivered,
+        }
         deadline = time.monotonic() + 60
         while True:  # a full local queue: serve deliveries and retry, never drop
             try:
@@ -314,12 +330,14 @@ def learner_command(dest: KafkaSettings) -> str:
     """The command that trains a fresh learner on the replayed batches (model dir left for the user to fill)."""
     store = clawstream_home() / "replay" / (dest.topic_prefix.strip(".") or "unprefixed") / "weights"
     bootstrap = f" --bootstrap {dest.bootstrap_servers}" if dest.bootstrap_servers else ""
-    return (f"clawstream learner --model-dir MODEL_DIR --weight-store {store} --topic-prefix {dest.topic_prefix}"
-            f"{bootstrap}")  # fmt: skip
+    return (
+        f"clawstream learner --model-dir MODEL_DIR --weight-store {store} --topic-prefix {dest.topic_prefix}{bootstrap}"
+    )
 
 
-def replay(kafka: KafkaSettings, settings: ReplaySettings,
-           progress: Callable[[str], None] | None = None) -> list[TopicCopy]:  # fmt: skip
+def replay(
+    kafka: KafkaSettings, settings: ReplaySettings, progress: Callable[[str], None] | None = None
+) -> list[TopicCopy]:
     """Run one replay; returns what was copied per topic (raises :class:`ClawstreamError` on a bad request)."""
     return Replayer(kafka, settings, progress or (lambda line: print(line, file=sys.stderr, flush=True))).run()
 
@@ -328,41 +346,82 @@ def main(argv: list[str] | None = None) -> int:
     from clawbase.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(
-        prog="clawstream replay", description=__doc__.split("\n\n")[0],
+        prog="clawstream replay",
+        description=__doc__.split("\n\n")[0],
         epilog="The source is --topic-prefix (or CLAWSTREAM_KAFKA_TOPIC_PREFIX). Example, the batches of run A\n"
         "into B, then a fresh learner on B:\n  clawstream replay --topic-prefix runA. --to-prefix replayB.\n"
         "  clawstream learner --model-dir MODEL --weight-store NEW_DIR --topic-prefix replayB.\n"
-        "Details: docs/replay.md", formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    parser.add_argument("--to-prefix", required=True, metavar="PREFIX",
-                        help="destination topic prefix (e.g. 'replay1.')")
-    parser.add_argument("--topic", action="append", default=[], metavar="NAME",
-                        help="catalog topic to copy, repeatable (default: batches); e.g. batches, trajectories")
-    parser.add_argument("--from", dest="from_offsets", action="append", default=[], metavar="[P:]OFFSET",
-                        help="first offset to copy, in every partition or in partition P (negative: counted back "
-                        "from the end; P:N only: only partition P); default: the beginning")
-    parser.add_argument("--to", dest="to_offsets", action="append", default=[], metavar="[P:]OFFSET",
-                        help="copy offsets before this one (exclusive); default: the end as of the start")
-    parser.add_argument("--since", metavar="TIME", help="from the first record at/after TIME: epoch ms, ISO 8601 "
-                        "(UTC unless a zone is given) or an age such as 2h, 30m, 7d")  # fmt: skip
+        "Details: docs/replay.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--to-prefix", required=True, metavar="PREFIX", help="destination topic prefix (e.g. 'replay1.')"
+    )
+    parser.add_argument(
+        "--topic",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="catalog topic to copy, repeatable (default: batches); e.g. batches, trajectories",
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_offsets",
+        action="append",
+        default=[],
+        metavar="[P:]OFFSET",
+        help="first offset to copy, in every partition or in partition P (negative: counted back "
+        "from the end; P:N only: only partition P); default: the beginning",
+    )
+    parser.add_argument(
+        "--to",
+        dest="to_offsets",
+        action="append",
+        default=[],
+        metavar="[P:]OFFSET",
+        help="copy offsets before this one (exclusive); default: the end as of the start",
+    )
+    parser.add_argument(
+        "--since",
+        metavar="TIME",
+        help="from the first record at/after TIME: epoch ms, ISO 8601 "
+        "(UTC unless a zone is given) or an age such as 2h, 30m, 7d",
+    )
     parser.add_argument("--until", metavar="TIME", help="up to the first record at/after TIME (exclusive)")
     parser.add_argument("--rate", type=float, default=None, metavar="N", help="pace the copy to N records per second")
     parser.add_argument("--append", action="store_true", help="allow destination topics that already hold records")
-    parser.add_argument("--keep-timestamps", action="store_true",
-                        help="keep the source timestamps (old ones can fall out of retention at once)")
+    parser.add_argument(
+        "--keep-timestamps",
+        action="store_true",
+        help="keep the source timestamps (old ones can fall out of retention at once)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="resolve ranges and plan batches; write nothing")
-    parser.add_argument("--commit-every", type=int, default=500, metavar="N",
-                        help="records per transaction outside the batches topic (default 500)")
+    parser.add_argument(
+        "--commit-every",
+        type=int,
+        default=500,
+        metavar="N",
+        help="records per transaction outside the batches topic (default 500)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     try:
         kafka = kafka_settings(args)
         settings = load_settings(
-            ReplaySettings, to_prefix=args.to_prefix, topics=args.topic or [BATCHES], from_offsets=args.from_offsets,
-            to_offsets=args.to_offsets, since=args.since, until=args.until, rate=args.rate, append=args.append,
-            keep_timestamps=args.keep_timestamps, dry_run=args.dry_run, commit_every=args.commit_every,
-        )  # fmt: skip
+            ReplaySettings,
+            to_prefix=args.to_prefix,
+            topics=args.topic or [BATCHES],
+            from_offsets=args.from_offsets,
+            to_offsets=args.to_offsets,
+            since=args.since,
+            until=args.until,
+            rate=args.rate,
+            append=args.append,
+            keep_timestamps=args.keep_timestamps,
+            dry_run=args.dry_run,
+            commit_every=args.commit_every,
+        )
         started = time.monotonic()
         copies = replay(kafka, settings)
     except ClawstreamError as exc:
@@ -376,11 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'would copy' if settings.dry_run else 'copied'} {total} record(s) in {time.monotonic() - started:.1f}s")
     if any(c.source.endswith(BATCHES) for c in copies) and not settings.dry_run:
         dest = load_settings(KafkaSettings, **{**kafka.model_dump(), "topic_prefix": settings.to_prefix})
-        print("train a fresh learner on them (new group and weights topic come with the prefix; a new weight store, "
-              f"since versions restart at v1):\n  {learner_command(dest)}")  # fmt: skip
+        print(
+            "train a fresh learner on them (new group and weights topic come with the prefix; a new weight store, "
+            f"since versions restart at v1):\n  {learner_command(dest)}"
+        )
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -130,22 +130,28 @@ def plan_batches(entries: Sequence[Entry], rng: PartitionRange) -> BatchPlan:
             continue
         del open_batches[entry.batch_id]
         if len(members) < entry.count:
-            plan.skipped.append(SkippedBatch(
-                entry.batch_id, (*members, entry.offset),
-                f"sealed at offset {entry.offset} with {entry.count} trajectories, only {len(members)} of them at or "
-                f"after offset {rng.start}: lower --from/--since to include it",
-            ))  # fmt: skip
+            plan.skipped.append(
+                SkippedBatch(
+                    entry.batch_id,
+                    (*members, entry.offset),
+                    f"sealed at offset {entry.offset} with {entry.count} trajectories, only {len(members)} of them "
+                    f"at or after offset {rng.start}: lower --from/--since to include it",
+                )
+            )
             continue
         plan.copy.update(members)
         plan.copy.add(entry.offset)
         plan.seals.add(entry.offset)
         plan.batches.append(entry.batch_id)
     for batch_id, members in open_batches.items():
-        plan.skipped.append(SkippedBatch(
-            batch_id, tuple(members),
-            f"{len(members)} trajectory record(s) from offset {members[0]} but no seal before offset {rng.end}: "
-            "raise --to/--until to include it",
-        ))  # fmt: skip
+        plan.skipped.append(
+            SkippedBatch(
+                batch_id,
+                tuple(members),
+                f"{len(members)} trajectory record(s) from offset {members[0]} but no seal before offset {rng.end}: "
+                "raise --to/--until to include it",
+            )
+        )
     plan.skipped.sort(key=lambda s: s.offsets[0])
     return plan
 
@@ -156,8 +162,12 @@ class Pacer:
     stretch is not made up with a burst beyond the schedule's average: the schedule restarts when it falls behind by
     more than one second."""
 
-    def __init__(self, rate: float | None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], object] = time.sleep) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rate: float | None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
         if rate is not None and not rate > 0:
             raise ConfigError(f"--rate {rate}: records per second must be > 0 (leave it out for no pacing)")
         self.rate, self.clock, self.sleep = rate, clock, sleep
@@ -223,15 +233,25 @@ class TopicCopy:
 
     def to_json(self) -> dict:
         return {
-            "source": self.source, "dest": self.dest, "created": self.created, "records": self.records,
-            "partitions": [{
-                "partition": p.partition, "range": [p.range.start, p.range.end], "records": p.records,
-                "source_offsets": [p.source_first, p.source_last], "dest_offsets": [p.dest_first, p.dest_last],
-            } for p in self.partitions],
+            "source": self.source,
+            "dest": self.dest,
+            "created": self.created,
+            "records": self.records,
+            "partitions": [
+                {
+                    "partition": p.partition,
+                    "range": [p.range.start, p.range.end],
+                    "records": p.records,
+                    "source_offsets": [p.source_first, p.source_last],
+                    "dest_offsets": [p.dest_first, p.dest_last],
+                }
+                for p in self.partitions
+            ],
             "batches": self.batches,
-            "skipped_batches": [{"batch_id": s.batch_id, "offsets": list(s.offsets), "reason": s.reason}
-                                for s in self.skipped],
-        }  # fmt: skip
+            "skipped_batches": [
+                {"batch_id": s.batch_id, "offsets": list(s.offsets), "reason": s.reason} for s in self.skipped
+            ],
+        }
 
 
 def summary_text(copies: Sequence[TopicCopy], dry_run: bool = False) -> str:
@@ -246,8 +266,9 @@ def summary_text(copies: Sequence[TopicCopy], dry_run: bool = False) -> str:
                 continue
             src = f"source {p.source_first}..{p.source_last}" if p.records else "no record"
             dst = f" → destination {p.dest_first}..{p.dest_last}" if p.dest_first is not None else ""
-            lines.append(f"  [{p.partition}] range {p.range.start}..{p.range.end - 1}: {p.records} record(s), "
-                         f"{src}{dst}")  # fmt: skip
+            lines.append(
+                f"  [{p.partition}] range {p.range.start}..{p.range.end - 1}: {p.records} record(s), {src}{dst}"
+            )
         if c.batches or c.skipped:
             lines.append(f"  whole batches: {len(c.batches)}" + (f" ({', '.join(c.batches)})" if c.batches else ""))
         for s in c.skipped:

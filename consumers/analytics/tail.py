@@ -117,8 +117,15 @@ def _selected(msgs: Iterator[Message], filt: RolloutFilter, decode: DecodeOption
             yield record
 
 
-def _last_records(consumer: Consumer, ref: TopicRef, marks: dict[int, tuple[int, int]], n: int, filt: RolloutFilter,
-                  decode: DecodeOptions, stop: Callable[[], bool]) -> list[dict[str, Any]]:  # fmt: skip
+def _last_records(
+    consumer: Consumer,
+    ref: TopicRef,
+    marks: dict[int, tuple[int, int]],
+    n: int,
+    filt: RolloutFilter,
+    decode: DecodeOptions,
+    stop: Callable[[], bool],
+) -> list[dict[str, Any]]:
     """The last ``n`` matching records by (timestamp, partition, offset): each partition is read backwards in
     growing steps until it gave ``n`` matches or its beginning is reached (commit markers and filtered-out
     records take offsets too, so ``n`` offsets back is not always ``n`` records)."""
@@ -140,8 +147,9 @@ def _last_records(consumer: Consumer, ref: TopicRef, marks: dict[int, tuple[int,
     return merged[-n:] if n > 0 else []
 
 
-def tail(settings: KafkaSettings, request: TailRequest, out: TextIO, *,
-         stop: Callable[[], bool] = lambda: False) -> TailSummary:  # fmt: skip
+def tail(
+    settings: KafkaSettings, request: TailRequest, out: TextIO, *, stop: Callable[[], bool] = lambda: False
+) -> TailSummary:
     """Print ``request``'s records to ``out`` as JSON lines; return what was printed."""
     started = time.monotonic()
     consumer, ref = open_reader(settings, request.topic)
@@ -170,8 +178,9 @@ def tail(settings: KafkaSettings, request: TailRequest, out: TextIO, *,
         if request.follow:
             ends = None
         if (request.follow or not request.last_mode) and not printer.full:
-            records = _selected(read_range(consumer, ref.name, starts, ends, stop=lambda: stop() or printer.full),
-                                filt, request.decode)  # fmt: skip
+            records = _selected(
+                read_range(consumer, ref.name, starts, ends, stop=lambda: stop() or printer.full), filt, request.decode
+            )
             for record in records:
                 printer.write(record)
             printer.flush()
@@ -183,38 +192,69 @@ def tail(settings: KafkaSettings, request: TailRequest, out: TextIO, *,
 
 def build_parser(prog: str = "clawstream tail") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Print a topic's records as decoded JSON lines (one object per line; jq-friendly).",
-        epilog="TOPIC: a catalog name with or without 'clawstream.' (" + ", ".join(
-            n.removeprefix("clawstream.") for n in catalog_names()) + "), under --topic-prefix; or a full topic "
+        epilog="TOPIC: a catalog name with or without 'clawstream.' ("
+        + ", ".join(n.removeprefix("clawstream.") for n in catalog_names())
+        + "), under --topic-prefix; or a full topic "
         "name (t-1a2b.clawstream.calls).\nexamples:\n"
         "  clawstream tail trajectories -n 3\n"
         "  clawstream tail calls --rollout r-42 --from-beginning --model ~/.cache/clawstream/models/tiny\n"
         "  clawstream tail metrics --since 15m --follow | jq .value.values\n"
         "details: docs/event_log.md",
-    )  # fmt: skip
+    )
     parser.add_argument("topic", metavar="TOPIC", help="the topic to read")
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--from-beginning", action="store_true", help="start at the oldest record of each partition")
-    start.add_argument("--offset", action="append", metavar="[P:]N",
-                       help="start at offset N of every partition, or of partition P only (repeat for several); "
-                       "a negative N counts back from the end")  # fmt: skip
-    start.add_argument("--since", metavar="TIME",
-                       help="start at the first record at or after TIME: epoch ms, ISO-8601 (no offset = UTC), or a "
-                       "duration before now (15m, 2h ago)")  # fmt: skip
-    parser.add_argument("-n", "--max", type=int, default=None, metavar="N",
-                        help=f"without a start option: print the last N records (default {DEFAULT_LAST}); with one: "
-                        "stop after N records (default: all)")  # fmt: skip
-    parser.add_argument("-f", "--follow", action="store_true",
-                        help="keep printing new records until Ctrl-C / SIGTERM (else stop at the end offsets read "
-                        "at start)")  # fmt: skip
-    parser.add_argument("--rollout", action="append", default=[], metavar="ID",
-                        help="only records of this rollout (repeat for several): by key on rollout-keyed topics, by "
-                        "the records' rollout ids on the others (batches, weights, metrics, dead letters)")
-    parser.add_argument("--tokens", choices=TOKEN_MODES, default="count",
-                        help="token ids and logprobs as their counts or as lists (default: count)")
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="model directory whose tokenizer decodes token ids: adds F_text beside each field F")
+    start.add_argument(
+        "--offset",
+        action="append",
+        metavar="[P:]N",
+        help="start at offset N of every partition, or of partition P only (repeat for several); "
+        "a negative N counts back from the end",
+    )
+    start.add_argument(
+        "--since",
+        metavar="TIME",
+        help="start at the first record at or after TIME: epoch ms, ISO-8601 (no offset = UTC), or a "
+        "duration before now (15m, 2h ago)",
+    )
+    parser.add_argument(
+        "-n",
+        "--max",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"without a start option: print the last N records (default {DEFAULT_LAST}); with one: "
+        "stop after N records (default: all)",
+    )
+    parser.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing new records until Ctrl-C / SIGTERM (else stop at the end offsets read at start)",
+    )
+    parser.add_argument(
+        "--rollout",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="only records of this rollout (repeat for several): by key on rollout-keyed topics, by "
+        "the records' rollout ids on the others (batches, weights, metrics, dead letters)",
+    )
+    parser.add_argument(
+        "--tokens",
+        choices=TOKEN_MODES,
+        default="count",
+        help="token ids and logprobs as their counts or as lists (default: count)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="model directory whose tokenizer decodes token ids: adds F_text beside each field F",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr at the end")
     add_kafka_arguments(parser)
     return parser
@@ -225,12 +265,15 @@ def request_from_args(args: argparse.Namespace) -> TailRequest:
         raise ClawstreamError("-n/--max must be >= 0")
     text = load_tokenizer(args.model) if args.model else None
     return TailRequest(
-        topic=args.topic, from_beginning=args.from_beginning,
+        topic=args.topic,
+        from_beginning=args.from_beginning,
         offsets=parse_offsets(args.offset) if args.offset else None,
         since_ms=parse_time_ms(args.since) if args.since is not None else None,
-        count=args.max, follow=args.follow, rollouts=frozenset(args.rollout),
+        count=args.max,
+        follow=args.follow,
+        rollouts=frozenset(args.rollout),
         decode=DecodeOptions(tokens=args.tokens, text=text),
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = "clawstream tail") -> int:

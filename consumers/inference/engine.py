@@ -81,8 +81,7 @@ from consumers.inference.kv_batch import (
 from consumers.inference.prefix_cache import PrefixCache
 from policy import sampling
 
-__all__ = ["Engine", "EngineError", "GenerationResult", "SamplingParams", "SequenceOutput", "SwapOutcome",
-           "WeightSwap"]  # fmt: skip
+__all__ = ["Engine", "EngineError", "GenerationResult", "SamplingParams", "SequenceOutput", "SwapOutcome", "WeightSwap"]
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +207,13 @@ class Engine:
             bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        request = _Request(request_id or f"cmpl-{uuid.uuid4().hex}", [list(map(int, p)) for p in prompts], params,
-                           callback, time.monotonic())  # fmt: skip
+        request = _Request(
+            request_id or f"cmpl-{uuid.uuid4().hex}",
+            [list(map(int, p)) for p in prompts],
+            params,
+            callback,
+            time.monotonic(),
+        )
         request.remaining = len(prompts) * params.n
         request.cached = [0] * len(prompts)
         with self._cond:
@@ -338,8 +342,14 @@ class Engine:
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: Cache) -> Any:
         """Run ids (B, S) with mask (B, T+S) or None (one unpadded row), positions (B, S); returns the last
         position's logits (B, V)."""
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1, **{self._cache_kwarg: cache})  # fmt: skip
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
         return out.logits[:, -1, :]
 
     # ---- prefill --------------------------------------------------------------------------------------------
@@ -360,8 +370,10 @@ class Engine:
         for unit in sorted(self._prefilling, key=lambda u: u.remaining):
             if unit is not oldest and budget <= 0:
                 continue
-            budget -= self._prefill_one(unit, max(1, min(budget, self.prefill_chunk_tokens)) if unit is not oldest
-                                        else self.prefill_chunk_tokens)  # fmt: skip
+            budget -= self._prefill_one(
+                unit,
+                max(1, min(budget, self.prefill_chunk_tokens)) if unit is not oldest else self.prefill_chunk_tokens,
+            )
 
     def _prefill_one(self, unit: _Prefill, limit: int) -> int:
         """Reuse the cached prefix, compute the next ``limit`` prompt tokens at most; returns tokens computed."""
@@ -397,8 +409,13 @@ class Engine:
             rows.append(_Row(request, output, self._generator(request.params, s_index)))
         length = len(unit.tokens)
         assert unit.cache is not None
-        one = KVBatch(unit.cache, torch.ones((1, length), dtype=torch.long, device=self.device),
-                      torch.tensor([length], device=self.device), torch.zeros(1, dtype=torch.long), [])  # fmt: skip
+        one = KVBatch(
+            unit.cache,
+            torch.ones((1, length), dtype=torch.long, device=self.device),
+            torch.tensor([length], device=self.device),
+            torch.zeros(1, dtype=torch.long),
+            [],
+        )
         if n == 1:  # the prompt's own cache becomes the row's (no copy)
             one.rows = rows
             group = one
@@ -421,8 +438,9 @@ class Engine:
         # No padding column (one row, or rows of equal length): no mask, so SDPA takes its unmasked kernel, which
         # is ~1.7x faster at 35k cached tokens (where attention is most of a decode step).
         padded = bool(batch.mask[:, 0].eq(0).any())  # rows are right-aligned: padding shows in column 0
-        logits = self._forward(batch.pending.unsqueeze(1), mask if padded else None, batch.positions.unsqueeze(1),
-                               batch.cache)  # fmt: skip
+        logits = self._forward(
+            batch.pending.unsqueeze(1), mask if padded else None, batch.positions.unsqueeze(1), batch.cache
+        )
         batch.mask = mask
         batch.positions = batch.positions + 1
         batch.pending = self._sample_and_record(batch.rows, logits)
@@ -477,8 +495,9 @@ class Engine:
         keep = [i for i, row in enumerate(batch.rows) if row.output.finish_reason is None and not row.request.cancelled]
         if len(keep) == len(batch.rows):
             return
-        finished = [i for i, row in enumerate(batch.rows)
-                    if row.output.finish_reason is not None and not row.request.cancelled]  # fmt: skip
+        finished = [
+            i for i, row in enumerate(batch.rows) if row.output.finish_reason is not None and not row.request.cancelled
+        ]
         self._cache_sequences(batch, finished)
         with self._cond:
             for row in batch.rows:
@@ -508,15 +527,22 @@ class Engine:
                 self.prefix_cache.block_size
             ):
                 continue  # no full block beyond the prompt's, which are cached already
-            self.prefix_cache.insert(tokens, [(k[i : i + 1, :, width - length :], v[i : i + 1, :, width - length :])
-                                              for k, v in layers])  # fmt: skip
+            self.prefix_cache.insert(
+                tokens, [(k[i : i + 1, :, width - length :], v[i : i + 1, :, width - length :]) for k, v in layers]
+            )
 
     def _complete(self, request: _Request) -> None:
         now = time.monotonic()
         outputs = sorted(request.outputs, key=lambda o: (o.prompt_index, o.sample_index))
-        result = GenerationResult(request.request_id, request.prompts, outputs, request.policy_version,
-                                  request.admitted - request.arrival, now - request.arrival,
-                                  list(request.cached))  # fmt: skip
+        result = GenerationResult(
+            request.request_id,
+            request.prompts,
+            outputs,
+            request.policy_version,
+            request.admitted - request.arrival,
+            now - request.arrival,
+            list(request.cached),
+        )
         self.requests_finished += 1
         with self._cond:
             self._live.pop(request.request_id, None)

@@ -61,7 +61,6 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
         return self.keys, self.values
 
-
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
         """Take buffers (B, H_kv, capacity, D) whose first ``length`` columns are filled, without copying."""
         self.lazy_initialization(keys, values)
@@ -69,8 +68,9 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
 
-def growing_cache(layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, num_layers: int = 0,
-                  reserve: int = 0) -> Cache:  # fmt: skip
+def growing_cache(
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, num_layers: int = 0, reserve: int = 0
+) -> Cache:
     """A cache of ``num_layers`` empty :class:`GrowingLayer` s (first allocation ``reserve`` columns), or holding a
     copy of ``layers`` ((K, V) per layer) with room for ``reserve`` more columns."""
     cache = Cache(layers=[GrowingLayer(reserve) for _ in range(len(layers) if layers else num_layers)])
@@ -92,8 +92,15 @@ def adopting_cache(buffer: torch.Tensor, length: int) -> Cache:
     return cache
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, scaling: float | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA for query (B, H, S, D) over key/value (B, H_kv, T, D) and a bool mask (B, 1, S, T) or None (causal)."""
     is_causal = attention_mask is None and query.shape[2] > 1
     if is_causal and key.shape[2] != query.shape[2]:  # SDPA's causal mask is top-left aligned: spell it out
@@ -101,9 +108,14 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         attention_mask = torch.ones((s, t), dtype=torch.bool, device=query.device).tril(diagonal=t - s)
         is_causal = False
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=is_causal,
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        scale=scaling,
+        is_causal=is_causal,
         enable_gqa=key.shape[1] != query.shape[1],
-    )  # fmt: skip  # (B, H, S, D)
+    )  # (B, H, S, D)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -174,10 +186,12 @@ def merge(a: KVBatch, b: KVBatch) -> KVBatch:
     layers = []
     for (ka, va), (kb, vb) in zip(cache_layers(a.cache), cache_layers(b.cache), strict=True):
         ea, eb = width - ka.shape[2], width - kb.shape[2]
-        layers.append((
-            torch.cat([_pad_left(ka, ea, 2), _pad_left(kb, eb, 2)]),
-            torch.cat([_pad_left(va, ea, 2), _pad_left(vb, eb, 2)]),
-        ))  # fmt: skip
+        layers.append(
+            (
+                torch.cat([_pad_left(ka, ea, 2), _pad_left(kb, eb, 2)]),
+                torch.cat([_pad_left(va, ea, 2), _pad_left(vb, eb, 2)]),
+            )
+        )
     mask = torch.cat([_pad_left(a.mask, width - a.mask.shape[1], 1), _pad_left(b.mask, width - b.mask.shape[1], 1)])
     return KVBatch(
         growing_cache(layers, reserve=DECODE_RESERVE),

@@ -48,7 +48,7 @@ ENGINE_STATS: tuple[tuple[str, str, str, str], ...] = (
     ("steps", "steps", "counter", "Scheduler steps (prefill and/or decode)."),
     ("active_sequences", "requests_running", "gauge", "Sequences in the running batch."),
     ("queued_requests", "requests_waiting", "gauge", "Requests waiting for admission."),
-)  # fmt: skip
+)
 
 _GPU = re.compile(r"gpu(\d+)_(util_pct|mem_used_bytes|mem_total_bytes)$")
 _GPU_METRICS = {
@@ -82,8 +82,13 @@ def hit_rate(hits: float, queries: float) -> float:
 class EngineCollector:
     """A Prometheus collector reading the engine, the served counters and the GPU readings at every scrape."""
 
-    def __init__(self, stats: Callable[[], dict[str, float]], served: ServedCounters,
-                 policy_version: Callable[[], int], gpu: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, float]],
+        served: ServedCounters,
+        policy_version: Callable[[], int],
+        gpu: Callable[[], dict[str, float]],
+    ) -> None:
         self.stats, self.served, self.policy_version, self.gpu = stats, served, policy_version, gpu
 
     def collect(self) -> Iterator[Metric]:
@@ -92,15 +97,19 @@ class EngineCollector:
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
         rate = hit_rate(stats.get("prefix_cache_hits", 0.0), stats.get("prefix_cache_queries", 0.0))
-        yield GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
-                                value=rate)  # fmt: skip
+        yield GaugeMetricFamily(
+            PREFIX + "prefix_cache_hit_rate", "Prefix cache hits / queries since start.", value=rate
+        )
         served = self.served
         yield CounterMetricFamily(PREFIX + "requests", "Completion requests answered.", value=served.requests)
-        yield CounterMetricFamily(PREFIX + "prompt_tokens", "Prompt tokens of answered requests.",
-                                  value=served.prompt_tokens)  # fmt: skip
-        yield CounterMetricFamily(PREFIX + "cached_prompt_tokens",
-                                  "Prompt tokens of answered requests served from the prefix cache.",
-                                  value=served.cached_prompt_tokens)  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "prompt_tokens", "Prompt tokens of answered requests.", value=served.prompt_tokens
+        )
+        yield CounterMetricFamily(
+            PREFIX + "cached_prompt_tokens",
+            "Prompt tokens of answered requests served from the prefix cache.",
+            value=served.cached_prompt_tokens,
+        )
         yield GaugeMetricFamily(PREFIX + "policy_version", "Weight version served now.", value=self.policy_version())
         families: dict[str, GaugeMetricFamily] = {}
         for key, value in sorted(self.gpu().items()):
@@ -129,6 +138,7 @@ def stats_values(stats: dict[str, float], previous: dict[str, float], elapsed_s:
     """Values of one "inference_stats" metric: the engine's stats (cumulative counters and gauges as it reports
     them; ``prefix_cache_hit_rate`` since start) plus rates over the interval since ``previous``: ``tokens_per_s``
     and ``prefix_cache_hit_rate_interval``."""
+
     def delta(key: str) -> float:
         return stats.get(key, 0.0) - previous.get(key, 0.0)
 

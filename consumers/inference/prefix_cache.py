@@ -149,8 +149,9 @@ class PrefixCache:
             key = self._key(parent, block_tokens)
             if key in self._blocks:  # a colliding key of another chain: stop caching this chain here
                 break
-            kv = torch.stack([torch.stack([k[0, :, start : start + size], v[0, :, start : start + size]])
-                              for k, v in layers])  # fmt: skip  # (L, 2, H_kv, size, D), a copy
+            kv = torch.stack(
+                [torch.stack([k[0, :, start : start + size], v[0, :, start : start + size]]) for k, v in layers]
+            )  # (L, 2, H_kv, size, D), a copy
             block = _Block(key, parent, block_tokens, kv)
             nbytes = kv.numel() * kv.element_size()
             if nbytes > self.budget_bytes:

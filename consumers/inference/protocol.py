@@ -192,8 +192,10 @@ def parse_completion_request(
     if logprobs is not None and logprobs < 0:
         raise ProtocolError("`logprobs` must be a positive value or -1.", param="logprobs")
     if logprobs is not None and logprobs > max_logprobs:
-        raise ProtocolError(f"Requested sample logprobs of {logprobs}, which is greater than max allowed: "
-                            f"{max_logprobs}", param="logprobs")  # fmt: skip
+        raise ProtocolError(
+            f"Requested sample logprobs of {logprobs}, which is greater than max allowed: {max_logprobs}",
+            param="logprobs",
+        )
     for flag in ("ignore_eos", "return_token_ids"):
         if body.get(flag) is not None and not isinstance(body[flag], bool):
             raise ProtocolError(f"`{flag}` must be a boolean", param=flag)
@@ -223,8 +225,9 @@ def parse_completion_request(
     return CompletionRequest(served_model_name, prompts, params, bool(body.get("return_token_ids") or False))
 
 
-def _logprobs_object(token_ids: list[int], top: list[list[tuple[int, float]]], chosen: list[float],
-                     token_text: Callable[[int], str]) -> dict[str, Any]:  # fmt: skip
+def _logprobs_object(
+    token_ids: list[int], top: list[list[tuple[int, float]]], chosen: list[float], token_text: Callable[[int], str]
+) -> dict[str, Any]:
     tokens = [token_text(t) for t in token_ids]
     offsets, position = [], 0
     for text in tokens:
@@ -254,16 +257,18 @@ def completion_response(
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = _logprobs_object(out.token_ids, out.top_logprobs, out.logprobs, token_text)
-        choices.append({
-            "index": index,
-            "text": decode(out.token_ids),
-            "logprobs": logprobs,
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
-            "token_ids": list(out.token_ids) if request.return_token_ids else None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(result.prompts[out.prompt_index]) if request.return_token_ids else None,
-        })  # fmt: skip
+        choices.append(
+            {
+                "index": index,
+                "text": decode(out.token_ids),
+                "logprobs": logprobs,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+                "token_ids": list(out.token_ids) if request.return_token_ids else None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": list(result.prompts[out.prompt_index]) if request.return_token_ids else None,
+            }
+        )
     prompt_tokens = sum(len(p) for p in result.prompts)
     completion_tokens = sum(len(o.token_ids) for o in result.outputs)
     return {
@@ -289,20 +294,24 @@ def cached_prompt_tokens(result: GenerationResult) -> int:
     return sum(int(n) for n in getattr(result, "cached_tokens", None) or ())
 
 
-def models_response(served_model_name: str, root: str, max_model_len: int, created: int,
-                    aliases: Collection[str] = ()) -> dict[str, Any]:  # fmt: skip
+def models_response(
+    served_model_name: str, root: str, max_model_len: int, created: int, aliases: Collection[str] = ()
+) -> dict[str, Any]:
     """``GET /v1/models`` as vLLM answers it (``ModelList`` of one ``ModelCard`` per name, the served name first)."""
     names = [served_model_name, *(a for a in aliases if a != served_model_name)]
     return {
         "object": "list",
-        "data": [{
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "clawstream",
-            "root": root,
-            "parent": None,
-            "max_model_len": max_model_len,
-            "permission": [],
-        } for name in names],
-    }  # fmt: skip
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "clawstream",
+                "root": root,
+                "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [],
+            }
+            for name in names
+        ],
+    }

@@ -104,10 +104,11 @@ class InferenceWorkerSettings(BaseSettings):
         default=2048, ge=1, description="Token budget of one scheduler step (prompt chunks + one per decoding row)."
     )
     prefill_chunk_tokens: int = Field(
-        default=256, ge=1,
+        default=256,
+        ge=1,
         description="Most tokens of ONE prompt prefilled per step: a short request waits one such chunk, not a "
         "whole long prompt (lower: shorter waits, slightly slower long prefills).",
-    )  # fmt: skip
+    )
     prefix_cache_gib: float = Field(
         default=2.0, ge=0, description="Memory for cached prompt KV blocks (automatic prefix caching; 0: off)."
     )
@@ -163,8 +164,11 @@ class CompletionServer:
         self.created = int(time.time())
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.served = ServedCounters()
-        self.gpu_index = nvml_index(settings.device, os.environ.get("CUDA_VISIBLE_DEVICES"),
-                                    gpu_uuids() if settings.device.startswith("cuda") else ())  # fmt: skip
+        self.gpu_index = nvml_index(
+            settings.device,
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
+            gpu_uuids() if settings.device.startswith("cuda") else (),
+        )
         self.metrics = EngineMetrics(engine, self.served, gpu_readings)
 
     def telemetry(self) -> dict[str, Any] | None:
@@ -185,9 +189,15 @@ class CompletionServer:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ProtocolError(f"invalid JSON body: {exc}") from exc
-        parsed = parse_completion_request(body, served_model_name=self.name, vocab_size=self.engine.vocab_size,
-                                          max_model_len=self.max_model_len, encode=self._encode,
-                                          max_logprobs=self.settings.max_logprobs, aliases=self.aliases)  # fmt: skip
+        parsed = parse_completion_request(
+            body,
+            served_model_name=self.name,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.max_model_len,
+            encode=self._encode,
+            max_logprobs=self.settings.max_logprobs,
+            aliases=self.aliases,
+        )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
 
@@ -205,8 +215,9 @@ class CompletionServer:
             log.error("request %s failed: %s", request_id, outcome)
             body = error_body(f"generation failed: {outcome}", status=500, err_type="InternalServerError")
             return web.json_response(body, status=500)
-        payload = completion_response(outcome, parsed, decode=self._decode, token_text=self.token_text,
-                                      engine_telemetry=self.telemetry())  # fmt: skip
+        payload = completion_response(
+            outcome, parsed, decode=self._decode, token_text=self.token_text, engine_telemetry=self.telemetry()
+        )
         self.served.record(payload["usage"]["prompt_tokens"], cached_prompt_tokens(outcome))
         return web.json_response(payload, headers={POLICY_HEADER: str(outcome.policy_version)})
 
@@ -280,8 +291,9 @@ async def _report_stats(reporter: Any, engine: Any, interval: float) -> None:
         await asyncio.to_thread(reporter.metric, "inference_stats", engine.policy_version, values)
 
 
-async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
-                stop: asyncio.Event | None = None) -> None:  # fmt: skip
+async def serve(
+    settings: InferenceWorkerSettings, kafka: KafkaSettings | None, stop: asyncio.Event | None = None
+) -> None:
     """Run the worker until ``stop`` is set (or SIGINT/SIGTERM)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -295,20 +307,30 @@ async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
 
         model, tokenizer, eos_ids = await asyncio.to_thread(load_policy, settings)
         max_model_len = settings.max_model_len or int(getattr(model.config, "max_position_embeddings", 32768))
-        engine = Engine(model, eos_token_ids=eos_ids, policy_version=settings.policy_version,
-                        max_batch_size=settings.max_batch_size, max_prefill_tokens=settings.max_prefill_tokens,
-                        prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                        prefix_cache_bytes=int(settings.prefix_cache_gib * (1 << 30)),
-                        prefix_block_size=settings.prefix_block_size,
-                        logprobs_mode=settings.logprobs_mode, pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
+        engine = Engine(
+            model,
+            eos_token_ids=eos_ids,
+            policy_version=settings.policy_version,
+            max_batch_size=settings.max_batch_size,
+            max_prefill_tokens=settings.max_prefill_tokens,
+            prefill_chunk_tokens=settings.prefill_chunk_tokens,
+            prefix_cache_bytes=int(settings.prefix_cache_gib * (1 << 30)),
+            prefix_block_size=settings.prefix_block_size,
+            logprobs_mode=settings.logprobs_mode,
+            pad_token_id=tokenizer.pad_token_id or 0,
+        )
         engine.start()
         target: Any = EngineWeightsTarget(engine)
         app = build_app(lambda: engine.policy_version, CompletionServer(settings, engine, tokenizer, max_model_len))
     else:
         from consumers.inference.vllm_adapter import VllmWeightsTarget
 
-        target = VllmWeightsTarget(settings.engine_url or "", policy_version=settings.policy_version,
-                                   timeout_s=settings.vllm_timeout_s, pause=settings.vllm_pause)  # fmt: skip
+        target = VllmWeightsTarget(
+            settings.engine_url or "",
+            policy_version=settings.policy_version,
+            timeout_s=settings.vllm_timeout_s,
+            pause=settings.vllm_pause,
+        )
         app = build_app(lambda: target.policy_version)
 
     follower = stats_task = None
@@ -326,8 +348,11 @@ async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     address = runner.addresses[0] if runner.addresses else (settings.host, settings.port)
-    print(f"[infer] {settings.engine} engine serving '{settings.name()}' (policy version {target.policy_version}) "
-          f"on http://{address[0]}:{address[1]}", flush=True)  # fmt: skip
+    print(
+        f"[infer] {settings.engine} engine serving '{settings.name()}' (policy version {target.policy_version}) "
+        f"on http://{address[0]}:{address[1]}",
+        flush=True,
+    )
     try:
         await stop.wait()
     finally:
@@ -343,8 +368,10 @@ async def serve(settings: InferenceWorkerSettings, kafka: KafkaSettings | None,
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m consumers.inference.server", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local Hugging Face model directory (engine cpu)")
-    p.add_argument("--served-model-name",
-                   help=f"model name served and followed on clawstream.weights (default {DEFAULT_MODEL_NAME!r})")
+    p.add_argument(
+        "--served-model-name",
+        help=f"model name served and followed on clawstream.weights (default {DEFAULT_MODEL_NAME!r})",
+    )
     p.add_argument("--engine", choices=["cpu", "vllm"])
     p.add_argument("--engine-url", help="vLLM server base URL (engine vllm)")
     p.add_argument("--host")

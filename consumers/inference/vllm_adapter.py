@@ -85,8 +85,9 @@ class ServerInfo:
     extension: bool  # clawstream's worker extension is loaded
 
 
-def reload_calls(weights_dir: Path, *, pause: bool = True, refresh_tied: bool = False,
-                 version: int | None = None) -> list[VllmCall]:  # fmt: skip
+def reload_calls(
+    weights_dir: Path, *, pause: bool = True, refresh_tied: bool = False, version: int | None = None
+) -> list[VllmCall]:
     """The requests that move a vLLM server to the checkpoint in ``weights_dir`` (see the module docstring)."""
     calls = [VllmCall("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}})]
     if refresh_tied:
@@ -173,9 +174,13 @@ class VllmWeightsTarget:
                     raise WeightsRejected("vllm_error", f"POST /reset_prefix_cache answered {answer!r}, not success")
             except WeightsRejected:
                 if i > 0 and self.pause:
-                    log.error("vLLM at %s is left PAUSED after a failed reload to version %d; check it and "
-                              "POST %s/resume once it serves consistent weights", self.base_url,
-                              event.policy_version, self.base_url)  # fmt: skip
+                    log.error(
+                        "vLLM at %s is left PAUSED after a failed reload to version %d; check it and "
+                        "POST %s/resume once it serves consistent weights",
+                        self.base_url,
+                        event.policy_version,
+                        self.base_url,
+                    )
                 raise
             if call.path.startswith("/pause"):
                 waited = time.monotonic() - t0

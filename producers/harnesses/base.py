@@ -70,11 +70,19 @@ class LaunchContext:
     def variables(self) -> dict[str, str]:
         base = self.base_url.rstrip("/")
         return {
-            "base_url": base, "base_url_v1": base + "/v1", "secret": self.secret, "workspace": self.workspace,
-            "home": self.home, "prompt": self.prompt, "timeout_s": str(int(self.timeout_s)), "python": self.python,
-            "exe": self.exe, "clawstream_root": self.clawstream_root, "model": self.model,
+            "base_url": base,
+            "base_url_v1": base + "/v1",
+            "secret": self.secret,
+            "workspace": self.workspace,
+            "home": self.home,
+            "prompt": self.prompt,
+            "timeout_s": str(int(self.timeout_s)),
+            "python": self.python,
+            "exe": self.exe,
+            "clawstream_root": self.clawstream_root,
+            "model": self.model,
             "side_model": self.side_model,
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True)

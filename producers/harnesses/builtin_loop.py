@@ -34,10 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-OPENAI_SYSTEM = ("You are a careful coding agent working in a workspace directory. Use the tools to read and "
-                 "write files. Call finish when the task is done.")  # fmt: skip
-ANTHROPIC_SYSTEM = ("You are Shell Agent. You solve file tasks step by step with your tools. Quote file names "
-                    "exactly. When everything is complete, call Done.")  # fmt: skip
+OPENAI_SYSTEM = (
+    "You are a careful coding agent working in a workspace directory. Use the tools to read and "
+    "write files. Call finish when the task is done."
+)
+ANTHROPIC_SYSTEM = (
+    "You are Shell Agent. You solve file tasks step by step with your tools. Quote file names "
+    "exactly. When everything is complete, call Done."
+)
 MAX_OUTPUT = 8000
 
 
@@ -48,21 +52,33 @@ def _prop(**fields: str) -> dict[str, Any]:
 # name → (role of the tool, description, JSON schema, argument names in role order)
 OPENAI_TOOLS = {
     "read_file": ("read", "Read a text file.", _prop(path="string"), ("path",)),
-    "write_file": ("write", "Write a text file (creates or replaces it).", _prop(path="string", content="string"),
-                   ("path", "content")),
+    "write_file": (
+        "write",
+        "Write a text file (creates or replaces it).",
+        _prop(path="string", content="string"),
+        ("path", "content"),
+    ),
     "list_files": ("list", "List the files under a directory.", _prop(path="string"), ("path",)),
-    "run": ("run", "Run a shell command; returns its output.", _prop(command="string", timeout="integer"),
-            ("command", "timeout")),
+    "run": (
+        "run",
+        "Run a shell command; returns its output.",
+        _prop(command="string", timeout="integer"),
+        ("command", "timeout"),
+    ),
     "finish": ("finish", "Finish the task.", _prop(summary="string"), ("summary",)),
-}  # fmt: skip
+}
 ANTHROPIC_TOOLS = {
     "Read": ("read", "Reads a file from the workspace.", _prop(file_path="string"), ("file_path",)),
-    "Write": ("write", "Writes a file in the workspace.", _prop(file_path="string", content="string"),
-              ("file_path", "content")),
+    "Write": (
+        "write",
+        "Writes a file in the workspace.",
+        _prop(file_path="string", content="string"),
+        ("file_path", "content"),
+    ),
     "LS": ("list", "Lists a directory of the workspace.", _prop(path="string"), ("path",)),
     "Shell": ("run", "Executes a bash command in the workspace.", _prop(command="string"), ("command",)),
     "Done": ("finish", "Signals that the task is complete.", _prop(message="string"), ("message",)),
-}  # fmt: skip
+}
 
 
 class ApiFailure(Exception):
@@ -92,8 +108,15 @@ class Tools:
                 return "\n".join(names[:500]) or "(empty)"
             if role == "run":
                 timeout = float(args[1] or self.run_timeout) if len(args) > 1 else self.run_timeout
-                proc = subprocess.run(str(args[0]), shell=True, cwd=self.ws, capture_output=True, text=True,
-                                      timeout=min(timeout, self.run_timeout), stdin=subprocess.DEVNULL)  # fmt: skip
+                proc = subprocess.run(
+                    str(args[0]),
+                    shell=True,
+                    cwd=self.ws,
+                    capture_output=True,
+                    text=True,
+                    timeout=min(timeout, self.run_timeout),
+                    stdin=subprocess.DEVNULL,
+                )
                 return f"exit code {proc.returncode}\n{(proc.stdout + proc.stderr)[-MAX_OUTPUT:]}"
         except subprocess.TimeoutExpired:
             return "error: the command timed out"
@@ -124,10 +147,13 @@ def _args(tool: tuple, given: dict[str, Any]) -> list[Any]:
 
 def run_openai(args: argparse.Namespace, tools: Tools, key: str, post: Post = post) -> str:
     url = args.base_url.rstrip("/") + "/chat/completions"
-    schema = [{"type": "function", "function": {"name": n, "description": t[1], "parameters": t[2]}}
-              for n, t in OPENAI_TOOLS.items()]  # fmt: skip
+    schema = [
+        {"type": "function", "function": {"name": n, "description": t[1], "parameters": t[2]}}
+        for n, t in OPENAI_TOOLS.items()
+    ]
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": OPENAI_SYSTEM}, {"role": "user", "content": args.prompt}
+        {"role": "system", "content": OPENAI_SYSTEM},
+        {"role": "user", "content": args.prompt},
     ]
     for _ in range(args.max_turns):
         body = {"model": args.model, "messages": messages, "tools": schema, "max_tokens": args.max_tokens}
@@ -157,8 +183,13 @@ def run_anthropic(args: argparse.Namespace, tools: Tools, key: str, post: Post =
     messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": args.prompt}]}]
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
     for _ in range(args.max_turns):
-        body = {"model": args.model, "max_tokens": args.max_tokens, "system": ANTHROPIC_SYSTEM,
-                "messages": messages, "tools": schema}  # fmt: skip
+        body = {
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "system": ANTHROPIC_SYSTEM,
+            "messages": messages,
+            "tools": schema,
+        }
         content = post(url, body, headers, args.http_timeout)["content"]
         messages.append({"role": "assistant", "content": content})
         uses = [b for b in content if b.get("type") == "tool_use"]

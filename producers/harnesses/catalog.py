@@ -7,6 +7,13 @@ from producers.harnesses.base import HarnessAdapter
 
 ADAPTERS: dict[str, HarnessAdapter] = {
     a.name: a
-    for a in (claude_code.ADAPTER, codex.ADAPTER, qwen_code.ADAPTER, openclaw.ADAPTER, opencode.ADAPTER,
-              agentloop.ADAPTER, agentloop.ANTHROPIC_ADAPTER)
-}  # fmt: skip
+    for a in (
+        claude_code.ADAPTER,
+        codex.ADAPTER,
+        qwen_code.ADAPTER,
+        openclaw.ADAPTER,
+        opencode.ADAPTER,
+        agentloop.ADAPTER,
+        agentloop.ANTHROPIC_ADAPTER,
+    )
+}

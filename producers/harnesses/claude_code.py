@@ -14,13 +14,24 @@ ADAPTER = HarnessAdapter(
     description="Claude Code CLI, headless (-p), Anthropic Messages",
     dialect=Dialect.ANTHROPIC_MESSAGES,
     install="claude-code",
-    command=("${exe}", "-p", "${prompt}", "--output-format", "json",
-             "--allowedTools", "Write,Read,Edit,Bash,Glob,Grep,LS"),  # fmt: skip
+    command=(
+        "${exe}",
+        "-p",
+        "${prompt}",
+        "--output-format",
+        "json",
+        "--allowedTools",
+        "Write,Read,Edit,Bash,Glob,Grep,LS",
+    ),
     env={
-        "ANTHROPIC_BASE_URL": "${base_url}", "ANTHROPIC_API_KEY": "${secret}", "ANTHROPIC_MODEL": "${model}",
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "${side_model}", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0", "DISABLE_AUTOUPDATER": "1",
-    },  # fmt: skip
+        "ANTHROPIC_BASE_URL": "${base_url}",
+        "ANTHROPIC_API_KEY": "${secret}",
+        "ANTHROPIC_MODEL": "${model}",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": "${side_model}",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "DISABLE_AUTOUPDATER": "1",
+    },
     side_models=("policy-side",),
     call_kind_notes="title calls on the side model (haiku slot) are SIDE; Task subagents have their own system prompt",
 )

@@ -33,10 +33,26 @@ ADAPTER = HarnessAdapter(
     # OpenClaw keeps its transcript only in a retained state dir, in SQLite: the wrapper exports it as the session
     # files PinchBench reads (producers.harnesses.openclaw_session; stdlib only, run by path: no PYTHONPATH for the
     # agent's own commands to inherit).
-    command=("${python}", "${clawstream_root}/producers/harnesses/openclaw_session.py", "--state-dir",
-             "${home}/.openclaw", "--",
-             "${exe}", "agent", "exec", "--config", "${home}/openclaw.json5", "--state-dir", "${home}/.openclaw",
-             "--model", "clawstream/${model}", "--json", "--timeout", "${timeout_s}", "${prompt}"),  # fmt: skip
+    command=(
+        "${python}",
+        "${clawstream_root}/producers/harnesses/openclaw_session.py",
+        "--state-dir",
+        "${home}/.openclaw",
+        "--",
+        "${exe}",
+        "agent",
+        "exec",
+        "--config",
+        "${home}/openclaw.json5",
+        "--state-dir",
+        "${home}/.openclaw",
+        "--model",
+        "clawstream/${model}",
+        "--json",
+        "--timeout",
+        "${timeout_s}",
+        "${prompt}",
+    ),
     files=(ConfigFile("openclaw.json5", CONFIG),),
     call_kind_notes="internal-context user message moves each call: expect branching, not appends",
     session_dir=".openclaw/agents",  # $HOME/.openclaw/agents/<agent>/sessions/<session id>.jsonl (+ sessions.json)

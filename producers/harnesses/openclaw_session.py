@@ -52,8 +52,7 @@ def unzstd(frames: list[bytes], node: str | None, timeout: float = 60.0) -> list
         raise ExportError("no node on PATH to decode Zstandard-compressed transcript records")
     payload = json.dumps([base64.b64encode(f).decode() for f in frames])
     try:
-        proc = subprocess.run([node, "-e", NODE_UNZSTD], input=payload, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        proc = subprocess.run([node, "-e", NODE_UNZSTD], input=payload, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ExportError(f"node could not decode Zstandard records: {exc}") from exc
     if proc.returncode != 0:
@@ -66,8 +65,9 @@ def unzstd(frames: list[bytes], node: str | None, timeout: float = 60.0) -> list
 
 def session_lines(con: sqlite3.Connection, session_id: str, node: str | None) -> list[str]:
     """The session's records as JSON text, in order."""
-    rows = con.execute("SELECT seq, event_json, event_zstd FROM transcript_events WHERE session_id = ? ORDER BY seq",
-                       (session_id,)).fetchall()  # fmt: skip
+    rows = con.execute(
+        "SELECT seq, event_json, event_zstd FROM transcript_events WHERE session_id = ? ORDER BY seq", (session_id,)
+    ).fetchall()
     frames = [bytes(z) for _seq, text, z in rows if text is None and z is not None]
     decoded = iter(unzstd(frames, node))
     lines = []

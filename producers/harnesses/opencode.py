@@ -29,8 +29,11 @@ ADAPTER = HarnessAdapter(
     dialect=Dialect.OPENAI_CHAT,
     install="opencode",
     command=("${exe}", "run", "--format", "json", "${prompt}"),
-    env={"OPENCODE_CONFIG": "${home}/opencode.json", "OPENCODE_DISABLE_MODELS_FETCH": "1",
-         "npm_config_offline": "true"},  # fmt: skip
+    env={
+        "OPENCODE_CONFIG": "${home}/opencode.json",
+        "OPENCODE_DISABLE_MODELS_FETCH": "1",
+        "npm_config_offline": "true",
+    },
     files=(ConfigFile("opencode.json", CONFIG),),
     call_kind_notes="title call on the main model, tool-less with a ~2.1k-char system prompt → SIDE",
 )

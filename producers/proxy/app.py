@@ -78,8 +78,9 @@ class ProxySettings(BaseSettings):
     """Serving-proxy configuration (env prefix ``CLAWSTREAM_PROXY_``)."""
 
     # validate_by_name: keyword arguments use the field names; the aliases only name the environment variables.
-    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_PROXY_", frozen=True, extra="forbid",
-                                      validate_by_name=True)  # fmt: skip
+    model_config = SettingsConfigDict(
+        env_prefix="CLAWSTREAM_PROXY_", frozen=True, extra="forbid", validate_by_name=True
+    )
 
     model: Path = Field(description="Model directory whose tokenizer + chat template render prompts.")
     engine_url: str = Field(default="http://127.0.0.1:8000", description="Inference engine base URL (vLLM API).")
@@ -136,11 +137,15 @@ class Rollout:
 
     def status(self) -> dict[str, Any]:
         return {
-            "rollout_id": self.rollout_id, "calls_served": self.calls_served, "in_flight": self.in_flight,
-            "sealed": self.sealed, "expires_at_ms": self.expires_at_ms,
-            "status": "infra_failure" if self.infra_failure else "ok", "infra_failure": self.infra_failure,
+            "rollout_id": self.rollout_id,
+            "calls_served": self.calls_served,
+            "in_flight": self.in_flight,
+            "sealed": self.sealed,
+            "expires_at_ms": self.expires_at_ms,
+            "status": "infra_failure" if self.infra_failure else "ok",
+            "infra_failure": self.infra_failure,
             "errors": {str(k): v for k, v in self.errors.items()},
-        }  # fmt: skip
+        }
 
 
 class Proxy:
@@ -225,12 +230,17 @@ class Proxy:
                 raise TypeError(f"attempt_id must be a string, got {type(attempt_id).__name__}")
             temperature, top_p, top_k = sampling_settings(body)
             rollout = Rollout(
-                rollout_id=rid, secret=secrets.token_urlsafe(32), expires_at_ms=now_ms() + int(ttl * 1000),
-                temperature=temperature, top_p=top_p, top_k=top_k,
+                rollout_id=rid,
+                secret=secrets.token_urlsafe(32),
+                expires_at_ms=now_ms() + int(ttl * 1000),
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
                 max_tokens=int(body.get("max_tokens") or self.s.default_max_tokens),
-                seed=None if seed is None else int(seed), renderer=RolloutRenderer(self.template),
+                seed=None if seed is None else int(seed),
+                renderer=RolloutRenderer(self.template),
                 attempt_id=attempt_id or None,
-            )  # fmt: skip
+            )
         except (ValueError, TypeError, AttributeError) as exc:
             return web.json_response({"error": f"bad registration: {exc}"}, status=400)
         if not all(c.isalnum() or c in "-_." for c in rid):
@@ -241,9 +251,14 @@ class Proxy:
         self.rollouts[rid] = rollout
         self.metrics.rollouts.set(len(self.rollouts))
         return web.json_response(
-            {"rollout_id": rid, "secret": rollout.secret, "base_url": f"{self.public_url}/r/{rid}",
-             "expires_at_ms": rollout.expires_at_ms}, status=201,
-        )  # fmt: skip
+            {
+                "rollout_id": rid,
+                "secret": rollout.secret,
+                "base_url": f"{self.public_url}/r/{rid}",
+                "expires_at_ms": rollout.expires_at_ms,
+            },
+            status=201,
+        )
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self._rollout_or_404(request).status())
@@ -353,18 +368,35 @@ class Proxy:
             seq = rollout.next_seq
             rollout.next_seq += 1
             event = CallEvent(
-                rollout_id=rollout.rollout_id, policy_version=reply.policy_version, timestamp_ms=received_ms,
-                call_id=call_id, seq=seq, dialect=dialect, requested_model=parsed.model, call_kind=kind,
-                new_tokens=rendered.new_tokens, prompt_len=len(rendered.prompt_ids), generated_tokens=gen,
-                logprobs=reply.logprobs, finish_reason="tool_calls" if turn.tool_calls and finish == "stop" else finish,
+                rollout_id=rollout.rollout_id,
+                policy_version=reply.policy_version,
+                timestamp_ms=received_ms,
+                call_id=call_id,
+                seq=seq,
+                dialect=dialect,
+                requested_model=parsed.model,
+                call_kind=kind,
+                new_tokens=rendered.new_tokens,
+                prompt_len=len(rendered.prompt_ids),
+                generated_tokens=gen,
+                logprobs=reply.logprobs,
+                finish_reason="tool_calls" if turn.tool_calls and finish == "stop" else finish,
                 system_fingerprint=system_fingerprint(parsed.conversation.system),
-                parent_call_id=rendered.parent_call_id, shared_prefix_len=rendered.shared_prefix_len,
-                flags=rendered.flags + turn.flags, received_ms=times["received_ms"], render_ms=times["render_ms"],
-                engine_ms=times["engine_ms"], total_ms=(time.perf_counter() - t0) * 1000,
-                cached_prompt_tokens=reply.cached_tokens, gpu_utilization=reply.gpu_utilization,
-                gpu_memory_used_bytes=reply.gpu_memory_used_bytes, attempt_id=rollout.attempt_id,
-                temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-            )  # fmt: skip
+                parent_call_id=rendered.parent_call_id,
+                shared_prefix_len=rendered.shared_prefix_len,
+                flags=rendered.flags + turn.flags,
+                received_ms=times["received_ms"],
+                render_ms=times["render_ms"],
+                engine_ms=times["engine_ms"],
+                total_ms=(time.perf_counter() - t0) * 1000,
+                cached_prompt_tokens=reply.cached_tokens,
+                gpu_utilization=reply.gpu_utilization,
+                gpu_memory_used_bytes=reply.gpu_memory_used_bytes,
+                attempt_id=rollout.attempt_id,
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
+                top_k=rollout.top_k,
+            )
             try:
                 await self.publisher.publish(self.topic, rollout.rollout_id, event.to_bytes(), self.s.publish_timeout_s)
             except PublishError as exc:
@@ -375,13 +407,28 @@ class Proxy:
             if kind == CallKind.MAIN:
                 rollout.last_main = (parsed.conversation, answer_msg)
             rollout.calls_served += 1
-            self.metrics.record_call(dialect.value, kind.value, len(rendered.prompt_ids), len(rendered.new_tokens),
-                                     len(gen), rendered.rendered_tokens, times["render_ms"] / 1000,
-                                     cached=reply.cached_tokens or 0)  # fmt: skip
+            self.metrics.record_call(
+                dialect.value,
+                kind.value,
+                len(rendered.prompt_ids),
+                len(rendered.new_tokens),
+                len(gen),
+                rendered.rendered_tokens,
+                times["render_ms"] / 1000,
+                cached=reply.cached_tokens or 0,
+            )
             return emit.Answer(
-                turn, finish, len(rendered.prompt_ids), len(gen), parsed.model, response_id, created, ids,
-                custom_tool_names(body), cached_tokens=min(reply.cached_tokens or 0, len(rendered.prompt_ids)),
-            )  # fmt: skip
+                turn,
+                finish,
+                len(rendered.prompt_ids),
+                len(gen),
+                parsed.model,
+                response_id,
+                created,
+                ids,
+                custom_tool_names(body),
+                cached_tokens=min(reply.cached_tokens or 0, len(rendered.prompt_ids)),
+            )
 
         rollout.in_flight += 1
         task = asyncio.ensure_future(work())
@@ -402,9 +449,15 @@ class Proxy:
         return emit.responses_object(answer)
 
     async def _stream(
-        self, request: web.Request, dialect: Dialect, parsed: ParsedRequest, task: asyncio.Future[emit.Answer],
-        prompt_tokens: int, response_id: str, created: int,
-    ) -> web.StreamResponse:  # fmt: skip
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        parsed: ParsedRequest,
+        task: asyncio.Future[emit.Answer],
+        prompt_tokens: int,
+        response_id: str,
+        created: int,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         responses = emit.ResponsesStream(response_id, parsed.model, created)
@@ -444,10 +497,16 @@ class Proxy:
 
     async def _engine(self, rollout: Rollout, prompt: list[int], max_tokens: int) -> EngineReply:
         payload: dict[str, Any] = {
-            "model": self.s.engine_model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": rollout.temperature, "top_p": rollout.top_p, "stop_token_ids": [self.template.im_end_id],
-            "logprobs": 1, "return_token_ids": True, "skip_special_tokens": False,
-        }  # fmt: skip
+            "model": self.s.engine_model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": rollout.temperature,
+            "top_p": rollout.top_p,
+            "stop_token_ids": [self.template.im_end_id],
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         if rollout.top_k > 0:
             payload["top_k"] = rollout.top_k
         if rollout.seed is not None:
@@ -522,11 +581,14 @@ def engine_reply(data: Any, header_version: str | None = None) -> EngineReply:
     telemetry = data.get("engine_telemetry")
     telemetry = telemetry if isinstance(telemetry, dict) else {}
     return EngineReply(
-        gen, logprobs, "length" if finish == "length" else "stop", version,
+        gen,
+        logprobs,
+        "length" if finish == "length" else "stop",
+        version,
         cached_tokens=_optional(details.get("cached_tokens"), int) if isinstance(details, dict) else None,
         gpu_utilization=_optional(telemetry.get("gpu_utilization"), float),
         gpu_memory_used_bytes=_optional(telemetry.get("gpu_memory_used_bytes"), int),
-    )  # fmt: skip
+    )
 
 
 async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:

@@ -117,9 +117,12 @@ def parse_anthropic(body: Any) -> ParsedRequest:
             tools.append(function_tool(tool["name"], tool.get("description", ""), tool.get("input_schema")))
         # server tools (web_search_..., bash_...) have no schema the model could follow: left out
     return ParsedRequest(
-        Dialect.ANTHROPIC_MESSAGES, model, Conversation(tuple(out), tuple(tools)), stream,
+        Dialect.ANTHROPIC_MESSAGES,
+        model,
+        Conversation(tuple(out), tuple(tools)),
+        stream,
         _max_tokens(body, "max_tokens"),
-    )  # fmt: skip
+    )
 
 
 def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[Message]:
@@ -193,9 +196,13 @@ def parse_openai_chat(body: Any) -> ParsedRequest:
     opts = body.get("stream_options")
     include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
     return ParsedRequest(
-        Dialect.OPENAI_CHAT, model, Conversation(tuple(out), tuple(tools)), stream,
-        _max_tokens(body, "max_completion_tokens", "max_tokens"), include_usage,
-    )  # fmt: skip
+        Dialect.OPENAI_CHAT,
+        model,
+        Conversation(tuple(out), tuple(tools)),
+        stream,
+        _max_tokens(body, "max_completion_tokens", "max_tokens"),
+        include_usage,
+    )
 
 
 # --- OpenAI Responses -------------------------------------------------------------------------------------------
@@ -253,8 +260,11 @@ def parse_openai_responses(body: Any) -> ParsedRequest:
             assistant()["reasoning"] += content or summary
         elif kind in ("function_call", "custom_tool_call"):
             _req(isinstance(item.get("name"), str), f"{where}: {kind} needs a string 'name'")
-            args = _arguments(item.get("arguments", "{}"), where) if kind == "function_call" else {
-                "input": item.get("input", "")}  # fmt: skip
+            args = (
+                _arguments(item.get("arguments", "{}"), where)
+                if kind == "function_call"
+                else {"input": item.get("input", "")}
+            )
             assistant()["calls"].append(ToolCall(str(item.get("call_id", "")), item["name"], args))
         elif kind in ("function_call_output", "custom_tool_call_output"):
             flush()
@@ -275,9 +285,12 @@ def parse_openai_responses(body: Any) -> ParsedRequest:
         elif tool.get("type") == "custom" and isinstance(tool.get("name"), str):
             tools.append(function_tool(tool["name"], tool.get("description", ""), CUSTOM_TOOL_PARAMETERS))
     return ParsedRequest(
-        Dialect.OPENAI_RESPONSES, model, Conversation(tuple(out), tuple(tools)), stream,
+        Dialect.OPENAI_RESPONSES,
+        model,
+        Conversation(tuple(out), tuple(tools)),
+        stream,
         _max_tokens(body, "max_output_tokens"),
-    )  # fmt: skip
+    )
 
 
 PARSERS = {
@@ -297,17 +310,29 @@ def custom_tool_names(body: Any) -> frozenset[str]:
 # --- errors -----------------------------------------------------------------------------------------------------
 
 _ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-    502: "api_error", 503: "overloaded_error", 504: "api_error",
-}  # fmt: skip
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "api_error",
+}
 _OPENAI_ERRORS = {
-    400: ("invalid_request_error", "invalid_request"), 401: ("invalid_request_error", "invalid_api_key"),
-    404: ("invalid_request_error", "not_found"), 409: ("invalid_request_error", "conflict"),
-    413: ("invalid_request_error", "request_too_large"), 500: ("server_error", "internal_error"),
-    502: ("server_error", "engine_unavailable"), 503: ("server_error", "service_unavailable"),
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    409: ("invalid_request_error", "conflict"),
+    413: ("invalid_request_error", "request_too_large"),
+    500: ("server_error", "internal_error"),
+    502: ("server_error", "engine_unavailable"),
+    503: ("server_error", "service_unavailable"),
     504: ("server_error", "engine_timeout"),
-}  # fmt: skip
+}
 
 
 def error_body(dialect: Dialect, status: int, message: str) -> dict[str, Any]:

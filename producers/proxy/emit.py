@@ -103,9 +103,15 @@ def anthropic_message(ans: Answer) -> dict[str, Any]:
 
 def anthropic_preamble(response_id: str, model: str, prompt_tokens: int) -> bytes:
     message = {
-        "id": response_id, "type": "message", "role": "assistant", "model": model, "content": [],
-        "stop_reason": None, "stop_sequence": None, "usage": _anthropic_usage(prompt_tokens, 1),
-    }  # fmt: skip
+        "id": response_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _anthropic_usage(prompt_tokens, 1),
+    }
     return sse({"type": "message_start", "message": message}, "message_start")
 
 
@@ -117,8 +123,10 @@ def anthropic_body(ans: Answer) -> bytes:
     for i, block in enumerate(_anthropic_blocks(ans)):
         if block["type"] == "thinking":
             start = {"type": "thinking", "thinking": "", "signature": ""}
-            deltas = [{"type": "thinking_delta", "thinking": block["thinking"]},
-                      {"type": "signature_delta", "signature": block["signature"]}]  # fmt: skip
+            deltas = [
+                {"type": "thinking_delta", "thinking": block["thinking"]},
+                {"type": "signature_delta", "signature": block["signature"]},
+            ]
         elif block["type"] == "text":
             start = {"type": "text", "text": ""}
             deltas = [{"type": "text_delta", "text": block["text"]}] if block["text"] else []
@@ -151,8 +159,12 @@ def chat_finish_reason(ans: Answer) -> str:
 
 def _chat_usage(ans: Answer) -> dict[str, Any]:
     total = ans.prompt_tokens + ans.completion_tokens
-    return {"prompt_tokens": ans.prompt_tokens, "completion_tokens": ans.completion_tokens, "total_tokens": total,
-            "prompt_tokens_details": {"cached_tokens": ans.cached_tokens}}  # fmt: skip
+    return {
+        "prompt_tokens": ans.prompt_tokens,
+        "completion_tokens": ans.completion_tokens,
+        "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": ans.cached_tokens},
+    }
 
 
 def _chat_tool_calls(ans: Answer) -> list[dict[str, Any]]:
@@ -178,12 +190,21 @@ def chat_completion(ans: Answer) -> dict[str, Any]:
     }
 
 
-def _chunk(response_id: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
-           include_usage: bool = False) -> bytes:  # fmt: skip
+def _chunk(
+    response_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    finish: str | None = None,
+    include_usage: bool = False,
+) -> bytes:
     chunk: dict[str, Any] = {
-        "id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }  # fmt: skip
+    }
     if include_usage:
         chunk["usage"] = None
     return sse(chunk)
@@ -201,15 +222,25 @@ def chat_body(ans: Answer, include_usage: bool) -> bytes:
     if ans.turn.text:
         out.append(_chunk(rid, model, created, {"content": ans.turn.text}, None, include_usage))
     for i, call in enumerate(_chat_tool_calls(ans)):
-        head = {"index": i, "id": call["id"], "type": "function",
-                "function": {"name": call["function"]["name"], "arguments": ""}}  # fmt: skip
+        head = {
+            "index": i,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": ""},
+        }
         out.append(_chunk(rid, model, created, {"tool_calls": [head]}, None, include_usage))
         args = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
         out.append(_chunk(rid, model, created, {"tool_calls": [args]}, None, include_usage))
     out.append(_chunk(rid, model, created, {}, chat_finish_reason(ans), include_usage))
     if include_usage:
-        usage = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                 "usage": _chat_usage(ans)}  # fmt: skip
+        usage = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [],
+            "usage": _chat_usage(ans),
+        }
         out.append(sse(usage))
     out.append(sse("[DONE]"))
     return b"".join(out)
@@ -234,14 +265,26 @@ class ResponsesStream:
         self.seq += 1
         return sse(data, kind)
 
-    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                 **extra: Any) -> dict[str, Any]:  # fmt: skip
+    def response(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None, **extra: Any
+    ) -> dict[str, Any]:
         return {
-            "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.model, "output": output, "usage": usage, "error": None, "incomplete_details": None,
-            "instructions": None, "metadata": {}, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "metadata": {},
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
             **extra,
-        }  # fmt: skip
+        }
 
     def preamble(self) -> bytes:
         resp = self.response("in_progress", [])
@@ -274,8 +317,11 @@ class ResponsesStream:
                 out.append(self.event("response.output_item.added", output_index=idx, item={**item, "summary": []}))
                 ids = {"item_id": item["id"], "output_index": idx, "summary_index": 0}
                 text = item["summary"][0]["text"]
-                out.append(self.event("response.reasoning_summary_part.added", **ids,
-                                      part={"type": "summary_text", "text": ""}))  # fmt: skip
+                out.append(
+                    self.event(
+                        "response.reasoning_summary_part.added", **ids, part={"type": "summary_text", "text": ""}
+                    )
+                )
                 out.append(self.event("response.reasoning_summary_text.delta", **ids, delta=text))
                 out.append(self.event("response.reasoning_summary_text.done", **ids, text=text))
                 out.append(self.event("response.reasoning_summary_part.done", **ids, part=item["summary"][0]))
@@ -292,30 +338,55 @@ def responses_output(ans: Answer) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     suffix = ans.response_id.removeprefix("resp_")
     if ans.turn.reasoning:
-        items.append({"id": f"rs_{suffix}", "type": "reasoning",
-                      "summary": [{"type": "summary_text", "text": ans.turn.reasoning}]})  # fmt: skip
+        items.append(
+            {
+                "id": f"rs_{suffix}",
+                "type": "reasoning",
+                "summary": [{"type": "summary_text", "text": ans.turn.reasoning}],
+            }
+        )
     if ans.turn.text or not ans.turn.tool_calls:
         part = {"type": "output_text", "text": ans.turn.text, "annotations": []}
-        items.append({"id": f"msg_{suffix}", "type": "message", "status": "completed", "role": "assistant",
-                      "content": [part]})  # fmt: skip
+        items.append(
+            {"id": f"msg_{suffix}", "type": "message", "status": "completed", "role": "assistant", "content": [part]}
+        )
     for i, (call, cid) in enumerate(zip(ans.turn.tool_calls, ans.tool_call_ids, strict=True)):
         if call.name in ans.custom_tools:
-            items.append({"id": f"ctc_{suffix}_{i}", "type": "custom_tool_call", "status": "completed",
-                          "call_id": cid, "name": call.name, "input": str(call.arguments.get("input", ""))})
+            items.append(
+                {
+                    "id": f"ctc_{suffix}_{i}",
+                    "type": "custom_tool_call",
+                    "status": "completed",
+                    "call_id": cid,
+                    "name": call.name,
+                    "input": str(call.arguments.get("input", "")),
+                }
+            )
         else:
-            items.append({"id": f"fc_{suffix}_{i}", "type": "function_call", "status": "completed", "call_id": cid,
-                          "name": call.name, "arguments": call.arguments_json})  # fmt: skip
+            items.append(
+                {
+                    "id": f"fc_{suffix}_{i}",
+                    "type": "function_call",
+                    "status": "completed",
+                    "call_id": cid,
+                    "name": call.name,
+                    "arguments": call.arguments_json,
+                }
+            )
     return items
 
 
 def responses_object(ans: Answer) -> dict[str, Any]:
     usage = {
-        "input_tokens": ans.prompt_tokens, "input_tokens_details": {"cached_tokens": ans.cached_tokens},
-        "output_tokens": ans.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "input_tokens": ans.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": ans.cached_tokens},
+        "output_tokens": ans.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": ans.prompt_tokens + ans.completion_tokens,
-    }  # fmt: skip
+    }
     stream = ResponsesStream(ans.response_id, ans.model, ans.created)
     if ans.finish == "length" and not ans.turn.tool_calls:
-        return stream.response("incomplete", responses_output(ans), usage,
-                               incomplete_details={"reason": "max_output_tokens"})  # fmt: skip
+        return stream.response(
+            "incomplete", responses_output(ans), usage, incomplete_details={"reason": "max_output_tokens"}
+        )
     return stream.response("completed", responses_output(ans), usage)

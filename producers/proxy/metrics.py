@@ -17,23 +17,48 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.calls = Counter("clawstream_proxy_calls", "Model calls served and recorded.", ["dialect", "kind"],
-                             registry=r)  # fmt: skip
-        self.errors = Counter("clawstream_proxy_errors", "Calls answered with an error.", ["dialect", "status"],
-                              registry=r)  # fmt: skip
-        self.latency = Histogram("clawstream_proxy_request_seconds", "Request arrival to response.", ["dialect"],
-                                 buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.render_time = Histogram("clawstream_proxy_render_seconds", "Conversation → prompt ids.", registry=r,
-                                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))  # fmt: skip
+        self.calls = Counter(
+            "clawstream_proxy_calls", "Model calls served and recorded.", ["dialect", "kind"], registry=r
+        )
+        self.errors = Counter(
+            "clawstream_proxy_errors", "Calls answered with an error.", ["dialect", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "clawstream_proxy_request_seconds",
+            "Request arrival to response.",
+            ["dialect"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.render_time = Histogram(
+            "clawstream_proxy_render_seconds",
+            "Conversation → prompt ids.",
+            registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+        )
         self.tokens = Counter("clawstream_proxy_tokens", "Tokens by type.", ["dialect", "type"], registry=r)
         self.rollouts = Gauge("clawstream_proxy_rollouts", "Registered rollouts.", registry=r)
 
-    def record_call(self, dialect: str, kind: str, prompt: int, new: int, generated: int, rendered: int,
-                    render_s: float, cached: int = 0) -> None:  # fmt: skip
+    def record_call(
+        self,
+        dialect: str,
+        kind: str,
+        prompt: int,
+        new: int,
+        generated: int,
+        rendered: int,
+        render_s: float,
+        cached: int = 0,
+    ) -> None:
         self.calls.labels(dialect, kind).inc()
         self.render_time.observe(render_s)
-        counts = (("prompt", prompt), ("new", new), ("generated", generated), ("rendered", rendered),
-                  ("cached", cached))  # fmt: skip
+        counts = (
+            ("prompt", prompt),
+            ("new", new),
+            ("generated", generated),
+            ("rendered", rendered),
+            ("cached", cached),
+        )
         for name, value in counts:
             self.tokens.labels(dialect, name).inc(value)
 

@@ -89,9 +89,7 @@ class TemplateRenderer:
         self.generation_prompt = gen[len(self._stub_text) :]
         self.generation_prompt_ids = self.encode(self.generation_prompt)
 
-    def _render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **kw: Any
-    ) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **kw: Any) -> str:
         try:
             return self.tok.apply_chat_template(messages, tools=tools or None, tokenize=False, **kw)
         except Exception as exc:  # jinja raises TemplateError for unknown roles and the like

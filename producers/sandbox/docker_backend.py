@@ -65,8 +65,10 @@ if not hasattr(tarfile, "data_filter"):  # Python < 3.11.4 (Debian bookworm's 3.
     try:
         from backports import tarfile  # type: ignore[no-redef]
     except ImportError as _exc:
-        raise ImportError("this Python's tarfile has no extraction filters; pip install 'backports.tarfile>=1.2' "
-                          "(the `docker` extra of clawstream)") from _exc
+        raise ImportError(
+            "this Python's tarfile has no extraction filters; pip install 'backports.tarfile>=1.2' "
+            "(the `docker` extra of clawstream)"
+        ) from _exc
 
 log = logging.getLogger("clawstream.sandbox.docker")
 
@@ -178,8 +180,16 @@ def unpack_into(stream: bytes, name: str, dest: Path) -> list[str]:
 class DockerSandbox(Sandbox):
     contained = True
 
-    def __init__(self, sandbox_id: str, host_root: Path, container: Any, client: Any, task: Task,
-                 settings: SandboxSettings, proxy_origin: str | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sandbox_id: str,
+        host_root: Path,
+        container: Any,
+        client: Any,
+        task: Task,
+        settings: SandboxSettings,
+        proxy_origin: str | None,
+    ) -> None:
         self.sandbox_id, self.root, self.s = sandbox_id, host_root, settings
         self.container, self.client = container, client
         self.workspace, self.home, self.grader_dir = task.mount_dir, HOME, GRADER
@@ -240,8 +250,13 @@ class DockerSandbox(Sandbox):
             stream, _stat = self.container.get_archive(inside)
             skipped = unpack_into(b"".join(stream), PurePosixPath(inside).name, host)
             if skipped:
-                log.warning("sandbox %s: %d member(s) of %s not copied out: %s", self.sandbox_id, len(skipped),
-                            inside, "; ".join(skipped[:5]))  # fmt: skip
+                log.warning(
+                    "sandbox %s: %d member(s) of %s not copied out: %s",
+                    self.sandbox_id,
+                    len(skipped),
+                    inside,
+                    "; ".join(skipped[:5]),
+                )
         self._synced = _fingerprint(self._mounts)
 
     async def run(
@@ -253,8 +268,13 @@ class DockerSandbox(Sandbox):
         api = self.client.api
 
         def work() -> tuple[int | None, bytes, bytes]:
-            exec_id = api.exec_create(self.container.id, exec_argv(argv, timeout_s, self.s.kill_grace_s),
-                                      environment=full_env, workdir=cwd, stdin=False)["Id"]  # fmt: skip
+            exec_id = api.exec_create(
+                self.container.id,
+                exec_argv(argv, timeout_s, self.s.kill_grace_s),
+                environment=full_env,
+                workdir=cwd,
+                stdin=False,
+            )["Id"]
             out, err = api.exec_start(exec_id, demux=True)
             return api.exec_inspect(exec_id).get("ExitCode"), out or b"", err or b""
 
@@ -335,9 +355,14 @@ class DockerBackend(SandboxBackend):
             name = self.s.docker_network
             if not [n for n in self.client.networks.list(names=[name]) if n.name == name]:  # filter: substrings
                 try:
-                    self.client.networks.create(name, driver="bridge", internal=True,
-                                                options=NO_HOST_ADDRESS, check_duplicate=True,
-                                                labels={"clawstream": "sandbox-network"})  # fmt: skip
+                    self.client.networks.create(
+                        name,
+                        driver="bridge",
+                        internal=True,
+                        options=NO_HOST_ADDRESS,
+                        check_duplicate=True,
+                        labels={"clawstream": "sandbox-network"},
+                    )
                 except Exception as exc:  # docker.errors.APIError 409: created by someone else meanwhile
                     if "already exists" not in str(exc) and "409" not in str(exc):
                         raise
@@ -360,12 +385,26 @@ class DockerBackend(SandboxBackend):
         for old in self.client.containers.list(all=True, filters={"name": f"^{name}$"}, ignore_removed=True):
             old.remove(force=True)  # a previous incarnation of this pid (a restarted container)
         relay = self.client.containers.run(
-            self.s.docker_image, ["python3", "-m", "producers.sandbox.relay", "--listen", f"0.0.0.0:{port}",
-                                  "--target", f"{host}:{proxy.port or 80}"],
-            name=name, detach=True, init=True, network="bridge",
+            self.s.docker_image,
+            [
+                "python3",
+                "-m",
+                "producers.sandbox.relay",
+                "--listen",
+                f"0.0.0.0:{port}",
+                "--target",
+                f"{host}:{proxy.port or 80}",
+            ],
+            name=name,
+            detach=True,
+            init=True,
+            network="bridge",
             labels={**self.s.docker_labels, RELAY_LABEL: name, WORKER_LABEL: self.worker},
-            mem_limit="256m", pids_limit=64, cap_drop=["ALL"], security_opt=["no-new-privileges"],
-        )  # fmt: skip
+            mem_limit="256m",
+            pids_limit=64,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+        )
         self.client.networks.get(self.s.docker_network).connect(relay, aliases=[name])
         self._relay, self._proxy_origin = relay, f"http://{name}:{port}"
         log.info("relay %s: %s → %s:%s", name, self._proxy_origin, host, proxy.port)

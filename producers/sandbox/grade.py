@@ -87,9 +87,13 @@ def _tail(path: Path, limit: int = 1 << 20) -> str | None:
 
 
 def run_transcript(
-    task: Task, box: Sandbox, stdout: str, *, messages: list[dict[str, Any]] | None = None,
+    task: Task,
+    box: Sandbox,
+    stdout: str,
+    *,
+    messages: list[dict[str, Any]] | None = None,
     session_dir: str | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+) -> list[dict[str, Any]]:
     """The transcript the task's grader reads (``Grader.transcript``). ``stdout``: the harness's output;
     ``messages``: the conversation the proxy saw (the last main-agent call's messages plus its answer, OpenAI Chat
     shaped); ``session_dir``: where under HOME the harness writes its own OpenClaw session files (OpenClaw only).
@@ -111,9 +115,14 @@ def run_transcript(
 
 
 async def grade(
-    task: Task, box: Sandbox, stdout: str, settings: SandboxSettings, *,
-    messages: list[dict[str, Any]] | None = None, session_dir: str | None = None,
-) -> GradeResult:  # fmt: skip
+    task: Task,
+    box: Sandbox,
+    stdout: str,
+    settings: SandboxSettings,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    session_dir: str | None = None,
+) -> GradeResult:
     """Grade a rollout (raises :class:`GraderFailure` on a grader/judge crash); ``messages`` / ``session_dir``: where
     the transcript comes from (:func:`run_transcript`)."""
     transcript = run_transcript(task, box, stdout, messages=messages, session_dir=session_dir)
@@ -135,9 +144,14 @@ async def grade(
 
 
 async def grade_directory(
-    task: Task, workspace: Path, backend: SandboxBackend, settings: SandboxSettings, *, stdout: str = "",
+    task: Task,
+    workspace: Path,
+    backend: SandboxBackend,
+    settings: SandboxSettings,
+    *,
+    stdout: str = "",
     session: str | None = None,
-) -> GradeResult:  # fmt: skip
+) -> GradeResult:
     """Grade a workspace directory exactly as a rollout's workspace is graded: a fresh sandbox of ``backend`` gets a
     copy of the directory as its workspace (the directory itself is left as it is), the task's grader runs in it,
     then the sandbox is destroyed. The transcript: ``stdout`` (the harness's output) for graders that read it, or
@@ -146,8 +160,9 @@ async def grade_directory(
         raise TaskError(f"workspace {workspace} is not a directory")
     box = await backend.create(f"grade-{task.task_id[:24]}", replace(task, files={}))
     try:
-        await asyncio.to_thread(shutil.copytree, workspace, box.host_path(box.workspace), symlinks=True,
-                                dirs_exist_ok=True)  # fmt: skip
+        await asyncio.to_thread(
+            shutil.copytree, workspace, box.host_path(box.workspace), symlinks=True, dirs_exist_ok=True
+        )
         session_dir = None
         if session is not None:  # where OpenClaw keeps it, so the grader finds it as it finds OpenClaw's own
             box.write_text(inside(box.home, OPENCLAW_AGENTS_DIR, "main", "sessions", "given.jsonl"), session)

@@ -60,10 +60,15 @@ def default_path() -> str:
 
 def _limits(s: SandboxSettings) -> list[tuple[int, int]]:
     mb = 1024 * 1024
-    wanted = [(resource.RLIMIT_CPU, s.limit_cpu_s), (resource.RLIMIT_AS, s.limit_address_space_mb * mb),
-              (resource.RLIMIT_DATA, s.limit_data_mb * mb), (resource.RLIMIT_NOFILE, s.limit_open_files),
-              (resource.RLIMIT_NPROC, s.limit_processes), (resource.RLIMIT_FSIZE, s.limit_file_size_mb * mb),
-              (resource.RLIMIT_CORE, 0)]  # fmt: skip
+    wanted = [
+        (resource.RLIMIT_CPU, s.limit_cpu_s),
+        (resource.RLIMIT_AS, s.limit_address_space_mb * mb),
+        (resource.RLIMIT_DATA, s.limit_data_mb * mb),
+        (resource.RLIMIT_NOFILE, s.limit_open_files),
+        (resource.RLIMIT_NPROC, s.limit_processes),
+        (resource.RLIMIT_FSIZE, s.limit_file_size_mb * mb),
+        (resource.RLIMIT_CORE, 0),
+    ]
     out = []
     for res, value in wanted:
         if value > 0 or res == resource.RLIMIT_CORE:
@@ -162,8 +167,13 @@ class LocalSandbox(Sandbox):
 
     def env(self, extra: Mapping[str, str], extra_path: str = "") -> dict[str, str]:
         path = self.s.path or default_path()
-        env = {"PATH": f"{extra_path}:{path}" if extra_path else path, "HOME": self.home,
-               "TMPDIR": str(self.root / "tmp"), "LANG": "C.UTF-8", "USER": "sandbox"}  # fmt: skip
+        env = {
+            "PATH": f"{extra_path}:{path}" if extra_path else path,
+            "HOME": self.home,
+            "TMPDIR": str(self.root / "tmp"),
+            "LANG": "C.UTF-8",
+            "USER": "sandbox",
+        }
         env.update(extra)
         env[MARKER] = self.sandbox_id  # the adapter cannot remove the cleanup marker
         return env
@@ -179,10 +189,15 @@ class LocalSandbox(Sandbox):
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv, cwd=str(self.host_path(cwd)), env=self.env(env, extra_path),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                    *argv,
+                    cwd=str(self.host_path(cwd)),
+                    env=self.env(env, extra_path),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
                     preexec_fn=lambda: _preexec(_limits(self.s)),
-                )  # fmt: skip
+                )
             except OSError as exc:
                 raise SandboxError(f"cannot start {argv[0]}: {exc}") from exc
         self.pgids.add(proc.pid)  # new session: pgid == pid
@@ -206,9 +221,13 @@ class LocalSandbox(Sandbox):
         if proc.returncode is None:
             await proc.wait()
         return RunResult(
-            exit_code=None if timed_out else proc.returncode, timed_out=timed_out, duration_s=time.monotonic() - t0,
-            stdout=_tail(out_path), stderr=_tail(err_path), killed=killed,
-        )  # fmt: skip
+            exit_code=None if timed_out else proc.returncode,
+            timed_out=timed_out,
+            duration_s=time.monotonic() - t0,
+            stdout=_tail(out_path),
+            stderr=_tail(err_path),
+            killed=killed,
+        )
 
     async def destroy(self) -> CleanupReport:
         report = CleanupReport()

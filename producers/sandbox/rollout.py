@@ -131,22 +131,43 @@ class _Attempt:
 
     async def move(self, new: RolloutState, **fields: Any) -> None:
         state = transition(self.state, new)
-        await self.ctx.sink.event(RolloutEvent(
-            rollout_id=self.req.rollout_id, policy_version=self.policy_version, timestamp_ms=now_ms(),
-            attempt_id=self.attempt_id, state=state, group_id=self.req.group_id, harness=self.req.harness,
-            attempt=self.req.attempt, worker_id=self.ctx.worker_id, **fields,
-        ))  # fmt: skip
+        await self.ctx.sink.event(
+            RolloutEvent(
+                rollout_id=self.req.rollout_id,
+                policy_version=self.policy_version,
+                timestamp_ms=now_ms(),
+                attempt_id=self.attempt_id,
+                state=state,
+                group_id=self.req.group_id,
+                harness=self.req.harness,
+                attempt=self.req.attempt,
+                worker_id=self.ctx.worker_id,
+                **fields,
+            )
+        )
         self.state = state
 
-    async def give_reward(self, status: RewardStatus, grader: str, reward: float | None = None,
-                          sub_scores: dict[str, float] | None = None, reason: str | None = None) -> None:  # fmt: skip
+    async def give_reward(
+        self,
+        status: RewardStatus,
+        grader: str,
+        reward: float | None = None,
+        sub_scores: dict[str, float] | None = None,
+        reason: str | None = None,
+    ) -> None:
         if self.reward is not None:
             raise ClawstreamError(f"attempt {self.attempt_id} already has a reward")
         event = RewardEvent(
-            rollout_id=self.req.rollout_id, policy_version=self.policy_version, timestamp_ms=now_ms(),
-            attempt_id=self.attempt_id, status=status, grader=grader, reward=reward, sub_scores=sub_scores or {},
+            rollout_id=self.req.rollout_id,
+            policy_version=self.policy_version,
+            timestamp_ms=now_ms(),
+            attempt_id=self.attempt_id,
+            status=status,
+            grader=grader,
+            reward=reward,
+            sub_scores=sub_scores or {},
             reason=reason,
-        )  # fmt: skip
+        )
         await self.ctx.sink.reward(event)
         self.reward = event
 
@@ -179,17 +200,32 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             if req.deadline_ms:
                 timeout = max(1.0, min(timeout, (req.deadline_ms - now_ms()) / 1000))
             reg = await ctx.proxy.register(
-                req.rollout_id, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                max_tokens=req.max_tokens, ttl_s=timeout + 600, attempt_id=a.attempt_id,
-            )  # fmt: skip
+                req.rollout_id,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                max_tokens=req.max_tokens,
+                ttl_s=timeout + 600,
+                attempt_id=a.attempt_id,
+            )
             registered = True
             # Prompts may name the task's mount dir (ClawGym-Bench): point them at this sandbox's workspace.
             prompt = task.prompt.replace(task.mount_dir, box.workspace)
-            spec = launch_spec(adapter, LaunchContext(
-                base_url=box.proxy_base_url(reg["base_url"]), secret=reg["secret"], workspace=box.workspace,
-                home=box.home, prompt=prompt, timeout_s=timeout, python=box.python, exe=exe,
-                clawstream_root=box.clawstream_root, contained=box.contained,
-            ))  # fmt: skip
+            spec = launch_spec(
+                adapter,
+                LaunchContext(
+                    base_url=box.proxy_base_url(reg["base_url"]),
+                    secret=reg["secret"],
+                    workspace=box.workspace,
+                    home=box.home,
+                    prompt=prompt,
+                    timeout_s=timeout,
+                    python=box.python,
+                    exe=exe,
+                    clawstream_root=box.clawstream_root,
+                    contained=box.contained,
+                ),
+            )
             for path, content in spec.files.items():
                 box.write_text(path, content)
         except (TaskError, SandboxError, ProxyError, OSError, ValueError) as exc:
@@ -213,16 +249,25 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             return out
         calls = int(sealed.get("calls_served", 0))
         if result.timed_out:
-            await a.move(RolloutState.TIMED_OUT, calls_served=calls, reason=f"killed after {timeout:.0f}s "
-                         f"({'+'.join(result.killed)})")  # fmt: skip
+            await a.move(
+                RolloutState.TIMED_OUT,
+                calls_served=calls,
+                reason=f"killed after {timeout:.0f}s ({'+'.join(result.killed)})",
+            )
         else:
             reason = None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr[-500:]}"
             await a.move(RolloutState.HARNESS_EXITED, exit_code=result.exit_code, calls_served=calls, reason=reason)
         t["grade_start"] = time.monotonic()
         try:
             messages = sealed.get("messages")  # the conversation the proxy saw, when it reports it
-            graded = await grade(task, box, result.stdout, ctx.settings, session_dir=adapter.session_dir,
-                                 messages=messages if isinstance(messages, list) else None)  # fmt: skip
+            graded = await grade(
+                task,
+                box,
+                result.stdout,
+                ctx.settings,
+                session_dir=adapter.session_dir,
+                messages=messages if isinstance(messages, list) else None,
+            )
         except (GraderFailure, SandboxError, OSError) as exc:
             await a.fail(f"grader: {exc}")
             return out
@@ -234,8 +279,12 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             out.cleanup = cleanup = await box.destroy()
             t["destroyed"] = time.monotonic()
             if not cleanup.clean:
-                log.error("sandbox %s not clean after destroy: pids %s, paths %s", box.sandbox_id,
-                          cleanup.leftover_pids, cleanup.leftover_paths)  # fmt: skip
+                log.error(
+                    "sandbox %s not clean after destroy: pids %s, paths %s",
+                    box.sandbox_id,
+                    cleanup.leftover_pids,
+                    cleanup.leftover_paths,
+                )
         if registered:
             try:
                 if a.state == RolloutState.STARTED or a.state is None:

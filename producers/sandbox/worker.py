@@ -49,10 +49,10 @@ from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 log = logging.getLogger("clawstream.sandbox_worker")
 
 
-
 def make_backend(settings: SandboxSettings) -> SandboxBackend:
     """The sandbox backend the settings name (``local`` or ``docker``)."""
     return DockerBackend(settings) if settings.backend == "docker" else LocalBackend(settings)
+
 
 class KafkaSink:
     """EventSink publishing to Kafka and waiting for each acknowledgement."""
@@ -61,8 +61,9 @@ class KafkaSink:
         self.publisher, self.kafka, self.timeout_s = publisher, kafka, timeout_s
 
     async def event(self, event: RolloutEvent) -> None:
-        await self.publisher.publish(self.kafka.topic(ROLLOUT_EVENTS), event.rollout_id, event.to_bytes(),
-                                     self.timeout_s)  # fmt: skip
+        await self.publisher.publish(
+            self.kafka.topic(ROLLOUT_EVENTS), event.rollout_id, event.to_bytes(), self.timeout_s
+        )
 
     async def reward(self, reward: RewardEvent) -> None:
         await self.publisher.publish(self.kafka.topic(REWARDS), reward.rollout_id, reward.to_bytes(), self.timeout_s)
@@ -102,18 +103,26 @@ def exe_resolver(settings: SandboxSettings):  # noqa: ANN201 - returns an ExeRes
 
 class SandboxWorker:
     def __init__(
-        self, settings: SandboxSettings, kafka: KafkaSettings, *, adapters: Mapping[str, HarnessAdapter] | None = None,
-        backend: SandboxBackend | None = None, catalog: SuiteCatalog | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        settings: SandboxSettings,
+        kafka: KafkaSettings,
+        *,
+        adapters: Mapping[str, HarnessAdapter] | None = None,
+        backend: SandboxBackend | None = None,
+        catalog: SuiteCatalog | None = None,
+    ) -> None:
         self.s, self.kafka = settings, kafka
         self.publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
         proxy = ProxyAdmin(settings.proxy_url, settings.proxy_admin_token, settings.proxy_timeout_s)
         self.ctx = RolloutContext(
-            backend=backend or make_backend(settings), proxy=proxy, catalog=catalog or SuiteCatalog(settings.suites),
+            backend=backend or make_backend(settings),
+            proxy=proxy,
+            catalog=catalog or SuiteCatalog(settings.suites),
             adapters=adapters if adapters is not None else ADAPTERS,
-            sink=KafkaSink(self.publisher, kafka, settings.publish_timeout_s), settings=settings,
+            sink=KafkaSink(self.publisher, kafka, settings.publish_timeout_s),
+            settings=settings,
             resolve_exe=exe_resolver(settings),
-        )  # fmt: skip
+        )
         if settings.worker_id:
             self.ctx.worker_id = settings.worker_id
         self.tracker = OffsetTracker()
@@ -140,8 +149,9 @@ class SandboxWorker:
         if not points or self._consumer is None:
             return
         try:
-            self._consumer.commit(offsets=[TopicPartition(t, p, off) for (t, p), off in points.items()],
-                                  asynchronous=False)  # fmt: skip
+            self._consumer.commit(
+                offsets=[TopicPartition(t, p, off) for (t, p), off in points.items()], asynchronous=False
+            )
         except KafkaException as exc:  # e.g. a rebalance is in progress: retried on the next turn
             log.warning("commit of %s failed: %s", points, exc)
             return
@@ -161,8 +171,14 @@ class SandboxWorker:
             return
         self.outcomes.append(outcome)
         self.tracker.done(tp, offset)
-        log.info("rollout %s at %s[%d]@%d done: %s reward=%s", req.rollout_id, *tp, offset,
-                 outcome.state, outcome.reward.reward if outcome.reward else None)  # fmt: skip
+        log.info(
+            "rollout %s at %s[%d]@%d done: %s reward=%s",
+            req.rollout_id,
+            *tp,
+            offset,
+            outcome.state,
+            outcome.reward.reward if outcome.reward else None,
+        )
 
     async def _dead_letter(self, msg, reason: str) -> None:  # noqa: ANN001
         record = dead_letter_of(msg, "sandbox_worker", reason, "CodecError")
@@ -181,11 +197,15 @@ class SandboxWorker:
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
-        consumer = make_consumer(self.kafka, self.s.group_id, **{
-            "session.timeout.ms": self.s.session_timeout_ms,
-            "heartbeat.interval.ms": max(500, min(3000, self.s.session_timeout_ms // 3)),
-            "client.id": f"sandbox-worker-{self.ctx.worker_id}",
-        })  # fmt: skip
+        consumer = make_consumer(
+            self.kafka,
+            self.s.group_id,
+            **{
+                "session.timeout.ms": self.s.session_timeout_ms,
+                "heartbeat.interval.ms": max(500, min(3000, self.s.session_timeout_ms // 3)),
+                "client.id": f"sandbox-worker-{self.ctx.worker_id}",
+            },
+        )
         self._consumer = consumer
         consumer.subscribe([self.kafka.topic(ROLLOUT_REQUESTS)], on_assign=self._on_assign, on_revoke=self._on_revoke)
         sweeper = asyncio.create_task(self._sweep_loop())
@@ -212,8 +232,15 @@ class SandboxWorker:
                     self.tracker.start(tp, msg.offset())
                     self.tracker.done(tp, msg.offset())
                     continue
-                log.info("%s: rollout %s (%s/%s, %s, attempt %d)", where(msg), req.rollout_id, req.suite,
-                         req.task_id, req.harness, req.attempt)  # fmt: skip
+                log.info(
+                    "%s: rollout %s (%s/%s, %s, attempt %d)",
+                    where(msg),
+                    req.rollout_id,
+                    req.suite,
+                    req.task_id,
+                    req.harness,
+                    req.attempt,
+                )
                 self.tracker.start(tp, msg.offset())
                 task = asyncio.create_task(self._run_one(req, tp, msg.offset()))
                 self.tasks.add(task)

@@ -53,8 +53,15 @@ class StepPlan:
     top_k: int = 0  # 0 = off
 
 
-def plan_step(step: int, tasks: Sequence[Task], plan: StepPlan, rng: random.Random, policy_version: int = 0,
-              *, eval_mode: bool = False) -> list[RolloutRequest]:  # fmt: skip
+def plan_step(
+    step: int,
+    tasks: Sequence[Task],
+    plan: StepPlan,
+    rng: random.Random,
+    policy_version: int = 0,
+    *,
+    eval_mode: bool = False,
+) -> list[RolloutRequest]:
     if not tasks:
         raise ValueError("no tasks to sample from")
     chosen = rng.sample(list(tasks), min(plan.tasks_per_step, len(tasks)))
@@ -62,21 +69,36 @@ def plan_step(step: int, tasks: Sequence[Task], plan: StepPlan, rng: random.Rand
         chosen.append(rng.choice(list(tasks)))
     harnesses = [h for h, c in harness_counts(len(chosen), plan.mix).items() for _ in range(c)]
     rng.shuffle(harnesses)
-    return [r for task, h in zip(chosen, harnesses, strict=True)
-            for r in instance_requests(task, h, step, plan, policy_version, eval_mode=eval_mode)]  # fmt: skip
+    return [
+        r
+        for task, h in zip(chosen, harnesses, strict=True)
+        for r in instance_requests(task, h, step, plan, policy_version, eval_mode=eval_mode)
+    ]
 
 
-def instance_requests(task: Task, harness: str, step: int, plan: StepPlan, policy_version: int = 0,
-                      *, eval_mode: bool = False) -> list[RolloutRequest]:  # fmt: skip
+def instance_requests(
+    task: Task, harness: str, step: int, plan: StepPlan, policy_version: int = 0, *, eval_mode: bool = False
+) -> list[RolloutRequest]:
     gid = group_id(task.suite, task.task_id, harness, step)
     return [
         RolloutRequest(
-            rollout_id=uuid.uuid4().hex, policy_version=policy_version, timestamp_ms=now_ms(), suite=task.suite,
-            task_id=task.task_id, harness=harness, group_id=gid, step=step,
-            timeout_s=plan.timeout_s or task.timeout_s, temperature=plan.temperature, top_p=plan.top_p,
-            top_k=plan.top_k, max_tokens=plan.max_tokens, min_policy_version=max(0, policy_version), eval=eval_mode,
+            rollout_id=uuid.uuid4().hex,
+            policy_version=policy_version,
+            timestamp_ms=now_ms(),
+            suite=task.suite,
+            task_id=task.task_id,
+            harness=harness,
+            group_id=gid,
+            step=step,
+            timeout_s=plan.timeout_s or task.timeout_s,
+            temperature=plan.temperature,
+            top_p=plan.top_p,
+            top_k=plan.top_k,
+            max_tokens=plan.max_tokens,
+            min_policy_version=max(0, policy_version),
+            eval=eval_mode,
             metadata={"group_size": str(plan.group_size), "split": task.split, "max_attempts": str(plan.max_attempts)},
-        )  # fmt: skip
+        )
         for _ in range(plan.group_size)
     ]
 
@@ -133,8 +155,10 @@ def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str
             row["infra"] += 1
         else:
             row["pending"] += 1
-    lines = ["| harness | rollouts | graded | mean reward | infra failures | ungraded | pending |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| harness | rollouts | graded | mean reward | infra failures | ungraded | pending |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for h, r in sorted(rows.items()):
         mean = f"{r['sum'] / r['graded']:.3f}" if r["graded"] else "n/a"
         lines.append(f"| {h} | {r['n']} | {r['graded']} | {mean} | {r['infra']} | {r['ungraded']} | {r['pending']} |")
@@ -204,8 +228,20 @@ def eval_scores(requests: Mapping[str, RolloutRequest], out: Outstanding) -> lis
         mean, stderr = mean_stderr(rewards)
         solved = sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else None
         n = len(rewards) + len(cell["infra"]) + len(cell["ungraded"]) + len(cell["pending"])
-        rows.append(EvalScore(harness, mode, n, len(rewards), mean, stderr, solved, len(cell["infra"]),
-                              len(cell["ungraded"]), len(cell["pending"])))  # fmt: skip
+        rows.append(
+            EvalScore(
+                harness,
+                mode,
+                n,
+                len(rewards),
+                mean,
+                stderr,
+                solved,
+                len(cell["infra"]),
+                len(cell["ungraded"]),
+                len(cell["pending"]),
+            )
+        )
     return rows
 
 
@@ -218,11 +254,15 @@ def eval_table(rows: Sequence[EvalScore], sampling: str = "") -> str:
     out: list[str] = []
     for mode in dict.fromkeys(r.mode for r in rows):
         note = "temperature 0" if mode == "greedy" else (sampling or "the scheduler's sampling settings")
-        out += [f"{mode} ({note}):",
-                "| harness | rollouts | graded | mean reward | ± s.e. | solved | infra failures | ungraded | pending |",
-                "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        out += [
+            f"{mode} ({note}):",
+            "| harness | rollouts | graded | mean reward | ± s.e. | solved | infra failures | ungraded | pending |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in (r for r in rows if r.mode == mode):
-            out.append(f"| {r.harness} | {r.rollouts} | {r.graded} | {_num(r.mean)} | {_num(r.stderr)} | "
-                       f"{_num(r.solved, '.1%')} | {r.infra} | {r.ungraded} | {r.pending} |")  # fmt: skip
+            out.append(
+                f"| {r.harness} | {r.rollouts} | {r.graded} | {_num(r.mean)} | {_num(r.stderr)} | "
+                f"{_num(r.solved, '.1%')} | {r.infra} | {r.ungraded} | {r.pending} |"
+            )
         out.append("")
     return "\n".join(out).rstrip("\n")

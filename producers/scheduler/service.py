@@ -102,9 +102,17 @@ class Scheduler:
         self.outstanding = Outstanding(settings.max_attempts)
         self.issued: dict[str, RolloutRequest] = {}
         self.rng = random.Random(settings.seed)
-        self.plan = StepPlan(settings.tasks_per_step, settings.group_size, settings.harness_mix, settings.timeout_s,
-                             settings.temperature, settings.top_p, settings.max_tokens,
-                             settings.max_attempts, settings.top_k)  # fmt: skip
+        self.plan = StepPlan(
+            settings.tasks_per_step,
+            settings.group_size,
+            settings.harness_mix,
+            settings.timeout_s,
+            settings.temperature,
+            settings.top_p,
+            settings.max_tokens,
+            settings.max_attempts,
+            settings.top_k,
+        )
         self.publisher: KafkaPublisher | None = None
         self.weights: Consumer | None = None
         self.rewards: Consumer | None = None
@@ -143,8 +151,9 @@ class Scheduler:
     async def publish(self, requests: list[RolloutRequest]) -> None:
         assert self.publisher is not None
         topic = self.kafka.topic(ROLLOUT_REQUESTS)
-        await asyncio.gather(*(self.publisher.publish(topic, r.rollout_id, r.to_bytes(), self.s.publish_timeout_s)
-                               for r in requests))  # fmt: skip
+        await asyncio.gather(
+            *(self.publisher.publish(topic, r.rollout_id, r.to_bytes(), self.s.publish_timeout_s) for r in requests)
+        )
         for r in requests:
             self.issued[r.rollout_id] = r
         self.outstanding.add(requests)
@@ -173,8 +182,13 @@ class Scheduler:
                 continue
             again = self.outstanding.on_reward(reward)
             if again is not None:
-                log.info("%s: rollout %s infra failure (%s): re-issuing attempt %d", where(msg), reward.rollout_id,
-                         reward.reason, again.attempt)  # fmt: skip
+                log.info(
+                    "%s: rollout %s infra failure (%s): re-issuing attempt %d",
+                    where(msg),
+                    reward.rollout_id,
+                    reward.reason,
+                    again.attempt,
+                )
                 await self.publish([again])
 
     # --- modes --------------------------------------------------------------------------------------------------
@@ -209,9 +223,17 @@ class Scheduler:
         out = []
         for mode in dict.fromkeys(self.s.eval_modes):
             greedy = mode == "greedy"
-            plan = StepPlan(len(tasks), 1 if greedy else self.s.eval_repeats, {}, self.s.timeout_s,
-                            0.0 if greedy else self.s.temperature, 1.0 if greedy else self.s.top_p,
-                            self.s.max_tokens, self.s.max_attempts, 0 if greedy else self.s.top_k)  # fmt: skip
+            plan = StepPlan(
+                len(tasks),
+                1 if greedy else self.s.eval_repeats,
+                {},
+                self.s.timeout_s,
+                0.0 if greedy else self.s.temperature,
+                1.0 if greedy else self.s.top_p,
+                self.s.max_tokens,
+                self.s.max_attempts,
+                0 if greedy else self.s.top_k,
+            )
             for task in tasks:
                 for h in self.s.eval_harnesses:
                     for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True):
@@ -251,9 +273,12 @@ class Scheduler:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producers.scheduler.service", description=__doc__.split("\n")[0])
-    parser.add_argument("--eval", action="store_true",
-                        help="run the eval split through the running services and print per-harness tables (mean, "
-                        "standard error, solved); `clawstream eval --model DIR` also starts the services")
+    parser.add_argument(
+        "--eval",
+        action="store_true",
+        help="run the eval split through the running services and print per-harness tables (mean, "
+        "standard error, solved); `clawstream eval --model DIR` also starts the services",
+    )
     parser.add_argument("--steps", type=int)
     parser.add_argument("--suite")
     add_kafka_arguments(parser)

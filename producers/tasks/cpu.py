@@ -23,9 +23,31 @@ from producers.tasks.model import Grader, Suite, Task
 SUITE = "cpu_builtin"
 TIMEOUT_S = 60.0
 WORDS = (
-    "apple", "pear", "plum", "lemon", "grape", "mango", "cherry", "peach", "melon", "olive", "bread", "honey",
-    "river", "cloud", "stone", "tiger", "horse", "eagle", "green", "blue", "red", "silver", "garden", "window",
-)  # fmt: skip
+    "apple",
+    "pear",
+    "plum",
+    "lemon",
+    "grape",
+    "mango",
+    "cherry",
+    "peach",
+    "melon",
+    "olive",
+    "bread",
+    "honey",
+    "river",
+    "cloud",
+    "stone",
+    "tiger",
+    "horse",
+    "eagle",
+    "green",
+    "blue",
+    "red",
+    "silver",
+    "garden",
+    "window",
+)
 NAMES = ("notes", "fruit", "answer", "list", "data", "words", "result", "items", "report", "draft", "todo", "output")
 
 # The shared grader: stdlib only, run inside the sandbox as `python grade.py <workspace>`.
@@ -80,21 +102,31 @@ def _names(rng: random.Random, k: int) -> list[str]:
 
 def _write(rng: random.Random) -> Made:
     (f,), w = _names(rng, 1), rng.choice(WORDS)
-    return (f'Create the file "{f}" containing "{w}".', {},
-            [{"kind": "exists", "path": f}, {"kind": "equals", "path": f, "text": w}])  # fmt: skip
+    return (
+        f'Create the file "{f}" containing "{w}".',
+        {},
+        [{"kind": "exists", "path": f}, {"kind": "equals", "path": f, "text": w}],
+    )
 
 
 def _write_two(rng: random.Random) -> Made:
     (f, g), (a, b) = _names(rng, 2), rng.sample(WORDS, 2)
-    checks = [{"kind": "exists", "path": f}, {"kind": "equals", "path": f, "text": a},
-              {"kind": "exists", "path": g}, {"kind": "equals", "path": g, "text": b}]  # fmt: skip
+    checks = [
+        {"kind": "exists", "path": f},
+        {"kind": "equals", "path": f, "text": a},
+        {"kind": "exists", "path": g},
+        {"kind": "equals", "path": g, "text": b},
+    ]
     return f'Create the file "{f}" containing "{a}" and the file "{g}" containing "{b}".', {}, checks
 
 
 def _copy(rng: random.Random) -> Made:
     (src, dst), w = _names(rng, 2), rng.choice(WORDS)
-    checks = [{"kind": "exists", "path": dst}, {"kind": "equals", "path": dst, "text": w},
-              {"kind": "equals", "path": src, "text": w}]  # fmt: skip
+    checks = [
+        {"kind": "exists", "path": dst},
+        {"kind": "equals", "path": dst, "text": w},
+        {"kind": "equals", "path": src, "text": w},
+    ]
     return f'Copy the content of "{src}" into a new file "{dst}".', {src: w + "\n"}, checks
 
 
@@ -139,9 +171,15 @@ def _count(rng: random.Random) -> Made:
 
 
 TEMPLATES: dict[str, Callable[[random.Random], Made]] = {
-    "write": _write, "write_two": _write_two, "copy": _copy, "replace": _replace, "append": _append,
-    "delete": _delete, "sum": _sum, "count": _count,
-}  # fmt: skip
+    "write": _write,
+    "write_two": _write_two,
+    "copy": _copy,
+    "replace": _replace,
+    "append": _append,
+    "delete": _delete,
+    "sum": _sum,
+    "count": _count,
+}
 
 
 def generate(split: str, n: int, seed: int, exclude: set[str] | None = None) -> list[Task]:
@@ -159,11 +197,18 @@ def generate(split: str, n: int, seed: int, exclude: set[str] | None = None) -> 
         if prompt in exclude:
             continue
         exclude.add(prompt)
-        tasks.append(Task(
-            suite=SUITE, task_id=f"{split}-{len(tasks):03d}-{kind}", prompt=prompt, timeout_s=TIMEOUT_S,
-            files={k: v.encode() for k, v in files.items()}, grader=checks_grader(checks), split=split,
-            metadata={"template": kind},
-        ))  # fmt: skip
+        tasks.append(
+            Task(
+                suite=SUITE,
+                task_id=f"{split}-{len(tasks):03d}-{kind}",
+                prompt=prompt,
+                timeout_s=TIMEOUT_S,
+                files={k: v.encode() for k, v in files.items()},
+                grader=checks_grader(checks),
+                split=split,
+                metadata={"template": kind},
+            )
+        )
     return tasks
 
 

@@ -64,13 +64,21 @@ def _where(task: Task) -> str:
 def task_details(task: Task) -> str:
     """Everything about a task: metadata, the prompt, the workspace files and the grader."""
     g = task.grader
-    head = [("task", task.ref), ("split", task.split), ("timeout", f"{task.timeout_s:.0f}s"),
-            ("mount dir", task.mount_dir)]  # fmt: skip
+    head = [
+        ("task", task.ref),
+        ("split", task.split),
+        ("timeout", f"{task.timeout_s:.0f}s"),
+        ("mount dir", task.mount_dir),
+    ]
     head += [(k, v) for k, v in sorted(task.metadata.items()) if v and k not in ("task_id", "metadata")]
-    grader = [("name", g.name), ("type", g.grading_type), ("command", " ".join(g.argv)),
-              ("output", g.output + (f" (sub-scores: what {g.subscores_script} prints)" if g.subscores_script
-                                     else "")),
-              ("files at", _where(task)), ("transcript", g.transcript)]  # fmt: skip
+    grader = [
+        ("name", g.name),
+        ("type", g.grading_type),
+        ("command", " ".join(g.argv)),
+        ("output", g.output + (f" (sub-scores: what {g.subscores_script} prints)" if g.subscores_script else "")),
+        ("files at", _where(task)),
+        ("transcript", g.transcript),
+    ]
     if g.mount_dir_rewrite:
         grader.append(("rewrites", f"{g.mount_dir_rewrite} → the real workspace path (prompt and grader files)"))
     if g.reward_payload:
@@ -89,16 +97,32 @@ def task_details(task: Task) -> str:
 def task_json(task: Task) -> str:
     """The same, as JSON (file contents left out: their sizes instead)."""
     g = task.grader
-    return json.dumps({
-        "suite": task.suite, "task_id": task.task_id, "split": task.split, "timeout_s": task.timeout_s,
-        "mount_dir": task.mount_dir, "metadata": dict(task.metadata), "prompt": task.prompt,
-        "files": {rel: len(data) for rel, data in sorted(task.files.items())},
-        "grader": {"name": g.name, "grading_type": g.grading_type, "argv": list(g.argv), "output": g.output,
-                   "workspace_folder": g.workspace_folder, "subscores_script": g.subscores_script,
-                   "reward_payload": g.reward_payload, "mount_dir_rewrite": g.mount_dir_rewrite,
-                   "transcript": g.transcript,
-                   "files": {rel: len(data) for rel, data in sorted(g.files.items())}, "judge_rubric": g.judge_rubric},
-    }, indent=2)  # fmt: skip
+    return json.dumps(
+        {
+            "suite": task.suite,
+            "task_id": task.task_id,
+            "split": task.split,
+            "timeout_s": task.timeout_s,
+            "mount_dir": task.mount_dir,
+            "metadata": dict(task.metadata),
+            "prompt": task.prompt,
+            "files": {rel: len(data) for rel, data in sorted(task.files.items())},
+            "grader": {
+                "name": g.name,
+                "grading_type": g.grading_type,
+                "argv": list(g.argv),
+                "output": g.output,
+                "workspace_folder": g.workspace_folder,
+                "subscores_script": g.subscores_script,
+                "reward_payload": g.reward_payload,
+                "mount_dir_rewrite": g.mount_dir_rewrite,
+                "transcript": g.transcript,
+                "files": {rel: len(data) for rel, data in sorted(g.files.items())},
+                "judge_rubric": g.judge_rubric,
+            },
+        },
+        indent=2,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m producers.tasks",
         description="List a task suite or show one task. Suite specs: builtin:cpu | native:DIR | clawgym:DIR | "
         "pinchbench:DIR | DIR (layout detected). Grading a workspace runs in a sandbox: clawstream tasks grade.",
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     ls = sub.add_parser("list", help="the suite's tasks: id, split, timeout, availability, title")
     ls.add_argument("spec", help="suite spec")

@@ -197,10 +197,18 @@ def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: st
         payload_path = inside(workspace, g.reward_payload)
         env["OPENCLAW_REWARD_PAYLOAD"] = payload_path
     return GraderInvocation(
-        files, argv, env, transcript_path, files_dir=inside(workspace, g.workspace_folder), cwd=workspace,
-        support_files=support, extra_path=extra_path, workspace_entries=tuple(entries), capture_path=capture_path,
+        files,
+        argv,
+        env,
+        transcript_path,
+        files_dir=inside(workspace, g.workspace_folder),
+        cwd=workspace,
+        support_files=support,
+        extra_path=extra_path,
+        workspace_entries=tuple(entries),
+        capture_path=capture_path,
         payload_path=payload_path,
-    )  # fmt: skip
+    )
 
 
 def final_message(transcript: list[dict[str, Any]]) -> str:

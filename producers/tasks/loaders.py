@@ -60,21 +60,33 @@ def load_clawgym_task(suite: str, task_dir: Path) -> Task:
         raise TaskError(f"{task_dir}: no reward/reward.sh")
     input_mount_dir = entry.get("input_mount_dir")
     grader = Grader(
-        name="clawgym_reward_sh", files=read_tree(task_dir / "reward"),
-        argv=("bash", f"${{workspace}}/{CLAWGYM_REWARD_FOLDER}/reward.sh"), output="reward_float",
-        mount_dir_rewrite=CLAWGYM_MOUNT_DIR, workspace_folder=CLAWGYM_REWARD_FOLDER,
+        name="clawgym_reward_sh",
+        files=read_tree(task_dir / "reward"),
+        argv=("bash", f"${{workspace}}/{CLAWGYM_REWARD_FOLDER}/reward.sh"),
+        output="reward_float",
+        mount_dir_rewrite=CLAWGYM_MOUNT_DIR,
+        workspace_folder=CLAWGYM_REWARD_FOLDER,
         subscores_script="check.py" if (task_dir / "reward" / "check.py").is_file() else None,
-        reward_payload=CLAWGYM_PAYLOAD, transcript="openclaw_session",
-    )  # fmt: skip
+        reward_payload=CLAWGYM_PAYLOAD,
+        transcript="openclaw_session",
+    )
     timeout = float(entry.get("timeout_s") or entry.get("timeout") or 600)
     meta = {k: str(v) for k, v in entry.items() if k != "user_query" and isinstance(v, str | int | float)}
     extra = entry.get("metadata")
     if isinstance(extra, dict):  # {"category", "grading_type"}: flat for tables, whole for the reward payload
         meta.update({k: str(v) for k, v in extra.items() if isinstance(v, str | int | float) and k not in meta})
         meta["metadata"] = json.dumps(extra)
-    return Task(suite=suite, task_id=str(entry.get("task_id") or task_dir.name), prompt=query, timeout_s=timeout,
-                files=_clawgym_files(task_dir, input_mount_dir), grader=grader, mount_dir=CLAWGYM_MOUNT_DIR,
-                split=str(entry.get("split", "test")), metadata=meta)  # fmt: skip
+    return Task(
+        suite=suite,
+        task_id=str(entry.get("task_id") or task_dir.name),
+        prompt=query,
+        timeout_s=timeout,
+        files=_clawgym_files(task_dir, input_mount_dir),
+        grader=grader,
+        mount_dir=CLAWGYM_MOUNT_DIR,
+        split=str(entry.get("split", "test")),
+        metadata=meta,
+    )
 
 
 def load_clawgym_suite(path: Path, name: str | None = None) -> Suite:

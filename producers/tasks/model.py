@@ -92,8 +92,9 @@ class Suite:
             return self.tasks[task_id]
         except KeyError:
             if task_id in self.unavailable:
-                raise TaskError(f"task {task_id!r} of suite {self.name!r} is unavailable: "
-                                f"{self.unavailable[task_id]}") from None  # fmt: skip
+                raise TaskError(
+                    f"task {task_id!r} of suite {self.name!r} is unavailable: {self.unavailable[task_id]}"
+                ) from None
             raise TaskError(f"suite {self.name!r} has no task {task_id!r}") from None
 
 

@@ -40,18 +40,26 @@ def load_native_task(suite: str, task_dir: Path) -> Task:
     if not (task_dir / "grade.py").is_file():
         raise TaskError(f"{task_dir}: no grade.py")
     grader_files = {
-        rel: data for rel, data in read_tree(task_dir).items()
+        rel: data
+        for rel, data in read_tree(task_dir).items()
         if rel not in ("task.json", "task.toml") and not rel.startswith("workspace/")
-    }  # fmt: skip
+    }
     grader = Grader(
-        name=str(conf.get("grader", "native")), files=grader_files,
+        name=str(conf.get("grader", "native")),
+        files=grader_files,
         argv=("${python}", "${grader_dir}/grade.py", "${workspace}"),
-    )  # fmt: skip
+    )
     return Task(
-        suite=suite, task_id=task_dir.name, prompt=conf["prompt"], timeout_s=float(conf.get("timeout_s", 300)),
-        files=read_tree(task_dir / "workspace"), grader=grader, mount_dir=str(conf.get("mount_dir", DEFAULT_MOUNT_DIR)),
-        split=str(conf.get("split", "train")), metadata={k: str(v) for k, v in (conf.get("metadata") or {}).items()},
-    )  # fmt: skip
+        suite=suite,
+        task_id=task_dir.name,
+        prompt=conf["prompt"],
+        timeout_s=float(conf.get("timeout_s", 300)),
+        files=read_tree(task_dir / "workspace"),
+        grader=grader,
+        mount_dir=str(conf.get("mount_dir", DEFAULT_MOUNT_DIR)),
+        split=str(conf.get("split", "train")),
+        metadata={k: str(v) for k, v in (conf.get("metadata") or {}).items()},
+    )
 
 
 def load_native_suite(path: Path, name: str | None = None) -> Suite:
@@ -64,8 +72,14 @@ def load_native_suite(path: Path, name: str | None = None) -> Suite:
 
 def write_native_task(task: Task, task_dir: Path) -> None:
     """Materialize a task (e.g. a generated one) in the native format."""
-    conf = {"prompt": task.prompt, "timeout_s": task.timeout_s, "split": task.split, "mount_dir": task.mount_dir,
-            "grader": task.grader.name, "metadata": dict(task.metadata)}  # fmt: skip
+    conf = {
+        "prompt": task.prompt,
+        "timeout_s": task.timeout_s,
+        "split": task.split,
+        "mount_dir": task.mount_dir,
+        "grader": task.grader.name,
+        "metadata": dict(task.metadata),
+    }
     task_dir.mkdir(parents=True, exist_ok=True)
     (task_dir / "task.json").write_text(json.dumps(conf, indent=2) + "\n")
     write_tree(task_dir / "workspace", task.files)

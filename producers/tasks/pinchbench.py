@@ -56,7 +56,7 @@ DEFAULT_WEIGHTS = {"automated": 0.5, "llm_judge": 0.5}
 # Runs inside the sandbox: python pinch_runner.py <transcript.json> <workspace>. As lib_grading._grade_automated:
 # exec the block in a fresh namespace, call grade(transcript, workspace), average its numeric values. The check's
 # own prints go to stderr, so the last two stdout lines are the breakdown and the score.
-RUNNER = r'''import contextlib, json, os, sys
+RUNNER = r"""import contextlib, json, os, sys
 here = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(here, "automated_checks.py")) as f:
     code = f.read()
@@ -80,7 +80,7 @@ for key, value in scores.items():
         continue
 print(json.dumps(breakdown))
 print(repr(sum(values) / len(values) if values else 0.0))
-'''
+"""
 
 _FRONT = re.compile(r"^---\s*\n(.*?)\n---\s*\n(.*)$", re.DOTALL)
 _SECTION = re.compile(r"^##\s+(.+)$")
@@ -208,13 +208,29 @@ def _load_task(suite: str, root: Path, md: Path) -> Task:
         name=f"pinchbench_{grading_type}",
         files={"automated_checks.py": code.encode(), "pinch_runner.py": RUNNER.encode()} if uses_code else {},
         argv=("${python}", "${grader_dir}/pinch_runner.py", "${transcript}", "${workspace}") if uses_code else (),
-        output="reward_float", grading_type=grading_type,  # type: ignore[arg-type]
-        judge_rubric=rubric, judge_context=secs.get("Expected Behavior", "").strip(), transcript="openclaw_session",
-    )  # fmt: skip
-    metadata = {"name": str(meta.get("name", "")), "category": str(meta.get("category", "")), "file": md.name,
-                "weight_automated": repr(w_auto), "weight_llm_judge": repr(w_judge)}  # fmt: skip
-    return Task(suite=suite, task_id=task_id, prompt=prompt, timeout_s=timeout, files=files, grader=grader,
-                split=str(meta.get("split", "test")), metadata=metadata)  # fmt: skip
+        output="reward_float",
+        grading_type=grading_type,  # type: ignore[arg-type]
+        judge_rubric=rubric,
+        judge_context=secs.get("Expected Behavior", "").strip(),
+        transcript="openclaw_session",
+    )
+    metadata = {
+        "name": str(meta.get("name", "")),
+        "category": str(meta.get("category", "")),
+        "file": md.name,
+        "weight_automated": repr(w_auto),
+        "weight_llm_judge": repr(w_judge),
+    }
+    return Task(
+        suite=suite,
+        task_id=task_id,
+        prompt=prompt,
+        timeout_s=timeout,
+        files=files,
+        grader=grader,
+        split=str(meta.get("split", "test")),
+        metadata=metadata,
+    )
 
 
 def load_pinchbench_suite(path: Path, name: str | None = None) -> Suite:
@@ -383,14 +399,17 @@ def parse_judge_reply(text: str) -> tuple[float | None, dict[str, float], str]:
     return total, scores, notes
 
 
-def combine(task: Task, auto: float, auto_breakdown: Mapping[str, float], judge: float,
-            judge_breakdown: Mapping[str, float]) -> tuple[float, dict[str, float]]:  # fmt: skip
+def combine(
+    task: Task, auto: float, auto_breakdown: Mapping[str, float], judge: float, judge_breakdown: Mapping[str, float]
+) -> tuple[float, dict[str, float]]:
     """A hybrid task's score and breakdown (``lib_grading._combine_grades``), weights as the task states."""
     w_auto = float(task.metadata.get("weight_automated", 0.5))
     w_judge = float(task.metadata.get("weight_llm_judge", 0.5))
     if w_auto + w_judge <= 0:
         w_auto = w_judge = 0.5
     score = (auto * w_auto + judge * w_judge) / (w_auto + w_judge)
-    breakdown = {**{f"automated.{k}": v for k, v in auto_breakdown.items()},
-                 **{f"llm_judge.{k}": v for k, v in judge_breakdown.items()}}  # fmt: skip
+    breakdown = {
+        **{f"automated.{k}": v for k, v in auto_breakdown.items()},
+        **{f"llm_judge.{k}": v for k, v in judge_breakdown.items()},
+    }
     return score, breakdown

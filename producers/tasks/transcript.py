@@ -36,8 +36,14 @@ from pathlib import Path
 from typing import Any
 
 SESSION_VERSION = 3
-ZERO_USAGE = {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0, "totalTokens": 0,
-              "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0, "total": 0}}  # fmt: skip
+ZERO_USAGE = {
+    "input": 0,
+    "output": 0,
+    "cacheRead": 0,
+    "cacheWrite": 0,
+    "totalTokens": 0,
+    "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0, "total": 0},
+}
 
 
 def _iso(ms: int) -> str:
@@ -51,8 +57,11 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p if isinstance(p, str) else str(p.get("text", "")) for p in content
-                         if isinstance(p, str) or (isinstance(p, dict) and "text" in p))  # fmt: skip
+        return "\n".join(
+            p if isinstance(p, str) else str(p.get("text", ""))
+            for p in content
+            if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+        )
     return str(content)
 
 
@@ -67,14 +76,21 @@ def _arguments(value: Any) -> Any:
 
 
 def session_transcript(
-    messages: Iterable[Mapping[str, Any]], *, cwd: str = "", session_id: str | None = None, model: str = "policy",
-    provider: str = "clawstream", api: str = "openai-completions", start_ms: int = 0,
-) -> list[dict[str, Any]]:  # fmt: skip
+    messages: Iterable[Mapping[str, Any]],
+    *,
+    cwd: str = "",
+    session_id: str | None = None,
+    model: str = "policy",
+    provider: str = "clawstream",
+    api: str = "openai-completions",
+    start_ms: int = 0,
+) -> list[dict[str, Any]]:
     """OpenClaw session records (as PinchBench reads them) of a conversation; pure and deterministic for a given
     ``session_id`` and ``start_ms`` (entry ids count up, each entry is 1 ms after the previous one)."""
     sid = session_id or str(uuid.UUID(int=0))
     records: list[dict[str, Any]] = [
-        {"type": "session", "version": SESSION_VERSION, "id": sid, "timestamp": _iso(start_ms), "cwd": cwd}]
+        {"type": "session", "version": SESSION_VERSION, "id": sid, "timestamp": _iso(start_ms), "cwd": cwd}
+    ]
     tool_names: dict[str, str] = {}
 
     def add(entry: dict[str, Any]) -> None:
@@ -83,16 +99,21 @@ def session_transcript(
         parent = records[-1]["id"] if n > 1 else None
         if entry.get("type") == "message":
             entry["message"]["timestamp"] = ms
-        records.append({"type": entry.pop("type"), "id": f"{n:08x}", "parentId": parent, "timestamp": _iso(ms),
-                        **entry})  # fmt: skip
+        records.append(
+            {"type": entry.pop("type"), "id": f"{n:08x}", "parentId": parent, "timestamp": _iso(ms), **entry}
+        )
 
     add({"type": "model_change", "provider": provider, "modelId": model})
     add({"type": "thinking_level_change", "thinkingLevel": "off"})
     for msg in messages:
         role = msg.get("role")
         if role == "user":
-            add({"type": "message", "message": {"role": "user", "content": [{"type": "text",
-                                                                            "text": _text(msg.get("content"))}]}})
+            add(
+                {
+                    "type": "message",
+                    "message": {"role": "user", "content": [{"type": "text", "text": _text(msg.get("content"))}]},
+                }
+            )
         elif role == "assistant":
             content: list[dict[str, Any]] = []
             reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
@@ -107,17 +128,43 @@ def session_transcript(
                 name = str(fn.get("name", call.get("name", "")))
                 call_id = str(call.get("id", ""))
                 tool_names[call_id] = name
-                content.append({"type": "toolCall", "id": call_id, "name": name,
-                                "arguments": _arguments(fn.get("arguments", call.get("arguments", {})))})  # fmt: skip
-            add({"type": "message", "message": {
-                "role": "assistant", "content": content, "api": api, "provider": provider, "model": model,
-                "usage": copy.deepcopy(ZERO_USAGE), "stopReason": "toolUse" if calls else "stop"}})
+                content.append(
+                    {
+                        "type": "toolCall",
+                        "id": call_id,
+                        "name": name,
+                        "arguments": _arguments(fn.get("arguments", call.get("arguments", {}))),
+                    }
+                )
+            add(
+                {
+                    "type": "message",
+                    "message": {
+                        "role": "assistant",
+                        "content": content,
+                        "api": api,
+                        "provider": provider,
+                        "model": model,
+                        "usage": copy.deepcopy(ZERO_USAGE),
+                        "stopReason": "toolUse" if calls else "stop",
+                    },
+                }
+            )
         elif role == "tool":
             call_id = str(msg.get("tool_call_id", ""))
             name = str(msg.get("name") or tool_names.get(call_id, ""))
-            add({"type": "message", "message": {
-                "role": "toolResult", "toolCallId": call_id, "toolName": name,
-                "content": [{"type": "text", "text": _text(msg.get("content"))}], "isError": False}})
+            add(
+                {
+                    "type": "message",
+                    "message": {
+                        "role": "toolResult",
+                        "toolCallId": call_id,
+                        "toolName": name,
+                        "content": [{"type": "text", "text": _text(msg.get("content"))}],
+                        "isError": False,
+                    },
+                }
+            )
         # system / developer: not in an OpenClaw session file
     return records
 
@@ -163,8 +210,10 @@ def find_openclaw_session(home: Path, agents_dir: str = OPENCLAW_AGENTS_DIR) -> 
         entries = [e for e in store.values() if isinstance(e, dict) and e.get("sessionId")]
         main = store.get(f"agent:{agent_dir.name}:main")
         ranked = ([main] if isinstance(main, dict) else []) + sorted(
-            entries, key=lambda e: e.get("updatedAt") if isinstance(e.get("updatedAt"), int | float) else -1,
-            reverse=True)  # fmt: skip
+            entries,
+            key=lambda e: e.get("updatedAt") if isinstance(e.get("updatedAt"), int | float) else -1,
+            reverse=True,
+        )
         for entry in ranked:
             path = sessions / f"{entry.get('sessionId')}.jsonl"
             if path.is_file():

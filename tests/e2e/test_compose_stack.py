@@ -55,8 +55,9 @@ class Project:
         argv = ["docker", "compose", "-f", str(COMPOSE_FILE), "-p", self.name, *args]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
         if check and proc.returncode != 0:
-            raise AssertionError(f"`{' '.join(argv[4:])}` failed (exit {proc.returncode}):\n"
-                                 f"{(proc.stdout + proc.stderr)[-4000:]}")  # fmt: skip
+            raise AssertionError(
+                f"`{' '.join(argv[4:])}` failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+            )
         return proc
 
     def services(self) -> list[dict[str, Any]]:
@@ -87,8 +88,10 @@ def records(project: Project, topic: str) -> list[dict[str, Any]]:
 
 
 def served_version(project: Project) -> int | None:
-    code = ("import urllib.request; r = urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5); "
-            "print(r.headers['X-Policy-Version'])")  # fmt: skip
+    code = (
+        "import urllib.request; r = urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=5); "
+        "print(r.headers['X-Policy-Version'])"
+    )
     out = project.exec_out("engine", "python", "-c", code).strip()
     return int(out) if out.isdigit() else None
 
@@ -96,11 +99,12 @@ def served_version(project: Project) -> int | None:
 def left_over(project: str) -> dict[str, list[str]]:
     label = f"label=com.docker.compose.project={project}"
     found = {}
-    for kind, argv in {"containers": ["docker", "ps", "-a", "-q", "--filter", label],
-                       "networks": ["docker", "network", "ls", "-q", "--filter", label],
-                       "volumes": ["docker", "volume", "ls", "-q", "--filter", label],
-                       "sandbox network": ["docker", "network", "ls", "-q", "--filter", f"name=^{project}-sandbox$"],
-                       }.items():  # fmt: skip
+    for kind, argv in {
+        "containers": ["docker", "ps", "-a", "-q", "--filter", label],
+        "networks": ["docker", "network", "ls", "-q", "--filter", label],
+        "volumes": ["docker", "volume", "ls", "-q", "--filter", label],
+        "sandbox network": ["docker", "network", "ls", "-q", "--filter", f"name=^{project}-sandbox$"],
+    }.items():
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout.split()
         found[kind] = out
     return found
@@ -110,12 +114,18 @@ def test_compose_stack_trains_and_serves_a_new_version() -> None:
     require_compose()
     ensure_images("runtime", "harnesses", "trainer", "kafka")
     name = f"cstest{uuid.uuid4().hex[:8]}"
-    project = Project(name, {
-        "COMPOSE_PROFILES": "cpu", "CLAWSTREAM_STEPS": str(STEPS), "CLAWSTREAM_TASKS_PER_STEP": str(TASKS),
-        "CLAWSTREAM_GROUP_SIZE": str(GROUP), "CLAWSTREAM_CONCURRENCY": "4",
-        "CLAWSTREAM_DASHBOARD_PORT": str(free_port()),
-        "CLAWSTREAM_ADMIN_TOKEN": uuid.uuid4().hex,
-    })  # fmt: skip
+    project = Project(
+        name,
+        {
+            "COMPOSE_PROFILES": "cpu",
+            "CLAWSTREAM_STEPS": str(STEPS),
+            "CLAWSTREAM_TASKS_PER_STEP": str(TASKS),
+            "CLAWSTREAM_GROUP_SIZE": str(GROUP),
+            "CLAWSTREAM_CONCURRENCY": "4",
+            "CLAWSTREAM_DASHBOARD_PORT": str(free_port()),
+            "CLAWSTREAM_ADMIN_TOKEN": uuid.uuid4().hex,
+        },
+    )
     t0 = time.monotonic()
     passed = False
     try:
@@ -126,8 +136,7 @@ def test_compose_stack_trains_and_serves_a_new_version() -> None:
         applied: list[dict[str, Any]] = []
         version = None
         while time.monotonic() - t0 < DEADLINE_S:
-            failed = [s for s in project.services()
-                      if s.get("State") == "exited" and int(s.get("ExitCode", 0)) != 0]  # fmt: skip
+            failed = [s for s in project.services() if s.get("State") == "exited" and int(s.get("ExitCode", 0)) != 0]
             assert not failed, f"services failed: {[(s['Service'], s['ExitCode']) for s in failed]}"
             metrics = records(project, "clawstream.metrics")
             trained = [m for m in metrics if m.get("name") == "train_step"]
@@ -138,8 +147,10 @@ def test_compose_stack_trains_and_serves_a_new_version() -> None:
                     break
             time.sleep(POLL_S)
         else:
-            raise AssertionError(f"no weight version trained and served within {DEADLINE_S:.0f} s: "
-                                 f"{len(trained)} train_step, {len(applied)} weights_applied metrics")  # fmt: skip
+            raise AssertionError(
+                f"no weight version trained and served within {DEADLINE_S:.0f} s: "
+                f"{len(trained)} train_step, {len(applied)} weights_applied metrics"
+            )
         took = time.monotonic() - t0
         print(f"v{version} served {took:.0f} s after `up`")
         assert trained[0]["policy_version"] >= 1 and trained[0]["step"] == 0

@@ -129,8 +129,9 @@ def _read(kafka, topics: list[str], until, timeout: float) -> list[tuple[str, by
 
 def _served_version(url: str) -> int:
     body = {"model": "policy", "prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request) as resp:  # noqa: S310 - loopback test server
         return int(json.loads(resp.read())["policy_version"])
 
@@ -139,8 +140,11 @@ def _table(trajectories: list[Trajectory], batch: list[BatchRecord]) -> str:
     in_batch = defaultdict(list)
     for rec in batch:
         in_batch[rec.harness].append(rec.advantage)
-    rows = ["| harness | rollouts | calls | unique tokens | Σ path tokens | leaves | prefix reuse | rewards | "
-            "advantages in the batch |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]  # fmt: skip
+    rows = [
+        "| harness | rollouts | calls | unique tokens | Σ path tokens | leaves | prefix reuse | rewards | "
+        "advantages in the batch |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     by_harness: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajectories:
         by_harness[t.harness].append(t)
@@ -159,40 +163,83 @@ def _table(trajectories: list[Trajectory], batch: list[BatchRecord]) -> str:
 @pytest.mark.timeout(1800)
 async def test_one_batch_mixes_all_harnesses_and_trains_a_version_the_engine_serves(
     kafka_settings, group_id, tmp_path
-) -> None:  # fmt: skip
+) -> None:
     for name in HARNESSES:
         await asyncio.to_thread(installed, name)
     from policy.tiny_model import init_tiny_model
 
     # The learner's policy: the proxy's tokenizer (same seed and corpus) on a one-layer net, so a step over
     # harness-sized trees (tens of thousands of tokens) stays short on CPU.
-    model = init_tiny_model(tmp_path / "policy", seed=0, hidden_size=32, intermediate_size=64, num_layers=1,
-                            num_heads=2, num_kv_heads=1, progress=None)  # fmt: skip
+    model = init_tiny_model(
+        tmp_path / "policy",
+        seed=0,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        progress=None,
+    )
     assert (model / "tokenizer.json").read_bytes() == (H.tiny_model_dir() / "tokenizer.json").read_bytes()
-    kafka_env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka_settings),
-                 "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
+    kafka_env = {
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka_settings),
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
+    }
     (tmp_path / "streams").mkdir()
-    streams = StreamsWorker(kafka_settings, tmp_path / "streams", app_id=f"streams-{group_id}", store="memory://",
-                            group_size=2, batch_groups=len(HARNESSES), settle_interval_s=1.0,
-                            commit_interval_s=0.5)  # fmt: skip
+    streams = StreamsWorker(
+        kafka_settings,
+        tmp_path / "streams",
+        app_id=f"streams-{group_id}",
+        store="memory://",
+        group_size=2,
+        batch_groups=len(HARNESSES),
+        settle_interval_s=1.0,
+        commit_interval_s=0.5,
+    )
     streams.start()
     learner_log = open(tmp_path / "learner.log", "w+")  # noqa: SIM115 - the child's output, read at the end
     learner = subprocess.Popen(
-        [sys.executable, "-m", "learner.train", "--model-dir", str(model), "--weight-store", str(tmp_path / "store"),
-         "--max-steps", "1", "--idle-exit", "1200", "--hp", "lr=1e-3"],
-        cwd=ROOT, env={**os.environ, **kafka_env, "PYTHONPATH": str(ROOT)}, stdout=learner_log,
+        [
+            sys.executable,
+            "-m",
+            "learner.train",
+            "--model-dir",
+            str(model),
+            "--weight-store",
+            str(tmp_path / "store"),
+            "--max-steps",
+            "1",
+            "--idle-exit",
+            "1200",
+            "--hp",
+            "lr=1e-3",
+        ],
+        cwd=ROOT,
+        env={**os.environ, **kafka_env, "PYTHONPATH": str(ROOT)},
+        stdout=learner_log,
         stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    engine = InferenceWorker(["--model", str(model), "--served-model-name", "policy", "--metrics-interval-s", "0"],
-                             kafka_env)  # fmt: skip
+    )
+    engine = InferenceWorker(
+        ["--model", str(model), "--served-model-name", "policy", "--metrics-interval-s", "0"], kafka_env
+    )
     sandboxes = tmp_path / "sandboxes"
     seen: list[str] = []
-    reqs = [S.request("task_0085", name, suite="clawgym", rollout_id=f"mix-{name}-{k}", timeout_s=300, step=1)
-            for name in HARNESSES for k in range(2)]  # fmt: skip
+    reqs = [
+        S.request("task_0085", name, suite="clawgym", rollout_id=f"mix-{name}-{k}", timeout_s=300, step=1)
+        for name in HARNESSES
+        for k in range(2)
+    ]
     try:
         t0 = time.monotonic()
-        async with stack(kafka_settings, group_id, tmp_path, mixed_responder(str(sandboxes), seen),
-                         suites={"clawgym": str(S.FIXTURES / "clawgym")}, concurrency=4, policy_version=0) as st:
+        async with stack(
+            kafka_settings,
+            group_id,
+            tmp_path,
+            mixed_responder(str(sandboxes), seen),
+            suites={"clawgym": str(S.FIXTURES / "clawgym")},
+            concurrency=4,
+            policy_version=0,
+        ) as st:
             events, rewards = await run_requests(kafka_settings, reqs, timeout=900)
             served = len(st["engine"].requests)
         rollouts_s = time.monotonic() - t0
@@ -211,11 +258,14 @@ async def test_one_batch_mixes_all_harnesses_and_trains_a_version_the_engine_ser
         assert sealed(out), streams.log_tail()
         batch = [BatchRecord.from_bytes(v) for t, v in out if t == BATCHES]
         trajectories = [Trajectory.from_bytes(v) for t, v in out if t == TRAJECTORIES]
-        records, [seal] = [b for b in batch if b.kind == BatchRecordKind.TRAJECTORY], [b for b in batch if b.kind ==
-                                                                                      BatchRecordKind.SEAL]
+        records, [seal] = (
+            [b for b in batch if b.kind == BatchRecordKind.TRAJECTORY],
+            [b for b in batch if b.kind == BatchRecordKind.SEAL],
+        )
         assert seal.harness_counts == {name: 2 for name in HARNESSES}, seal  # one group of two per harness
         assert sorted((r.harness, round(r.advantage)) for r in records) == sorted(
-            (name, a) for name in HARNESSES for a in (1, -1))  # fmt: skip
+            (name, a) for name in HARNESSES for a in (1, -1)
+        )
         assert len({r.group_id for r in records}) == 7 and all(t.status.value == "COMPLETE" for t in trajectories)
 
         table = _table(trajectories, records)
@@ -224,8 +274,10 @@ async def test_one_batch_mixes_all_harnesses_and_trains_a_version_the_engine_ser
         learner_log.seek(0)
         learner_out = learner_log.read()
         assert learner.returncode == 0, learner_out[-4000:]
-        versions = [WeightVersion.from_bytes(v) for _, v in await asyncio.to_thread(
-            _read, kafka_settings, [WEIGHTS], lambda r: len(r) >= 1, 60)]  # fmt: skip
+        versions = [
+            WeightVersion.from_bytes(v)
+            for _, v in await asyncio.to_thread(_read, kafka_settings, [WEIGHTS], lambda r: len(r) >= 1, 60)
+        ]
         assert [(v.policy_version, v.batch_id) for v in versions] == [(1, seal.batch_id)], learner_out[-3000:]
         metrics = versions[0].metrics
         assert metrics["rollouts"] == 14 and metrics["trainable_tokens"] > 0
@@ -235,9 +287,11 @@ async def test_one_batch_mixes_all_harnesses_and_trains_a_version_the_engine_ser
             await asyncio.sleep(0.2)
         assert version == 1, engine.log()[-3000:]
         assert_clean(sandboxes)
-        print(f"\nrollouts {rollouts_s:.0f}s; learner step {metrics['step_seconds']:.1f}s, "
-              f"{metrics['tokens']:.0f} tokens ({metrics['trainable_tokens']:.0f} trainable), "
-              f"loss {metrics.get('loss', float('nan')):.3g}")
+        print(
+            f"\nrollouts {rollouts_s:.0f}s; learner step {metrics['step_seconds']:.1f}s, "
+            f"{metrics['tokens']:.0f} tokens ({metrics['trainable_tokens']:.0f} trainable), "
+            f"loss {metrics.get('loss', float('nan')):.3g}"
+        )
     finally:
         engine.stop()
         if learner.poll() is None:

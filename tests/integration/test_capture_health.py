@@ -57,14 +57,28 @@ class ProxyRecorder:
         gen = self.template.encode(answer) + [self.template.im_end_id]
         seq = len(self.calls)
         event = CallEvent(
-            rollout_id=self.rollout_id, policy_version=0, timestamp_ms=T0 + 1000 * seq,
-            call_id=f"{self.rollout_id}-{seq}", seq=seq, dialect=Dialect.OPENAI_CHAT, requested_model="policy",
+            rollout_id=self.rollout_id,
+            policy_version=0,
+            timestamp_ms=T0 + 1000 * seq,
+            call_id=f"{self.rollout_id}-{seq}",
+            seq=seq,
+            dialect=Dialect.OPENAI_CHAT,
+            requested_model="policy",
             call_kind=CallKind.MAIN,
-            new_tokens=rendered.new_tokens, prompt_len=len(rendered.prompt_ids), generated_tokens=gen,
-            logprobs=[-0.5] * len(gen), finish_reason="stop", parent_call_id=rendered.parent_call_id,
-            shared_prefix_len=rendered.shared_prefix_len, flags=list(rendered.flags), cached_prompt_tokens=cached,
-            attempt_id=self.attempt_id, temperature=1.0, top_p=1.0, top_k=0,
-        )  # fmt: skip
+            new_tokens=rendered.new_tokens,
+            prompt_len=len(rendered.prompt_ids),
+            generated_tokens=gen,
+            logprobs=[-0.5] * len(gen),
+            finish_reason="stop",
+            parent_call_id=rendered.parent_call_id,
+            shared_prefix_len=rendered.shared_prefix_len,
+            flags=list(rendered.flags),
+            cached_prompt_tokens=cached,
+            attempt_id=self.attempt_id,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+        )
         self.renderer.record(event.call_id, seq, rendered, gen, Message("assistant", answer))
         self.calls.append(CallEvent.from_bytes(event.to_bytes()))  # as a consumer will see it
         self.results.append(rendered)
@@ -74,26 +88,66 @@ class ProxyRecorder:
 def lifecycle(rollout_id: str, harness: str, attempt_id: str, calls: int, attempt: int = 0) -> list[Event]:
     group = f"t1|{harness}|0"
     return [
-        RolloutRequest(rollout_id=rollout_id, policy_version=0, timestamp_ms=T0 - 10, suite="builtin:cpu",
-                       task_id="t1", harness=harness, group_id=group, step=0, timeout_s=60.0, attempt=attempt),
-        RolloutEvent(rollout_id=rollout_id, policy_version=0, timestamp_ms=T0 - 5 + attempt, attempt_id=attempt_id,
-                     state=RolloutState.STARTED, group_id=group, harness=harness, attempt=attempt),
-        RolloutEvent(rollout_id=rollout_id, policy_version=0, timestamp_ms=T0 + 60_000, attempt_id=attempt_id,
-                     state=RolloutState.HARNESS_EXITED, group_id=group, harness=harness, exit_code=0,
-                     calls_served=calls, attempt=attempt),
-    ]  # fmt: skip
+        RolloutRequest(
+            rollout_id=rollout_id,
+            policy_version=0,
+            timestamp_ms=T0 - 10,
+            suite="builtin:cpu",
+            task_id="t1",
+            harness=harness,
+            group_id=group,
+            step=0,
+            timeout_s=60.0,
+            attempt=attempt,
+        ),
+        RolloutEvent(
+            rollout_id=rollout_id,
+            policy_version=0,
+            timestamp_ms=T0 - 5 + attempt,
+            attempt_id=attempt_id,
+            state=RolloutState.STARTED,
+            group_id=group,
+            harness=harness,
+            attempt=attempt,
+        ),
+        RolloutEvent(
+            rollout_id=rollout_id,
+            policy_version=0,
+            timestamp_ms=T0 + 60_000,
+            attempt_id=attempt_id,
+            state=RolloutState.HARNESS_EXITED,
+            group_id=group,
+            harness=harness,
+            exit_code=0,
+            calls_served=calls,
+            attempt=attempt,
+        ),
+    ]
 
 
 def settle(rollout_id: str, harness: str, attempt_id: str, calls: list[CallEvent]) -> Any:
     """The trajectory the streams' assembler emits for these calls (its pure core)."""
     acc = RolloutAccumulator(
-        rollout_id, T0, T0, attempt_id=attempt_id,
+        rollout_id,
+        T0,
+        T0,
+        attempt_id=attempt_id,
         started={"group_id": f"t1|{harness}|0", "harness": harness, "policy_version": 0},
-        terminal={"state": RolloutState.HARNESS_EXITED.value, "calls_served": len(calls), "group_id":
-                  f"t1|{harness}|0", "harness": harness, "policy_version": 0},
-        reward={"attempt_id": attempt_id, "status": RewardStatus.OK.value, "reward": 1.0, "reason": None,
-                "grader": "native"},
-    )  # fmt: skip
+        terminal={
+            "state": RolloutState.HARNESS_EXITED.value,
+            "calls_served": len(calls),
+            "group_id": f"t1|{harness}|0",
+            "harness": harness,
+            "policy_version": 0,
+        },
+        reward={
+            "attempt_id": attempt_id,
+            "status": RewardStatus.OK.value,
+            "reward": 1.0,
+            "reason": None,
+            "grader": "native",
+        },
+    )
     return build_trajectory(acc, calls, T0 + 70_000, StreamsSettings())
 
 
@@ -106,12 +160,21 @@ def produce(settings: KafkaSettings, events: list[Any]) -> None:
 
 
 def health(settings: KafkaSettings, *args: str, as_json: bool = True) -> Any:
-    cmd = [sys.executable, "-m", "consumers.analytics.dashboard.health_report", "--bootstrap",
-           settings.bootstrap_servers or "", "--topic-prefix", settings.topic_prefix, *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "consumers.analytics.dashboard.health_report",
+        "--bootstrap",
+        settings.bootstrap_servers or "",
+        "--topic-prefix",
+        settings.topic_prefix,
+        *args,
+    ]
     if as_json:
         cmd.append("--json")
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout) if as_json else proc.stdout
 
@@ -129,8 +192,11 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     ctx = Message("user", "[internal context] session 42, working directory /w")
     a0, a1, a2, a3 = "I will list the files first.", "The file is missing.", "Writing it now.", "Done: hi."
     tool0 = Message("user", "ls: (empty)")
-    tool0_edited = Message("user", "ls: (empty) [output truncated by the harness: it re-ran the command and "
-                                   "replaced the result with a longer explanation of what it saw]")  # fmt: skip
+    tool0_edited = Message(
+        "user",
+        "ls: (empty) [output truncated by the harness: it re-ran the command and "
+        "replaced the result with a longer explanation of what it saw]",
+    )
     tool2 = Message("user", "wrote hello.txt")
 
     # "oc": c1 extends c0; c2 drops c1's answer and edits the tool result (a fork, no re-render: its conversation
@@ -151,15 +217,24 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     al = ProxyRecorder(template, "al", "al-a1")
     al.call([system, task], a0, cached=0)
     al.call([system, task, Message("assistant", a0), tool0], a2, cached=al.calls[0].prompt_len)
-    al.call([system, task, Message("assistant", a0), tool0, Message("assistant", a2), tool2], a3,
-            cached=al.calls[1].prompt_len + 4)  # fmt: skip
+    al.call(
+        [system, task, Message("assistant", a0), tool0, Message("assistant", a2), tool2],
+        a3,
+        cached=al.calls[1].prompt_len + 4,
+    )
     for c in stale.calls:
         c.call_id = "al-old-" + c.call_id
 
-    events: list[Any] = [*lifecycle("oc", "openclaw", "oc-a0", 4), *oc.calls, settle("oc", "openclaw", "oc-a0",
-                         oc.calls), *lifecycle("al", "agentloop", "al-a0", 1), *stale.calls,
-                         *lifecycle("al", "agentloop", "al-a1", 3, attempt=1), *al.calls,
-                         settle("al", "agentloop", "al-a1", al.calls)]  # fmt: skip
+    events: list[Any] = [
+        *lifecycle("oc", "openclaw", "oc-a0", 4),
+        *oc.calls,
+        settle("oc", "openclaw", "oc-a0", oc.calls),
+        *lifecycle("al", "agentloop", "al-a0", 1),
+        *stale.calls,
+        *lifecycle("al", "agentloop", "al-a1", 3, attempt=1),
+        *al.calls,
+        settle("al", "agentloop", "al-a1", al.calls),
+    ]
     produce(kafka_settings, events)
     consumer = make_consumer(kafka_settings, "probe")
     calls_topic = kafka_settings.topic(CALLS)
@@ -194,7 +269,13 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
 
     a = rows["agentloop", "openai_chat"]
     assert (a["rollouts"], a["main_calls"], a["follow_ups"], a["extends"], a["forks"], a["full_renders"]) == (
-        1, 3, 2, 2, 0, 0)  # fmt: skip
+        1,
+        3,
+        2,
+        2,
+        0,
+        0,
+    )
     assert a["extends_share"] == 1.0 and a["retry_orphans"] == 0 and a["masked_tokens"] == 0
     assert a["stale_attempt_calls"] == 1
     prompts = [c.prompt_len for c in al.calls]
@@ -214,8 +295,13 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
 
 
 def test_health_errors_are_one_clear_line(kafka_settings: KafkaSettings) -> None:
-    base = [sys.executable, "-m", "consumers.analytics.dashboard.health_report", "--bootstrap",
-            kafka_settings.bootstrap_servers or ""]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "consumers.analytics.dashboard.health_report",
+        "--bootstrap",
+        kafka_settings.bootstrap_servers or "",
+    ]
     cases = {
         "no topic": (["--topic-prefix", "nope-" + kafka_settings.topic_prefix], "no topic nope-"),
         "bad time": (["--topic-prefix", kafka_settings.topic_prefix, "--since", "yesterday-ish"], "cannot read"),
@@ -228,6 +314,7 @@ def test_health_errors_are_one_clear_line(kafka_settings: KafkaSettings) -> None
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (name, proc.stderr)
     # an empty range is not an error
-    proc = subprocess.run([*base, "--topic-prefix", kafka_settings.topic_prefix], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*base, "--topic-prefix", kafka_settings.topic_prefix], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("no calls in the range (0 read)"), proc.stderr

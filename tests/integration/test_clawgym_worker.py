@@ -35,17 +35,23 @@ SOLVE = {
         ("write", "output/context_sources.json", _solution("task_0085", "output/context_sources.json")),
     ],
     "dependency scan": [
-        ("run", "python3 tools/deps_audit.py --deps input/dependencies.json --db input/vuln_db.json "
-                "--out out/scan_results.json"),
+        (
+            "run",
+            "python3 tools/deps_audit.py --deps input/dependencies.json --db input/vuln_db.json "
+            "--out out/scan_results.json",
+        ),
         ("write", "out/security_status_update.md", _solution("task_0008", "out/security_status_update.md")),
     ],
     "config backup workflow": [
-        ("run", "mkdir -p output/backup_store/2026-04-14 && cp -r input/openclaw_current/. "
-                "output/backup_store/2026-04-14/ && rm -rf output/backup_store/2026-04-14/workspace"),
+        (
+            "run",
+            "mkdir -p output/backup_store/2026-04-14 && cp -r input/openclaw_current/. "
+            "output/backup_store/2026-04-14/ && rm -rf output/backup_store/2026-04-14/workspace",
+        ),
         ("write", "output/openclaw/backup.json", _solution("task_0078", "output/openclaw/backup.json")),
         ("write", "output/backup_store/changelog.md", _solution("task_0078", "output/backup_store/changelog.md")),
     ],
-}  # fmt: skip
+}
 TAMPER = {
     "Nimbus rollout": [
         ("run", "ls -a; ls -a reward"),
@@ -73,8 +79,11 @@ def planned(plans: dict[str, list[tuple[str, ...]]], seen: dict[tuple[str, int],
             return tool_call_text("finish", {"summary": "ok"})
         role, *args = steps[done]
         if role == "run":
-            return tool_call_text("Shell", {"command": args[0]}) if anthropic else tool_call_text(
-                "run", {"command": args[0], "timeout": 30})  # fmt: skip
+            return (
+                tool_call_text("Shell", {"command": args[0]})
+                if anthropic
+                else tool_call_text("run", {"command": args[0], "timeout": 30})
+            )
         if anthropic:
             return tool_call_text("Write", {"file_path": args[0], "content": args[1]})
         return tool_call_text("write_file", {"path": args[0], "content": args[1]})
@@ -104,7 +113,9 @@ async def test_clawgym_tasks_graded_as_published(kafka_settings, group_id, tmp_p
     ev, rw = by_rollout(events + more[0], rewards + more[1])
     for r in solve + other:
         assert [e.state for e in ev[r.rollout_id]] == [RolloutState.STARTED, RolloutState.HARNESS_EXITED], (
-            r.rollout_id, ev[r.rollout_id])  # fmt: skip
+            r.rollout_id,
+            ev[r.rollout_id],
+        )
         (reward,) = rw[r.rollout_id]
         assert reward.status == RewardStatus.OK and reward.grader == "clawgym_reward_sh", reward
     for r in solve:

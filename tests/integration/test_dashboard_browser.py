@@ -54,11 +54,26 @@ ROOT = Path(__file__).resolve().parents[2]
 # so `make test` leaves the working tree as it found it.
 README_SCREENSHOT = ROOT / "bench" / "results" / "dashboard.png"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage")  # fmt: skip
-TOPIC = {RolloutRequest: ROLLOUT_REQUESTS, RolloutEvent: ROLLOUT_EVENTS, CallEvent: CALLS, RewardEvent: REWARDS,
-         Trajectory: TRAJECTORIES, WeightVersion: WEIGHTS, Metric: METRICS}  # fmt: skip
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+)
+TOPIC = {
+    RolloutRequest: ROLLOUT_REQUESTS,
+    RolloutEvent: ROLLOUT_EVENTS,
+    CallEvent: CALLS,
+    RewardEvent: REWARDS,
+    Trajectory: TRAJECTORIES,
+    WeightVersion: WEIGHTS,
+    Metric: METRICS,
+}
 
 
 def _need_browser() -> None:
@@ -96,79 +111,198 @@ class Run:
         for seq, (prompt, gen) in enumerate(zip(prompts, gens, strict=True)):
             shared, parent = 0, None
             for i, full in enumerate(fulls):  # the proxy's delta encoding: the longest common prefix
-                n = next((k for k, (a, b) in enumerate(zip(full, prompt, strict=False)) if a != b), min(len(full),
-                                                                                                      len(prompt)))
+                n = next(
+                    (k for k, (a, b) in enumerate(zip(full, prompt, strict=False)) if a != b),
+                    min(len(full), len(prompt)),
+                )
                 if n > shared or (n == shared and n > 0):
                     shared, parent = n, out[i].call_id
-            out.append(CallEvent(
-                rollout_id=rid, policy_version=version, timestamp_ms=self.tick(), call_id=f"{rid}-{seq}", seq=seq,
-                dialect=Dialect.OPENAI_CHAT, requested_model="policy", call_kind=CallKind.MAIN,
-                new_tokens=np.array(prompt[shared:], np.int32), prompt_len=len(prompt),
-                generated_tokens=np.array(gen, np.int32), logprobs=np.full(len(gen), -0.5, np.float32),
-                finish_reason="stop", parent_call_id=parent, shared_prefix_len=shared,
-                flags=["full_render"] if fork and seq == 2 else [], cached_prompt_tokens=shared,
-                attempt_id=attempt_id, temperature=1.0, top_p=1.0, top_k=0,
-            ))  # fmt: skip
+            out.append(
+                CallEvent(
+                    rollout_id=rid,
+                    policy_version=version,
+                    timestamp_ms=self.tick(),
+                    call_id=f"{rid}-{seq}",
+                    seq=seq,
+                    dialect=Dialect.OPENAI_CHAT,
+                    requested_model="policy",
+                    call_kind=CallKind.MAIN,
+                    new_tokens=np.array(prompt[shared:], np.int32),
+                    prompt_len=len(prompt),
+                    generated_tokens=np.array(gen, np.int32),
+                    logprobs=np.full(len(gen), -0.5, np.float32),
+                    finish_reason="stop",
+                    parent_call_id=parent,
+                    shared_prefix_len=shared,
+                    flags=["full_render"] if fork and seq == 2 else [],
+                    cached_prompt_tokens=shared,
+                    attempt_id=attempt_id,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                )
+            )
             fulls.append(prompt + gen)
         return out
 
-    def rollout(self, rid: str, harness: str, step: int, version: int, outcome: str,
-                reward: float | None) -> list[Event]:  # fmt: skip
+    def rollout(
+        self, rid: str, harness: str, step: int, version: int, outcome: str, reward: float | None
+    ) -> list[Event]:
         """One rollout: request, STARTED, calls, then per ``outcome`` its end, reward and trajectory."""
         group, attempt_id = f"t{step}|{harness}|{step}", f"{rid}-a0"
         events: list[Event] = [
-            RolloutRequest(rollout_id=rid, policy_version=version, timestamp_ms=self.tick(), suite="builtin:cpu",
-                           task_id=f"t{step}", harness=harness, group_id=group, step=step, timeout_s=60.0),
-            RolloutEvent(rollout_id=rid, policy_version=version, timestamp_ms=self.tick(), attempt_id=attempt_id,
-                         state=RolloutState.STARTED, group_id=group, harness=harness),
-        ]  # fmt: skip
+            RolloutRequest(
+                rollout_id=rid,
+                policy_version=version,
+                timestamp_ms=self.tick(),
+                suite="builtin:cpu",
+                task_id=f"t{step}",
+                harness=harness,
+                group_id=group,
+                step=step,
+                timeout_s=60.0,
+            ),
+            RolloutEvent(
+                rollout_id=rid,
+                policy_version=version,
+                timestamp_ms=self.tick(),
+                attempt_id=attempt_id,
+                state=RolloutState.STARTED,
+                group_id=group,
+                harness=harness,
+            ),
+        ]
         calls = self.calls(rid, attempt_id, version, fork=harness == "openclaw")
         events += calls
         self.status[rid] = outcome
         if outcome == "running":
             return events
-        state = {"ok": RolloutState.HARNESS_EXITED, "failed": RolloutState.HARNESS_EXITED,
-                 "timed_out": RolloutState.TIMED_OUT, "infra": RolloutState.FAILED}[outcome]  # fmt: skip
-        events.append(RolloutEvent(rollout_id=rid, policy_version=version, timestamp_ms=self.tick(),
-                                   attempt_id=attempt_id, state=state, group_id=group, harness=harness,
-                                   exit_code={"ok": 0, "failed": 1}.get(outcome), calls_served=3))  # fmt: skip
+        state = {
+            "ok": RolloutState.HARNESS_EXITED,
+            "failed": RolloutState.HARNESS_EXITED,
+            "timed_out": RolloutState.TIMED_OUT,
+            "infra": RolloutState.FAILED,
+        }[outcome]
+        events.append(
+            RolloutEvent(
+                rollout_id=rid,
+                policy_version=version,
+                timestamp_ms=self.tick(),
+                attempt_id=attempt_id,
+                state=state,
+                group_id=group,
+                harness=harness,
+                exit_code={"ok": 0, "failed": 1}.get(outcome),
+                calls_served=3,
+            )
+        )
         status = RewardStatus.INFRA_FAILURE if outcome == "infra" else RewardStatus.OK
-        events.append(RewardEvent(rollout_id=rid, policy_version=version, timestamp_ms=self.tick(),
-                                  attempt_id=attempt_id, status=status, grader="native", reward=reward))  # fmt: skip
+        events.append(
+            RewardEvent(
+                rollout_id=rid,
+                policy_version=version,
+                timestamp_ms=self.tick(),
+                attempt_id=attempt_id,
+                status=status,
+                grader="native",
+                reward=reward,
+            )
+        )
         acc = RolloutAccumulator(
-            rid, self.t, self.t, attempt_id=attempt_id,
-            request={"group_id": group, "task_id": f"t{step}", "step": step, "harness": harness, "suite": "builtin:cpu",
-                     "eval": False, "metadata": {}, "timeout_s": 60.0},
+            rid,
+            self.t,
+            self.t,
+            attempt_id=attempt_id,
+            request={
+                "group_id": group,
+                "task_id": f"t{step}",
+                "step": step,
+                "harness": harness,
+                "suite": "builtin:cpu",
+                "eval": False,
+                "metadata": {},
+                "timeout_s": 60.0,
+            },
             started={"group_id": group, "harness": harness, "policy_version": version},
-            terminal={"state": state.value, "calls_served": 3, "group_id": group, "harness": harness,
-                      "policy_version": version, "reason": "harness failed" if outcome == "infra" else None},
-            reward={"attempt_id": attempt_id, "status": status.value, "reward": reward, "reason": None,
-                    "grader": "native"},
-        )  # fmt: skip
+            terminal={
+                "state": state.value,
+                "calls_served": 3,
+                "group_id": group,
+                "harness": harness,
+                "policy_version": version,
+                "reason": "harness failed" if outcome == "infra" else None,
+            },
+            reward={
+                "attempt_id": attempt_id,
+                "status": status.value,
+                "reward": reward,
+                "reason": None,
+                "grader": "native",
+            },
+        )
         events.append(build_trajectory(acc, calls, self.tick(), StreamsSettings()))
         if outcome != "infra" and reward is not None:
             self.rewards.setdefault((harness, step), []).append(reward)
         return events
 
     def step_events(self, step: int) -> list[Event]:
-        plan = {0: [("agentloop", "ok", 1.0), ("agentloop", "failed", 0.0), ("openclaw", "ok", 0.25),
-                    ("openclaw", "ok", 0.75)],
-                1: [("agentloop", "ok", 1.0), ("agentloop", "running", None), ("openclaw", "timed_out", 0.5),
-                    ("openclaw", "infra", None)]}[step]  # fmt: skip
+        plan = {
+            0: [
+                ("agentloop", "ok", 1.0),
+                ("agentloop", "failed", 0.0),
+                ("openclaw", "ok", 0.25),
+                ("openclaw", "ok", 0.75),
+            ],
+            1: [
+                ("agentloop", "ok", 1.0),
+                ("agentloop", "running", None),
+                ("openclaw", "timed_out", 0.5),
+                ("openclaw", "infra", None),
+            ],
+        }[step]
         events: list[Event] = []
         version = step + 1
-        events.append(WeightVersion(policy_version=version, timestamp_ms=self.tick(), model_name="policy", step=step,
-                                    uri=f"file:///w/v{version}.safetensors", sha256="0" * 64))  # fmt: skip
+        events.append(
+            WeightVersion(
+                policy_version=version,
+                timestamp_ms=self.tick(),
+                model_name="policy",
+                step=step,
+                uri=f"file:///w/v{version}.safetensors",
+                sha256="0" * 64,
+            )
+        )
         for engine, latency in (("inference-worker/a", 0.12), ("inference-worker/b", 0.31)):
-            events.append(Metric(policy_version=version, timestamp_ms=self.tick(), source=engine,
-                                 name="weights_applied", values={"publish_to_applied_s": latency}))  # fmt: skip
-            events.append(Metric(policy_version=version, timestamp_ms=self.tick(), source=engine,
-                                 name="inference_stats", values={"prefix_cache_hit_rate": 0.5 + 0.1 * step,
-                                                                 "tokens_per_s": 100.0 + step}))  # fmt: skip
+            events.append(
+                Metric(
+                    policy_version=version,
+                    timestamp_ms=self.tick(),
+                    source=engine,
+                    name="weights_applied",
+                    values={"publish_to_applied_s": latency},
+                )
+            )
+            events.append(
+                Metric(
+                    policy_version=version,
+                    timestamp_ms=self.tick(),
+                    source=engine,
+                    name="inference_stats",
+                    values={"prefix_cache_hit_rate": 0.5 + 0.1 * step, "tokens_per_s": 100.0 + step},
+                )
+            )
         for i, (harness, outcome, reward) in enumerate(plan):
             events += self.rollout(f"s{step}-{harness}-{i}", harness, step, version, outcome, reward)
-        events.append(Metric(policy_version=version, timestamp_ms=self.tick(), source="learner", name="train_step",
-                             step=step, values={"loss": 0.5 - 0.1 * step}))  # fmt: skip
+        events.append(
+            Metric(
+                policy_version=version,
+                timestamp_ms=self.tick(),
+                source="learner",
+                name="train_step",
+                step=step,
+                values={"loss": 0.5 - 0.1 * step},
+            )
+        )
         return events
 
 
@@ -214,10 +348,24 @@ def trace(data: dict[str, Any], chart: str, name: str) -> dict[str, Any]:
 @pytest.fixture
 def dashboard(kafka_settings: KafkaSettings) -> Any:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "consumers.analytics.dashboard", "--port", "0", "--refresh-ms", "500", "--bootstrap",
-         kafka_settings.bootstrap_servers or "", "--topic-prefix", kafka_settings.topic_prefix],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "consumers.analytics.dashboard",
+            "--port",
+            "0",
+            "--refresh-ms",
+            "500",
+            "--bootstrap",
+            kafka_settings.bootstrap_servers or "",
+            "--topic-prefix",
+            kafka_settings.topic_prefix,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         assert proc.stdout is not None
@@ -263,30 +411,48 @@ def test_dashboard_page_draws_a_live_run_without_console_errors(
         assert driver.execute_script("return typeof Plotly") == "object"  # served locally, from the package
 
         # step 0 arrives: rewards, statuses, capture health, trees, weights
-        data = wait_for(driver, lambda d: len(d["charts"]["chart-reward"]) == 2 and any(
-            t["name"] == "published" and t["y"] == [1] for t in d["charts"]["chart-weights"]))  # fmt: skip
+        data = wait_for(
+            driver,
+            lambda d: (
+                len(d["charts"]["chart-reward"]) == 2
+                and any(t["name"] == "published" and t["y"] == [1] for t in d["charts"]["chart-weights"])
+            ),
+        )
         for harness in ("agentloop", "openclaw"):
             assert trace(data, "chart-reward", harness)["x"] == [0]
             assert trace(data, "chart-reward", harness)["y"] == [pytest.approx(0.5)]
 
         # step 1 arrives while the page is open
         produce(kafka_settings, run.step_events(1))
-        data = wait_for(driver, lambda d: trace(d, "chart-reward", "openclaw")["x"] == [0, 1] and sum(
-            d["charts"]["chart-status"][0]["y"]) == 8 and len(trace(d, "chart-weights", "published")["y"]) == 2)
+        data = wait_for(
+            driver,
+            lambda d: (
+                trace(d, "chart-reward", "openclaw")["x"] == [0, 1]
+                and sum(d["charts"]["chart-status"][0]["y"]) == 8
+                and len(trace(d, "chart-weights", "published")["y"]) == 2
+            ),
+        )
         for (harness, step), rewards in run.rewards.items():
             t = trace(data, "chart-reward", harness)
             assert t["y"][t["x"].index(step)] == pytest.approx(sum(rewards) / len(rewards))
         status = data["charts"]["chart-status"][0]
         assert dict(zip(status["x"], status["y"], strict=True)) == {
-            "running": 1, "ok": 4, "failed": 1, "timed_out": 1, "infra": 1}  # fmt: skip
+            "running": 1,
+            "ok": 4,
+            "failed": 1,
+            "timed_out": 1,
+            "infra": 1,
+        }
 
         # capture health: the openclaw rollouts fork (and re-render) once each, agentloop's only extend
         rows = {r[0]: r for r in data["health"]}
         assert rows["agentloop"][4] == "100.0% (8/8)" and rows["agentloop"][6] == "0.00"
         assert rows["openclaw"][4] == "50.0% (4/8)" and rows["openclaw"][5] == "1.00" and rows["openclaw"][6] == "1.00"
         extend = trace(data, "chart-health", "extend exactly %")
-        assert dict(zip(extend["x"], extend["y"], strict=True)) == {"agentloop / openai_chat": 100.0,
-                                                                    "openclaw / openai_chat": 50.0}  # fmt: skip
+        assert dict(zip(extend["x"], extend["y"], strict=True)) == {
+            "agentloop / openai_chat": 100.0,
+            "openclaw / openai_chat": 50.0,
+        }
 
         tree = trace(data, "chart-tree", "leaves / rollout")
         assert tree["x"] == ["agentloop", "openclaw"] and all(v >= 1 for v in tree["y"])
@@ -300,8 +466,11 @@ def test_dashboard_page_draws_a_live_run_without_console_errors(
         assert lag["y"] and max(lag["y"]) == 0  # every call was served by the newest version
 
         applied = {t["name"]: t["y"] for t in data["charts"]["chart-weights"]}
-        assert applied == {"published": [1, 2], "applied: inference-worker/a": [1, 2],
-                           "applied: inference-worker/b": [1, 2]}  # fmt: skip
+        assert applied == {
+            "published": [1, 2],
+            "applied: inference-worker/a": [1, 2],
+            "applied: inference-worker/b": [1, 2],
+        }
 
         metrics = urllib.request.urlopen(dashboard + "metrics", timeout=10).read().decode()  # noqa: S310 - loopback
         assert 'clawstream_capture_extends_share{harness="openclaw",template="openai_chat"} 0.5' in metrics
@@ -309,8 +478,7 @@ def test_dashboard_page_draws_a_live_run_without_console_errors(
         assert 'clawstream_rollouts{status="running"} 1.0' in metrics
 
         for _ in range(3):  # grow the window until the whole page fits in the viewport (browser chrome differs)
-            inner, height = driver.execute_script(
-                "return [window.innerHeight, document.documentElement.scrollHeight]")
+            inner, height = driver.execute_script("return [window.innerHeight, document.documentElement.scrollHeight]")
             if inner >= height:
                 break
             driver.set_window_size(1500, min(driver.get_window_size()["height"] + height - inner + 20, 5000))
@@ -335,8 +503,9 @@ def _get(url: str) -> tuple[int, str, bytes]:
         return exc.code, exc.headers.get("Content-Type", ""), exc.read()
 
 
-def test_dashboard_in_process_picks_up_topics_created_later_and_counts_bad_records(kafka_bootstrap: str,
-                                                                                   topic_prefix: str) -> None:
+def test_dashboard_in_process_picks_up_topics_created_later_and_counts_bad_records(
+    kafka_bootstrap: str, topic_prefix: str
+) -> None:
     """No browser needed: the in-process starter the demo can use, the HTTP routes, a topic that appears after
     start, an undecodable record (counted, not fatal)."""
     from clawbase.kafka.clients import create_topics
@@ -371,7 +540,7 @@ def test_dashboard_in_process_picks_up_topics_created_later_and_counts_bad_recor
         assert state["records"][CALLS] == 12 and state["feed"]["alive"] and state["feed"]["error"] is None
         assert state["status"] == {"running": 0, "ok": 3, "failed": 1, "timed_out": 0, "infra": 0}
         metrics = _get(handle.url + "metrics")[2].decode()
-        assert 'clawstream_dashboard_decode_errors_total 1.0' in metrics
+        assert "clawstream_dashboard_decode_errors_total 1.0" in metrics
         assert 'clawstream_weights_applied_version{engine="inference-worker/a"} 1.0' in metrics
     finally:
         handle.stop()

@@ -76,15 +76,24 @@ def network(engine: Any, group_id: str) -> Any:
 
 def settings_for(url: str, network: str, tmp: Path, group_id: str, **kw: Any) -> SandboxSettings:
     return SandboxSettings(
-        backend="docker", proxy_url=url, proxy_admin_token="admin", group_id=group_id, root=tmp / "sandboxes",
-        session_timeout_ms=6000, publish_timeout_s=15, docker_image=IMAGE, docker_network=network, docker_cpus=1.0,
+        backend="docker",
+        proxy_url=url,
+        proxy_admin_token="admin",
+        group_id=group_id,
+        root=tmp / "sandboxes",
+        session_timeout_ms=6000,
+        publish_timeout_s=15,
+        docker_image=IMAGE,
+        docker_network=network,
+        docker_cpus=1.0,
         **{"concurrency": 2, "suites": {"native": str(S.NATIVE_SUITE)}, "docker_memory_mb": 1024, **kw},
-    )  # fmt: skip
+    )
 
 
 @asynccontextmanager
-async def docker_stack(engine: Any, kafka, group_id: str, tmp: Path, network: str, responder,
-                       adapters: dict | None = None, **kw: Any) -> AsyncIterator[dict]:  # fmt: skip
+async def docker_stack(
+    engine: Any, kafka, group_id: str, tmp: Path, network: str, responder, adapters: dict | None = None, **kw: Any
+) -> AsyncIterator[dict]:
     """Scripted engine + real proxy on the docker bridge's address + one in-process worker with the docker backend."""
     async with (
         ScriptedEngine(H.tiny_tokenizer(), responder) as scripted,
@@ -103,8 +112,11 @@ async def docker_stack(engine: Any, kafka, group_id: str, tmp: Path, network: st
 
 def containers_of(client: Any, identity_prefix: str) -> list[Any]:
     # ignore_removed: the worker being watched removes containers while docker-py inspects the listed ones (a 404).
-    return [c for c in client.containers.list(all=True, filters={"label": WORKER_LABEL}, ignore_removed=True)
-            if str(c.labels.get(WORKER_LABEL, "")).startswith(identity_prefix)]  # fmt: skip
+    return [
+        c
+        for c in client.containers.list(all=True, filters={"label": WORKER_LABEL}, ignore_removed=True)
+        if str(c.labels.get(WORKER_LABEL, "")).startswith(identity_prefix)
+    ]
 
 
 # --- a real harness in a container ------------------------------------------------------------------------------
@@ -126,8 +138,9 @@ def harness_responder(name: str):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", ["claude-code", "codex"])
-async def test_real_harness_runs_in_a_container_through_the_proxy(engine, kafka_settings, group_id, tmp_path,
-                                                                  network, name: str) -> None:  # fmt: skip
+async def test_real_harness_runs_in_a_container_through_the_proxy(
+    engine, kafka_settings, group_id, tmp_path, network, name: str
+) -> None:
     async with docker_stack(engine, kafka_settings, group_id, tmp_path, network, harness_responder(name)) as st:
         req = S.request("hello", name, rollout_id=f"docker-{name}", timeout_s=180)
         events, rewards = await run_requests(kafka_settings, [req], timeout=300)
@@ -159,13 +172,20 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(300)
-async def test_a_sandbox_reaches_the_proxy_and_nothing_else(engine, kafka_settings, group_id, tmp_path,
-                                                            network) -> None:  # fmt: skip
+async def test_a_sandbox_reaches_the_proxy_and_nothing_else(
+    engine, kafka_settings, group_id, tmp_path, network
+) -> None:
     gateway = bridge_gateway(engine)
     # Host services a sandbox must not reach: one on all interfaces, one on the proxy's own address.
     open_all, open_gw = socket.create_server(("0.0.0.0", 0)), socket.create_server((gateway, 0))
-    peer = engine.containers.run(IMAGE, ["sleep", "300"], detach=True, network="bridge",
-                                 labels={"clawstream.test": group_id}, name=f"cs-peer-{group_id}")  # fmt: skip
+    peer = engine.containers.run(
+        IMAGE,
+        ["sleep", "300"],
+        detach=True,
+        network="bridge",
+        labels={"clawstream.test": group_id},
+        name=f"cs-peer-{group_id}",
+    )
     try:
         peer.reload()
         peer_ip = peer.attrs["NetworkSettings"]["Networks"]["bridge"]["IPAddress"]
@@ -174,12 +194,16 @@ async def test_a_sandbox_reaches_the_proxy_and_nothing_else(engine, kafka_settin
             task = SuiteCatalog({"native": str(S.NATIVE_SUITE)}).task("native", "hello")
             box = await backend.create("probe-" + group_id, task)
             try:
-                targets = {"host_all_interfaces": [gateway, open_all.getsockname()[1]],
-                           "host_second_port": [gateway, open_gw.getsockname()[1]],
-                           "peer_container": [peer_ip, 22], "peer_container_http": [peer_ip, 8100]}  # fmt: skip
+                targets = {
+                    "host_all_interfaces": [gateway, open_all.getsockname()[1]],
+                    "host_second_port": [gateway, open_gw.getsockname()[1]],
+                    "peer_container": [peer_ip, 22],
+                    "peer_container_http": [peer_ip, 8100],
+                }
                 relay_origin = box.proxy_base_url(url + "/r/x").rsplit("/r/x", 1)[0]
-                result = await box.run(["python3", "-c", PROBE, json.dumps(targets), relay_origin], {}, "/workspace",
-                                       60)  # fmt: skip
+                result = await box.run(
+                    ["python3", "-c", PROBE, json.dumps(targets), relay_origin], {}, "/workspace", 60
+                )
             finally:
                 report = await box.destroy()
                 await backend.close()
@@ -198,20 +222,40 @@ async def test_a_sandbox_reaches_the_proxy_and_nothing_else(engine, kafka_settin
 
 HANG = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 HOG = "b = []\nwhile True: b.append(bytearray(64 << 20))"
-FORK = ("import subprocess\nps = [subprocess.Popen(['sleep', '60']) for _ in range(400)]\n"
-        "open('hello.txt', 'w').write('hi')")  # fmt: skip
+FORK = (
+    "import subprocess\nps = [subprocess.Popen(['sleep', '60']) for _ in range(400)]\n"
+    "open('hello.txt', 'w').write('hi')"
+)
 
 
 @pytest.mark.timeout(420)
-async def test_timeout_and_limits_end_rollouts_with_their_status(engine, kafka_settings, group_id, tmp_path,
-                                                                 network) -> None:  # fmt: skip
-    adapters = {**ADAPTERS, "hang": S.python_adapter("hang", HANG), "hog": S.python_adapter("hog", HOG),
-                "fork": S.python_adapter("fork", FORK)}  # fmt: skip
+async def test_timeout_and_limits_end_rollouts_with_their_status(
+    engine, kafka_settings, group_id, tmp_path, network
+) -> None:
+    adapters = {
+        **ADAPTERS,
+        "hang": S.python_adapter("hang", HANG),
+        "hog": S.python_adapter("hog", HOG),
+        "fork": S.python_adapter("fork", FORK),
+    }
     timeout = 6.0
-    async with docker_stack(engine, kafka_settings, group_id, tmp_path, network, S.agent_responder(), adapters,
-                            docker_memory_mb=256, docker_pids=64, kill_grace_s=1.0) as st:  # fmt: skip
-        reqs = [S.request("hello", h, rollout_id=f"lim-{h}-{group_id}", timeout_s=timeout) for h in adapters
-                if h in ("hang", "hog", "fork")]  # fmt: skip
+    async with docker_stack(
+        engine,
+        kafka_settings,
+        group_id,
+        tmp_path,
+        network,
+        S.agent_responder(),
+        adapters,
+        docker_memory_mb=256,
+        docker_pids=64,
+        kill_grace_s=1.0,
+    ) as st:
+        reqs = [
+            S.request("hello", h, rollout_id=f"lim-{h}-{group_id}", timeout_s=timeout)
+            for h in adapters
+            if h in ("hang", "hog", "fork")
+        ]
         events, rewards = await run_requests(kafka_settings, reqs, timeout=240)
         me = st["worker"].ctx.backend.worker
     ev, rw = by_rollout(events, rewards)
@@ -244,24 +288,44 @@ def sleeper_responder():
 
 
 @pytest.mark.timeout(420)
-async def test_a_sigkilled_workers_containers_are_swept_on_restart(engine, kafka_settings, group_id, tmp_path,
-                                                                   network) -> None:  # fmt: skip
+async def test_a_sigkilled_workers_containers_are_swept_on_restart(
+    engine, kafka_settings, group_id, tmp_path, network
+) -> None:
     async with (
         ScriptedEngine(H.tiny_tokenizer(), sleeper_responder()) as scripted,
         running_proxy(kafka_settings, scripted.url, host=bridge_gateway(engine), keepalive_s=1.0) as (_p, url),
     ):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS":
-               kafka_settings.bootstrap_servers, "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
-               "CLAWSTREAM_SANDBOX_SUITES": f'{{"native": "{S.NATIVE_SUITE}"}}',
-               "CLAWSTREAM_SANDBOX_DOCKER_IMAGE": IMAGE, "CLAWSTREAM_SANDBOX_DOCKER_NETWORK": network,
-               "CLAWSTREAM_SANDBOX_ROOT": str(tmp_path / "sandboxes-1")}  # fmt: skip
-        proc = subprocess.Popen([sys.executable, "-m", "producers.sandbox.worker", "--backend", "docker",
-                                 "--proxy-url", url, "--proxy-admin-token", "admin", "--group-id", group_id],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers,
+            "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
+            "CLAWSTREAM_SANDBOX_SUITES": f'{{"native": "{S.NATIVE_SUITE}"}}',
+            "CLAWSTREAM_SANDBOX_DOCKER_IMAGE": IMAGE,
+            "CLAWSTREAM_SANDBOX_DOCKER_NETWORK": network,
+            "CLAWSTREAM_SANDBOX_ROOT": str(tmp_path / "sandboxes-1"),
+        }
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "producers.sandbox.worker",
+                "--backend",
+                "docker",
+                "--proxy-url",
+                url,
+                "--proxy-admin-token",
+                "admin",
+                "--group-id",
+                group_id,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         victim = f"{socket.gethostname()}:{proc.pid}:"
         try:
-            S.publish(kafka_settings, [S.request("hello", "agentloop", rollout_id=f"kill-{group_id}",
-                                                 timeout_s=600)])  # fmt: skip
+            S.publish(kafka_settings, [S.request("hello", "agentloop", rollout_id=f"kill-{group_id}", timeout_s=600)])
             # The state that triggers the kill: the worker's rollout container and its relay both exist.
             deadline = time.monotonic() + 180
             while len(containers_of(engine, victim)) < 2 and time.monotonic() < deadline:
@@ -274,8 +338,9 @@ async def test_a_sigkilled_workers_containers_are_swept_on_restart(engine, kafka
         await asyncio.sleep(0)
         assert len(containers_of(engine, victim)) == 2  # the dead worker could not clean up
         # Another topic prefix: the restarted worker must not pick the killed rollout's request up again.
-        other = KafkaSettings(bootstrap_servers=kafka_settings.bootstrap_servers,
-                              topic_prefix=kafka_settings.topic_prefix + "restart.")  # fmt: skip
+        other = KafkaSettings(
+            bootstrap_servers=kafka_settings.bootstrap_servers, topic_prefix=kafka_settings.topic_prefix + "restart."
+        )
         create_topics(other, CATALOG)
         restarted = SandboxWorker(settings_for(url, network, tmp_path, group_id), other, adapters=ADAPTERS)
         stop = asyncio.Event()

@@ -40,11 +40,33 @@ MODULES = [
     "streams.app",
 ]
 COMMANDS = [
-    ["demo"], ["kafka"], ["kafka", "up"], ["topics", "create"], ["model", "init"], ["model", "sft"], ["infer"],
-    ["proxy"], ["streams"], ["sandbox-worker"], ["schedule"], ["learner"], ["harness", "install"], ["vllm"],
-    ["vllm", "install"], ["vllm", "serve"], ["tasks"], ["tasks", "list"], ["tasks", "show"], ["tasks", "grade"],
-    ["tail"], ["export"], ["dashboard"], ["health"], ["replay"], ["eval"],
-]  # fmt: skip
+    ["demo"],
+    ["kafka"],
+    ["kafka", "up"],
+    ["topics", "create"],
+    ["model", "init"],
+    ["model", "sft"],
+    ["infer"],
+    ["proxy"],
+    ["streams"],
+    ["sandbox-worker"],
+    ["schedule"],
+    ["learner"],
+    ["harness", "install"],
+    ["vllm"],
+    ["vllm", "install"],
+    ["vllm", "serve"],
+    ["tasks"],
+    ["tasks", "list"],
+    ["tasks", "show"],
+    ["tasks", "grade"],
+    ["tail"],
+    ["export"],
+    ["dashboard"],
+    ["health"],
+    ["replay"],
+    ["eval"],
+]
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -116,11 +138,26 @@ def test_tasks_commands(tmp_path: Path) -> None:
 
 def test_learner_refuses_a_prefix_without_topics(kafka_bootstrap: str, tmp_path: Path) -> None:
     """A learner pointed at a prefix whose topics were never created says so in one line and how to fix it."""
-    proc = _run([sys.executable, "-m", "learner", "--model-dir", str(tmp_path / "none"), "--weight-store",
-                 str(tmp_path / "w"), "--bootstrap", kafka_bootstrap, "--topic-prefix", "never-created."])  # fmt: skip
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "learner",
+            "--model-dir",
+            str(tmp_path / "none"),
+            "--weight-store",
+            str(tmp_path / "w"),
+            "--bootstrap",
+            kafka_bootstrap,
+            "--topic-prefix",
+            "never-created.",
+        ]
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "never-created.clawstream.batches" in proc.stderr and "clawstream topics create --prefix never-created." \
-        in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "never-created.clawstream.batches" in proc.stderr
+        and "clawstream topics create --prefix never-created." in proc.stderr
+    ), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
@@ -138,19 +175,36 @@ def _children(pid: int) -> list[int]:
             found.append(int(entry))
     return found
 
+
 def test_sigterm_stops_the_services_a_command_started(kafka_bootstrap: str, tmp_path: Path) -> None:
     """`kill` (SIGTERM) on `clawstream eval` stops the engine, proxy and sandbox worker it started, as Ctrl-C does;
     Python's default SIGTERM would end the command at once and leave them running (found with a killed demo)."""
     from policy.tiny_model import init_tiny_model
 
-    model = init_tiny_model(tmp_path / "tiny-sigterm", hidden_size=64, intermediate_size=128, num_layers=2,
-                            num_heads=4, num_kv_heads=2, progress=None)  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
-               CLAWSTREAM_HOME=str(tmp_path / "home"))  # fmt: skip
+    model = init_tiny_model(
+        tmp_path / "tiny-sigterm",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        progress=None,
+    )
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
+        CLAWSTREAM_HOME=str(tmp_path / "home"),
+    )
     log = tmp_path / "eval.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(CLI), "eval", "--model", str(model), "--tasks", "64", "--mode", "greedy"],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [str(CLI), "eval", "--model", str(model), "--tasks", "64", "--mode", "greedy"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         services: list[int] = []
         deadline = time.monotonic() + 300  # a bound on waiting for the state below, not the trigger

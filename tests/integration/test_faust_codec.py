@@ -24,24 +24,49 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_faust_agent_reads_and_writes_avro(kafka_settings: KafkaSettings, group_id: str, tmp_path: Path) -> None:
     src, dst = kafka_settings.topic("clawstream.rewards"), kafka_settings.topic("clawstream.metrics")
     rewards = [
-        RewardEvent(rollout_id=f"r-{i}", policy_version=i, timestamp_ms=i, attempt_id=f"a-{i}",
-                    status=RewardStatus.OK if i % 3 else RewardStatus.INFRA_FAILURE, grader="native",
-                    reward=None if i % 3 == 0 else i / 10)
+        RewardEvent(
+            rollout_id=f"r-{i}",
+            policy_version=i,
+            timestamp_ms=i,
+            attempt_id=f"a-{i}",
+            status=RewardStatus.OK if i % 3 else RewardStatus.INFRA_FAILURE,
+            grader="native",
+            reward=None if i % 3 == 0 else i / 10,
+        )
         for i in range(12)
-    ]  # fmt: skip
+    ]
     producer = make_producer(kafka_settings)
     for r in rewards:
         producer.produce(src, key=r.rollout_id.encode(), value=r.to_bytes())
     assert producer.flush(30) == 0
 
-    env = dict(os.environ, ECHO_BOOTSTRAP=bootstrap_servers(kafka_settings), ECHO_IN=src, ECHO_OUT=dst,
-               ECHO_APP_ID=f"echo-{uuid.uuid4().hex[:8]}", PYTHONPATH=str(ROOT))  # fmt: skip
+    env = dict(
+        os.environ,
+        ECHO_BOOTSTRAP=bootstrap_servers(kafka_settings),
+        ECHO_IN=src,
+        ECHO_OUT=dst,
+        ECHO_APP_ID=f"echo-{uuid.uuid4().hex[:8]}",
+        PYTHONPATH=str(ROOT),
+    )
     log = open(tmp_path / "faust.log", "wb")  # noqa: SIM115
     worker = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.apps.faust_echo", "--datadir", str(tmp_path / "faust-data"),
-         "worker", "--loglevel", "warn", "--without-web"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.apps.faust_echo",
+            "--datadir",
+            str(tmp_path / "faust-data"),
+            "worker",
+            "--loglevel",
+            "warn",
+            "--without-web",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     got: dict[str, Metric] = {}
     consumer = make_consumer(kafka_settings, group_id)
     consumer.subscribe([dst])

@@ -97,7 +97,8 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
         for db in box.host_path(box.home).glob(".openclaw/agents/*/agent/openclaw-agent.sqlite"):
             with contextlib.closing(sqlite3.connect(db)) as con:
                 compressed[task.task_id] = con.execute(
-                    "SELECT count(*) FROM transcript_events WHERE event_zstd IS NOT NULL").fetchone()[0]  # fmt: skip
+                    "SELECT count(*) FROM transcript_events WHERE event_zstd IS NOT NULL"
+                ).fetchone()[0]
         return out
 
     monkeypatch.setattr(grade_module, "run_transcript", recording)
@@ -109,8 +110,9 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
         S.request("task_00_sanity", name, suite="pinch", rollout_id=f"pinch-{name}", timeout_s=120),
     ]
     t0 = time.monotonic()
-    async with stack(kafka_settings, group_id, tmp_path, responder(name, str(sandboxes), seen), suites=suites,
-                     concurrency=2) as st:  # fmt: skip
+    async with stack(
+        kafka_settings, group_id, tmp_path, responder(name, str(sandboxes), seen), suites=suites, concurrency=2
+    ) as st:
         events, rewards = await run_requests(kafka_settings, reqs, timeout=420)
         served = len(st["engine"].requests)
     wall = time.monotonic() - t0
@@ -136,8 +138,13 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
     built_id = str(uuid.UUID(int=0))
     for transcript in transcripts.values():
         assert transcript[0]["type"] == "session" and (transcript[0]["id"] != built_id) == (name == "openclaw"), log
-    calls = [c for r in transcripts["task_0085"] if r.get("type") == "message"
-             for c in r["message"]["content"] if isinstance(c, dict) and c.get("type") == "toolCall"]  # fmt: skip
+    calls = [
+        c
+        for r in transcripts["task_0085"]
+        if r.get("type") == "message"
+        for c in r["message"]["content"]
+        if isinstance(c, dict) and c.get("type") == "toolCall"
+    ]
     assert [c["name"] for c in calls] == [WRITE[name]("", "", "")[0]] * len(FILES), (calls, log)
     if name == "openclaw":  # its long final answer was stored compressed, and the export decoded it
         assert compressed.get("task_0085", 0) >= 1, (compressed, log)

@@ -91,23 +91,43 @@ class Run:
     seconds: float
 
 
-async def run_claude(exe: str, base_url: str, secret: str, box: Path, prompt: str, timeout_s: float,
-                     extra: tuple[str, ...] = ()) -> Run:  # fmt: skip
+async def run_claude(
+    exe: str, base_url: str, secret: str, box: Path, prompt: str, timeout_s: float, extra: tuple[str, ...] = ()
+) -> Run:
     """One ``claude -p`` run as the claude-code adapter launches it, in a scrubbed environment (like the local
     sandbox's: PATH, HOME, TMPDIR, LANG, USER + the adapter's variables), stdin closed, its own process group."""
     home, workspace, tmp = box / "home", box / "workspace", box / "tmp"
     for d in (home, workspace, tmp):
         d.mkdir(parents=True, exist_ok=True)
-    ctx = LaunchContext(base_url=base_url, secret=secret, workspace=str(workspace), home=str(home), prompt=prompt,
-                        timeout_s=timeout_s, exe=exe)  # fmt: skip
+    ctx = LaunchContext(
+        base_url=base_url,
+        secret=secret,
+        workspace=str(workspace),
+        home=str(home),
+        prompt=prompt,
+        timeout_s=timeout_s,
+        exe=exe,
+    )
     spec = launch_spec(ADAPTERS["claude-code"], ctx)
-    env = {"PATH": default_path(), "HOME": str(home), "TMPDIR": str(tmp), "LANG": "C.UTF-8", "USER": "sandbox",
-           **spec.env}  # fmt: skip
+    env = {
+        "PATH": default_path(),
+        "HOME": str(home),
+        "TMPDIR": str(tmp),
+        "LANG": "C.UTF-8",
+        "USER": "sandbox",
+        **spec.env,
+    }
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *spec.argv, *extra, cwd=str(workspace), env=env, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        *spec.argv,
+        *extra,
+        cwd=str(workspace),
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
@@ -160,8 +180,11 @@ async def rollout(kafka, engine_url: str, exe: str, box: Path, harness_timeout_s
         status = await _status(http, url, rid)
         if status["calls_served"] == 1 and runs[0].returncode == 0:
             # The policy ended its first turn (<|im_end|> sampled), so no recovery call: continue the session.
-            runs.append(await run_claude(exe, reg["base_url"], reg["secret"], box, RESUME_PROMPT, harness_timeout_s,
-                                         ("--resume", session)))  # fmt: skip
+            runs.append(
+                await run_claude(
+                    exe, reg["base_url"], reg["secret"], box, RESUME_PROMPT, harness_timeout_s, ("--resume", session)
+                )
+            )
         async with http.post(f"{url}/admin/rollouts/{rid}/seal", headers={"Authorization": "Bearer admin"}) as r:
             assert r.status == 200, await r.text()
             status = await r.json()
@@ -177,14 +200,21 @@ async def _status(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, 
 
 def check(outcome: Outcome, engine: str) -> None:
     calls, main = outcome.calls, outcome.main
-    print(f"\n[{engine}] Claude Code runs: " + "; ".join(
-        f"exit {r.returncode} in {r.seconds:.1f} s, is_error={r.result.get('is_error')}, "
-        f"result={str(r.result.get('result'))[:90]!r}" for r in outcome.runs))  # fmt: skip
+    print(
+        f"\n[{engine}] Claude Code runs: "
+        + "; ".join(
+            f"exit {r.returncode} in {r.seconds:.1f} s, is_error={r.result.get('is_error')}, "
+            f"result={str(r.result.get('result'))[:90]!r}"
+            for r in outcome.runs
+        )
+    )
     for c in calls:
         frac = (c.cached_prompt_tokens or 0) / c.prompt_len
-        print(f"[{engine}] call {c.seq} {c.call_kind.value}: prompt {c.prompt_len} tokens, cached "
-              f"{c.cached_prompt_tokens} ({frac:.2%}), new {len(c.new_tokens)}, generated {len(c.generated_tokens)} "
-              f"({c.finish_reason}), engine {c.engine_ms / 1000:.2f} s, total {c.total_ms / 1000:.2f} s")  # fmt: skip
+        print(
+            f"[{engine}] call {c.seq} {c.call_kind.value}: prompt {c.prompt_len} tokens, cached "
+            f"{c.cached_prompt_tokens} ({frac:.2%}), new {len(c.new_tokens)}, generated {len(c.generated_tokens)} "
+            f"({c.finish_reason}), engine {c.engine_ms / 1000:.2f} s, total {c.total_ms / 1000:.2f} s"
+        )
 
     # The rollout: every call served and recorded, at least two main calls, the second extends the first.
     assert outcome.status["status"] == "ok" and outcome.status["errors"] == {}, outcome.status
@@ -236,13 +266,22 @@ def cpu_engine(model_dir: Path) -> Iterator[str]:
 @pytest.fixture
 def vllm_engine(model_dir: Path, tmp_path: Path) -> Iterator[str]:
     if not vllm_server.is_installed():
-        reason = (f"vLLM is not installed in {vllm_server.venv_dir()}: run `make vllm` (or `clawstream vllm "
-                  "install`) to run Claude Code through the proxy into a real vLLM")  # fmt: skip
+        reason = (
+            f"vLLM is not installed in {vllm_server.venv_dir()}: run `make vllm` (or `clawstream vllm "
+            "install`) to run Claude Code through the proxy into a real vLLM"
+        )
         warnings.warn(reason, pytest.PytestWarning, stacklevel=1)  # the warnings summary prints it without -rs
         pytest.skip(reason)
     # Claude Code's prompt is ~37k tokens with this tokenizer; 64k leaves room. KV: 4 KiB a token, 64k = 256 MiB.
-    server = vllm_server.serve(model_dir, 0, max_model_len=65536, kv_cache_gib=1, log_path=tmp_path / "vllm.log",
-                               startup_timeout_s=900, progress=print)  # fmt: skip
+    server = vllm_server.serve(
+        model_dir,
+        0,
+        max_model_len=65536,
+        kv_cache_gib=1,
+        log_path=tmp_path / "vllm.log",
+        startup_timeout_s=900,
+        progress=print,
+    )
     try:
         yield server.url
     finally:

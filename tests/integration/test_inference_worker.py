@@ -30,16 +30,25 @@ from tests.support.inference import Worker
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-CHOICE_FIELDS = {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs",
-                 "prompt_token_ids"}  # fmt: skip
+CHOICE_FIELDS = {
+    "index",
+    "text",
+    "logprobs",
+    "finish_reason",
+    "stop_reason",
+    "token_ids",
+    "prompt_logprobs",
+    "prompt_token_ids",
+}
 
 
 # ---- fixtures and helpers --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny"
-    init_tiny_model(out, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                    progress=None)  # fmt: skip
+    init_tiny_model(
+        out, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, progress=None
+    )
     return out
 
 
@@ -62,10 +71,12 @@ async def _post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[in
 
 def _greedy(model: Any, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
     """``model.generate(do_sample=False)``; with ``eos=None`` nothing stops it before ``max_new_tokens``."""
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[] if eos is None else eos,
-                              pad_token_id=0)  # fmt: skip
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
-                         generation_config=config)  # fmt: skip
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[] if eos is None else eos, pad_token_id=0
+    )
+    out = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long), generation_config=config
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -80,16 +91,30 @@ def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
         "what is 7 + 5?",
         "fix the failing test",
     ]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for t in texts[:n]]  # fmt: skip
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for t in texts[:n]
+    ]
 
 
 # ---- HTTP: shapes and sampling --------------------------------------------------------------------------------
 async def test_concurrent_requests_have_vllm_shapes(worker: Worker, reference: tuple[Any, Any]) -> None:
     _, tokenizer = reference
     prompts = _prompts(tokenizer, 8)
-    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 12 + i, "temperature": 1.0, "logprobs": 2,
-               "return_token_ids": True, "seed": i} for i, p in enumerate(prompts)]  # fmt: skip
+    bodies = [
+        {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": 12 + i,
+            "temperature": 1.0,
+            "logprobs": 2,
+            "return_token_ids": True,
+            "seed": i,
+        }
+        for i, p in enumerate(prompts)
+    ]
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*(_post(session, worker.url, b) for b in bodies))  # type: ignore[arg-type]
     for (status, headers, body), prompt in zip(results, prompts, strict=True):
@@ -105,9 +130,12 @@ async def test_concurrent_requests_have_vllm_shapes(worker: Worker, reference: t
         ids = choice["token_ids"]
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert isinstance(cached, int) and 0 <= cached < len(prompt)
-        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                                 "total_tokens": len(prompt) + len(ids),
-                                 "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+        assert body["usage"] == {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(ids),
+            "total_tokens": len(prompt) + len(ids),
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         lp = choice["logprobs"]
         assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids)
@@ -119,15 +147,22 @@ async def test_concurrent_requests_have_vllm_shapes(worker: Worker, reference: t
 async def test_seed_reproduces_and_greedy_matches_generate(worker: Worker, reference: tuple[Any, Any]) -> None:
     model, tokenizer = reference
     prompts = _prompts(tokenizer, 4)
-    seeded = {"prompt": prompts[0], "max_tokens": 24, "temperature": 1.0, "seed": 1234, "return_token_ids": True,
-              "ignore_eos": True}  # fmt: skip
+    seeded = {
+        "prompt": prompts[0],
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "seed": 1234,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     greedy = [{"prompt": p, "max_tokens": 20, "temperature": 0, "return_token_ids": True} for p in prompts]
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(
-            _post(session, worker.url, seeded), _post(session, worker.url, seeded),  # type: ignore[arg-type]
+            _post(session, worker.url, seeded),
+            _post(session, worker.url, seeded),  # type: ignore[arg-type]
             _post(session, worker.url, {**seeded, "seed": 4321}),  # type: ignore[arg-type]
             *(_post(session, worker.url, g) for g in greedy),  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
     first, again, other = (r[2]["choices"][0]["token_ids"] for r in results[:3])
     assert first == again and first != other
     eos = tokenizer.eos_token_id
@@ -142,11 +177,21 @@ async def test_n_stop_token_ids_and_max_tokens(worker: Worker, reference: tuple[
     ref = _greedy(model, prompt, 10, None)
     stop_at = max(i for i, t in enumerate(ref) if t not in ref[:i])  # the last first occurrence of a token
     async with aiohttp.ClientSession() as session:
-        n_status, _, n_body = await _post(session, worker.url, {"prompt": [prompt, other], "n": 3, "max_tokens": 5,
-                                                                 "return_token_ids": True})  # fmt: skip
-        _, _, stop_body = await _post(session, worker.url, {"prompt": prompt, "max_tokens": 10, "temperature": 0,
-                                                            "ignore_eos": True, "stop_token_ids": [ref[stop_at]],
-                                                            "return_token_ids": True})  # fmt: skip
+        n_status, _, n_body = await _post(
+            session, worker.url, {"prompt": [prompt, other], "n": 3, "max_tokens": 5, "return_token_ids": True}
+        )
+        _, _, stop_body = await _post(
+            session,
+            worker.url,
+            {
+                "prompt": prompt,
+                "max_tokens": 10,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop_token_ids": [ref[stop_at]],
+                "return_token_ids": True,
+            },
+        )
         _, _, len_body = await _post(session, worker.url, {"prompt": prompt, "max_tokens": 7, "ignore_eos": True})
     assert n_status == 200 and [c["index"] for c in n_body["choices"]] == list(range(6))
     assert [c["prompt_token_ids"] for c in n_body["choices"]] == [prompt] * 3 + [other] * 3
@@ -163,8 +208,12 @@ async def test_malformed_requests_get_openai_errors(worker: Worker) -> None:
             assert resp.status == 400
             body = await resp.json()
             assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
-        for bad, param in ([{"max_tokens": 3}, "prompt"], [{"prompt": [1], "stream": True}, "stream"],
-                           [{"prompt": [1], "logprobs": 99}, "logprobs"], [{"prompt": [10**9]}, "prompt"]):  # fmt: skip
+        for bad, param in (
+            [{"max_tokens": 3}, "prompt"],
+            [{"prompt": [1], "stream": True}, "stream"],
+            [{"prompt": [1], "logprobs": 99}, "logprobs"],
+            [{"prompt": [10**9]}, "prompt"],
+        ):
             status, headers, body = await _post(session, worker.url, bad)
             assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
             assert body["error"]["param"] == param and headers["Content-Type"].startswith("application/json")
@@ -202,8 +251,14 @@ async def test_cached_prompt_tokens_per_response_and_in_metrics(worker: Worker) 
 
     assert delta("requests_total") == 2 and delta("prompt_tokens_total") == 2 * len(prompt)
     assert delta("cached_prompt_tokens_total") == sum(cached)
-    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total", "prefix_cache_hit_rate",
-                 "generation_tokens_total", "requests_running", "policy_version"):  # fmt: skip
+    for name in (
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "prefix_cache_hit_rate",
+        "generation_tokens_total",
+        "requests_running",
+        "policy_version",
+    ):
         assert f"clawstream_engine_{name}" in after, name
     if delta("prefix_cache_queries_total") > 0:  # the engine has a prefix cache
         assert cached[1] >= len(prompt) // 2 and delta("prefix_cache_hits_total") >= cached[1]
@@ -221,19 +276,34 @@ async def test_a_client_that_goes_away_is_aborted(worker: Worker) -> None:
 
 
 # ---- weight versions through Kafka ---------------------------------------------------------------------------
-def _publish_version(settings: KafkaSettings, model_dir: Path, out: Path, version: int, *, noise: float,
-                     sha256: str | None = None, uri: str | None = None) -> Path:  # fmt: skip
+def _publish_version(
+    settings: KafkaSettings,
+    model_dir: Path,
+    out: Path,
+    version: int,
+    *,
+    noise: float,
+    sha256: str | None = None,
+    uri: str | None = None,
+) -> Path:
     """Write perturbed weights to ``out/vN/model.safetensors`` and publish its WeightVersion."""
     path = out / f"v{version}" / "model.safetensors"
     path.parent.mkdir(parents=True)
     tensors = load_file(str(model_dir / "model.safetensors"))
     generator = torch.Generator().manual_seed(version)
-    save_file({k: (v + noise * torch.randn(v.shape, generator=generator)).contiguous() for k, v in tensors.items()},
-              str(path))  # fmt: skip
+    save_file(
+        {k: (v + noise * torch.randn(v.shape, generator=generator)).contiguous() for k, v in tensors.items()}, str(path)
+    )
     data = path.read_bytes()
-    event = WeightVersion(policy_version=version, timestamp_ms=now_ms(), model_name="tiny", step=version,
-                          uri=uri or path.as_uri(), sha256=sha256 or hashlib.sha256(data).hexdigest(),
-                          size_bytes=len(data))  # fmt: skip
+    event = WeightVersion(
+        policy_version=version,
+        timestamp_ms=now_ms(),
+        model_name="tiny",
+        step=version,
+        uri=uri or path.as_uri(),
+        sha256=sha256 or hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+    )
     producer = make_producer(settings)
     producer.produce(settings.topic(WEIGHTS), key=b"tiny", value=event.to_bytes())
     assert producer.flush(30) == 0
@@ -258,8 +328,9 @@ def _read_topic(settings: KafkaSettings, topic: str, want: Any, timeout: float =
 async def _until_version(session: aiohttp.ClientSession, url: str, prompt: list[int], version: int) -> dict:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        status, _, body = await _post(session, url, {"prompt": prompt, "max_tokens": 16, "temperature": 0,
-                                                     "return_token_ids": True})  # fmt: skip
+        status, _, body = await _post(
+            session, url, {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
+        )
         assert status == 200
         if body["policy_version"] >= version:
             return body
@@ -272,15 +343,21 @@ async def test_weight_versions_swap_under_load_and_bad_ones_are_dead_lettered(
 ) -> None:
     old_model, tokenizer = reference
     eos = tokenizer.eos_token_id
-    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
-           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
-    w = Worker(["--model", str(model_dir), "--served-model-name", "tiny", "--worker-id", "it-1",
-                "--metrics-interval-s", "0"], env)  # fmt: skip
+    env = {
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
+    }
+    w = Worker(
+        ["--model", str(model_dir), "--served-model-name", "tiny", "--worker-id", "it-1", "--metrics-interval-s", "0"],
+        env,
+    )
     try:
         prompts = _prompts(tokenizer, 8)
         async with aiohttp.ClientSession() as session:
-            bodies = [{"prompt": p, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-                      for p in prompts]  # fmt: skip
+            bodies = [
+                {"prompt": p, "max_tokens": 120, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                for p in prompts
+            ]
             in_flight = [asyncio.create_task(_post(session, w.url, b)) for b in bodies]  # type: ignore[arg-type]
             await asyncio.sleep(0.3)
             published = time.monotonic()
@@ -302,8 +379,9 @@ async def test_weight_versions_swap_under_load_and_bad_ones_are_dead_lettered(
             new_ref = _greedy(new_model, prompts[0], 16, eos)
             assert new_body["choices"][0]["token_ids"] == new_ref != _greedy(old_model, prompts[0], 16, eos)
 
-            [applied] = [Metric.from_bytes(m.value()) for m in
-                         _read_topic(kafka_settings, METRICS, lambda f: len(f) >= 1)]  # fmt: skip
+            [applied] = [
+                Metric.from_bytes(m.value()) for m in _read_topic(kafka_settings, METRICS, lambda f: len(f) >= 1)
+            ]
             assert applied.name == "weights_applied" and applied.policy_version == 1
             assert applied.source == "inference-worker/it-1" and applied.labels["uri"] == v1_path.as_uri()
             assert 0 < applied.values["swap_latency_s"] < switched + 1
@@ -311,12 +389,16 @@ async def test_weight_versions_swap_under_load_and_bad_ones_are_dead_lettered(
 
             # A corrupted file (sha256 does not match) and a missing file: dead-lettered, version 1 kept.
             _publish_version(kafka_settings, model_dir, tmp_path, 2, noise=0.05, sha256="0" * 64)
-            _publish_version(kafka_settings, model_dir, tmp_path, 3, noise=0.05,
-                             uri=(tmp_path / "missing.safetensors").as_uri())  # fmt: skip
-            letters = [DeadLetter.from_bytes(m.value()) for m in
-                       _read_topic(kafka_settings, DEADLETTER, lambda f: len(f) >= 2)]  # fmt: skip
-            assert [(d.policy_version, d.error_type) for d in letters] == [(2, "checksum_mismatch"),
-                                                                           (3, "missing_file")]  # fmt: skip
+            _publish_version(
+                kafka_settings, model_dir, tmp_path, 3, noise=0.05, uri=(tmp_path / "missing.safetensors").as_uri()
+            )
+            letters = [
+                DeadLetter.from_bytes(m.value()) for m in _read_topic(kafka_settings, DEADLETTER, lambda f: len(f) >= 2)
+            ]
+            assert [(d.policy_version, d.error_type) for d in letters] == [
+                (2, "checksum_mismatch"),
+                (3, "missing_file"),
+            ]
             assert letters[0].original_topic == kafka_settings.topic(WEIGHTS) and letters[0].original_offset == 1
             assert letters[0].original_key == b"tiny" and "sha256" in letters[0].reason
             assert WeightVersion.from_bytes(letters[0].original_value).policy_version == 2  # type: ignore[arg-type]
@@ -330,13 +412,16 @@ async def test_weight_versions_swap_under_load_and_bad_ones_are_dead_lettered(
     assert "clawstream.weights[0]@0" in w.log()  # consumer positions are logged as topic[partition]@offset
 
 
-def test_restarted_worker_applies_the_newest_good_version(kafka_settings: KafkaSettings, model_dir: Path,
-                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_restarted_worker_applies_the_newest_good_version(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
     _publish_version(kafka_settings, model_dir, tmp_path, 1, noise=0.05)
     _publish_version(kafka_settings, model_dir, tmp_path, 2, noise=0.05)
     _publish_version(kafka_settings, model_dir, tmp_path, 3, noise=0.05, sha256="1" * 64)  # newest is corrupt
-    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
-           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
+    env = {
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
+    }
     w = Worker(["--model", str(model_dir), "--served-model-name", "tiny", "--metrics-interval-s", "0"], env)
     try:
         [applied] = [Metric.from_bytes(m.value()) for m in _read_topic(kafka_settings, METRICS, lambda f: len(f) >= 1)]

@@ -23,8 +23,11 @@ pytestmark = pytest.mark.integration
 def cli(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "clawstream", "kafka", *args, "--home", str(home)],
-        capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
 
 
 def test_up_reuse_restart_down(tmp_path: Path) -> None:
@@ -77,8 +80,12 @@ def test_missing_java_and_maven_are_clear_errors(tmp_path: Path) -> None:
     env.pop("JAVA_HOME")
     result = subprocess.run(
         [sys.executable, "-m", "clawstream", "kafka", "up", "--home", str(tmp_path / "b")],
-        capture_output=True, text=True, env=env, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1 and "Java 17+ is needed" in result.stderr and "Traceback" not in result.stderr
 
     java_dir = tmp_path / "java-only"
@@ -89,6 +96,10 @@ def test_missing_java_and_maven_are_clear_errors(tmp_path: Path) -> None:
     env["CLAWSTREAM_HOME"] = str(tmp_path / "fresh-home")  # no jars cached yet → Maven is needed
     result = subprocess.run(
         [sys.executable, "-m", "clawstream", "kafka", "up", "--home", str(tmp_path / "b")],
-        capture_output=True, text=True, env=env, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1 and "Maven is needed" in result.stderr, result.stderr

@@ -44,15 +44,40 @@ def _produce_batches(settings: KafkaSettings, specs: list[tuple[str, int]]) -> i
     return n
 
 
-def _run_learner(settings: KafkaSettings, model_dir: Path, store: Path, *, fault: str | None = None,
-                 max_steps: int = 2, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
-               CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix, PYTHONPATH=str(ROOT))  # fmt: skip
+def _run_learner(
+    settings: KafkaSettings,
+    model_dir: Path,
+    store: Path,
+    *,
+    fault: str | None = None,
+    max_steps: int = 2,
+    extra: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    env = dict(
+        os.environ,
+        CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
+        CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix,
+        PYTHONPATH=str(ROOT),
+    )
     env.pop(faults.ENV, None)
     if fault:
         env.update(faults.fault_env(store.parent / "faults", **{fault.split("=")[0]: fault.split("=")[1]}))
-    cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(store),
-           "--max-steps", str(max_steps), "--idle-exit", "20", "--hp", "lr=1e-3", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner.train",
+        "--model-dir",
+        str(model_dir),
+        "--weight-store",
+        str(store),
+        "--max-steps",
+        str(max_steps),
+        "--idle-exit",
+        "20",
+        "--hp",
+        "lr=1e-3",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -98,17 +123,23 @@ def test_two_batches_give_two_versions(kafka_settings: KafkaSettings, model_dir:
         assert changed, f"v{v.policy_version} did not change any parameter"
 
     # The inference worker follows clawstream.weights and serves the newest version the learner published.
-    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka_settings),
-           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
+    env = {
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers(kafka_settings),
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
+    }
     worker = Worker(["--model", str(model_dir), "--served-model-name", "policy", "--metrics-interval-s", "0"], env)
     try:
         body = {"model": "policy", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
         deadline = time.monotonic() + 60
         served = -1
         while time.monotonic() < deadline and served < 2:
-            with urllib.request.urlopen(urllib.request.Request(  # noqa: S310 - loopback test server
-                    f"{worker.url}/v1/completions", data=json.dumps(body).encode(),
-                    headers={"Content-Type": "application/json"})) as resp:  # fmt: skip
+            with urllib.request.urlopen(
+                urllib.request.Request(  # noqa: S310 - loopback test server
+                    f"{worker.url}/v1/completions",
+                    data=json.dumps(body).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
+            ) as resp:
                 served = json.loads(resp.read())["policy_version"]
             time.sleep(0.2)
         assert served == 2, worker.log()[-3000:]
@@ -163,13 +194,23 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     old.segments[1] = replace(old.segments[1], temperature=None, top_p=None, top_k=None, call_id="c-old")
     unsampled[3] = replace(unsampled[3], trajectory=old.to_bytes())
     producer = make_producer(kafka_settings)
-    for rec in [*batch_records("b-1", 1, 4, seed=1), *undecodable, *oversized, *unsampled,
-                *batch_records("b-5", 5, 4, seed=5)]:  # fmt: skip
+    for rec in [
+        *batch_records("b-1", 1, 4, seed=1),
+        *undecodable,
+        *oversized,
+        *unsampled,
+        *batch_records("b-5", 5, 4, seed=5),
+    ]:
         producer.produce(kafka_settings.topic(BATCHES), key=rec.batch_id.encode(), value=rec.to_bytes())
     assert producer.flush(30) == 0
 
-    result = _run_learner(kafka_settings, model_dir, tmp_path / "store", max_steps=5,
-                          extra=("--hp", "token_budget=64", "--hp", "max_path_tokens=100"))  # fmt: skip
+    result = _run_learner(
+        kafka_settings,
+        model_dir,
+        tmp_path / "store",
+        max_steps=5,
+        extra=("--hp", "token_budget=64", "--hp", "max_path_tokens=100"),
+    )
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     versions = _versions(kafka_settings, "check-poison")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-5")]
@@ -178,8 +219,9 @@ def test_poisoned_batches_are_dead_lettered_and_the_good_ones_trained_once(
     assert len(letters) == 3 and set(reasons) == {"UntrainableBatch"}, [(d.error_type, d.reason) for d in letters]
     assert any("tree 3: trainable segment 1 (call c-old) carries no sampling settings" in d.reason for d in letters)
     assert any("does not decode" in d.reason for d in letters)
-    assert any("cannot pack" in d.reason and "path of 119 tokens is longer than the 100" in d.reason
-               for d in letters), [d.reason for d in letters]  # fmt: skip
+    assert any(
+        "cannot pack" in d.reason and "path of 119 tokens is longer than the 100" in d.reason for d in letters
+    ), [d.reason for d in letters]
 
 
 def test_a_resumed_learner_equals_an_uninterrupted_one(
@@ -191,8 +233,9 @@ def test_a_resumed_learner_equals_an_uninterrupted_one(
 
     from clawbase.kafka.clients import create_topics
 
-    other = KafkaSettings(bootstrap_servers=kafka_settings.bootstrap_servers, topic_prefix=kafka_settings.topic_prefix
-                          + "resumed.")  # fmt: skip
+    other = KafkaSettings(
+        bootstrap_servers=kafka_settings.bootstrap_servers, topic_prefix=kafka_settings.topic_prefix + "resumed."
+    )
     create_topics(other, CATALOG)
     specs = [("b-1", 1), ("b-2", 2), ("b-3", 3)]
     for settings in (kafka_settings, other):

@@ -48,8 +48,9 @@ def responder(silent: bool):
 async def test_seal_conversation_scores_transcript_checks(tmp_path: Path) -> None:
     for silent, want in ((False, 1.0), (True, 0.0)):
         async with ScriptedEngine(H.tiny_tokenizer(), responder(silent)) as engine:
-            settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine.url, port=0, admin_token="admin",
-                                     keepalive_s=0.2)  # fmt: skip
+            settings = ProxySettings(
+                model=H.tiny_model_dir(), engine_url=engine.url, port=0, admin_token="admin", keepalive_s=0.2
+            )
             proxy = Proxy(settings, MemoryPublisher(), "calls", tokenizer=H.tiny_tokenizer())
             runner = web.AppRunner(proxy.app())
             await runner.setup()
@@ -64,10 +65,14 @@ async def test_seal_conversation_scores_transcript_checks(tmp_path: Path) -> Non
 
                     sandbox = SandboxSettings(root=tmp_path / "sbx", proxy_url=url, proxy_admin_token="admin")
                     ctx = RolloutContext(
-                        backend=LocalBackend(sandbox), proxy=ProxyAdmin(url, "admin"),
-                        catalog=SuiteCatalog({"pinch": str(PINCH)}), adapters=ADAPTERS, sink=sink,
-                        settings=sandbox, resolve_exe=resolve,
-                    )  # fmt: skip
+                        backend=LocalBackend(sandbox),
+                        proxy=ProxyAdmin(url, "admin"),
+                        catalog=SuiteCatalog({"pinch": str(PINCH)}),
+                        adapters=ADAPTERS,
+                        sink=sink,
+                        settings=sandbox,
+                        resolve_exe=resolve,
+                    )
                     out = await execute(S.request("task_00_sanity", harness, suite="pinch", timeout_s=60), ctx)
                     assert out.cleanup is not None and out.cleanup.clean
                     (reward,) = sink.rewards

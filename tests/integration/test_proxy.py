@@ -107,13 +107,22 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
     tok = H.tiny_tokenizer()
     telemetry = {"gpu_utilization": 61.0, "gpu_memory_used_bytes": 5_368_709_120}
     async with (
-        ScriptedEngine(tok, [TOOL_TEXT[dialect], DONE], delay_s=0.5 if stream else 0, prefix_cache=True,
-                       engine_telemetry=telemetry) as engine,
+        ScriptedEngine(
+            tok, [TOOL_TEXT[dialect], DONE], delay_s=0.5 if stream else 0, prefix_cache=True, engine_telemetry=telemetry
+        ) as engine,
         running_proxy(kafka_settings, engine.url) as (proxy, url),
         aiohttp.ClientSession() as http,
-    ):  # fmt: skip
-        reg = await register(http, url, rollout_id=f"r-{dialect}-{stream}", temperature=0.9, top_p=0.95, top_k=20,
-                             max_tokens=512, attempt_id=f"r-{dialect}-{stream}.a0.abc")  # fmt: skip
+    ):
+        reg = await register(
+            http,
+            url,
+            rollout_id=f"r-{dialect}-{stream}",
+            temperature=0.9,
+            top_p=0.95,
+            top_k=20,
+            max_tokens=512,
+            attempt_id=f"r-{dialect}-{stream}.a0.abc",
+        )
         rid, secret = reg["rollout_id"], reg["secret"]
         assert reg["base_url"] == f"{url}/r/{rid}"
         async with http.head(reg["base_url"]) as r:
@@ -147,9 +156,21 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
         assert answers[1]["output"][0]["content"][0]["text"] == DONE
     events = consume_calls(kafka_settings, {rid}, 2)
     assert [e.seq for e in events] == [0, 1]
-    calls = [TreeCall(e.call_id, e.seq, e.parent_call_id, e.shared_prefix_len, e.new_tokens.tolist(),
-                      e.generated_tokens.tolist(), e.logprobs.tolist(), e.call_kind.value.lower(), e.policy_version,
-                      e.finish_reason) for e in events]  # fmt: skip
+    calls = [
+        TreeCall(
+            e.call_id,
+            e.seq,
+            e.parent_call_id,
+            e.shared_prefix_len,
+            e.new_tokens.tolist(),
+            e.generated_tokens.tolist(),
+            e.logprobs.tolist(),
+            e.call_kind.value.lower(),
+            e.policy_version,
+            e.finish_reason,
+        )
+        for e in events
+    ]
     prompts = rebuild_prompts(calls)
     p1, p2 = prompts[events[0].call_id], prompts[events[1].call_id]
     g1 = events[0].generated_tokens.tolist()
@@ -172,8 +193,7 @@ async def test_two_call_tool_episode_is_append_only_on_the_broker(kafka_settings
     # The rollout's sampling settings go to the engine and onto every call event (the learner recomputes with them);
     # Avro floats are 32-bit, hence the tolerance.
     assert all((r.body["top_p"], r.body["top_k"]) == (0.95, 20) for r in engine.requests)
-    assert all(e.temperature == pytest.approx(0.9) and e.top_p == pytest.approx(0.95) and e.top_k == 20
-               for e in events)  # fmt: skip
+    assert all(e.temperature == pytest.approx(0.9) and e.top_p == pytest.approx(0.95) and e.top_k == 20 for e in events)
 
 
 async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: KafkaSettings) -> None:
@@ -184,12 +204,14 @@ async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: Kaf
         aiohttp.ClientSession() as http,
     ):
         headers = {"Authorization": "Bearer admin"}
-        for body, reason in (({"rollout_id": "x", "attempt_id": 5}, "attempt_id must be a string"),
-                             ({"rollout_id": "a b"}, "rollout_id allows"),
-                             ({"rollout_id": "y", "ttl_s": "soon"}, "bad registration"),
-                             ({"rollout_id": "t", "temperature": -0.5}, "temperature must be"),
-                             ({"rollout_id": "p", "top_p": 0}, "top_p must be in (0, 1]"),
-                             ({"rollout_id": "k", "top_k": 2.5}, "top_k must be an integer")):  # fmt: skip
+        for body, reason in (
+            ({"rollout_id": "x", "attempt_id": 5}, "attempt_id must be a string"),
+            ({"rollout_id": "a b"}, "rollout_id allows"),
+            ({"rollout_id": "y", "ttl_s": "soon"}, "bad registration"),
+            ({"rollout_id": "t", "temperature": -0.5}, "temperature must be"),
+            ({"rollout_id": "p", "top_p": 0}, "top_p must be in (0, 1]"),
+            ({"rollout_id": "k", "top_k": 2.5}, "top_k must be an integer"),
+        ):
             async with http.post(f"{url}/admin/rollouts", json=body, headers=headers) as r:
                 assert r.status == 400 and reason in (await r.json())["error"], body
         ok = await register(http, url, rollout_id="z", attempt_id="z.a0.1")
@@ -276,8 +298,10 @@ async def test_proxy_and_cpu_engine_work_together_with_default_settings(kafka_se
     """``clawstream infer --model DIR`` and ``clawstream proxy --model DIR --engine-url URL`` as the README shows
     them, without a model-name flag: the proxy asks for the model the engine serves (``policy``), the engine
     follows weight versions under that name, and its cached-token report reaches the harness and the call event."""
-    env = {"CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
-           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix}  # fmt: skip
+    env = {
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka_settings.bootstrap_servers or "",
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka_settings.topic_prefix,
+    }
     worker = await asyncio.to_thread(Worker, ["--model", str(H.tiny_model_dir())], env)
     try:
         assert f"cpu engine serving '{DEFAULT_MODEL_NAME}'" in worker.log()

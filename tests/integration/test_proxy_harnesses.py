@@ -60,8 +60,15 @@ def _responder(tool: str, args: dict[str, Any]):
 def _command(name: str, exe: Path, base: str, secret: str, home: Path, ws: Path, variant: str) -> tuple[list, dict]:
     env = {"PATH": f"{shutil.which('node') and Path(shutil.which('node')).parent}:/usr/bin:/bin", "HOME": str(home)}
     if name == "claude-code":
-        env.update({"ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": secret, "ANTHROPIC_MODEL": "policy",
-                    "ANTHROPIC_DEFAULT_HAIKU_MODEL": "policy-side", "CLAUDE_CODE_ATTRIBUTION_HEADER": "0"})  # fmt: skip
+        env.update(
+            {
+                "ANTHROPIC_BASE_URL": base,
+                "ANTHROPIC_API_KEY": secret,
+                "ANTHROPIC_MODEL": "policy",
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL": "policy-side",
+                "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+            }
+        )
         if variant != "with-title":  # else it also makes a title call on the side model (and tries to phone home)
             env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
         return [str(exe), "-p", H.TASK, "--output-format", "json", "--allowedTools", "Write,Bash,Edit"], env
@@ -74,20 +81,41 @@ def _command(name: str, exe: Path, base: str, secret: str, home: Path, ws: Path,
             f'base_url = "{base}/v1"\nwire_api = "responses"\nenv_key = "CLAWSTREAM_API_KEY"\n'
         )
         env.update({"CODEX_HOME": str(codex_home), "CLAWSTREAM_API_KEY": secret})
-        cmd = [str(exe), "exec", "--skip-git-repo-check", "--sandbox", "workspace-write",
-               "-c", "features.plugins=false", "--json", H.TASK]  # fmt: skip
+        cmd = [
+            str(exe),
+            "exec",
+            "--skip-git-repo-check",
+            "--sandbox",
+            "workspace-write",
+            "-c",
+            "features.plugins=false",
+            "--json",
+            H.TASK,
+        ]
         return cmd, env
     if name == "qwen-code":
-        settings = {"security": {"auth": {"selectedType": "openai"}}, "model": {"name": "policy"},
-                    "privacy": {"usageStatisticsEnabled": False}}  # fmt: skip
+        settings = {
+            "security": {"auth": {"selectedType": "openai"}},
+            "model": {"name": "policy"},
+            "privacy": {"usageStatisticsEnabled": False},
+        }
         (home / ".qwen").mkdir()
         (home / ".qwen" / "settings.json").write_text(json.dumps(settings))
         env.update({"OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": secret, "OPENAI_MODEL": "policy"})
         return [str(exe), "--auth-type", "openai", "--yolo", "-o", "json", H.TASK], env
     # opencode
-    config = {"$schema": "https://opencode.ai/config.json", "model": "clawstream/policy", "provider": {"clawstream": {
-        "npm": "@ai-sdk/openai-compatible", "options": {"baseURL": f"{base}/v1", "apiKey": secret},
-        "models": {"policy": {"tool_call": True}}}}, "permission": {"edit": "allow", "bash": "allow"}}  # fmt: skip
+    config = {
+        "$schema": "https://opencode.ai/config.json",
+        "model": "clawstream/policy",
+        "provider": {
+            "clawstream": {
+                "npm": "@ai-sdk/openai-compatible",
+                "options": {"baseURL": f"{base}/v1", "apiKey": secret},
+                "models": {"policy": {"tool_call": True}},
+            }
+        },
+        "permission": {"edit": "allow", "bash": "allow"},
+    }
     (ws / "opencode.json").write_text(json.dumps(config))
     env.update({"OPENCODE_CONFIG": str(ws / "opencode.json"), "OPENCODE_DISABLE_MODELS_FETCH": "1"})
     return [str(exe), "run", "--format", "json", H.TASK], env
@@ -119,9 +147,13 @@ async def test_real_harness_episode(kafka_settings, tmp_path: Path, case: str) -
         reg = await register(http, url, rollout_id=f"h-{name}-{variant or 'main'}")
         cmd, env = _command(name, exe, reg["base_url"], reg["secret"], home, ws, variant)
         proc = await asyncio.create_subprocess_exec(
-            *cmd, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            *cmd,
+            cwd=ws,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
         except TimeoutError:
@@ -135,9 +167,21 @@ async def test_real_harness_episode(kafka_settings, tmp_path: Path, case: str) -
     assert status["status"] == "ok" and status["calls_served"] >= 2
     events = consume_calls(kafka_settings, {reg["rollout_id"]}, status["calls_served"])
     assert len(events) == status["calls_served"]
-    calls = [TreeCall(e.call_id, e.seq, e.parent_call_id, e.shared_prefix_len, e.new_tokens.tolist(),
-                      e.generated_tokens.tolist(), e.logprobs.tolist(), e.call_kind.value.lower(), e.policy_version,
-                      e.finish_reason) for e in events]  # fmt: skip
+    calls = [
+        TreeCall(
+            e.call_id,
+            e.seq,
+            e.parent_call_id,
+            e.shared_prefix_len,
+            e.new_tokens.tolist(),
+            e.generated_tokens.tolist(),
+            e.logprobs.tolist(),
+            e.call_kind.value.lower(),
+            e.policy_version,
+            e.finish_reason,
+        )
+        for e in events
+    ]
     prompts = rebuild_prompts(calls)
     assert [prompts[e.call_id] for e in events] == [r.prompt_ids for r in engine.requests]
     main = [e for e in events if e.call_kind == CallKind.MAIN]
@@ -193,16 +237,46 @@ def _openclaw_responder(ws: Path, seen_tools: list[dict[str, set[str]]]):
 
 
 def _openclaw_command(exe: Path, node: Path, base: str, secret: str, home: Path, ws: Path) -> tuple[list, dict]:
-    config = {"models": {"mode": "replace", "providers": {"clawstream": {
-        "baseUrl": f"{base}/v1", "apiKey": secret, "api": "openai-completions",
-        "models": [{"id": "policy", "name": "policy", "contextWindow": 131072, "maxTokens": 8192, "input": ["text"],
-                    "reasoning": False, "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0}}]}}},
-        "agents": {"defaults": {"model": {"primary": "clawstream/policy"}, "workspace": str(ws)}}}  # fmt: skip
+    config = {
+        "models": {
+            "mode": "replace",
+            "providers": {
+                "clawstream": {
+                    "baseUrl": f"{base}/v1",
+                    "apiKey": secret,
+                    "api": "openai-completions",
+                    "models": [
+                        {
+                            "id": "policy",
+                            "name": "policy",
+                            "contextWindow": 131072,
+                            "maxTokens": 8192,
+                            "input": ["text"],
+                            "reasoning": False,
+                            "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                        }
+                    ],
+                }
+            },
+        },
+        "agents": {"defaults": {"model": {"primary": "clawstream/policy"}, "workspace": str(ws)}},
+    }
     (home / "openclaw.json5").write_text(json.dumps(config))  # JSON is valid JSON5
     # Node 24 first on PATH: the ``openclaw`` bin is a ``#!/usr/bin/env node`` script and refuses Node < 24.16.
     env = {"PATH": f"{node.parent}:/usr/bin:/bin", "HOME": str(home)}
-    cmd = [str(exe), "agent", "exec", "--config", str(home / "openclaw.json5"), "--model", "clawstream/policy",
-           "--json", "--timeout", "120", H.TASK]  # fmt: skip
+    cmd = [
+        str(exe),
+        "agent",
+        "exec",
+        "--config",
+        str(home / "openclaw.json5"),
+        "--model",
+        "clawstream/policy",
+        "--json",
+        "--timeout",
+        "120",
+        H.TASK,
+    ]
     return cmd, env
 
 
@@ -227,9 +301,13 @@ async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp
         cmd, env = _openclaw_command(exe, node, reg["base_url"], reg["secret"], home, ws)
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            *cmd, cwd=ws, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            *cmd,
+            cwd=ws,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
         except TimeoutError:
@@ -238,8 +316,10 @@ async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp
             pytest.fail(f"openclaw did not finish in {RUN_TIMEOUT}s")
         wall = time.monotonic() - t0
         status = await seal(http, url, reg["rollout_id"])
-    log = (f"rc={proc.returncode} wall={wall:.1f}s tools={seen_tools}\nstdout:\n{out.decode()[-2000:]}\n"
-           f"stderr:\n{err.decode()[-2000:]}")  # fmt: skip
+    log = (
+        f"rc={proc.returncode} wall={wall:.1f}s tools={seen_tools}\nstdout:\n{out.decode()[-2000:]}\n"
+        f"stderr:\n{err.decode()[-2000:]}"
+    )
     if proc.returncode != 0 and not engine.requests and _OFFLINE_ERRORS.search(out.decode() + err.decode()):
         pytest.skip(f"openclaw needs the network before its first model call, cannot run offline here: {log}")
     assert proc.returncode == 0, log
@@ -248,9 +328,21 @@ async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp
     assert status["status"] == "ok" and status["calls_served"] >= 2, (status, log)
     events = consume_calls(kafka_settings, {reg["rollout_id"]}, status["calls_served"])
     assert len(events) == status["calls_served"]
-    calls = [TreeCall(e.call_id, e.seq, e.parent_call_id, e.shared_prefix_len, e.new_tokens.tolist(),
-                      e.generated_tokens.tolist(), e.logprobs.tolist(), e.call_kind.value.lower(), e.policy_version,
-                      e.finish_reason) for e in events]  # fmt: skip
+    calls = [
+        TreeCall(
+            e.call_id,
+            e.seq,
+            e.parent_call_id,
+            e.shared_prefix_len,
+            e.new_tokens.tolist(),
+            e.generated_tokens.tolist(),
+            e.logprobs.tolist(),
+            e.call_kind.value.lower(),
+            e.policy_version,
+            e.finish_reason,
+        )
+        for e in events
+    ]
     prompts = rebuild_prompts(calls)
     # the tree's delta encoding reproduces, token for token, what the engine was asked
     assert [prompts[e.call_id] for e in events] == [r.prompt_ids for r in engine.requests]

@@ -49,8 +49,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _other(settings: KafkaSettings, name: str = "replay") -> KafkaSettings:
     """The same broker under a fresh prefix (topics not created: replay creates what it writes)."""
-    return KafkaSettings(bootstrap_servers=settings.bootstrap_servers,
-                         topic_prefix=f"{settings.topic_prefix}{name}-{uuid.uuid4().hex[:6]}.")  # fmt: skip
+    return KafkaSettings(
+        bootstrap_servers=settings.bootstrap_servers,
+        topic_prefix=f"{settings.topic_prefix}{name}-{uuid.uuid4().hex[:6]}.",
+    )
 
 
 def _records(settings: KafkaSettings, topic: str) -> list[tuple]:
@@ -114,16 +116,42 @@ def test_replayed_batches_train_a_fresh_learner_into_the_recorded_first_step(
     b = _other(a)
     _produce_batches(a, [("b-1", 1), ("b-2", 2)])
     bootstrap = bootstrap_servers(a)
-    recorded = _run([sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store",
-                     str(tmp_path / "store-a"), "--bootstrap", bootstrap, "--topic-prefix", a.topic_prefix,
-                     *LEARNER_ARGS], _env(a))  # fmt: skip
+    recorded = _run(
+        [
+            sys.executable,
+            "-m",
+            "learner.train",
+            "--model-dir",
+            str(model_dir),
+            "--weight-store",
+            str(tmp_path / "store-a"),
+            "--bootstrap",
+            bootstrap,
+            "--topic-prefix",
+            a.topic_prefix,
+            *LEARNER_ARGS,
+        ],
+        _env(a),
+    )
     assert recorded.returncode == 0, recorded.stderr[-3000:]
     [va] = _versions(a)
     assert (va.policy_version, va.batch_id) == (1, "b-1")
 
     home = tmp_path / "home"
-    copied = _run([sys.executable, "-m", "consumers.analytics.replay", "--bootstrap", bootstrap, "--topic-prefix",
-                   a.topic_prefix, "--to-prefix", b.topic_prefix], _env(a, CLAWSTREAM_HOME=str(home)))  # fmt: skip
+    copied = _run(
+        [
+            sys.executable,
+            "-m",
+            "consumers.analytics.replay",
+            "--bootstrap",
+            bootstrap,
+            "--topic-prefix",
+            a.topic_prefix,
+            "--to-prefix",
+            b.topic_prefix,
+        ],
+        _env(a, CLAWSTREAM_HOME=str(home)),
+    )
     assert copied.returncode == 0, copied.stderr[-3000:]
     assert f"{a.topic(BATCHES)} → {b.topic(BATCHES)} (created): copied 10 record(s)" in copied.stdout, copied.stdout
     # one transaction per batch: b-1 at 0..4, its commit marker at 5, b-2 at 6..10
@@ -134,8 +162,10 @@ def test_replayed_batches_train_a_fresh_learner_into_the_recorded_first_step(
 
     [line] = [ln.strip() for ln in copied.stdout.splitlines() if ln.strip().startswith("clawstream learner ")]
     store_b = home / "replay" / b.topic_prefix.strip(".") / "weights"
-    assert line == (f"clawstream learner --model-dir MODEL_DIR --weight-store {store_b} --topic-prefix "
-                    f"{b.topic_prefix} --bootstrap {bootstrap}")  # fmt: skip
+    assert line == (
+        f"clawstream learner --model-dir MODEL_DIR --weight-store {store_b} --topic-prefix "
+        f"{b.topic_prefix} --bootstrap {bootstrap}"
+    )
     args = shlex.split(line.replace("MODEL_DIR", shlex.quote(str(model_dir))))[1:]
     fresh = _run([sys.executable, "-m", "clawstream", *args, *LEARNER_ARGS], _env(a))
     assert fresh.returncode == 0, fresh.stderr[-3000:]
@@ -150,8 +180,11 @@ def test_replayed_batches_train_a_fresh_learner_into_the_recorded_first_step(
     assert la != 0.0 and abs(lb - la) <= 1e-6 and math.isclose(lb, la, rel_tol=1e-6), (va.metrics, vb.metrics)
     assert va.metrics["is_weight_mean"] > 0  # the IS weights came from the recorded rollout logprobs on both sides
     assert set(va.metrics) == set(vb.metrics)
-    off = {k: (va.metrics[k], vb.metrics[k]) for k in va.metrics
-           if not _timing(k) and abs(va.metrics[k] - vb.metrics[k]) > 1e-6}  # fmt: skip
+    off = {
+        k: (va.metrics[k], vb.metrics[k])
+        for k in va.metrics
+        if not _timing(k) and abs(va.metrics[k] - vb.metrics[k]) > 1e-6
+    }
     assert not off, f"step metrics differ: {off}"
     sa, sb = load_file(str(verify_file(va))), load_file(str(verify_file(vb)))
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
@@ -167,26 +200,45 @@ def test_a_time_range_selects_exactly_the_records_in_it(kafka_settings: KafkaSet
     producer = make_producer(kafka_settings)
     for p in (0, 3, 7):
         for i in range(10):
-            producer.produce(kafka_settings.topic(TRAJECTORIES), key=f"r-{p}-{i}".encode(), value=f"{p}/{i}".encode(),
-                             partition=p, timestamp=t0 + i * 1000, headers=[("i", str(i).encode())])  # fmt: skip
+            producer.produce(
+                kafka_settings.topic(TRAJECTORIES),
+                key=f"r-{p}-{i}".encode(),
+                value=f"{p}/{i}".encode(),
+                partition=p,
+                timestamp=t0 + i * 1000,
+                headers=[("i", str(i).encode())],
+            )
     assert producer.flush(30) == 0
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((t0 + 3000) / 1000))  # ISO 8601, as a person types it
     kept = _other(kafka_settings, "kept")
     started_ms = int(time.time() * 1000)
-    [copy] = replay(kafka_settings, ReplaySettings(to_prefix=kept.topic_prefix, topics=["trajectories"], since=since,
-                                                   until=str(t0 + 7000), keep_timestamps=True))  # fmt: skip
+    [copy] = replay(
+        kafka_settings,
+        ReplaySettings(
+            to_prefix=kept.topic_prefix,
+            topics=["trajectories"],
+            since=since,
+            until=str(t0 + 7000),
+            keep_timestamps=True,
+        ),
+    )
     got = _records(kept, TRAJECTORIES)
     source = _records(kafka_settings, TRAJECTORIES)
     want = [r for r in source if t0 + 3000 <= r[5] < t0 + 7000]
     assert len(want) == 12 and _content(got) == _content(want)
     assert [r[5] for r in got] == [r[5] for r in want]  # timestamps kept
-    assert copy.records == 12 and {p.partition: (p.source_first, p.source_last) for p in copy.partitions
-                                   if p.records} == {0: (3, 6), 3: (3, 6), 7: (3, 6)}  # fmt: skip
+    assert copy.records == 12 and {
+        p.partition: (p.source_first, p.source_last) for p in copy.partitions if p.records
+    } == {0: (3, 6), 3: (3, 6), 7: (3, 6)}
     assert copy.created and len(copy.partitions) == BY_NAME[TRAJECTORIES].partitions  # the source's count
 
     stamped = _other(kafka_settings, "stamped")
-    replay(kafka_settings, ReplaySettings(to_prefix=stamped.topic_prefix, topics=["trajectories"],
-                                          since=str(t0 + 3000), until=str(t0 + 7000)))  # fmt: skip
+    replay(
+        kafka_settings,
+        ReplaySettings(
+            to_prefix=stamped.topic_prefix, topics=["trajectories"], since=str(t0 + 3000), until=str(t0 + 7000)
+        ),
+    )
     fresh = _records(stamped, TRAJECTORIES)
     assert _content(fresh) == _content(want) and min(r[5] for r in fresh) >= started_ms
 
@@ -201,8 +253,11 @@ def test_rate_paces_the_copy_and_keeps_every_record_in_order(kafka_settings: Kaf
     assert producer.flush(30) == 0
     lines: list[str] = []
     paced = _other(kafka_settings, "paced")
-    [copy] = replay(kafka_settings, ReplaySettings(to_prefix=paced.topic_prefix, topics=["metrics"], rate=20,
-                                                   commit_every=7), progress=lines.append)  # fmt: skip
+    [copy] = replay(
+        kafka_settings,
+        ReplaySettings(to_prefix=paced.topic_prefix, topics=["metrics"], rate=20, commit_every=7),
+        progress=lines.append,
+    )
     got = _records(paced, METRICS)
     assert [r[3] for r in got] == [f"m{i:02d}".encode() for i in range(30)] and copy.records == 30
     spread = got[-1][5] - got[0][5]
@@ -229,8 +284,20 @@ def test_a_non_empty_or_too_small_destination_is_refused_and_nothing_is_written(
     with pytest.raises(ClawstreamError, match=r"already holds records \(\[0\] 6 offsets\).*--append"):
         replay(kafka_settings, ReplaySettings(to_prefix=dest.topic_prefix))
     assert len(_records(dest, BATCHES)) == 5  # refused: nothing added
-    cli = _run([sys.executable, "-m", "consumers.analytics.replay", "--bootstrap", bootstrap_servers(kafka_settings),
-                "--topic-prefix", kafka_settings.topic_prefix, "--to-prefix", dest.topic_prefix], _env(kafka_settings))
+    cli = _run(
+        [
+            sys.executable,
+            "-m",
+            "consumers.analytics.replay",
+            "--bootstrap",
+            bootstrap_servers(kafka_settings),
+            "--topic-prefix",
+            kafka_settings.topic_prefix,
+            "--to-prefix",
+            dest.topic_prefix,
+        ],
+        _env(kafka_settings),
+    )
     assert cli.returncode == 1 and cli.stderr.startswith("error: destination ") and "Traceback" not in cli.stderr
     assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr
 
@@ -255,9 +322,25 @@ def test_a_batch_cut_by_the_range_is_skipped_whole(kafka_settings: KafkaSettings
     summary says which bound to move for each of the others."""
     _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2), ("b-3", 3)])
     dest = _other(kafka_settings)
-    out = _run([sys.executable, "-m", "consumers.analytics.replay", "--bootstrap", bootstrap_servers(kafka_settings),
-                "--topic-prefix", kafka_settings.topic_prefix, "--to-prefix", dest.topic_prefix, "--from", "2",
-                "--to", "0:12", "--json"], _env(kafka_settings))  # fmt: skip
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "consumers.analytics.replay",
+            "--bootstrap",
+            bootstrap_servers(kafka_settings),
+            "--topic-prefix",
+            kafka_settings.topic_prefix,
+            "--to-prefix",
+            dest.topic_prefix,
+            "--from",
+            "2",
+            "--to",
+            "0:12",
+            "--json",
+        ],
+        _env(kafka_settings),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     [summary] = json.loads(out.stdout)["topics"]
     assert summary["batches"] == ["b-2"] and summary["records"] == 5
@@ -284,11 +367,28 @@ def test_a_paced_replay_feeds_a_learner_already_running_on_the_prefix(
     _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
     dest = _other(kafka_settings, "live")
     create_topics(dest, CATALOG)
-    cmd = [sys.executable, "-m", "learner.train", "--model-dir", str(model_dir), "--weight-store", str(tmp_path / "w"),
-           "--bootstrap", bootstrap_servers(dest), "--topic-prefix", dest.topic_prefix, "--max-steps", "2",
-           "--idle-exit", "60", "--hp", "lr=1e-3"]  # fmt: skip
-    learner = subprocess.Popen(cmd, cwd=ROOT, env=_env(dest), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner.train",
+        "--model-dir",
+        str(model_dir),
+        "--weight-store",
+        str(tmp_path / "w"),
+        "--bootstrap",
+        bootstrap_servers(dest),
+        "--topic-prefix",
+        dest.topic_prefix,
+        "--max-steps",
+        "2",
+        "--idle-exit",
+        "60",
+        "--hp",
+        "lr=1e-3",
+    ]
+    learner = subprocess.Popen(
+        cmd, cwd=ROOT, env=_env(dest), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     seen: list[str] = []
     try:
         assert learner.stdout is not None

@@ -78,8 +78,11 @@ async def test_hang_crash_and_grader_failure(kafka_settings, group_id, tmp_path)
         assert [e.state for e in ev["crash"]] == [RolloutState.STARTED, RolloutState.HARNESS_EXITED]
         assert ev["crash"][-1].exit_code == 3 and rw["crash"][0].reward == 1.0
         # grader crash: FAILED after HARNESS_EXITED, INFRA_FAILURE with a null reward (never 0)
-        assert [e.state for e in ev["badgrader"]] == [RolloutState.STARTED, RolloutState.HARNESS_EXITED,
-                                                      RolloutState.FAILED]  # fmt: skip
+        assert [e.state for e in ev["badgrader"]] == [
+            RolloutState.STARTED,
+            RolloutState.HARNESS_EXITED,
+            RolloutState.FAILED,
+        ]
         assert "grader" in ev["badgrader"][-1].reason
         assert rw["badgrader"][0].status == RewardStatus.INFRA_FAILURE and rw["badgrader"][0].reward is None
         # unknown task: FAILED before STARTED

@@ -32,15 +32,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_worker(kafka, proxy_url: str, group_id: str, sandboxes: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
-           "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix, "CLAWSTREAM_SANDBOX_PROXY_URL": proxy_url,
-           "CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": "admin", "CLAWSTREAM_SANDBOX_GROUP_ID": group_id,
-           "CLAWSTREAM_SANDBOX_SUITES": json.dumps({"native": str(S.NATIVE_SUITE)}),
-           "CLAWSTREAM_SANDBOX_ROOT": str(sandboxes), "CLAWSTREAM_SANDBOX_SESSION_TIMEOUT_MS": "6000",
-           "CLAWSTREAM_SANDBOX_SWEEP_INTERVAL_S": "1", "CLAWSTREAM_SANDBOX_PUBLISH_TIMEOUT_S": "15"}  # fmt: skip
+    env = {
+        **os.environ,
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix,
+        "CLAWSTREAM_SANDBOX_PROXY_URL": proxy_url,
+        "CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": "admin",
+        "CLAWSTREAM_SANDBOX_GROUP_ID": group_id,
+        "CLAWSTREAM_SANDBOX_SUITES": json.dumps({"native": str(S.NATIVE_SUITE)}),
+        "CLAWSTREAM_SANDBOX_ROOT": str(sandboxes),
+        "CLAWSTREAM_SANDBOX_SESSION_TIMEOUT_MS": "6000",
+        "CLAWSTREAM_SANDBOX_SWEEP_INTERVAL_S": "1",
+        "CLAWSTREAM_SANDBOX_PUBLISH_TIMEOUT_S": "15",
+    }
     out = open(log, "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen([sys.executable, "-m", "producers.sandbox.worker"], cwd=ROOT, env=env, stdout=out,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "producers.sandbox.worker"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
 
 
 async def wait_for(predicate, timeout: float, what: str) -> None:

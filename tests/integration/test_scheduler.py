@@ -45,15 +45,27 @@ def produce(kafka, topic: str, key: str, value: bytes) -> None:
 
 
 def weights(kafka, version: int) -> None:
-    w = WeightVersion(policy_version=version, timestamp_ms=now_ms(), model_name="policy", step=version,
-                      uri=f"file:///w/{version}", sha256="0" * 64)  # fmt: skip
+    w = WeightVersion(
+        policy_version=version,
+        timestamp_ms=now_ms(),
+        model_name="policy",
+        step=version,
+        uri=f"file:///w/{version}",
+        sha256="0" * 64,
+    )
     produce(kafka, WEIGHTS, "policy", w.to_bytes())
 
 
 @pytest.mark.timeout(120)
 async def test_train_steps_lag_and_reissue(kafka_settings) -> None:
-    settings = SchedulerSettings(steps=3, max_policy_lag=0, tasks_per_step=2, group_size=2, max_attempts=2,
-                                 harness_mix={"agentloop": 1, "agentloop-anthropic": 1})  # fmt: skip
+    settings = SchedulerSettings(
+        steps=3,
+        max_policy_lag=0,
+        tasks_per_step=2,
+        group_size=2,
+        max_attempts=2,
+        harness_mix={"agentloop": 1, "agentloop-anthropic": 1},
+    )
     reader = RequestReader(kafka_settings)
     task = asyncio.create_task(Scheduler(settings, kafka_settings).train())
     try:
@@ -65,8 +77,15 @@ async def test_train_steps_lag_and_reissue(kafka_settings) -> None:
         await asyncio.sleep(1.5)
         assert len(await reader.until(5, timeout=1)) == 4, "step 1 issued before weight version 1"
         victim = step0[0]
-        failed = RewardEvent(rollout_id=victim.rollout_id, policy_version=0, timestamp_ms=now_ms(), attempt_id="x",
-                             status=RewardStatus.INFRA_FAILURE, grader="none", reason="sandbox died")  # fmt: skip
+        failed = RewardEvent(
+            rollout_id=victim.rollout_id,
+            policy_version=0,
+            timestamp_ms=now_ms(),
+            attempt_id="x",
+            status=RewardStatus.INFRA_FAILURE,
+            grader="none",
+            reason="sandbox died",
+        )
         produce(kafka_settings, REWARDS, victim.rollout_id, failed.to_bytes())
         again = (await reader.until(5))[4]
         assert again.rollout_id == victim.rollout_id and again.attempt == 1 and again.group_id == victim.group_id
@@ -83,8 +102,7 @@ async def test_train_steps_lag_and_reissue(kafka_settings) -> None:
 
 @pytest.mark.timeout(240)
 async def test_eval_table(kafka_settings, group_id, tmp_path, capsys) -> None:
-    settings = SchedulerSettings(eval_harnesses=["agentloop", "agentloop-anthropic"], eval_limit=3,
-                                 eval_timeout_s=120)  # fmt: skip
+    settings = SchedulerSettings(eval_harnesses=["agentloop", "agentloop-anthropic"], eval_limit=3, eval_timeout_s=120)
     async with stack(kafka_settings, group_id, tmp_path, suites={"cpu_builtin": "builtin:cpu"}):
         scheduler = Scheduler(settings, kafka_settings)
         table = await scheduler.evaluate()

@@ -33,10 +33,20 @@ from tests.support.stream_load import SynthRollout, build, interleave, make_grou
 
 pytestmark = pytest.mark.integration
 HARNESSES = ("claude-code", "openclaw")
-SETTINGS = {"store": "memory://", "settle_interval_s": 1.0, "settle_timeout_s": 6.0, "group_timeout_s": 20.0,
-            "tick_interval_s": 0.5, "commit_interval_s": 1.0, "session_timeout_s": 6.0, "group_size": 8,
-            "batch_groups": 4, "harness_mix": {"claude-code": 0.5, "openclaw": 0.5}, "max_policy_lag": 1,
-            "mix_seed": 11}  # fmt: skip
+SETTINGS = {
+    "store": "memory://",
+    "settle_interval_s": 1.0,
+    "settle_timeout_s": 6.0,
+    "group_timeout_s": 20.0,
+    "tick_interval_s": 0.5,
+    "commit_interval_s": 1.0,
+    "session_timeout_s": 6.0,
+    "group_size": 8,
+    "batch_groups": 4,
+    "harness_mix": {"claude-code": 0.5, "openclaw": 0.5},
+    "max_policy_lag": 1,
+    "mix_seed": 11,
+}
 EPS = 1e-6
 
 
@@ -85,16 +95,23 @@ def late_after_infra_failure(d: DeadLetter, want: dict[str, SynthRollout]) -> bo
     reward or FAILED event can be processed before the rollout's calls, which then arrive late. Nothing is trained
     on such a rollout either way."""
     r = want.get(d.rollout_id or "")
-    return (d.error_type == "late" and r is not None and r.expected_status is TrajectoryStatus.INFRA_FAILURE
-            and "settled as INFRA_FAILURE" in d.reason)  # fmt: skip
+    return (
+        d.error_type == "late"
+        and r is not None
+        and r.expected_status is TrajectoryStatus.INFRA_FAILURE
+        and "settled as INFRA_FAILURE" in d.reason
+    )
 
 
 def wait_for(collector: Collector, worker: Worker, done: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not done():  # type: ignore[operator]
         assert worker.alive(), f"worker died while waiting for {what}:\n{worker.log_tail()}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; got " + str(
-            {t: collector.count(t) for t in collector.got}) + f"\n{worker.log_tail()}"
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}; got "
+            + str({t: collector.count(t) for t in collector.got})
+            + f"\n{worker.log_tail()}"
+        )
         collector.poll(0.5)
 
 
@@ -144,8 +161,22 @@ def test_streams_end_to_end(kafka_settings: KafkaSettings, group_id: str, tmp_pa
     kinds_needed = ("dup", "infra", "infra_reward", "missing_call", "missing_reward", "late")
     assert all(faults[f] >= 2 for f in kinds_needed), faults
 
-    produce(kafka_settings, [(WEIGHTS, WeightVersion(policy_version=3, timestamp_ms=0, model_name="policy", step=3,
-                                                     uri="file:///w/v3.safetensors", sha256="0" * 64))])  # fmt: skip
+    produce(
+        kafka_settings,
+        [
+            (
+                WEIGHTS,
+                WeightVersion(
+                    policy_version=3,
+                    timestamp_ms=0,
+                    model_name="policy",
+                    step=3,
+                    uri="file:///w/v3.safetensors",
+                    sha256="0" * 64,
+                ),
+            )
+        ],
+    )
     sent = produce(kafka_settings, interleave([r for r in rollouts if r.rollout_id not in absent], seed=5))
     produce_raw(kafka_settings, CALLS, b"r-garbage", b"\x00not avro")
     worker = Worker(kafka_settings, tmp_path, app_id=f"streams-{group_id}", **SETTINGS)
@@ -154,15 +185,24 @@ def test_streams_end_to_end(kafka_settings: KafkaSettings, group_id: str, tmp_pa
     late = [r for r in rollouts if r.late_records and r.rollout_id not in absent]
     want = {r.rollout_id: r for r in rollouts if r.rollout_id not in absent}
     try:
+
         def trajectories() -> dict[str, Trajectory]:
             return {t.rollout_id: t for t in (Trajectory.from_bytes(o.value) for o in collector.got[TRAJECTORIES])}
 
         wait_for(collector, worker, lambda: {r.rollout_id for r in late} <= set(trajectories()), 120, "late rollouts")
         produce(kafka_settings, [rec for r in late for rec in r.late_records])
         n_dead = 2 * len(late) + 2  # late call + late reward per late rollout, the garbage record, the stale group
-        wait_for(collector, worker, lambda: collector.count(TRAJECTORIES) >= len(want)
-                 and collector.count(METRICS) >= len(groups) and collector.count(DEADLETTER) >= n_dead,
-                 150, "all trajectories, group metrics and dead letters")  # fmt: skip
+        wait_for(
+            collector,
+            worker,
+            lambda: (
+                collector.count(TRAJECTORIES) >= len(want)
+                and collector.count(METRICS) >= len(groups)
+                and collector.count(DEADLETTER) >= n_dead
+            ),
+            150,
+            "all trajectories, group metrics and dead letters",
+        )
         collector.poll(4.0)  # anything extra (a duplicate, a second batch of the same groups) would show up now
     finally:
         collector.close()
@@ -218,8 +258,10 @@ def test_streams_end_to_end(kafka_settings: KafkaSettings, group_id: str, tmp_pa
     assert len(batches) >= 3
     for recs in batches.values():
         assert set(recs[-1].harness_counts) == set(HARNESSES), recs[-1].harness_counts
-    print(f"\n{sent} records, {len(got)} trajectories, {len(batches)} batches, {len(dead)} dead letters "
-          f"in {elapsed:.0f} s")  # fmt: skip
+    print(
+        f"\n{sent} records, {len(got)} trajectories, {len(batches)} batches, {len(dead)} dead letters "
+        f"in {elapsed:.0f} s"
+    )
 
 
 @pytest.mark.parametrize("store", ["memory://", "rocksdb://"])
@@ -263,8 +305,13 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
         worker.start()
         feeder.release()
         feeder.join()
-        wait_for(collector, worker, lambda: collector.count(TRAJECTORIES) >= len(rollouts)
-                 and collector.count(METRICS) >= len(groups), 150, "every trajectory after the restart")  # fmt: skip
+        wait_for(
+            collector,
+            worker,
+            lambda: collector.count(TRAJECTORIES) >= len(rollouts) and collector.count(METRICS) >= len(groups),
+            150,
+            "every trajectory after the restart",
+        )
         collector.poll(5.0)
     finally:
         feeder.release()
@@ -277,8 +324,11 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     assert set(counts) == {r.rollout_id for r in rollouts}, "lost trajectories"
     assert max(counts.values()) == 1, f"duplicated: {[k for k, n in counts.items() if n > 1]}"
     want = {r.rollout_id: r for r in rollouts}
-    wrong = [(t.rollout_id, want[t.rollout_id].fault, t.status.value, t.drop_reason) for t in got
-             if (t.status, t.reward) != (want[t.rollout_id].expected_status, want[t.rollout_id].expected_reward)]
+    wrong = [
+        (t.rollout_id, want[t.rollout_id].fault, t.status.value, t.drop_reason)
+        for t in got
+        if (t.status, t.reward) != (want[t.rollout_id].expected_status, want[t.rollout_id].expected_reward)
+    ]
     assert not wrong, wrong
     metrics = Counter(Metric.from_bytes(o.value).labels["group_id"] for o in collector.got[METRICS])
     assert set(metrics) == {m[0].group_id for m in groups} and max(metrics.values()) == 1
@@ -288,6 +338,7 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     # dead-lettered. A record replayed after the restart never finds its rollout settled: a partition's table
     # writes, outputs and input offsets commit together, between two records.
     assert all(late_duplicate(d, want) or late_after_infra_failure(d, want) for d in dead), [
-        (d.rollout_id, d.reason) for d in dead]  # fmt: skip
+        (d.rollout_id, d.reason) for d in dead
+    ]
     if store == "rocksdb://":
         assert "wiping local tables" in worker.log_tail(100_000)  # the killed run left no clean-shutdown marker

@@ -26,14 +26,32 @@ pytestmark = pytest.mark.integration
 
 
 def run_probe(kafka: KafkaSettings, app_id: str, workdir: Path, crash_on: str | None, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.support.eos_probe", "--bootstrap", bootstrap_servers(kafka),
-           "--app-id", app_id, "--source", kafka.topic("probe.in"), "--sink", kafka.topic("probe.out"),
-           "--datadir", str(workdir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support.eos_probe",
+        "--bootstrap",
+        bootstrap_servers(kafka),
+        "--app-id",
+        app_id,
+        "--source",
+        kafka.topic("probe.in"),
+        "--sink",
+        kafka.topic("probe.out"),
+        "--datadir",
+        str(workdir),
+    ]
     if crash_on:
         cmd += ["--crash-on", crash_on]
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def read_until(kafka: KafkaSettings, group_id: str, last: bytes, proc: subprocess.Popen, log: Path) -> list[bytes]:
@@ -58,8 +76,9 @@ def test_commit_waits_for_the_record_in_progress(kafka_settings: KafkaSettings, 
     app_id = kafka_settings.topic_prefix + "probe"
     create_topics(kafka_settings, [TopicSpec("probe.in", "key", "bytes", 1), TopicSpec("probe.out", "key", "bytes", 1)])
     unprefixed = kafka_settings.model_copy(update={"topic_prefix": ""})
-    create_topics(unprefixed, [TopicSpec(f"{app_id}-counts-changelog", "key", "bytes", 1,
-                                         {"cleanup.policy": "compact"})])  # fmt: skip
+    create_topics(
+        unprefixed, [TopicSpec(f"{app_id}-counts-changelog", "key", "bytes", 1, {"cleanup.policy": "compact"})]
+    )
     for key in (b"a", b"b", b"trigger"):
         produce_raw(kafka_settings, "probe.in", key, b"x")
 
@@ -107,12 +126,20 @@ def test_changelog_buffer_sends_each_keys_last_write_once() -> None:
         return SimpleNamespace(message=SimpleNamespace(channel=channel, partition=partition, key=key, value=value))
 
     buf = ChangelogBuffer()
-    for f in (fut(state, 1, "r", b"v1"), fut(calls, 1, "r\x00c1", b"c"), fut(state, 2, "r", b"other"),
-              fut(state, 1, "r", b"v2"), fut(calls, 1, "r\x00c1", None)):  # fmt: skip
+    for f in (
+        fut(state, 1, "r", b"v1"),
+        fut(calls, 1, "r\x00c1", b"c"),
+        fut(state, 2, "r", b"other"),
+        fut(state, 1, "r", b"v2"),
+        fut(calls, 1, "r\x00c1", None),
+    ):
         buf.put(f)  # type: ignore[arg-type]
     asyncio.run(buf.flush())
-    assert sent == [("state-changelog", 2, "r", b"other"), ("state-changelog", 1, "r", b"v2"),
-                    ("calls-changelog", 1, "r\x00c1", None)]  # fmt: skip
+    assert sent == [
+        ("state-changelog", 2, "r", b"other"),
+        ("state-changelog", 1, "r", b"v2"),
+        ("calls-changelog", 1, "r\x00c1", None),
+    ]
     assert buf.puts == 5 and not buf.pending
 
 
@@ -133,8 +160,7 @@ async def test_recovery_reads_where_changelogs_end_from_the_broker(kafka_setting
 
     create_topics(kafka_settings, [TopicSpec("eos.ends", "key", "bytes", 1)])
     topic = kafka_settings.topic("eos.ends")
-    producer = Producer({"bootstrap.servers": bootstrap_servers(kafka_settings),
-                         "transactional.id": f"{topic}-writer"})  # fmt: skip
+    producer = Producer({"bootstrap.servers": bootstrap_servers(kafka_settings), "transactional.id": f"{topic}-writer"})
     producer.init_transactions(30)
     producer.begin_transaction()
     for i in range(3):
@@ -145,8 +171,9 @@ async def test_recovery_reads_where_changelogs_end_from_the_broker(kafka_setting
         producer.produce(topic, key=b"k", value=b"open")
     producer.flush(30)  # written, not committed: the partition's last stable offset stays at 4
     tp = TopicPartition(topic, 0)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers(kafka_settings), isolation_level="read_committed",
-                                enable_auto_commit=False)  # fmt: skip
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers(kafka_settings), isolation_level="read_committed", enable_auto_commit=False
+    )
     await consumer.start()
     try:
         consumer.assign([tp])
@@ -157,7 +184,8 @@ async def test_recovery_reads_where_changelogs_end_from_the_broker(kafka_setting
         await consumer.stop()
         producer.abort_transaction(30)
     # The exactly-once app's consumer uses it (building the app connects to nothing).
-    app = faust.App(kafka_settings.topic_prefix + "ends", broker="kafka://127.0.0.1:1",
-                    processing_guarantee="exactly_once")  # fmt: skip
+    app = faust.App(
+        kafka_settings.topic_prefix + "ends", broker="kafka://127.0.0.1:1", processing_guarantee="exactly_once"
+    )
     eos.install(app)
     assert isinstance(app.consumer._thread, eos.EosConsumerThread)

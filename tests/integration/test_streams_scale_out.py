@@ -23,8 +23,14 @@ from tests.support.stream_harness import Collector, Worker, produce
 from tests.support.stream_load import interleave, make_groups
 
 pytestmark = pytest.mark.integration
-SETTINGS = {"store": "memory://", "settle_interval_s": 1.0, "settle_timeout_s": 6.0, "session_timeout_s": 6.0,
-            "group_size": 4, "batch_groups": 4}  # fmt: skip
+SETTINGS = {
+    "store": "memory://",
+    "settle_interval_s": 1.0,
+    "settle_timeout_s": 6.0,
+    "session_timeout_s": 6.0,
+    "group_size": 4,
+    "batch_groups": 4,
+}
 
 
 def _members(kafka: KafkaSettings, group: str) -> dict[str, set[int]]:
@@ -38,8 +44,10 @@ def _members(kafka: KafkaSettings, group: str) -> dict[str, set[int]]:
     if description.state.name != "STABLE":
         return {}
     topic = kafka.topic(CALLS)
-    return {m.member_id: {tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic}
-            for m in description.members}  # fmt: skip
+    return {
+        m.member_id: {tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic}
+        for m in description.members
+    }
 
 
 def test_two_workers_share_the_partitions_and_emit_each_trajectory_once(

@@ -74,8 +74,15 @@ class Vllm:
                 if param.dim() == 2:
                     param.add_(scale * torch.randn(param.shape, generator=generator))
         saved = save_weights(model, self.store, "tiny", version)
-        event = WeightVersion(policy_version=version, timestamp_ms=now_ms(), model_name="tiny", step=version,
-                              uri=saved.uri, sha256=saved.sha256, size_bytes=saved.size_bytes)  # fmt: skip
+        event = WeightVersion(
+            policy_version=version,
+            timestamp_ms=now_ms(),
+            model_name="tiny",
+            step=version,
+            uri=saved.uri,
+            sha256=saved.sha256,
+            size_bytes=saved.size_bytes,
+        )
         self.models[version] = model
         return event, model
 
@@ -87,18 +94,35 @@ class Vllm:
 @pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vllm]:
     if not is_installed():
-        reason = (f"vLLM is not installed in {venv_dir()}: run `make vllm` (or `clawstream vllm install`) to run the "
-                  "real-vLLM adapter tests")  # fmt: skip
+        reason = (
+            f"vLLM is not installed in {venv_dir()}: run `make vllm` (or `clawstream vllm install`) to run the "
+            "real-vLLM adapter tests"
+        )
         warnings.warn(reason, pytest.PytestWarning, stacklevel=1)  # the warnings summary prints it without -rs
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("vllm")
-    model_dir = init_tiny_model(root / "tiny", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                                num_kv_heads=1, head_dim=32, num_documents=500, progress=None)  # fmt: skip
-    server = serve(model_dir, 0, max_model_len=4096, kv_cache_gib=1, log_path=root / "vllm.log",
-                   startup_timeout_s=540, progress=print)  # fmt: skip
+    model_dir = init_tiny_model(
+        root / "tiny",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        num_documents=500,
+        progress=None,
+    )
+    server = serve(
+        model_dir,
+        0,
+        max_model_len=4096,
+        kv_cache_gib=1,
+        log_path=root / "vllm.log",
+        startup_timeout_s=540,
+        progress=print,
+    )
     try:
-        state = Vllm(server, VllmWeightsTarget(server.url, policy_version=0, timeout_s=120), model_dir,
-                     root / "store")  # fmt: skip
+        state = Vllm(server, VllmWeightsTarget(server.url, policy_version=0, timeout_s=120), model_dir, root / "store")
         state.models[0] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         yield state
     finally:
@@ -118,12 +142,24 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) ->
 
 def complete(server: VllmServer, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
     """Greedy completion of token ids; returns the choice plus ``usage``."""
-    answer = _http(server.url + "/v1/completions", {
-        "model": "policy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
-        "return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    answer = _http(
+        server.url + "/v1/completions",
+        {
+            "model": "policy",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        },
+    )
     choice = answer["choices"][0]
-    return {"token_ids": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"],
-            "usage": answer["usage"]}  # fmt: skip
+    return {
+        "token_ids": choice["token_ids"],
+        "logprobs": choice["logprobs"]["token_logprobs"],
+        "usage": answer["usage"],
+    }
 
 
 def reference_logprobs(model: Any, prompt: list[int], generated: list[int]) -> list[float]:
@@ -172,7 +208,9 @@ def test_new_version_is_applied_and_matches_transformers(vllm: Vllm) -> None:
     assert after["token_ids"] == greedy_tokens(new_model, PROMPT, 8)
     assert gap(new_model, after) < TOL, "the reloaded server does not compute with the new weights"
     assert gap(old_model, after) > MIN_GAP and (after["token_ids"], after["logprobs"]) != (
-        before["token_ids"], before["logprobs"])  # fmt: skip
+        before["token_ids"],
+        before["logprobs"],
+    )
 
 
 def test_prefix_cache_is_reset_by_the_swap(vllm: Vllm) -> None:

@@ -94,13 +94,16 @@ def ensure_images(*names: str) -> dict[str, str]:
             fcntl.flock(lock, fcntl.LOCK_EX)
             t0 = time.monotonic()
             try:
-                proc = subprocess.run([str(BUILD_SCRIPT), *todo], capture_output=True, text=True,
-                                      timeout=BUILD_TIMEOUT_S, check=False)  # fmt: skip
+                proc = subprocess.run(
+                    [str(BUILD_SCRIPT), *todo], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+                )
             except subprocess.TimeoutExpired:
                 pytest.fail(f"{BUILD_SCRIPT.name} {' '.join(todo)} took longer than {BUILD_TIMEOUT_S} s")
         if proc.returncode != 0:
-            pytest.fail(f"{BUILD_SCRIPT.name} {' '.join(todo)} failed (exit {proc.returncode}):\n"
-                        f"{(proc.stdout + proc.stderr)[-6000:]}")  # fmt: skip
+            pytest.fail(
+                f"{BUILD_SCRIPT.name} {' '.join(todo)} failed (exit {proc.returncode}):\n"
+                f"{(proc.stdout + proc.stderr)[-6000:]}"
+            )
         summary = [line for line in proc.stdout.splitlines() if line.startswith("  clawstream/")]
         print(f"images built in {time.monotonic() - t0:.0f} s:\n" + "\n".join(summary))
         _built.update(todo)

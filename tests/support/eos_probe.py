@@ -29,11 +29,20 @@ YIELDS_FOR_COMMIT = 200  # event-loop turns given to the commit once it has star
 
 
 def build(app_id: str, bootstrap: str, source: str, sink: str, crash_on: str | None, datadir: str) -> faust.App:
-    app = faust.App(app_id, broker=f"kafka://{bootstrap}", store="memory://", datadir=datadir,
-                    processing_guarantee="exactly_once", topic_disable_leader=True, web_enabled=False,
-                    topic_partitions=1, consumer_auto_offset_reset="earliest", broker_session_timeout=6.0,
-                    broker_heartbeat_interval=2.0,  # the restart joins once the killed member's session expires
-                    broker_commit_interval=3600.0 if crash_on else 0.5)  # fmt: skip  # crash run: only its own commit
+    app = faust.App(
+        app_id,
+        broker=f"kafka://{bootstrap}",
+        store="memory://",
+        datadir=datadir,
+        processing_guarantee="exactly_once",
+        topic_disable_leader=True,
+        web_enabled=False,
+        topic_partitions=1,
+        consumer_auto_offset_reset="earliest",
+        broker_session_timeout=6.0,
+        broker_heartbeat_interval=2.0,  # the restart joins once the killed member's session expires
+        broker_commit_interval=3600.0 if crash_on else 0.5,
+    )  # crash run: only its own commit
     eos.patch_faust_resume()
     eos.install(app)
     src, out = app.topic(source, **RAW), app.topic(sink, **RAW)
@@ -71,8 +80,7 @@ def main() -> None:
     flags.add_argument("--crash-on", default=None)
     args = flags.parse_args()
     app = build(args.app_id, args.bootstrap, args.source, args.sink, args.crash_on, args.datadir)
-    sys.argv = [sys.argv[0], "worker", "--loglevel", os.environ.get("EOS_PROBE_LOGLEVEL", "warn"),
-                "--without-web"]
+    sys.argv = [sys.argv[0], "worker", "--loglevel", os.environ.get("EOS_PROBE_LOGLEVEL", "warn"), "--without-web"]
     app.main()
 
 

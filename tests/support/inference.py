@@ -17,9 +17,14 @@ class Worker:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "consumers.inference.server", "--port", "0", *args],
-                                     cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "consumers.inference.server", "--port", "0", *args],
+            cwd=ROOT,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self.url: str | None = None
         self._ready = threading.Event()

@@ -39,10 +39,23 @@ def branching_trajectory(rollout_id: str, rng: np.random.Generator, harness: str
         TreeSegment(parent=0, tokens=toks(7), trainable=True, logprobs=lps(7), policy_version=0, **PLAIN),
     ]
     return Trajectory(
-        rollout_id=rollout_id, policy_version=0, timestamp_ms=0, attempt_id=f"{rollout_id}-a", group_id="g",
-        task_id="t", harness=harness, step=0, status=TrajectoryStatus.COMPLETE, segments=segs, calls=3, leaves=2,
-        unique_tokens=50, path_tokens=74, prefix_reuse_ratio=1.48, reward=1.0,
-    )  # fmt: skip
+        rollout_id=rollout_id,
+        policy_version=0,
+        timestamp_ms=0,
+        attempt_id=f"{rollout_id}-a",
+        group_id="g",
+        task_id="t",
+        harness=harness,
+        step=0,
+        status=TrajectoryStatus.COMPLETE,
+        segments=segs,
+        calls=3,
+        leaves=2,
+        unique_tokens=50,
+        path_tokens=74,
+        prefix_reuse_ratio=1.48,
+        reward=1.0,
+    )
 
 
 def batch_records(batch_id: str, step: int, n: int, seed: int) -> list[BatchRecord]:
@@ -52,12 +65,31 @@ def batch_records(batch_id: str, step: int, n: int, seed: int) -> list[BatchReco
     for i in range(n):
         harness = "agentloop" if i % 2 == 0 else "agentloop-anthropic"
         traj = branching_trajectory(f"{batch_id}-r{i}", rng, harness)
-        out.append(BatchRecord(batch_id=batch_id, policy_version=0, timestamp_ms=0, kind=BatchRecordKind.TRAJECTORY,
-                               step=step, index=i, rollout_id=traj.rollout_id, group_id="g", harness=harness,
-                               advantage=1.0 if i % 2 == 0 else -1.0, reward=float(i % 2 == 0),
-                               trajectory=traj.to_bytes()))  # fmt: skip
+        out.append(
+            BatchRecord(
+                batch_id=batch_id,
+                policy_version=0,
+                timestamp_ms=0,
+                kind=BatchRecordKind.TRAJECTORY,
+                step=step,
+                index=i,
+                rollout_id=traj.rollout_id,
+                group_id="g",
+                harness=harness,
+                advantage=1.0 if i % 2 == 0 else -1.0,
+                reward=float(i % 2 == 0),
+                trajectory=traj.to_bytes(),
+            )
+        )
     counts = {"agentloop": (n + 1) // 2, "agentloop-anthropic": n // 2}
-    seal = BatchRecord(batch_id=batch_id, policy_version=0, timestamp_ms=0, kind=BatchRecordKind.SEAL, step=step,
-                       index=n, harness_counts=counts)  # fmt: skip
+    seal = BatchRecord(
+        batch_id=batch_id,
+        policy_version=0,
+        timestamp_ms=0,
+        kind=BatchRecordKind.SEAL,
+        step=step,
+        index=n,
+        harness_counts=counts,
+    )
     out.append(seal)
     return out

@@ -22,31 +22,60 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TASK = "create hello.txt containing hi"
 CLAUDE_SYSTEM = [
     {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
-    {"type": "text", "text": "You are an interactive agent that helps users with software engineering tasks. " * 8,
-     "cache_control": {"type": "ephemeral"}},
-]  # fmt: skip
+    {
+        "type": "text",
+        "text": "You are an interactive agent that helps users with software engineering tasks. " * 8,
+        "cache_control": {"type": "ephemeral"},
+    },
+]
 CLAUDE_MID_SYSTEM = "# Environment\nWorking directory: /tmp/ws\nPlatform: linux\n" * 4
 CODEX_DEVELOPER = "You are Codex, a coding agent. Use exec_command to run shell commands. " * 10
 QWEN_SYSTEM = "You are Qwen Code, an interactive CLI agent. Use write_file to write files. " * 10
 
 CLAUDE_TOOLS = [
-    {"name": "Write", "description": "Writes a file to the local filesystem.",
-     "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
-                      "required": ["file_path", "content"]}},
-    {"name": "Bash", "description": "Executes a bash command.",
-     "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}},
-]  # fmt: skip
+    {
+        "name": "Write",
+        "description": "Writes a file to the local filesystem.",
+        "input_schema": {
+            "type": "object",
+            "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["file_path", "content"],
+        },
+    },
+    {
+        "name": "Bash",
+        "description": "Executes a bash command.",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    },
+]
 CODEX_TOOLS = [
-    {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.", "strict": False,
-     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}, "workdir": {"type": "string"}},
-                    "required": ["cmd"]}},
+    {
+        "type": "function",
+        "name": "exec_command",
+        "description": "Runs a command in a PTY.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {"cmd": {"type": "string"}, "workdir": {"type": "string"}},
+            "required": ["cmd"],
+        },
+    },
     {"type": "web_search"},
-]  # fmt: skip
+]
 QWEN_TOOLS = [
-    {"type": "function", "function": {"name": "write_file", "description": "Writes content to a file.",
-     "parameters": {"type": "object", "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
-                    "required": ["file_path", "content"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "description": "Writes content to a file.",
+            "parameters": {
+                "type": "object",
+                "properties": {"file_path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["file_path", "content"],
+            },
+        },
+    },
+]
 
 
 @functools.cache
@@ -128,8 +157,9 @@ def answer_from_sse(dialect: str, raw: bytes) -> dict[str, Any]:
             if delta.get("content"):
                 msg["content"] = (msg["content"] or "") + delta["content"]
             for tc in delta.get("tool_calls") or []:
-                cur = calls.setdefault(tc["index"], {"id": None, "type": "function",
-                                                     "function": {"name": "", "arguments": ""}})  # fmt: skip
+                cur = calls.setdefault(
+                    tc["index"], {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+                )
                 cur["id"] = tc.get("id") or cur["id"]
                 cur["function"]["name"] += tc.get("function", {}).get("name", "")
                 cur["function"]["arguments"] += tc.get("function", {}).get("arguments", "")
@@ -149,53 +179,83 @@ def answer_from_sse(dialect: str, raw: bytes) -> dict[str, Any]:
 def claude_request(history: list[dict[str, Any]], stream: bool, model: str = "policy") -> dict[str, Any]:
     """Claude Code's /v1/messages body around ``history`` (user/assistant messages after the mid system one)."""
     return {
-        "model": model, "max_tokens": 32000, "stream": stream, "system": CLAUDE_SYSTEM,
-        "messages": [{"role": "system", "content": CLAUDE_MID_SYSTEM}, *history], "tools": CLAUDE_TOOLS,
-        "thinking": {"type": "enabled", "budget_tokens": 1024}, "context_management": {"edits": []},
-        "metadata": {"user_id": json.dumps({"session_id": "s-1"})}, "temperature": 1,
-    }  # fmt: skip
+        "model": model,
+        "max_tokens": 32000,
+        "stream": stream,
+        "system": CLAUDE_SYSTEM,
+        "messages": [{"role": "system", "content": CLAUDE_MID_SYSTEM}, *history],
+        "tools": CLAUDE_TOOLS,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "context_management": {"edits": []},
+        "metadata": {"user_id": json.dumps({"session_id": "s-1"})},
+        "temperature": 1,
+    }
 
 
 def claude_first_user() -> dict[str, Any]:
-    return {"role": "user", "content": [
-        {"type": "text", "text": "<system-reminder>Be concise.</system-reminder>"},
-        {"type": "text", "text": TASK, "cache_control": {"type": "ephemeral"}}]}  # fmt: skip
+    return {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "<system-reminder>Be concise.</system-reminder>"},
+            {"type": "text", "text": TASK, "cache_control": {"type": "ephemeral"}},
+        ],
+    }
 
 
 def claude_followup(answer: dict[str, Any], result: str) -> list[dict[str, Any]]:
     """The assistant message Claude Code stores from ``answer`` + the user message with the tool results."""
     content = [dict(b) for b in answer["content"]]
-    results = [{"type": "tool_result", "tool_use_id": b["id"], "content": result}
-               for b in content if b["type"] == "tool_use"]  # fmt: skip
+    results = [
+        {"type": "tool_result", "tool_use_id": b["id"], "content": result} for b in content if b["type"] == "tool_use"
+    ]
     return [{"role": "assistant", "content": content}, {"role": "user", "content": results}]
 
 
 def codex_request(history: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
     return {
-        "model": "policy", "instructions": "", "stream": stream, "store": False, "parallel_tool_calls": False,
-        "tool_choice": "auto", "reasoning": {"effort": "medium"}, "include": ["reasoning.encrypted_content"],
-        "prompt_cache_key": "k-1", "tools": CODEX_TOOLS,
+        "model": "policy",
+        "instructions": "",
+        "stream": stream,
+        "store": False,
+        "parallel_tool_calls": False,
+        "tool_choice": "auto",
+        "reasoning": {"effort": "medium"},
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "k-1",
+        "tools": CODEX_TOOLS,
         "input": [
             {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": CODEX_DEVELOPER}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": TASK}]}, *history],
-    }  # fmt: skip
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": TASK}]},
+            *history,
+        ],
+    }
 
 
 def codex_followup(response: dict[str, Any], result: str) -> list[dict[str, Any]]:
     """Codex replays the output items it received, then one function_call_output per call."""
     items = [dict(item) for item in response["output"]]
-    outs = [{"type": "function_call_output", "call_id": i["call_id"], "output": result}
-            for i in items if i["type"] == "function_call"]  # fmt: skip
+    outs = [
+        {"type": "function_call_output", "call_id": i["call_id"], "output": result}
+        for i in items
+        if i["type"] == "function_call"
+    ]
     return items + outs
 
 
 def qwen_request(history: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
     return {
-        "model": "policy", "stream": stream, "stream_options": {"include_usage": True}, "tools": QWEN_TOOLS,
-        "messages": [{"role": "system", "content": QWEN_SYSTEM},
-                     {"role": "user", "content": [{"type": "text", "text": TASK}]}, *history],
-        "max_tokens": 2048, "temperature": 0.7,
-    }  # fmt: skip
+        "model": "policy",
+        "stream": stream,
+        "stream_options": {"include_usage": True},
+        "tools": QWEN_TOOLS,
+        "messages": [
+            {"role": "system", "content": QWEN_SYSTEM},
+            {"role": "user", "content": [{"type": "text", "text": TASK}]},
+            *history,
+        ],
+        "max_tokens": 2048,
+        "temperature": 0.7,
+    }
 
 
 def qwen_followup(completion: dict[str, Any], result: str) -> list[dict[str, Any]]:

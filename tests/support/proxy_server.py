@@ -26,12 +26,18 @@ from tests.support import proxy_helpers as H
 
 
 @asynccontextmanager
-async def running_proxy(kafka: KafkaSettings, engine_url: str, *, host: str = "127.0.0.1",
-                        **overrides: Any) -> AsyncIterator[tuple[Proxy, str]]:  # fmt: skip
+async def running_proxy(
+    kafka: KafkaSettings, engine_url: str, *, host: str = "127.0.0.1", **overrides: Any
+) -> AsyncIterator[tuple[Proxy, str]]:
     """A proxy on a free port of ``host`` (a docker test passes the docker bridge's address, where containers reach
     it through the sandbox worker's relay); yields it and its URL."""
-    settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine_url, port=0, admin_token="admin",
-                             **{"keepalive_s": 0.2, "publish_timeout_s": 15, **overrides})  # fmt: skip
+    settings = ProxySettings(
+        model=H.tiny_model_dir(),
+        engine_url=engine_url,
+        port=0,
+        admin_token="admin",
+        **{"keepalive_s": 0.2, "publish_timeout_s": 15, **overrides},
+    )
     publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
     proxy = Proxy(settings, publisher, kafka.topic(CALLS), tokenizer=H.tiny_tokenizer())
     runner = web.AppRunner(proxy.app())

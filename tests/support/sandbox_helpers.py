@@ -29,13 +29,28 @@ NATIVE_SUITE = FIXTURES / "native_suite"
 _QUOTED = re.compile(r'"([^"]+)"')
 
 
-def request(task_id: str, harness: str, *, suite: str = "native", timeout_s: float = 60.0, step: int = 0,
-            rollout_id: str | None = None, **kw: Any) -> RolloutRequest:  # fmt: skip
+def request(
+    task_id: str,
+    harness: str,
+    *,
+    suite: str = "native",
+    timeout_s: float = 60.0,
+    step: int = 0,
+    rollout_id: str | None = None,
+    **kw: Any,
+) -> RolloutRequest:
     return RolloutRequest(
-        rollout_id=rollout_id or f"r-{uuid.uuid4().hex[:10]}", policy_version=0, timestamp_ms=now_ms(), suite=suite,
-        task_id=task_id, harness=harness, group_id=f"{suite}/{task_id}|{harness}|{step}", step=step,
-        timeout_s=timeout_s, **kw,
-    )  # fmt: skip
+        rollout_id=rollout_id or f"r-{uuid.uuid4().hex[:10]}",
+        policy_version=0,
+        timestamp_ms=now_ms(),
+        suite=suite,
+        task_id=task_id,
+        harness=harness,
+        group_id=f"{suite}/{task_id}|{harness}|{step}",
+        step=step,
+        timeout_s=timeout_s,
+        **kw,
+    )
 
 
 def publish(kafka: KafkaSettings, requests: list[RolloutRequest]) -> None:
@@ -45,8 +60,14 @@ def publish(kafka: KafkaSettings, requests: list[RolloutRequest]) -> None:
     assert producer.flush(30) == 0
 
 
-def collect(kafka: KafkaSettings, rollout_ids: set[str], timeout: float, *, until_rewards: int | None = None,
-            settle_s: float = 0.0) -> tuple[list[RolloutEvent], list[RewardEvent]]:  # fmt: skip
+def collect(
+    kafka: KafkaSettings,
+    rollout_ids: set[str],
+    timeout: float,
+    *,
+    until_rewards: int | None = None,
+    settle_s: float = 0.0,
+) -> tuple[list[RolloutEvent], list[RewardEvent]]:
     """Lifecycle events and rewards of ``rollout_ids`` until ``until_rewards`` (default: one per id) arrived."""
     want = len(rollout_ids) if until_rewards is None else until_rewards
     consumer = make_consumer(kafka, f"c-{uuid.uuid4().hex[:8]}")
@@ -100,8 +121,13 @@ def agent_responder(contents: dict[str, str] | None = None) -> Callable[..., str
 
 def python_adapter(name: str, code: str) -> HarnessAdapter:
     """A fake harness: ``python -c CODE`` in the workspace (hangs, crashes, ... on demand)."""
-    return HarnessAdapter(name=name, description="test harness", dialect=Dialect.OPENAI_CHAT,
-                          command=("${python}", "-c", code), env={"KEY": "${secret}"})  # fmt: skip
+    return HarnessAdapter(
+        name=name,
+        description="test harness",
+        dialect=Dialect.OPENAI_CHAT,
+        command=("${python}", "-c", code),
+        env={"KEY": "${secret}"},
+    )
 
 
 def leftover_processes(marker_prefix: str = "") -> list[int]:

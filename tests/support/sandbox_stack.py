@@ -33,8 +33,9 @@ CRASH = "open('hello.txt', 'w').write('hi'); raise SystemExit(3)"
 
 
 @asynccontextmanager
-async def stack(kafka, group_id: str, tmp: Path, responder=None, *, policy_version: int = 7,
-                **overrides: Any) -> AsyncIterator[dict]:  # fmt: skip
+async def stack(
+    kafka, group_id: str, tmp: Path, responder=None, *, policy_version: int = 7, **overrides: Any
+) -> AsyncIterator[dict]:
     """Scripted engine (reporting ``policy_version``) + proxy + one in-process sandbox worker; yields handles."""
     pidfile = tmp / "child.pid"
     adapters = {**ADAPTERS, "hang": S.python_adapter("hang", HANG), "crash": S.python_adapter("crash", CRASH)}
@@ -44,10 +45,14 @@ async def stack(kafka, group_id: str, tmp: Path, responder=None, *, policy_versi
         running_proxy(kafka, engine.url, keepalive_s=1.0) as (_proxy, url),
     ):
         settings = SandboxSettings(
-            proxy_url=url, proxy_admin_token="admin", group_id=group_id, root=tmp / "sandboxes",
-            session_timeout_ms=6000, publish_timeout_s=15,
+            proxy_url=url,
+            proxy_admin_token="admin",
+            group_id=group_id,
+            root=tmp / "sandboxes",
+            session_timeout_ms=6000,
+            publish_timeout_s=15,
             **{"concurrency": 4, "suites": {"native": str(S.NATIVE_SUITE)}, **overrides},
-        )  # fmt: skip
+        )
         worker = SandboxWorker(settings, kafka, adapters=adapters)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))

@@ -38,9 +38,13 @@ class Worker:
 
     def __init__(self, kafka: KafkaSettings, workdir: Path, **settings: Any) -> None:
         self.kafka, self.workdir = kafka, workdir
-        self.env = dict(os.environ, PYTHONPATH=str(ROOT), CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(kafka),
-                        CLAWSTREAM_KAFKA_TOPIC_PREFIX=kafka.topic_prefix,
-                        CLAWSTREAM_STREAMS_DATA_DIR=str(workdir / "streams-data"))  # fmt: skip
+        self.env = dict(
+            os.environ,
+            PYTHONPATH=str(ROOT),
+            CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(kafka),
+            CLAWSTREAM_KAFKA_TOPIC_PREFIX=kafka.topic_prefix,
+            CLAWSTREAM_STREAMS_DATA_DIR=str(workdir / "streams-data"),
+        )
         for name, value in settings.items():
             text = json.dumps(value) if isinstance(value, dict) else str(value)
             self.env[f"CLAWSTREAM_STREAMS_{name.upper()}"] = text
@@ -57,10 +61,19 @@ class Worker:
         self.starts += 1
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed by the OS with it
         self.proc = subprocess.Popen(
-            [sys.executable, *os.environ.get("STREAMS_WORKER_CMD", "-m streams.app").split(), "worker", "--loglevel",
-             loglevel],
-            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                *os.environ.get("STREAMS_WORKER_CMD", "-m streams.app").split(),
+                "worker",
+                "--loglevel",
+                loglevel,
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
 
     def alive(self) -> bool:
@@ -86,8 +99,9 @@ class Worker:
             self.kill()
 
 
-def produce(kafka: KafkaSettings, records: Iterable[tuple[str, Event]], *, flush: bool = True,
-            producer: Producer | None = None) -> int:  # fmt: skip
+def produce(
+    kafka: KafkaSettings, records: Iterable[tuple[str, Event]], *, flush: bool = True, producer: Producer | None = None
+) -> int:
     """Publish (catalog topic, event) pairs keyed by rollout id, like the proxy and sandbox workers do."""
     producer = producer or make_producer(kafka)
     n = 0
@@ -108,8 +122,14 @@ class Feeder(threading.Thread):
     test places its kill by the stream's state while the feeder holds the remainder, never by wall-clock).
     """
 
-    def __init__(self, kafka: KafkaSettings, records: list[tuple[str, Event]], rate: float, chunk: int = 20,
-                 hold_at: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        records: list[tuple[str, Event]],
+        rate: float,
+        chunk: int = 20,
+        hold_at: int | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.kafka, self.records, self.rate, self.chunk = kafka, records, rate, chunk
         self.hold_at = len(records) if hold_at is None else hold_at
@@ -131,7 +151,7 @@ class Feeder(threading.Thread):
                 self._released.wait()
                 start = time.monotonic() - lo / self.rate
             for i in range(lo, hi, self.chunk):
-                part = self.records[i:min(i + self.chunk, hi)]
+                part = self.records[i : min(i + self.chunk, hi)]
                 produce(self.kafka, part, producer=producer)
                 now = time.monotonic()
                 for _, event in part:
@@ -174,7 +194,8 @@ class Collector:
             if msg is None or msg.error():
                 continue
             self.got[self.names[msg.topic()]].append(
-                Output(msg.value(), time.monotonic(), f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"))
+                Output(msg.value(), time.monotonic(), f"{msg.topic()}[{msg.partition()}]@{msg.offset()}")
+            )
             n += 1
         return n
 

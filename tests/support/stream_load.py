@@ -60,10 +60,13 @@ class SynthRollout:
     @property
     def expected_status(self) -> TrajectoryStatus:
         return {
-            "infra": TrajectoryStatus.INFRA_FAILURE, "infra_reward": TrajectoryStatus.INFRA_FAILURE,
-            "missing_call": TrajectoryStatus.INCOMPLETE, "missing_reward": TrajectoryStatus.INCOMPLETE,
-            "ungraded": TrajectoryStatus.DROPPED, "timed_out": TrajectoryStatus.TIMED_OUT,
-        }.get(self.fault, TrajectoryStatus.COMPLETE)  # fmt: skip
+            "infra": TrajectoryStatus.INFRA_FAILURE,
+            "infra_reward": TrajectoryStatus.INFRA_FAILURE,
+            "missing_call": TrajectoryStatus.INCOMPLETE,
+            "missing_reward": TrajectoryStatus.INCOMPLETE,
+            "ungraded": TrajectoryStatus.DROPPED,
+            "timed_out": TrajectoryStatus.TIMED_OUT,
+        }.get(self.fault, TrajectoryStatus.COMPLETE)
 
     @property
     def expected_reward(self) -> float | None:
@@ -95,8 +98,17 @@ def _calls(r: SynthRollout, rng: random.Random) -> list[CallEvent]:
             tool = [200 + rng.randrange(100) for _ in range(rng.randrange(2, 6) * k)]
             prompt = parent_full + tool
             new, spl = tool, len(parent_full)
-        call = _call(r, f"{r.rollout_id}-c{seq}", seq, CallKind.MAIN, new, gen,
-                     parent.call_id if parent else None, spl, prompt_len=len(prompt))  # fmt: skip
+        call = _call(
+            r,
+            f"{r.rollout_id}-c{seq}",
+            seq,
+            CallKind.MAIN,
+            new,
+            gen,
+            parent.call_id if parent else None,
+            spl,
+            prompt_len=len(prompt),
+        )
         calls.append(call)
         parent, parent_full = call, prompt + gen
         seq += 1
@@ -104,41 +116,86 @@ def _calls(r: SynthRollout, rng: random.Random) -> list[CallEvent]:
 
 
 def _call(
-    r: SynthRollout, cid: str, seq: int, kind: CallKind, new: list[int], gen: list[int], parent: str | None, spl: int,
+    r: SynthRollout,
+    cid: str,
+    seq: int,
+    kind: CallKind,
+    new: list[int],
+    gen: list[int],
+    parent: str | None,
+    spl: int,
     prompt_len: int | None = None,
-) -> CallEvent:  # fmt: skip
+) -> CallEvent:
     return CallEvent(
-        rollout_id=r.rollout_id, policy_version=r.policy_version, timestamp_ms=T0 + seq, call_id=cid, seq=seq,
-        dialect=Dialect.ANTHROPIC_MESSAGES, requested_model="policy", call_kind=kind,
-        new_tokens=np.array(new, dtype="<i4"), prompt_len=prompt_len if prompt_len is not None else len(new),
-        generated_tokens=np.array(gen, dtype="<i4"), logprobs=np.array([-t / 1000 for t in gen], dtype="<f4"),
-        finish_reason="stop", parent_call_id=parent, shared_prefix_len=spl, attempt_id=r.attempt_id,
-        temperature=1.0, top_p=1.0, top_k=0,
-    )  # fmt: skip
+        rollout_id=r.rollout_id,
+        policy_version=r.policy_version,
+        timestamp_ms=T0 + seq,
+        call_id=cid,
+        seq=seq,
+        dialect=Dialect.ANTHROPIC_MESSAGES,
+        requested_model="policy",
+        call_kind=kind,
+        new_tokens=np.array(new, dtype="<i4"),
+        prompt_len=prompt_len if prompt_len is not None else len(new),
+        generated_tokens=np.array(gen, dtype="<i4"),
+        logprobs=np.array([-t / 1000 for t in gen], dtype="<f4"),
+        finish_reason="stop",
+        parent_call_id=parent,
+        shared_prefix_len=spl,
+        attempt_id=r.attempt_id,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+    )
 
 
 def build(r: SynthRollout) -> SynthRollout:
     """Fill ``r.records`` / ``r.late_records`` from its fields (deterministic in ``r.seed``)."""
     rng = random.Random(f"{r.seed}:{r.rollout_id}")
     meta = {"exp": "synthetic"} | ({"group_size": str(r.group_size)} if r.group_size else {})
-    req = RolloutRequest(rollout_id=r.rollout_id, policy_version=r.policy_version, timestamp_ms=T0, suite="synth",
-                         task_id=r.task_id, harness=r.harness, group_id=r.group_id, step=r.step, timeout_s=600.0,
-                         metadata=meta)  # fmt: skip
-    head = {"rollout_id": r.rollout_id, "policy_version": r.policy_version, "attempt_id": r.attempt_id,
-            "group_id": r.group_id, "harness": r.harness}  # fmt: skip
+    req = RolloutRequest(
+        rollout_id=r.rollout_id,
+        policy_version=r.policy_version,
+        timestamp_ms=T0,
+        suite="synth",
+        task_id=r.task_id,
+        harness=r.harness,
+        group_id=r.group_id,
+        step=r.step,
+        timeout_s=600.0,
+        metadata=meta,
+    )
+    head = {
+        "rollout_id": r.rollout_id,
+        "policy_version": r.policy_version,
+        "attempt_id": r.attempt_id,
+        "group_id": r.group_id,
+        "harness": r.harness,
+    }
     started = RolloutEvent(timestamp_ms=T0, state=RolloutState.STARTED, **head)
     calls = _calls(r, rng)
     served = len(calls)
     ends = {"timed_out": RolloutState.TIMED_OUT, "infra": RolloutState.FAILED}
     state = ends.get(r.fault, RolloutState.HARNESS_EXITED)
-    end = RolloutEvent(timestamp_ms=T0 + 100, state=state, calls_served=served,
-                       reason="sandbox lost" if r.fault == "infra" else None, **head)  # fmt: skip
+    end = RolloutEvent(
+        timestamp_ms=T0 + 100,
+        state=state,
+        calls_served=served,
+        reason="sandbox lost" if r.fault == "infra" else None,
+        **head,
+    )
     statuses = {"infra_reward": RewardStatus.INFRA_FAILURE, "ungraded": RewardStatus.UNGRADED}
     status = statuses.get(r.fault, RewardStatus.OK)
-    reward = RewardEvent(rollout_id=r.rollout_id, policy_version=r.policy_version, timestamp_ms=T0 + 200,
-                         attempt_id=r.attempt_id, status=status, grader="synth",
-                         reward=r.reward_value if status is RewardStatus.OK else None,
-                         reason=None if status is RewardStatus.OK else f"synthetic {r.fault}")  # fmt: skip
+    reward = RewardEvent(
+        rollout_id=r.rollout_id,
+        policy_version=r.policy_version,
+        timestamp_ms=T0 + 200,
+        attempt_id=r.attempt_id,
+        status=status,
+        grader="synth",
+        reward=r.reward_value if status is RewardStatus.OK else None,
+        reason=None if status is RewardStatus.OK else f"synthetic {r.fault}",
+    )
     sent_calls = calls[:-1] if r.fault == "missing_call" else calls
     recs: list[tuple[str, Event]] = [(ROLLOUT_REQUESTS, req), (ROLLOUT_EVENTS, started)]
     recs += [(CALLS, c) for c in sent_calls]
@@ -154,9 +211,16 @@ def build(r: SynthRollout) -> SynthRollout:
 
 
 def make_groups(
-    n_groups: int, harnesses: tuple[str, ...] = ("claude-code", "openclaw"), *, group_size: int = 8, seed: int = 0,
-    faults: bool = True, announce_size: bool = True, calls: tuple[int, int] = (1, 5), token_scale: int = 1,
-) -> list[list[SynthRollout]]:  # fmt: skip
+    n_groups: int,
+    harnesses: tuple[str, ...] = ("claude-code", "openclaw"),
+    *,
+    group_size: int = 8,
+    seed: int = 0,
+    faults: bool = True,
+    announce_size: bool = True,
+    calls: tuple[int, int] = (1, 5),
+    token_scale: int = 1,
+) -> list[list[SynthRollout]]:
     """``n_groups`` groups (task × harness × step), harnesses alternating, with a seeded sprinkle of faults.
 
     Faults, when on: group 0 has equal rewards (zero variance); other groups get on average ~2 faulty rollouts.
@@ -173,11 +237,24 @@ def make_groups(
             if faults and g > 0 and rng.random() < 0.25:
                 fault = rng.choice(FAULTS[1:])
             reward = 0.5 if faults and g == 0 else rng.choice(REWARDS_GRID)
-            members.append(build(SynthRollout(
-                rollout_id=f"r{seed}-{g:03d}-{k}", group_id=gid, task_id=f"synth/{task}", harness=harness, step=step,
-                reward_value=reward, fault=fault, n_calls=rng.randrange(*calls), side_call=rng.random() < 0.2,
-                group_size=group_size if announce_size else None, seed=seed, token_scale=token_scale,
-            )))  # fmt: skip
+            members.append(
+                build(
+                    SynthRollout(
+                        rollout_id=f"r{seed}-{g:03d}-{k}",
+                        group_id=gid,
+                        task_id=f"synth/{task}",
+                        harness=harness,
+                        step=step,
+                        reward_value=reward,
+                        fault=fault,
+                        n_calls=rng.randrange(*calls),
+                        side_call=rng.random() < 0.2,
+                        group_size=group_size if announce_size else None,
+                        seed=seed,
+                        token_scale=token_scale,
+                    )
+                )
+            )
         groups.append(members)
     return groups
 

@@ -81,8 +81,9 @@ def test_times_in_every_accepted_form() -> None:
     assert iso_ms(expected + 7) == "2026-09-21T10:00:00.007Z" and iso_ms(-1) is None
 
 
-@pytest.mark.parametrize("text,match", [("1790000000", "epoch seconds"), ("yesterday", "cannot read"),
-                                        ("12x", "cannot read")])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,match", [("1790000000", "epoch seconds"), ("yesterday", "cannot read"), ("12x", "cannot read")]
+)
 def test_bad_times_get_a_clear_error(text: str, match: str) -> None:
     with pytest.raises(EventLogError, match=match):
         parse_time_ms(text)
@@ -124,7 +125,10 @@ def test_token_arrays_as_counts_or_lists_and_nested_trajectories() -> None:
     call = _event(CallEvent)
     _, counts = decode_value(call.to_bytes())
     assert (counts["new_tokens"], counts["generated_tokens"], counts["logprobs"]) == (
-        len(call.new_tokens), len(call.generated_tokens), len(call.logprobs))  # fmt: skip
+        len(call.new_tokens),
+        len(call.generated_tokens),
+        len(call.logprobs),
+    )
     _, lists = decode_value(call.to_bytes(), DecodeOptions(tokens="list"))
     assert lists["new_tokens"] == [int(x) for x in call.new_tokens]
     assert lists["logprobs"] == [float(np.float32(x)) for x in call.logprobs]
@@ -135,8 +139,9 @@ def test_token_arrays_as_counts_or_lists_and_nested_trajectories() -> None:
     nested = value["trajectory"]
     assert nested["rollout_id"] == "r-9" and nested["reward"] == trajectory.reward
     assert [s["tokens"] for s in nested["segments"]] == [s.tokens.tolist() for s in trajectory.segments]
-    assert [s["logprobs"] for s in nested["segments"]] == [s.logprobs.astype("<f4").tolist()
-                                                          for s in trajectory.segments]  # fmt: skip
+    assert [s["logprobs"] for s in nested["segments"]] == [
+        s.logprobs.astype("<f4").tolist() for s in trajectory.segments
+    ]
     _, value = decode_value(trajectory.to_bytes())
     assert [s["tokens"] for s in value["segments"]] == [len(s.tokens) for s in trajectory.segments]
 
@@ -243,7 +248,8 @@ def test_arrow_rows_equal_the_events() -> None:
     [row] = layout.table([layout.row("t", 0, 0, T0, b"b-5", _event(BatchRecord).to_bytes())]).to_pylist()
     assert row["trajectory"]["harness"] == trajectory.harness
     assert [s["logprobs"] for s in row["trajectory"]["segments"]] == [
-        s.logprobs.astype("<f4").tolist() for s in trajectory.segments]  # fmt: skip
+        s.logprobs.astype("<f4").tolist() for s in trajectory.segments
+    ]
 
 
 def test_arrow_rows_keep_undecodable_and_foreign_records_with_their_bytes() -> None:

@@ -23,14 +23,23 @@ from streams.settings import StreamsSettings
 from streams.state import DueIndex, Verdict
 from tests.support.stream_load import SynthRollout, build
 
-CFG = StreamsSettings(settle_interval_s=1.0, settle_timeout_s=10.0, rollout_timeout_s=100.0, late_retention_s=50.0,
-                      store="memory://")  # fmt: skip
+CFG = StreamsSettings(
+    settle_interval_s=1.0, settle_timeout_s=10.0, rollout_timeout_s=100.0, late_retention_s=50.0, store="memory://"
+)
 P = 3  # partition
 
 
 def rollout(fault: str = "", **kw: object) -> SynthRollout:
-    fields = {"rollout_id": "r-1", "group_id": "suite/t1|claude-code|7", "task_id": "suite/t1",
-              "harness": "claude-code", "step": 7, "reward_value": 0.75, "fault": fault, "n_calls": 3} | kw  # fmt: skip
+    fields = {
+        "rollout_id": "r-1",
+        "group_id": "suite/t1|claude-code|7",
+        "task_id": "suite/t1",
+        "harness": "claude-code",
+        "step": 7,
+        "reward_value": 0.75,
+        "fault": fault,
+        "n_calls": 3,
+    } | kw
     return build(SynthRollout(**fields))  # type: ignore[arg-type]
 
 
@@ -179,8 +188,16 @@ def test_infra_failures_settle_without_waiting_for_calls_and_have_no_reward(faul
 def test_grader_crash_after_exit_is_an_infra_failure() -> None:
     r, rig = rollout(), Rig()
     last = rig.feed(r.records, 0)
-    failed = RolloutEvent(rollout_id="r-1", policy_version=1, timestamp_ms=0, attempt_id="r-1-a0", group_id="g",
-                          state=RolloutState.FAILED, harness="claude-code", reason="grader crashed")  # fmt: skip
+    failed = RolloutEvent(
+        rollout_id="r-1",
+        policy_version=1,
+        timestamp_ms=0,
+        attempt_id="r-1-a0",
+        group_id="g",
+        state=RolloutState.FAILED,
+        harness="claude-code",
+        reason="grader crashed",
+    )
     rig.feed([(ROLLOUT_EVENTS, failed)], last + 100)
     [t] = rig.tick(last + 1100)
     assert t.status is TrajectoryStatus.INFRA_FAILURE and t.drop_reason == "infrastructure failure: grader crashed"
@@ -217,8 +234,9 @@ def test_late_records_are_rejected_with_the_reason() -> None:
     rig.tick(last + 1000)
     rig.feed(r.late_records, last + 3000)
     assert [v for v, _ in rig.rejected] == [Verdict.LATE, Verdict.LATE]
-    assert rig.rejected[0][1].startswith("late call r-1-c0 seq 0 (a duplicate of an included call): rollout r-1 "
-                                         "settled as COMPLETE 2000 ms earlier")  # fmt: skip
+    assert rig.rejected[0][1].startswith(
+        "late call r-1-c0 seq 0 (a duplicate of an included call): rollout r-1 settled as COMPLETE 2000 ms earlier"
+    )
     assert "late reward" in rig.rejected[1][1] and len(rig.out) == 1
 
 
@@ -353,8 +371,9 @@ def test_task_and_step_fall_back_to_the_group_id() -> None:
 
 def test_reward_status_enum_round_trips_through_the_state() -> None:
     acc = RolloutAccumulator("r", 0, 0)
-    rew = RewardEvent(rollout_id="r", policy_version=1, timestamp_ms=0, attempt_id="a", status=RewardStatus.OK,
-                      grader="g", reward=1.0)  # fmt: skip
+    rew = RewardEvent(
+        rollout_id="r", policy_version=1, timestamp_ms=0, attempt_id="a", status=RewardStatus.OK, grader="g", reward=1.0
+    )
     assert acc.on_reward(rew, 5).verdict is Verdict.ACCEPTED
     again = RolloutAccumulator.from_bytes(acc.to_bytes())
     assert again.on_reward(rew, 6).verdict is Verdict.DUPLICATE and again.last_ms == 5
@@ -380,8 +399,16 @@ def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> Non
     the unfinished attempt is settled as an infrastructure failure and the re-run is assembled."""
 
     def started(attempt_id: str) -> RolloutEvent:
-        return RolloutEvent(rollout_id="r", policy_version=0, timestamp_ms=0, attempt_id=attempt_id,
-                            state=RolloutState.STARTED, group_id="t|h|0", harness="h", attempt=0)  # fmt: skip
+        return RolloutEvent(
+            rollout_id="r",
+            policy_version=0,
+            timestamp_ms=0,
+            attempt_id=attempt_id,
+            state=RolloutState.STARTED,
+            group_id="t|h|0",
+            harness="h",
+            attempt=0,
+        )
 
     acc = RolloutAccumulator("r", 0, 0)
     assert acc.on_event(started("r.a0.first"), 0).verdict is not Verdict.SUPERSEDES

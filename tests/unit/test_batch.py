@@ -11,17 +11,42 @@ from schemas.events import BatchRecord, BatchRecordKind
 from streams.batch import Batcher, BatchOutput, apportion, select
 from streams.settings import StreamsSettings
 
-CFG = StreamsSettings(batch_groups=4, harness_mix={"cc": 0.5, "oc": 0.5}, max_policy_lag=2, mix_seed=7,
-                      store="memory://")  # fmt: skip
+CFG = StreamsSettings(
+    batch_groups=4, harness_mix={"cc": 0.5, "oc": 0.5}, max_policy_lag=2, mix_seed=7, store="memory://"
+)
 
 
 def group(gid: str, harness: str, n: int = 2, version: int = 5) -> list[BatchRecord]:
-    recs = [BatchRecord(batch_id=gid, policy_version=version, timestamp_ms=0, kind=BatchRecordKind.TRAJECTORY, step=3,
-                        index=i, rollout_id=f"{gid}-r{i}", group_id=gid, harness=harness, advantage=float(i) - 0.5,
-                        reward=float(i), trajectory=b"traj-" + gid.encode() + bytes([i]))
-            for i in range(n)]  # fmt: skip
-    recs.append(BatchRecord(batch_id=gid, policy_version=version, timestamp_ms=0, kind=BatchRecordKind.SEAL, step=3,
-                            index=n, group_id=gid, harness=harness, harness_counts={harness: n}))  # fmt: skip
+    recs = [
+        BatchRecord(
+            batch_id=gid,
+            policy_version=version,
+            timestamp_ms=0,
+            kind=BatchRecordKind.TRAJECTORY,
+            step=3,
+            index=i,
+            rollout_id=f"{gid}-r{i}",
+            group_id=gid,
+            harness=harness,
+            advantage=float(i) - 0.5,
+            reward=float(i),
+            trajectory=b"traj-" + gid.encode() + bytes([i]),
+        )
+        for i in range(n)
+    ]
+    recs.append(
+        BatchRecord(
+            batch_id=gid,
+            policy_version=version,
+            timestamp_ms=0,
+            kind=BatchRecordKind.SEAL,
+            step=3,
+            index=n,
+            group_id=gid,
+            harness=harness,
+            harness_counts={harness: n},
+        )
+    )
     return recs
 
 
@@ -61,8 +86,9 @@ def test_apportion_follows_weights_and_caps() -> None:
     assert apportion(4, {"a": 1, "b": 1}, {"a": 1, "b": 9}, rng) == {"a": 1, "b": 3}  # a's shortfall goes to b
     assert apportion(4, {"a": 1}, {"a": 1, "c": 5}, rng) == {"a": 1, "c": 3}  # unweighted c only fills shortfalls
     assert apportion(4, {"a": 1, "b": 1}, {"a": 1, "b": 1}, rng) == {"a": 1, "b": 1}  # not enough groups at all
-    seen = Counter(tuple(sorted(apportion(3, {"a": 1, "b": 1}, {"a": 5, "b": 5}, random.Random(s)).items()))
-                   for s in range(200))  # fmt: skip
+    seen = Counter(
+        tuple(sorted(apportion(3, {"a": 1, "b": 1}, {"a": 5, "b": 5}, random.Random(s)).items())) for s in range(200)
+    )
     assert set(seen) == {(("a", 2), ("b", 1)), (("a", 1), ("b", 2))}  # the odd slot goes either way, at random
     for s in range(300):
         r = random.Random(s)
@@ -101,8 +127,9 @@ def test_batches_wait_for_the_mix_quota_then_seal() -> None:
             idx = [i for i, r in enumerate(trajs) if r.group_id == gid]
             assert idx == list(range(idx[0], idx[0] + 2)) and trajs[idx[0]].rollout_id == f"{gid}-r0"
             assert trajs[idx[0]].trajectory == b"traj-" + gid.encode() + b"\x00"
-    assert [r.group_id for r in b0[:-1]] != sorted(r.group_id for r in b0[:-1]) or \
-        [r.group_id for r in b1[:-1]] != sorted(r.group_id for r in b1[:-1])  # shuffled, not in arrival order
+    assert [r.group_id for r in b0[:-1]] != sorted(r.group_id for r in b0[:-1]) or [
+        r.group_id for r in b1[:-1]
+    ] != sorted(r.group_id for r in b1[:-1])  # shuffled, not in arrival order
     assert set(rig.members) == {"g7\x000", "g7\x001"}  # g7 (cc) still waits for an oc partner
 
 

@@ -39,8 +39,17 @@ class Recorder:
         self.calls: list[CallEvent] = []
         self.full: dict[str, list[int]] = {}
 
-    def call(self, prompt: list[int], gen: list[int], *, kind: CallKind = CallKind.MAIN, flags: tuple[str, ...] = (),
-             cached: int | None = None, parent: str | None = "auto", ts: int = 0) -> CallEvent:  # fmt: skip
+    def call(
+        self,
+        prompt: list[int],
+        gen: list[int],
+        *,
+        kind: CallKind = CallKind.MAIN,
+        flags: tuple[str, ...] = (),
+        cached: int | None = None,
+        parent: str | None = "auto",
+        ts: int = 0,
+    ) -> CallEvent:
         best, best_len = None, 0
         for c in self.calls:
             full = self.full[c.call_id]
@@ -55,14 +64,25 @@ class Recorder:
             assert prompt[:best_len] == self.full[parent][:best_len] if parent else True
         seq = len(self.calls)
         call = CallEvent(
-            rollout_id=self.rollout_id, policy_version=0, timestamp_ms=1000 + seq + ts,
-            call_id=f"{self.rollout_id}-c{seq}", seq=seq, dialect=Dialect.OPENAI_CHAT, requested_model="policy",
+            rollout_id=self.rollout_id,
+            policy_version=0,
+            timestamp_ms=1000 + seq + ts,
+            call_id=f"{self.rollout_id}-c{seq}",
+            seq=seq,
+            dialect=Dialect.OPENAI_CHAT,
+            requested_model="policy",
             call_kind=kind,
-            new_tokens=np.array(prompt[best_len:], dtype=np.int32), prompt_len=len(prompt),
-            generated_tokens=np.array(gen, dtype=np.int32), logprobs=np.full(len(gen), -0.5, dtype=np.float32),
-            finish_reason="stop", parent_call_id=best, shared_prefix_len=best_len, flags=list(flags),
-            cached_prompt_tokens=cached, attempt_id=self.attempt_id,
-        )  # fmt: skip
+            new_tokens=np.array(prompt[best_len:], dtype=np.int32),
+            prompt_len=len(prompt),
+            generated_tokens=np.array(gen, dtype=np.int32),
+            logprobs=np.full(len(gen), -0.5, dtype=np.float32),
+            finish_reason="stop",
+            parent_call_id=best,
+            shared_prefix_len=best_len,
+            flags=list(flags),
+            cached_prompt_tokens=cached,
+            attempt_id=self.attempt_id,
+        )
         self.calls.append(call)
         self.full[call.call_id] = prompt + gen
         return call
@@ -187,14 +207,35 @@ def test_stale_attempt_calls_and_unresolved_parents() -> None:
     assert (h2.unresolved_calls, h2.main_calls, h2.follow_ups) == (1, 1, 0)
 
 
-def _trajectory(rollout_id: str, attempt_id: str, trained: int, harness: str = "agentloop",
-                status: TrajectoryStatus = TrajectoryStatus.COMPLETE) -> Trajectory:  # fmt: skip
-    segs = [TreeSegment(-1, np.arange(5), False, np.zeros(0), 0),
-            TreeSegment(0, np.arange(trained), True, np.zeros(trained), 0)]  # fmt: skip
-    return Trajectory(rollout_id=rollout_id, policy_version=0, timestamp_ms=5000, attempt_id=attempt_id,
-                      group_id=f"t|{harness}|0", task_id="t", harness=harness, step=0, status=status, segments=segs,
-                      calls=1, leaves=1, unique_tokens=5 + trained, path_tokens=5 + trained, prefix_reuse_ratio=1.0,
-                      reward=1.0)  # fmt: skip
+def _trajectory(
+    rollout_id: str,
+    attempt_id: str,
+    trained: int,
+    harness: str = "agentloop",
+    status: TrajectoryStatus = TrajectoryStatus.COMPLETE,
+) -> Trajectory:
+    segs = [
+        TreeSegment(-1, np.arange(5), False, np.zeros(0), 0),
+        TreeSegment(0, np.arange(trained), True, np.zeros(trained), 0),
+    ]
+    return Trajectory(
+        rollout_id=rollout_id,
+        policy_version=0,
+        timestamp_ms=5000,
+        attempt_id=attempt_id,
+        group_id=f"t|{harness}|0",
+        task_id="t",
+        harness=harness,
+        step=0,
+        status=status,
+        segments=segs,
+        calls=1,
+        leaves=1,
+        unique_tokens=5 + trained,
+        path_tokens=5 + trained,
+        prefix_reuse_ratio=1.0,
+        reward=1.0,
+    )
 
 
 def test_masked_token_fraction_from_the_trajectory() -> None:
@@ -210,12 +251,28 @@ def test_masked_token_fraction_from_the_trajectory() -> None:
 
 def _rollout_events(rollout_id: str, harness: str, attempt_id: str = "a-1") -> list:
     return [
-        RolloutRequest(rollout_id=rollout_id, policy_version=0, timestamp_ms=900, suite="s", task_id="t",
-                       harness=harness, group_id=f"t|{harness}|0", step=0, timeout_s=60.0,
-                       metadata={"chat_template": "qwen3"} if harness == "claude-code" else {}),
-        RolloutEvent(rollout_id=rollout_id, policy_version=0, timestamp_ms=950, attempt_id=attempt_id,
-                     state=RolloutState.STARTED, group_id=f"t|{harness}|0", harness=harness),
-    ]  # fmt: skip
+        RolloutRequest(
+            rollout_id=rollout_id,
+            policy_version=0,
+            timestamp_ms=900,
+            suite="s",
+            task_id="t",
+            harness=harness,
+            group_id=f"t|{harness}|0",
+            step=0,
+            timeout_s=60.0,
+            metadata={"chat_template": "qwen3"} if harness == "claude-code" else {},
+        ),
+        RolloutEvent(
+            rollout_id=rollout_id,
+            policy_version=0,
+            timestamp_ms=950,
+            attempt_id=attempt_id,
+            state=RolloutState.STARTED,
+            group_id=f"t|{harness}|0",
+            harness=harness,
+        ),
+    ]
 
 
 def test_aggregator_groups_by_harness_and_template_whatever_the_order() -> None:
@@ -230,8 +287,9 @@ def test_aggregator_groups_by_harness_and_template_whatever_the_order() -> None:
     p0 = SYS + [10] + GEN_PROMPT
     rec.call(p0, [100, 99])
     rec.call(SYS + [11] + GEN_PROMPT, [101, 99], flags=(FULL_RENDER,))
-    events += _rollout_events("cc", "claude-code") + rec.calls + [_trajectory("cc", "a-1", trained=2,
-                                                                              harness="claude-code")]  # fmt: skip
+    events += (
+        _rollout_events("cc", "claude-code") + rec.calls + [_trajectory("cc", "a-1", trained=2, harness="claude-code")]
+    )
     events.append(rec.calls[0])  # a duplicate call id: ignored
     tables = []
     for seed in range(3):

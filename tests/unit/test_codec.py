@@ -79,11 +79,22 @@ def test_record_written_with_older_schema_is_read_with_the_new_one() -> None:
     old_raw = json.loads((SCHEMA_DIR / "history" / "call_event.v0.avsc").read_text())
     old = parse_schema(old_raw)
     record = {
-        "rollout_id": "r-old", "policy_version": 1, "timestamp_ms": 5, "call_id": "c", "seq": 0,
-        "dialect": "OPENAI_CHAT", "requested_model": "policy", "call_kind": "MAIN", "parent_call_id": None,
-        "shared_prefix_len": 0, "new_tokens": struct.pack("<3i", 1, 2, 3), "prompt_len": 3,
-        "generated_tokens": struct.pack("<1i", 9), "logprobs": struct.pack("<1f", -1.0), "finish_reason": "stop",
-    }  # fmt: skip
+        "rollout_id": "r-old",
+        "policy_version": 1,
+        "timestamp_ms": 5,
+        "call_id": "c",
+        "seq": 0,
+        "dialect": "OPENAI_CHAT",
+        "requested_model": "policy",
+        "call_kind": "MAIN",
+        "parent_call_id": None,
+        "shared_prefix_len": 0,
+        "new_tokens": struct.pack("<3i", 1, 2, 3),
+        "prompt_len": 3,
+        "generated_tokens": struct.pack("<1i", 9),
+        "logprobs": struct.pack("<1f", -1.0),
+        "finish_reason": "stop",
+    }
     buf = io.BytesIO()
     buf.write(MARKER + schema_fingerprint(old_raw))
     schemaless_writer(buf, old, record)
@@ -96,15 +107,32 @@ def test_record_written_with_older_schema_is_read_with_the_new_one() -> None:
 def test_call_event_v1_without_cache_and_gpu_fields_reads_them_as_null() -> None:
     """Records written before cached_prompt_tokens / gpu_utilization / gpu_memory_used_bytes decode with nulls."""
     v1_raw = json.loads((SCHEMA_DIR / "history" / "call_event.v1.avsc").read_text())
-    assert {f["name"] for f in v1_raw["fields"]}.isdisjoint({"cached_prompt_tokens", "gpu_utilization",
-                                                             "gpu_memory_used_bytes"})  # fmt: skip
+    assert {f["name"] for f in v1_raw["fields"]}.isdisjoint(
+        {"cached_prompt_tokens", "gpu_utilization", "gpu_memory_used_bytes"}
+    )
     record = {
-        "rollout_id": "r-v1", "policy_version": 2, "timestamp_ms": 5, "call_id": "c", "seq": 0,
-        "dialect": "ANTHROPIC_MESSAGES", "requested_model": "policy", "call_kind": "MAIN", "system_fingerprint": "f",
-        "parent_call_id": None, "shared_prefix_len": 0, "new_tokens": struct.pack("<2i", 4, 5), "prompt_len": 2,
-        "generated_tokens": struct.pack("<1i", 9), "logprobs": struct.pack("<1f", -1.0), "finish_reason": "stop",
-        "flags": [], "received_ms": 1.0, "render_ms": 2.0, "engine_ms": 3.0, "total_ms": 7.0,
-    }  # fmt: skip
+        "rollout_id": "r-v1",
+        "policy_version": 2,
+        "timestamp_ms": 5,
+        "call_id": "c",
+        "seq": 0,
+        "dialect": "ANTHROPIC_MESSAGES",
+        "requested_model": "policy",
+        "call_kind": "MAIN",
+        "system_fingerprint": "f",
+        "parent_call_id": None,
+        "shared_prefix_len": 0,
+        "new_tokens": struct.pack("<2i", 4, 5),
+        "prompt_len": 2,
+        "generated_tokens": struct.pack("<1i", 9),
+        "logprobs": struct.pack("<1f", -1.0),
+        "finish_reason": "stop",
+        "flags": [],
+        "received_ms": 1.0,
+        "render_ms": 2.0,
+        "engine_ms": 3.0,
+        "total_ms": 7.0,
+    }
     buf = io.BytesIO()
     buf.write(MARKER + schema_fingerprint(v1_raw))
     schemaless_writer(buf, parse_schema(v1_raw), record)
@@ -118,8 +146,11 @@ def test_call_event_cache_and_gpu_fields_round_trip() -> None:
     call = next(e for e in sample_events() if isinstance(e, CallEvent))
     back = CallEvent.from_bytes(call.to_bytes())
     assert (back.cached_prompt_tokens, back.gpu_utilization, back.gpu_memory_used_bytes) == (7, 42.5, 3_000_000_000)
-    bare = CallEvent.from_bytes(CallEvent(**{**vars(call), "cached_prompt_tokens": None, "gpu_utilization": None,
-                                             "gpu_memory_used_bytes": None}).to_bytes())  # fmt: skip
+    bare = CallEvent.from_bytes(
+        CallEvent(
+            **{**vars(call), "cached_prompt_tokens": None, "gpu_utilization": None, "gpu_memory_used_bytes": None}
+        ).to_bytes()
+    )
     assert (bare.cached_prompt_tokens, bare.gpu_utilization, bare.gpu_memory_used_bytes) == (None, None, None)
 
 

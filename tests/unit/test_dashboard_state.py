@@ -26,39 +26,101 @@ from tests.support.factories import T0, sample_events
 
 
 def started(rid: str, attempt: int = 0, ts: int = T0) -> RolloutEvent:
-    return RolloutEvent(rollout_id=rid, policy_version=0, timestamp_ms=ts, attempt_id=f"{rid}-a{attempt}",
-                        state=RolloutState.STARTED, group_id="t|h|0", harness="h", attempt=attempt)  # fmt: skip
+    return RolloutEvent(
+        rollout_id=rid,
+        policy_version=0,
+        timestamp_ms=ts,
+        attempt_id=f"{rid}-a{attempt}",
+        state=RolloutState.STARTED,
+        group_id="t|h|0",
+        harness="h",
+        attempt=attempt,
+    )
 
 
 def ended(rid: str, state: RolloutState, exit_code: int | None = None, attempt: int = 0) -> RolloutEvent:
-    return RolloutEvent(rollout_id=rid, policy_version=0, timestamp_ms=T0 + 10, attempt_id=f"{rid}-a{attempt}",
-                        state=state, group_id="t|h|0", harness="h", exit_code=exit_code, attempt=attempt)  # fmt: skip
+    return RolloutEvent(
+        rollout_id=rid,
+        policy_version=0,
+        timestamp_ms=T0 + 10,
+        attempt_id=f"{rid}-a{attempt}",
+        state=state,
+        group_id="t|h|0",
+        harness="h",
+        exit_code=exit_code,
+        attempt=attempt,
+    )
 
 
-def trajectory(rid: str, harness: str, step: int, reward: float | None, *, ts: int = T0,
-               status: TrajectoryStatus = TrajectoryStatus.COMPLETE, evaluation: bool = False, leaves: int = 1,
-               trained: int = 3, path: int = 10, unique: int = 8) -> Trajectory:  # fmt: skip
-    segs = [TreeSegment(-1, np.arange(unique - trained), False, np.zeros(0), 0),
-            TreeSegment(0, np.arange(trained), True, np.zeros(trained), 0)]  # fmt: skip
-    return Trajectory(rollout_id=rid, policy_version=0, timestamp_ms=ts, attempt_id=f"{rid}-a0",
-                      group_id=f"t|{harness}|{step}", task_id="t", harness=harness, step=step, status=status,
-                      segments=segs, calls=2, leaves=leaves, unique_tokens=unique, path_tokens=path,
-                      prefix_reuse_ratio=path / unique, reward=reward,
-                      metadata={"eval": "true" if evaluation else "false"})  # fmt: skip
+def trajectory(
+    rid: str,
+    harness: str,
+    step: int,
+    reward: float | None,
+    *,
+    ts: int = T0,
+    status: TrajectoryStatus = TrajectoryStatus.COMPLETE,
+    evaluation: bool = False,
+    leaves: int = 1,
+    trained: int = 3,
+    path: int = 10,
+    unique: int = 8,
+) -> Trajectory:
+    segs = [
+        TreeSegment(-1, np.arange(unique - trained), False, np.zeros(0), 0),
+        TreeSegment(0, np.arange(trained), True, np.zeros(trained), 0),
+    ]
+    return Trajectory(
+        rollout_id=rid,
+        policy_version=0,
+        timestamp_ms=ts,
+        attempt_id=f"{rid}-a0",
+        group_id=f"t|{harness}|{step}",
+        task_id="t",
+        harness=harness,
+        step=step,
+        status=status,
+        segments=segs,
+        calls=2,
+        leaves=leaves,
+        unique_tokens=unique,
+        path_tokens=path,
+        prefix_reuse_ratio=path / unique,
+        reward=reward,
+        metadata={"eval": "true" if evaluation else "false"},
+    )
 
 
-def call(rid: str, ts: int, version: int, *, gen: int = 4, prompt: int = 10, kind: CallKind = CallKind.MAIN,
-         seq: int = 0) -> CallEvent:  # fmt: skip
-    return CallEvent(rollout_id=rid, policy_version=version, timestamp_ms=ts, call_id=f"{rid}-{seq}", seq=seq,
-                     dialect=Dialect.OPENAI_CHAT, requested_model="policy", call_kind=kind,
-                     new_tokens=np.arange(prompt, dtype=np.int32), prompt_len=prompt,
-                     generated_tokens=np.arange(gen, dtype=np.int32), logprobs=np.zeros(gen, dtype=np.float32),
-                     finish_reason="stop", attempt_id=f"{rid}-a0")  # fmt: skip
+def call(
+    rid: str, ts: int, version: int, *, gen: int = 4, prompt: int = 10, kind: CallKind = CallKind.MAIN, seq: int = 0
+) -> CallEvent:
+    return CallEvent(
+        rollout_id=rid,
+        policy_version=version,
+        timestamp_ms=ts,
+        call_id=f"{rid}-{seq}",
+        seq=seq,
+        dialect=Dialect.OPENAI_CHAT,
+        requested_model="policy",
+        call_kind=kind,
+        new_tokens=np.arange(prompt, dtype=np.int32),
+        prompt_len=prompt,
+        generated_tokens=np.arange(gen, dtype=np.int32),
+        logprobs=np.zeros(gen, dtype=np.float32),
+        finish_reason="stop",
+        attempt_id=f"{rid}-a0",
+    )
 
 
 def weights(version: int, ts: int) -> WeightVersion:
-    return WeightVersion(policy_version=version, timestamp_ms=ts, model_name="policy", step=version - 1,
-                         uri=f"file:///w/v{version}", sha256="0" * 64)  # fmt: skip
+    return WeightVersion(
+        policy_version=version,
+        timestamp_ms=ts,
+        model_name="policy",
+        step=version - 1,
+        uri=f"file:///w/v{version}",
+        sha256="0" * 64,
+    )
 
 
 def test_rollout_status_of_each_rollouts_latest_attempt() -> None:
@@ -70,8 +132,16 @@ def test_rollout_status_of_each_rollouts_latest_attempt() -> None:
     s.add(ended("d", RolloutState.TIMED_OUT))
     s.add(ended("e", RolloutState.FAILED))
     s.add(ended("f", RolloutState.HARNESS_EXITED, 0))
-    s.add(RewardEvent(rollout_id="f", policy_version=0, timestamp_ms=T0 + 20, attempt_id="f-a0",
-                      status=RewardStatus.INFRA_FAILURE, grader="none"))  # grader crashed  # fmt: skip
+    s.add(
+        RewardEvent(
+            rollout_id="f",
+            policy_version=0,
+            timestamp_ms=T0 + 20,
+            attempt_id="f-a0",
+            status=RewardStatus.INFRA_FAILURE,
+            grader="none",
+        )
+    )  # grader crashed
     s.add(ended("g", RolloutState.FAILED))
     s.add(started("g", attempt=1, ts=T0 + 30))  # re-issued after the infrastructure failure: runs again
     assert s.status_counts() == {"running": 2, "ok": 1, "failed": 1, "timed_out": 1, "infra": 2}
@@ -146,12 +216,30 @@ def test_policy_lag_is_measured_against_the_versions_published_before_each_call(
 
 def test_weight_versions_applied_per_engine_and_engine_stats() -> None:
     s = DashboardState()
-    for engine, version, latency in (("inference-worker/a", 1, 0.25), ("inference-worker/b", 1, 0.5),
-                                     ("inference-worker/a", 2, 0.125)):  # fmt: skip
-        s.add(Metric(policy_version=version, timestamp_ms=T0 + version, source=engine, name="weights_applied",
-                     values={"publish_to_applied_s": latency, "swap_latency_s": 0.01}), "clawstream.metrics")
-    s.add(Metric(policy_version=2, timestamp_ms=T0 + 9, source="inference-worker/a", name="inference_stats",
-                 values={"prefix_cache_hit_rate": 0.75, "tokens_per_s": 120.0, "gpu_utilization": float("nan")}))
+    for engine, version, latency in (
+        ("inference-worker/a", 1, 0.25),
+        ("inference-worker/b", 1, 0.5),
+        ("inference-worker/a", 2, 0.125),
+    ):
+        s.add(
+            Metric(
+                policy_version=version,
+                timestamp_ms=T0 + version,
+                source=engine,
+                name="weights_applied",
+                values={"publish_to_applied_s": latency, "swap_latency_s": 0.01},
+            ),
+            "clawstream.metrics",
+        )
+    s.add(
+        Metric(
+            policy_version=2,
+            timestamp_ms=T0 + 9,
+            source="inference-worker/a",
+            name="inference_stats",
+            values={"prefix_cache_hit_rate": 0.75, "tokens_per_s": 120.0, "gpu_utilization": float("nan")},
+        )
+    )
     snap = s.snapshot()
     applied = snap["weights"]["applied"]
     assert applied["inference-worker/a"]["version"] == [1, 2]

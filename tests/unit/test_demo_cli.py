@@ -23,9 +23,17 @@ def _defaults(command: str) -> dict[str, str]:
 
 def test_demo_help_states_the_configs_defaults() -> None:
     d, cfg = _defaults("demo"), DemoConfig()
-    fields = {"steps": "steps", "tasks-per-step": "tasks_per_step", "group-size": "group_size", "lr": "lr",
-              "seed": "seed", "sft-seed": "sft_seed", "eval-tasks": "eval_tasks",
-              "concurrency": "concurrency", "timeout": "timeout_s"}  # fmt: skip
+    fields = {
+        "steps": "steps",
+        "tasks-per-step": "tasks_per_step",
+        "group-size": "group_size",
+        "lr": "lr",
+        "seed": "seed",
+        "sft-seed": "sft_seed",
+        "eval-tasks": "eval_tasks",
+        "concurrency": "concurrency",
+        "timeout": "timeout_s",
+    }
     for flag, name in fields.items():
         value = getattr(cfg, name)
         assert flag in d, (flag, d)

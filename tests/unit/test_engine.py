@@ -62,8 +62,9 @@ def test_processed_logprobs_are_the_renormalised_truncated_distribution() -> Non
 
 
 def test_sampling_follows_the_processed_distribution_and_seeds_reproduce() -> None:
-    lp = sampling.processed_logprobs(_logits([0.6, 0.3, 0.1, 1e-9]), torch.tensor([1.0]), torch.tensor([0]),
-                                     torch.tensor([0.95]))  # fmt: skip
+    lp = sampling.processed_logprobs(
+        _logits([0.6, 0.3, 0.1, 1e-9]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0.95])
+    )
     generator = torch.Generator().manual_seed(7)
     draws = torch.stack([sampling.sample(lp, torch.tensor([False]), [generator])[0] for _ in range(3000)])
     counts = torch.bincount(draws, minlength=4).float() / 3000
@@ -166,8 +167,9 @@ def test_logprobs_are_those_of_the_sampling_distribution(model: torch.nn.Module)
     out = got.results["p"].outputs[0]  # type: ignore[union-attr]
     raw = full_logprobs(model, PROMPTS[1], out.token_ids)
     for step, token in enumerate(out.token_ids):
-        q = sampling.processed_logprobs(raw[step : step + 1], torch.tensor([0.7]), torch.tensor([0]),
-                                        torch.tensor([0.6]))[0]  # fmt: skip
+        q = sampling.processed_logprobs(
+            raw[step : step + 1], torch.tensor([0.7]), torch.tensor([0]), torch.tensor([0.6])
+        )[0]
         assert math.isfinite(out.logprobs[step]) and out.logprobs[step] <= 0
         assert abs(out.logprobs[step] - q[token].item()) < 1e-4  # under temperature + top-p, renormalised
         assert out.top_logprobs[step][0] == (token, out.logprobs[step])  # sampled first, then the top 2
@@ -239,7 +241,11 @@ def test_batch_limit_queues_and_an_oversized_request_runs_alone(model: torch.nn.
     _run(engine)
     big = got.results["big"]
     assert isinstance(big, GenerationResult) and [(o.prompt_index, o.sample_index) for o in big.outputs] == [
-        (0, 0), (0, 1), (1, 0), (1, 1)]  # fmt: skip
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
 
 
 def test_swap_waits_for_in_flight_requests_then_serves_the_new_version(model: torch.nn.Module) -> None:

@@ -23,8 +23,15 @@ from schemas.events import RewardEvent, RewardStatus, RolloutRequest, now_ms
 
 
 def _reward(rid: str, status: RewardStatus, value: float | None) -> RewardEvent:
-    return RewardEvent(rollout_id=rid, policy_version=0, timestamp_ms=now_ms(), attempt_id=f"{rid}.x",
-                       status=status, grader="g", reward=value)  # fmt: skip
+    return RewardEvent(
+        rollout_id=rid,
+        policy_version=0,
+        timestamp_ms=now_ms(),
+        attempt_id=f"{rid}.x",
+        status=status,
+        grader="g",
+        reward=value,
+    )
 
 
 def test_mean_and_standard_error() -> None:
@@ -50,8 +57,9 @@ def test_scores_per_harness_and_mode() -> None:
     greedy_a = [r for r in requests.values() if r.harness == "agentloop" and r.metadata[EVAL_MODE_KEY] == "greedy"]
     for req, value in zip(greedy_a, [1.0, 0.5, 1.0, 0.0], strict=True):
         out.on_reward(_reward(req.rollout_id, RewardStatus.OK, value))
-    sampled_b = [r for r in requests.values()
-                 if r.harness == "agentloop-anthropic" and r.metadata[EVAL_MODE_KEY] == "sampled"]  # fmt: skip
+    sampled_b = [
+        r for r in requests.values() if r.harness == "agentloop-anthropic" and r.metadata[EVAL_MODE_KEY] == "sampled"
+    ]
     out.on_reward(_reward(sampled_b[0].rollout_id, RewardStatus.OK, 0.25))
     out.on_reward(_reward(sampled_b[1].rollout_id, RewardStatus.INFRA_FAILURE, None))  # gave up (1 attempt)
     out.on_reward(_reward(sampled_b[2].rollout_id, RewardStatus.UNGRADED, None))

@@ -14,16 +14,25 @@ from streams.settings import StreamsSettings
 from streams.state import Verdict
 from tests.support.factories import sample_trajectory
 
-CFG = StreamsSettings(group_size=4, group_timeout_s=30.0, settle_timeout_s=10.0, late_retention_s=100.0,
-                      store="memory://")  # fmt: skip
+CFG = StreamsSettings(
+    group_size=4, group_timeout_s=30.0, settle_timeout_s=10.0, late_retention_s=100.0, store="memory://"
+)
 GID = "suite/t1|openclaw|3"
 
 
 def traj(
     i: int, reward: float | None, status: TrajectoryStatus = TrajectoryStatus.COMPLETE, **kw: object
 ) -> Trajectory:
-    fields: dict[str, object] = {"group_id": GID, "harness": "openclaw", "step": 3, "status": status, "reward": reward,
-                                 "attempt_id": f"a-{i}", "policy_version": 10 + i, "metadata": {}}  # fmt: skip
+    fields: dict[str, object] = {
+        "group_id": GID,
+        "harness": "openclaw",
+        "step": 3,
+        "status": status,
+        "reward": reward,
+        "attempt_id": f"a-{i}",
+        "policy_version": 10 + i,
+        "metadata": {},
+    }
     if status not in (TrajectoryStatus.COMPLETE, TrajectoryStatus.TIMED_OUT):
         fields["segments"] = []
     return replace(sample_trajectory(f"r-{i}"), **(fields | kw))  # type: ignore[arg-type]
@@ -100,8 +109,14 @@ def test_infra_failures_count_for_closing_but_not_in_statistics_or_training() ->
 
 def test_incomplete_rollouts_count_in_statistics_only_and_capped_ones_not_at_all() -> None:
     rig = Rig()
-    rig.feed([traj(0, 1.0), traj(1, 0.0, TrajectoryStatus.DROPPED, drop_reason="branch leaf count 70 > cap 64"),
-              traj(2, 0.0, TrajectoryStatus.INCOMPLETE), traj(3, 0.0, TrajectoryStatus.TIMED_OUT)])  # fmt: skip
+    rig.feed(
+        [
+            traj(0, 1.0),
+            traj(1, 0.0, TrajectoryStatus.DROPPED, drop_reason="branch leaf count 70 > cap 64"),
+            traj(2, 0.0, TrajectoryStatus.INCOMPLETE),
+            traj(3, 0.0, TrajectoryStatus.TIMED_OUT),
+        ]
+    )
     adv = rig.advantages()
     assert set(adv) == {"r-0", "r-3"}
     stats = manual([1.0, 0.0, 0.0])  # r-0, r-2 (incomplete, graded), r-3; the capped r-1 is not a sample
@@ -213,20 +228,23 @@ def reissued(i: int, attempt: int, max_attempts: int) -> dict[str, object]:
 
 def test_an_infra_failure_that_will_be_reissued_keeps_its_place_for_the_replacement() -> None:
     rig = Rig()
-    rig.feed([traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 0, 3)), traj(2, 0.0),
-              traj(3, 0.5)])  # fmt: skip
+    rig.feed(
+        [traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 0, 3)), traj(2, 0.0), traj(3, 0.5)]
+    )
     assert rig.emitted.records == [] and rig.emitted.metrics == []  # 3 finished + 1 awaiting its re-issue: open
     rig.feed([traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 1, 3))])  # the re-issue failed too
     assert rig.emitted.metrics == []
     rig.feed([traj(1, 0.25, **reissued(1, 2, 3))])  # the last attempt succeeds and takes the place
     assert rig.rejected == []
-    assert rig.advantages() == pytest.approx(dict(zip(["r-0", "r-1", "r-2", "r-3"], manual([1.0, 0.25, 0.0, 0.5]),
-                                                      strict=True)))  # fmt: skip
+    assert rig.advantages() == pytest.approx(
+        dict(zip(["r-0", "r-1", "r-2", "r-3"], manual([1.0, 0.25, 0.0, 0.5]), strict=True))
+    )
     assert rig.emitted.metrics[0].values["infra"] == 0 and rig.emitted.metrics[0].labels["closed_by"] == "complete"
 
 
 def test_an_infra_failure_on_its_last_attempt_is_final() -> None:
     rig = Rig()
-    rig.feed([traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 2, 3)), traj(2, 0.0),
-              traj(3, 0.5)])  # fmt: skip
+    rig.feed(
+        [traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 2, 3)), traj(2, 0.0), traj(3, 0.5)]
+    )
     assert set(rig.advantages()) == {"r-0", "r-2", "r-3"} and rig.emitted.metrics[0].values["infra"] == 1

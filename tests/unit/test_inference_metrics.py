@@ -11,8 +11,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumers.inference.metrics import EngineMetrics, ServedCounters, hit_rate, stats_values
 from consumers.inference.telemetry import engine_telemetry, nvml_index
 
-READINGS = {"gpu0_util_pct": 12.0, "gpu0_mem_used_bytes": 1.0e9, "gpu0_mem_total_bytes": 8.0e10,
-            "gpu1_util_pct": 97.0, "gpu1_mem_used_bytes": 7.5e10, "gpu1_mem_total_bytes": 8.0e10}  # fmt: skip
+READINGS = {
+    "gpu0_util_pct": 12.0,
+    "gpu0_mem_used_bytes": 1.0e9,
+    "gpu0_mem_total_bytes": 8.0e10,
+    "gpu1_util_pct": 97.0,
+    "gpu1_mem_used_bytes": 7.5e10,
+    "gpu1_mem_total_bytes": 8.0e10,
+}
 
 
 @pytest.mark.parametrize(
@@ -28,8 +34,9 @@ READINGS = {"gpu0_util_pct": 12.0, "gpu0_mem_used_bytes": 1.0e9, "gpu0_mem_total
         ("cuda", "MIG-cccc", ("GPU-aaaa-1", "GPU-bbbb-2"), None),  # a MIG slice: no whole-GPU reading
     ],
 )
-def test_nvml_index_of_the_engine_device(device: str, visible: str | None, uuids: tuple[str, ...],
-                                         index: int | None) -> None:  # fmt: skip
+def test_nvml_index_of_the_engine_device(
+    device: str, visible: str | None, uuids: tuple[str, ...], index: int | None
+) -> None:
     assert nvml_index(device, visible, uuids) == index
 
 
@@ -54,14 +61,28 @@ class _Engine:
 def _scrape(metrics: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     body, content_type = metrics.exposition()
     assert content_type.startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
 
 
 def test_metrics_expose_prefix_cache_cached_tokens_and_gpu() -> None:
-    engine = _Engine({"prefix_cache_queries": 1000.0, "prefix_cache_hits": 900.0, "prefix_cache_blocks": 56.0,
-                      "prefix_cache_bytes": 3.5e6, "prefix_cache_evictions": 2.0, "tokens_generated": 321.0,
-                      "requests_finished": 3.0, "steps": 50.0, "active_sequences": 1.0, "queued_requests": 0.0})
+    engine = _Engine(
+        {
+            "prefix_cache_queries": 1000.0,
+            "prefix_cache_hits": 900.0,
+            "prefix_cache_blocks": 56.0,
+            "prefix_cache_bytes": 3.5e6,
+            "prefix_cache_evictions": 2.0,
+            "tokens_generated": 321.0,
+            "requests_finished": 3.0,
+            "steps": 50.0,
+            "active_sequences": 1.0,
+            "queued_requests": 0.0,
+        }
+    )
     served = ServedCounters()
     served.record(prompt_tokens=500, cached_prompt_tokens=0)
     served.record(prompt_tokens=500, cached_prompt_tokens=480)
@@ -81,8 +102,15 @@ def test_metrics_expose_prefix_cache_cached_tokens_and_gpu() -> None:
 
 
 def test_metrics_before_the_engine_reports_a_prefix_cache_read_zero_and_no_gpu() -> None:
-    engine = _Engine({"tokens_generated": 5.0, "requests_finished": 1.0, "steps": 6.0, "active_sequences": 0.0,
-                      "queued_requests": 0.0})  # fmt: skip
+    engine = _Engine(
+        {
+            "tokens_generated": 5.0,
+            "requests_finished": 1.0,
+            "steps": 6.0,
+            "active_sequences": 0.0,
+            "queued_requests": 0.0,
+        }
+    )
     values = _scrape(EngineMetrics(engine, ServedCounters(), dict))
     assert values[("clawstream_engine_prefix_cache_hits_total", ())] == 0.0
     assert values[("clawstream_engine_prefix_cache_hit_rate", ())] == 0.0

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTRACTS = ("Layers only point down", "No import circles between sibling modules or packages",
-             "No test doubles in shipped code")  # fmt: skip
+CONTRACTS = (
+    "Layers only point down",
+    "No import circles between sibling modules or packages",
+    "No test doubles in shipped code",
+)
 
 
 def test_import_contracts_hold(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,9 +32,15 @@ def _segment(parent: int, tokens: list[int], logprobs: list[float] | None = None
     import numpy as np
 
     trainable = logprobs is not None
-    return TreeSegment(parent=parent, tokens=np.asarray(tokens, "<i4"), trainable=trainable,
-                       logprobs=np.asarray(logprobs or [], "<f4"), policy_version=0, call_id=f"c{parent}",
-                       **(sampling if trainable else {}))  # fmt: skip
+    return TreeSegment(
+        parent=parent,
+        tokens=np.asarray(tokens, "<i4"),
+        trainable=trainable,
+        logprobs=np.asarray(logprobs or [], "<f4"),
+        policy_version=0,
+        call_id=f"c{parent}",
+        **(sampling if trainable else {}),
+    )
 
 
 def test_packed_logprobs_equal_the_engines_under_each_calls_sampling_settings() -> None:
@@ -67,8 +73,17 @@ def test_packed_logprobs_equal_the_engines_under_each_calls_sampling_settings() 
     torch.testing.assert_close(ours[mask], rollout[mask], atol=2e-5, rtol=0)  # log π_old − log π_rollout ≈ 0
 
     # What a learner-wide temperature of 1 without filters computes instead: the weights would be off by design.
-    plain = [_segment(s.parent, s.tokens.tolist(), s.logprobs.tolist() if s.trainable else None,
-                      temperature=1.0, top_p=1.0, top_k=0) for s in segments]  # fmt: skip
+    plain = [
+        _segment(
+            s.parent,
+            s.tokens.tolist(),
+            s.logprobs.tolist() if s.trainable else None,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+        )
+        for s in segments
+    ]
     [plain_row] = pack_trees([plain], 4096)
     with torch.no_grad():
         wrong = packed_logprobs(learner_model, plain_row, only_trainable=True)

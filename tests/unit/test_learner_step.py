@@ -46,8 +46,16 @@ def test_weight_store_round_trip_and_rejections(model_dir: Path, tmp_path: Path)
     assert saved.path.parent.name == "v000003" and len(saved.sha256) == 64
 
     def event(**kw: object) -> WeightVersion:
-        fields = {"policy_version": 3, "timestamp_ms": 0, "model_name": "policy", "step": 3, "uri": saved.uri,
-                  "sha256": saved.sha256, "size_bytes": saved.size_bytes, **kw}  # fmt: skip
+        fields = {
+            "policy_version": 3,
+            "timestamp_ms": 0,
+            "model_name": "policy",
+            "step": 3,
+            "uri": saved.uri,
+            "sha256": saved.sha256,
+            "size_bytes": saved.size_bytes,
+            **kw,
+        }
         return WeightVersion(**fields)  # type: ignore[arg-type]
 
     other = _load(model_dir)
@@ -120,8 +128,9 @@ def test_value_pretraining_fits_rewards_and_ppo_step_trains_policy_and_head(mode
     rewards = [1.0, 0.0, 1.0, 0.0]
     head = ValueHead.for_model(model)
     frozen = {k: v.clone() for k, v in model.state_dict().items()}
-    losses = pretrain_value(model, head, [(t.segments, r) for t, r in zip(trajs, rewards, strict=True)],
-                            steps=150, lr=2e-2, log_every=0)  # fmt: skip
+    losses = pretrain_value(
+        model, head, [(t.segments, r) for t, r in zip(trajs, rewards, strict=True)], steps=150, lr=2e-2, log_every=0
+    )
     assert losses[-1] < 0.5 * losses[0]  # V(s) ≈ R: from 0.25 (V = 0) down
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())  # the policy stayed frozen
 

@@ -158,8 +158,10 @@ class _GradRecorder(torch.optim.SGD):
 
 
 def _chain(segments: list[tuple[list[int], bool]]) -> list[Seg]:
-    return [Seg(i, i - 1, toks, trainable, [0.0] * len(toks) if trainable else []) for i, (toks, trainable) in
-            enumerate(segments)]  # fmt: skip
+    return [
+        Seg(i, i - 1, toks, trainable, [0.0] * len(toks) if trainable else [])
+        for i, (toks, trainable) in enumerate(segments)
+    ]
 
 
 def _plain_trainable_logprobs(model: torch.nn.Module, tree: list[Seg]) -> torch.Tensor:
@@ -323,9 +325,12 @@ def test_ppo_step_moves_values_to_returns_and_policy_with_the_advantage() -> Non
         return out
 
     before = measure()
-    optimizer = torch.optim.AdamW([
-        {"params": list(model.parameters()), "lr": 3e-3}, {"params": list(head.parameters()), "lr": 1e-2},
-    ])  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": list(model.parameters()), "lr": 3e-3},
+            {"params": list(head.parameters()), "lr": 1e-2},
+        ]
+    )
     scored = [ScoredTree(good, 0.0, returns["good"], "h"), ScoredTree(bad, 0.0, returns["bad"], "h")]
     metrics = train_step(model, optimizer, scored, LearnerConfig(algorithm="ppo"), head)
     after = measure()

@@ -22,9 +22,15 @@ def test_happy_paths() -> None:
 
 @pytest.mark.parametrize(
     ("current", "new"),
-    [(S.STARTED, S.STARTED), (S.FAILED, S.STARTED), (S.FAILED, S.HARNESS_EXITED), (None, S.HARNESS_EXITED),
-     (S.TIMED_OUT, S.HARNESS_EXITED), (S.HARNESS_EXITED, S.TIMED_OUT)],
-)  # fmt: skip
+    [
+        (S.STARTED, S.STARTED),
+        (S.FAILED, S.STARTED),
+        (S.FAILED, S.HARNESS_EXITED),
+        (None, S.HARNESS_EXITED),
+        (S.TIMED_OUT, S.HARNESS_EXITED),
+        (S.HARNESS_EXITED, S.TIMED_OUT),
+    ],
+)
 def test_forbidden(current, new) -> None:
     assert not can_transition(current, new)
     with pytest.raises(LifecycleError, match="allowed"):

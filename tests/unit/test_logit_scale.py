@@ -52,7 +52,7 @@ def _tree(model: torch.nn.Module, pick: str, n: int = 4) -> list[Seg]:
         with torch.no_grad():
             last = model(torch.tensor([tokens])).logits[0, -1]  # (V,)
         tokens.append(int(last.argmax() if pick == "max" else last.argmin()))
-    tree = [Seg(0, -1, list(PROMPT), False), Seg(1, 0, tokens[len(PROMPT):], True, [0.0] * n)]
+    tree = [Seg(0, -1, list(PROMPT), False), Seg(1, 0, tokens[len(PROMPT) :], True, [0.0] * n)]
     with torch.no_grad():
         lp = packed_logprobs(model, MicroBatch.from_trees([pack_tree(tree)], [0]), only_trainable=True)  # (T,)
     tree[1].logprobs = lp[len(PROMPT) :].tolist()  # the tree's tokens in order: the prompt's, then the generated

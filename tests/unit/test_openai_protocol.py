@@ -28,9 +28,25 @@ def test_defaults_match_vllm() -> None:
 
 
 def test_prompt_forms_and_sampling_fields() -> None:
-    req = _parse({"model": "tiny", "prompt": [[1, 2], [3]], "max_tokens": 5, "temperature": 0, "top_p": 0.9,
-                  "top_k": -1, "seed": 7, "n": 2, "stop_token_ids": [4], "logprobs": 3, "ignore_eos": True,
-                  "return_token_ids": True, "stream": False, "echo": False, "unknown_field": 1})  # fmt: skip
+    req = _parse(
+        {
+            "model": "tiny",
+            "prompt": [[1, 2], [3]],
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.9,
+            "top_k": -1,
+            "seed": 7,
+            "n": 2,
+            "stop_token_ids": [4],
+            "logprobs": 3,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": False,
+            "echo": False,
+            "unknown_field": 1,
+        }
+    )
     assert req.prompts == [[1, 2], [3]] and req.return_token_ids
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.n) == (5, 0.0, 0.9, -1, 7, 2)
@@ -91,27 +107,56 @@ def test_aliases_are_accepted_and_answered_as_the_served_name() -> None:
 
 def _result() -> GenerationResult:
     outputs = [
-        SequenceOutput(0, 0, [3, 4], [-0.5, float("-inf")], [[(3, -0.5), (9, -0.1)], [(4, float("-inf")), (9, -0.2)]],
-                       "length", None),
+        SequenceOutput(
+            0,
+            0,
+            [3, 4],
+            [-0.5, float("-inf")],
+            [[(3, -0.5), (9, -0.1)], [(4, float("-inf")), (9, -0.2)]],
+            "length",
+            None,
+        ),
         SequenceOutput(0, 1, [7], [-1.0], [[(7, -1.0), (9, -0.3)]], "stop", 7),
         SequenceOutput(1, 0, [5], [-2.0], [[(5, -2.0), (5, -2.0)]], "stop", None),
-    ]  # fmt: skip
+    ]
     return GenerationResult("cmpl-x", [[1, 2], [8]], outputs, policy_version=6, queued_s=0.0, total_s=0.1)
 
 
 def test_response_has_vllm_shapes_and_our_policy_version() -> None:
     req = _parse({"prompt": [[1, 2], [8]], "n": 2, "logprobs": 1, "return_token_ids": True})
-    body = completion_response(_result(), req, decode=lambda ids: "".join(f"<{i}>" for i in ids),
-                               token_text=lambda i: f"t{i}", created=123)  # fmt: skip
-    assert set(body) == {"id", "object", "created", "model", "choices", "system_fingerprint", "usage",
-                         "policy_version", "engine_telemetry"}  # fmt: skip
+    body = completion_response(
+        _result(), req, decode=lambda ids: "".join(f"<{i}>" for i in ids), token_text=lambda i: f"t{i}", created=123
+    )
+    assert set(body) == {
+        "id",
+        "object",
+        "created",
+        "model",
+        "choices",
+        "system_fingerprint",
+        "usage",
+        "policy_version",
+        "engine_telemetry",
+    }
     assert (body["id"], body["object"], body["created"], body["model"]) == ("cmpl-x", "text_completion", 123, "tiny")
     assert body["policy_version"] == 6 and body["engine_telemetry"] is None
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     first, second, third = body["choices"]
-    assert set(first) == {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                          "prompt_logprobs", "prompt_token_ids"}  # fmt: skip
+    assert set(first) == {
+        "index",
+        "text",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+        "token_ids",
+        "prompt_logprobs",
+        "prompt_token_ids",
+    }
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert first["text"] == "<3><4>" and first["finish_reason"] == "length" and first["stop_reason"] is None
     assert first["token_ids"] == [3, 4] and first["prompt_token_ids"] == [1, 2] and third["prompt_token_ids"] == [8]
@@ -126,8 +171,9 @@ def test_response_has_vllm_shapes_and_our_policy_version() -> None:
 def test_without_logprobs_or_token_ids_the_fields_are_null() -> None:
     req = _parse({"prompt": [[1, 2], [8]], "n": 2})
     body = completion_response(_result(), req, decode=str, token_text=str)
-    assert all(c["logprobs"] is None and c["token_ids"] is None and c["prompt_token_ids"] is None
-               for c in body["choices"])  # fmt: skip
+    assert all(
+        c["logprobs"] is None and c["token_ids"] is None and c["prompt_token_ids"] is None for c in body["choices"]
+    )
 
 
 def test_cached_tokens_are_summed_over_prompts_as_prompt_tokens_details() -> None:

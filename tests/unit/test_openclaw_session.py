@@ -24,9 +24,13 @@ def records(sid: str, answer: str) -> list[dict]:
     return [
         {"type": "session", "version": 4, "id": sid, "timestamp": "2026-12-01T00:00:00.000Z", "cwd": "/ws"},
         {"type": "message", "id": "u", "parentId": None, "message": {"role": "user", "content": "Say hi"}},
-        {"type": "message", "id": "a", "parentId": "u",
-         "message": {"role": "assistant", "content": [{"type": "text", "text": answer}]}},
-    ]  # fmt: skip
+        {
+            "type": "message",
+            "id": "a",
+            "parentId": "u",
+            "message": {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        },
+    ]
 
 
 def agent_db(state: Path, sessions: dict[str, list[dict | bytes]], agent: str = "main") -> Path:
@@ -38,8 +42,11 @@ def agent_db(state: Path, sessions: dict[str, list[dict | bytes]], agent: str = 
         con.execute("INSERT INTO session_nodes VALUES (?, ?, '{}', ?)", (f"agent:{agent}:explicit:{sid}", sid, 100 + n))
         for seq, row in enumerate(rows):
             text, blob = (None, row) if isinstance(row, bytes) else (json.dumps(row), None)
-            con.execute("INSERT INTO transcript_events (session_id, seq, event_json, created_at, event_zstd) "
-                        "VALUES (?, ?, ?, 0, ?)", (sid, seq, text, blob))  # fmt: skip
+            con.execute(
+                "INSERT INTO transcript_events (session_id, seq, event_json, created_at, event_zstd) "
+                "VALUES (?, ?, ?, 0, ?)",
+                (sid, seq, text, blob),
+            )
     con.commit()
     con.close()
     return db
@@ -53,7 +60,8 @@ def test_export_writes_the_session_files_pinchbench_reads(tmp_path: Path) -> Non
     sessions = state / "agents" / "main" / "sessions"
     assert written == [sessions / "s1.jsonl"]
     assert json.loads((sessions / "sessions.json").read_text()) == {
-        "agent:main:explicit:s1": {"sessionId": "s1", "updatedAt": 100}}  # fmt: skip
+        "agent:main:explicit:s1": {"sessionId": "s1", "updatedAt": 100}
+    }
     found = find_openclaw_session(home)
     assert found == sessions / "s1.jsonl"
     assert parse_session_jsonl(found.read_text()) == records("s1", "Hello, I'm ready!")

@@ -151,7 +151,9 @@ def test_a_tree_over_the_budget_gets_rows_of_its_own_and_a_path_over_the_limit_i
     branching = [seg(0, -1, list(range(1, 7)), False), seg(1, 0, [7, 8, 9], True), seg(2, 0, [10, 11, 12], True)]
     batches = pack_trees([branching], token_budget=10)  # 12 tokens: one chain row per path
     assert [(mb.tree_indices, mb.input_ids.tolist()) for mb in batches] == [
-        ((0,), [1, 2, 3, 4, 5, 6, 7, 8, 9]), ((0,), [1, 2, 3, 4, 5, 6, 10, 11, 12])]  # fmt: skip
+        ((0,), [1, 2, 3, 4, 5, 6, 7, 8, 9]),
+        ((0,), [1, 2, 3, 4, 5, 6, 10, 11, 12]),
+    ]
     with pytest.raises(PackError, match=r"tree 1: a root-to-leaf path of 11 tokens is longer than the 10"):
         pack_trees([tree_of(3), tree_of(11)], token_budget=8, max_path_tokens=10)
     with pytest.raises(PackError, match="positive"):
@@ -349,9 +351,21 @@ def test_logprobs_use_each_tokens_own_sampling_settings_as_the_engine_does() -> 
     assert mb.uses_top_k and mb.uses_top_p
     with torch.no_grad():
         got = packed_logprobs(model, mb, only_trainable=True)
-        plain = packed_logprobs(model, MicroBatch.from_trees([pack_tree([Seg(**{
-            k: getattr(x, k) for k in ("index", "parent", "tokens", "trainable", "logprobs")}) for x in tree])], [0]),
-            only_trainable=True)  # fmt: skip
+        plain = packed_logprobs(
+            model,
+            MicroBatch.from_trees(
+                [
+                    pack_tree(
+                        [
+                            Seg(**{k: getattr(x, k) for k in ("index", "parent", "tokens", "trainable", "logprobs")})
+                            for x in tree
+                        ]
+                    )
+                ],
+                [0],
+            ),
+            only_trainable=True,
+        )
     starts = [0]
     for x in tree:
         starts.append(starts[-1] + len(x.tokens))
@@ -366,10 +380,11 @@ def test_logprobs_use_each_tokens_own_sampling_settings_as_the_engine_does() -> 
             for j, token in enumerate(seg_.tokens):
                 if seg_.trainable and k > 0:
                     ref = processed_logprobs(  # the engine's own maths, on the plain causal run of the path
-                        logits[k - 1 : k], torch.tensor([seg_.temperature]),
+                        logits[k - 1 : k],
+                        torch.tensor([seg_.temperature]),
                         torch.tensor([seg_.top_k]) if seg_.top_k else None,
                         torch.tensor([seg_.top_p]) if seg_.top_p < 1 else None,
-                    )[0, token].clamp(min=-9999.0)  # fmt: skip
+                    )[0, token].clamp(min=-9999.0)
                     torch.testing.assert_close(got[starts[i] + j], ref, atol=1e-5, rtol=0)
                     checked += 1
                 k += 1

@@ -33,8 +33,14 @@ from tests.support.tiny_model import tiny_model  # noqa: E402
 
 VOCAB = 64
 # As in tests/unit/test_pack.py: an untied head and a large init, so a wrong mask or position visibly moves logprobs.
-PACK_MODEL = {"vocab_size": VOCAB, "initializer_range": 0.5, "tie_word_embeddings": False, "pad_token_id": None,
-              "eos_token_id": None, "max_position_embeddings": 256}  # fmt: skip
+PACK_MODEL = {
+    "vocab_size": VOCAB,
+    "initializer_range": 0.5,
+    "tie_word_embeddings": False,
+    "pad_token_id": None,
+    "eos_token_id": None,
+    "max_position_embeddings": 256,
+}
 
 
 def seg(index: int, parent: int, tokens: list[int], trainable: bool) -> Seg:
@@ -160,11 +166,14 @@ def test_savings_match_a_brute_force_trie_and_the_rows_built_on_random_roots() -
     g = torch.Generator().manual_seed(11)
     for case in range(60):
         # Roots over a 3-letter alphabet from a few stems, so prefixes of every length are shared.
-        stems = [torch.randint(1, 4, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(3)]  # fmt: skip
-        roots = [stems[int(torch.randint(0, 3, (1,), generator=g))]
-                 + torch.randint(1, 4, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(int(torch.randint(1, 7, (1,), generator=g)))]  # fmt: skip
+        stems = [
+            torch.randint(1, 4, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(3)
+        ]
+        roots = [
+            stems[int(torch.randint(0, 3, (1,), generator=g))]
+            + torch.randint(1, 4, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(int(torch.randint(1, 7, (1,), generator=g)))
+        ]
         min_tokens = case % 5
         prefixes = [tuple(r) for r in roots]
         lengths = shared_lengths(prefixes, min_tokens)
@@ -179,8 +188,12 @@ def test_savings_match_a_brute_force_trie_and_the_rows_built_on_random_roots() -
         shared = row(trees, share=min_tokens) if min_tokens else row(trees, share=1)
         expected = shared_savings(prefixes, max(min_tokens, 1))
         assert plain - shared.num_tokens == expected and shared.shared_tokens == len(
-            {p[:k] for p, n in zip(prefixes, shared_lengths(prefixes, max(min_tokens, 1)), strict=True)
-             for k in range(1, n + 1)})  # fmt: skip
+            {
+                p[:k]
+                for p, n in zip(prefixes, shared_lengths(prefixes, max(min_tokens, 1)), strict=True)
+                for k in range(1, n + 1)
+            }
+        )
 
 
 # ---------------------------------------------------------------- bin packing
@@ -204,14 +217,16 @@ def test_rows_fill_by_tokens_after_sharing() -> None:
     # Trees that share nothing: first-fit decreasing exactly as without sharing.
     distinct = [chain(list(range(100 * k, 100 * k + 20)), [1]) for k in range(1, 6)]
     assert [mb.tree_indices for mb in pack_trees(distinct, 50, share_prefix_min=16)] == [
-        mb.tree_indices for mb in pack_trees(distinct, 50)]  # fmt: skip
+        mb.tree_indices for mb in pack_trees(distinct, 50)
+    ]
     # fill_rows' bookkeeping matches the rows actually built.
     packed = [pack_tree(t) for t in trees]
     for rows in (fill_rows(packed, 30, 16), fill_rows(packed, 1000, 16)):
         for r in rows:
             mb = MicroBatch.from_trees([packed[k] for k in r], r, share_prefix_min=16)
             assert mb.num_tokens == sum(packed[k].num_tokens for k in r) - shared_savings(
-                [p for k in r for p in root_prefixes(packed[k])], 16)  # fmt: skip
+                [p for k in r for p in root_prefixes(packed[k])], 16
+            )
 
 
 def test_trees_over_the_budget_keep_rows_of_their_own() -> None:
@@ -254,18 +269,31 @@ def model_trees(sampled: bool = False) -> list[list[Seg]]:
         return make(i, parent, tokens, trainable, lp, **extra)
 
     return [
-        [s(0, -1, sys["a"] + user[0], False), s(1, 0, rand(g, 4), True), s(2, 1, rand(g, 3), False),
-         s(3, 2, rand(g, 3), True)],
+        [
+            s(0, -1, sys["a"] + user[0], False),
+            s(1, 0, rand(g, 4), True),
+            s(2, 1, rand(g, 3), False),
+            s(3, 2, rand(g, 3), True),
+        ],
         [s(0, -1, sys["a"] + user[0], False), s(1, 0, rand(g, 3), True), s(2, 0, rand(g, 5), True)],
-        [s(0, -1, sys["a"] + user[1] + rand(g, 2), False), s(1, 0, rand(g, 3), True), s(2, 1, rand(g, 2), True),
-         s(3, 1, rand(g, 2), False), s(4, 3, rand(g, 3), True)],
+        [
+            s(0, -1, sys["a"] + user[1] + rand(g, 2), False),
+            s(1, 0, rand(g, 3), True),
+            s(2, 1, rand(g, 2), True),
+            s(3, 1, rand(g, 2), False),
+            s(4, 3, rand(g, 3), True),
+        ],
         [s(0, -1, sys["b"] + user[2], False), s(1, 0, rand(g, 4), True)],
         [s(0, -1, sys["b"], False), s(1, 0, user[2][:3] + rand(g, 2), False), s(2, 1, rand(g, 3), True)],
-        [s(0, -1, sys["b"] + user[2][:2], False), s(1, 0, rand(g, 3), True), s(2, -1, sys["b"] + rand(g, 3), False),
-         s(3, 2, rand(g, 2), True)],
+        [
+            s(0, -1, sys["b"] + user[2][:2], False),
+            s(1, 0, rand(g, 3), True),
+            s(2, -1, sys["b"] + rand(g, 3), False),
+            s(3, 2, rand(g, 2), True),
+        ],
         [s(0, -1, sys["a"][:20], True), s(1, 0, rand(g, 3), False), s(2, 1, rand(g, 2), True)],
         [s(0, -1, rand(g, 30), False), s(1, 0, rand(g, 3), True)],  # shares nothing
-    ]  # fmt: skip
+    ]
 
 
 def trainable_by_rollout(rows: list[MicroBatch], logps: list[torch.Tensor]) -> dict[int, tuple[list[int], Any]]:
@@ -353,8 +381,9 @@ def scored(trees: list[list[Seg]]) -> list[ScoredTree]:
     return [ScoredTree(t, advantages[k % 8], float(k % 2), "agentloop") for k, t in enumerate(trees)]
 
 
-def step_on_copy(model: torch.nn.Module, trees: list[ScoredTree], config: LearnerConfig,
-                 ppo: bool = False) -> tuple[dict[str, float], list[torch.Tensor]]:  # fmt: skip
+def step_on_copy(
+    model: torch.nn.Module, trees: list[ScoredTree], config: LearnerConfig, ppo: bool = False
+) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One train_step with SGD(lr=1) and no clipping on a copy of the model: (metrics, -gradient of every param)."""
     m = copy.deepcopy(model)
     head = ValueHead.for_model(m) if ppo else None
@@ -376,8 +405,13 @@ def test_learner_step_loss_and_gradients_equal_with_and_without_sharing(
 ) -> None:
     model = tiny_model(2, "sdpa", **PACK_MODEL)
     trees = scored(model_trees(sampled=True))
-    common = {"algorithm": algorithm, "mini_batches": mini_batches, "aggregation": aggregation,
-              "max_grad_norm": 0.0, "token_budget": 400}  # fmt: skip
+    common = {
+        "algorithm": algorithm,
+        "mini_batches": mini_batches,
+        "aggregation": aggregation,
+        "max_grad_norm": 0.0,
+        "token_budget": 400,
+    }
     m_on, g_on = step_on_copy(model, trees, LearnerConfig(**common, share_prefix_min=8), ppo=algorithm == "ppo")
     m_off, g_off = step_on_copy(model, trees, LearnerConfig(**common, share_prefix_min=0), ppo=algorithm == "ppo")
     assert LearnerConfig().share_prefix_min == DEFAULT_MIN_TOKENS > 0  # on by default
@@ -422,9 +456,20 @@ def real_rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     trees = []
     for ep in build_episodes(tokenizer, train_tasks(2)):  # 2 tasks x 2 dialects, the real built-in loop
-        calls = [TreeCall(call_id=f"c{i}", seq=i, parent_call_id=None, shared_prefix_len=0, new_tokens=p,
-                          generated_tokens=gen, logprobs=[-0.3] * len(gen), call_kind="main", policy_version=0)
-                 for i, (p, gen) in enumerate(ep.turns)]  # fmt: skip
+        calls = [
+            TreeCall(
+                call_id=f"c{i}",
+                seq=i,
+                parent_call_id=None,
+                shared_prefix_len=0,
+                new_tokens=p,
+                generated_tokens=gen,
+                logprobs=[-0.3] * len(gen),
+                call_kind="main",
+                policy_version=0,
+            )
+            for i, (p, gen) in enumerate(ep.turns)
+        ]
         trees += [build_tree(calls).segments] * 2  # two rollouts of each task and dialect (greedy: the same)
     return model_dir, trees
 
@@ -444,7 +489,8 @@ def test_real_agent_loop_rollouts_share_their_dialects_system_prompt(real_rollou
     system = [common_prefix_len(roots[0], roots[4]), common_prefix_len(roots[2], roots[6])]
     assert min(system) > 400  # the ~434-token system prompt + tool schemas of the quickstart
     assert on[0].shared_tokens == header + sum(s - header for s in system) + sum(
-        len(roots[k]) - system[(k // 2) % 2] for k in (0, 2, 4, 6))  # fmt: skip
+        len(roots[k]) - system[(k // 2) % 2] for k in (0, 2, 4, 6)
+    )
     saved = sum(len(r) for r in roots) - on[0].shared_tokens
     assert off[0].num_tokens - on[0].num_tokens == saved
     assert off[0].num_tokens / on[0].num_tokens > 2

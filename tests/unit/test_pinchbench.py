@@ -51,8 +51,15 @@ PUBLISHED = {
     "assets/quarterly_sales.csv": "2df343c99fe18c1718885c740861036f28d2f78f",
     "assets/company_expenses.xlsx": "3aecd38f464ffed4d89befe5a34df3a0f191432a",
 }
-AVAILABLE = {"task_00_sanity", "task_08_memory", "task_10_workflow", "task_13_image_gen", "task_14_humanizer",
-             "task_16_market_research", "task_18_spreadsheet_summary"}  # fmt: skip
+AVAILABLE = {
+    "task_00_sanity",
+    "task_08_memory",
+    "task_10_workflow",
+    "task_13_image_gen",
+    "task_14_humanizer",
+    "task_16_market_research",
+    "task_18_spreadsheet_summary",
+}
 
 
 def suite():
@@ -117,12 +124,15 @@ def test_per_task_problems_do_not_stop_the_suite(tmp_path: Path) -> None:
     (root / "tasks" / "task_31_dup.md").write_text(dup)
     (root / "tasks" / "task_32_nocheck.md").write_text(dup.replace("```python", "```text"))
     (root / "tasks" / "task_32_nocheck.md").write_text(
-        (root / "tasks" / "task_32_nocheck.md").read_text().replace("id: task_00_sanity", "id: task_32_nocheck"))
+        (root / "tasks" / "task_32_nocheck.md").read_text().replace("id: task_00_sanity", "id: task_32_nocheck")
+    )
     s = load_suite(str(root))
     assert set(s.tasks) == AVAILABLE
     assert "invalid YAML" in s.unavailable["task_30_broken"]
-    assert s.unavailable["task_00_sanity (task_31_dup.md)"] == "tasks/task_31_dup.md: id task_00_sanity is taken by " \
-                                                              "task_00_sanity.md"  # fmt: skip
+    assert (
+        s.unavailable["task_00_sanity (task_31_dup.md)"] == "tasks/task_31_dup.md: id task_00_sanity is taken by "
+        "task_00_sanity.md"
+    )
     assert "no ```python block" in s.unavailable["task_32_nocheck"]
     assert "GPT4.pdf" in s.unavailable["task_20_eli5_pdf_summary"]
     for md in (root / "tasks").glob("*.md"):
@@ -140,11 +150,22 @@ CLAUDE_SYSTEM = [{"type": "text", "text": "You are Claude Code, Anthropic's offi
 def claude_code_messages(prompt: str, turns: list[tuple[ToolCall, str]], final: str) -> list[dict]:
     """The conversation a Claude Code run sends the proxy (Anthropic Messages) and the last answer, as the seal
     reports it: the proxy's own parser + ``transcript_messages``."""
-    msgs: list[dict] = [{"role": "user", "content": [{"type": "text", "text": "<system-reminder>x</system-reminder>"},
-                                                     {"type": "text", "text": prompt}]}]  # fmt: skip
+    msgs: list[dict] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "<system-reminder>x</system-reminder>"},
+                {"type": "text", "text": prompt},
+            ],
+        }
+    ]
     for call, result in turns:
-        msgs.append({"role": "assistant", "content": [
-            {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}]})
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}],
+            }
+        )
         msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]})
     conv = parse_anthropic({"model": "policy", "max_tokens": 256, "system": CLAUDE_SYSTEM, "messages": msgs})
     return transcript_messages(conv.conversation, Message("assistant", final))
@@ -170,13 +191,19 @@ async def test_sanity_scores_a_correct_non_openclaw_run(tmp_path: Path) -> None:
 async def test_transcript_checks_see_tool_calls_of_a_non_openclaw_run(tmp_path: Path) -> None:
     s = suite()
     research = s.get("task_16_market_research")
-    report = ("# Executive Summary\n## Datadog\n## New Relic\n## Dynatrace\n## Splunk\n## Grafana\n## Trends\n"
-              "| vendor | pricing |\n|---|---|\n| Datadog | $15 per host |\nSubscription cost, free tier. "
-              "OpenTelemetry, AI/ML and cloud-native consolidation trends.\n")  # fmt: skip
-    messages = claude_code_messages(research.prompt, [
-        (ToolCall("toolu_1", "WebSearch", {"query": "APM market 2026"}), "Datadog, Dynatrace lead ..."),
-        (ToolCall("toolu_2", "Write", {"file_path": "market_research.md", "content": report}), "File created"),
-    ], "Saved the analysis to market_research.md.")  # fmt: skip
+    report = (
+        "# Executive Summary\n## Datadog\n## New Relic\n## Dynatrace\n## Splunk\n## Grafana\n## Trends\n"
+        "| vendor | pricing |\n|---|---|\n| Datadog | $15 per host |\nSubscription cost, free tier. "
+        "OpenTelemetry, AI/ML and cloud-native consolidation trends.\n"
+    )
+    messages = claude_code_messages(
+        research.prompt,
+        [
+            (ToolCall("toolu_1", "WebSearch", {"query": "APM market 2026"}), "Datadog, Dynatrace lead ..."),
+            (ToolCall("toolu_2", "Write", {"file_path": "market_research.md", "content": report}), "File created"),
+        ],
+        "Saved the analysis to market_research.md.",
+    )
     write = lambda ws: (ws / "market_research.md").write_text(report)  # noqa: E731
     result = await graded(research, tmp_path, write, messages=messages)  # hybrid, no judge: the automated part
     assert result.status == RewardStatus.UNGRADED and result.sub_scores["used_web_search"] == 1.0
@@ -185,33 +212,75 @@ async def test_transcript_checks_see_tool_calls_of_a_non_openclaw_run(tmp_path: 
     assert (await graded(research, tmp_path, write, messages=no_search)).sub_scores["used_web_search"] == 0.0
 
     image = s.get("task_13_image_gen")  # an OpenAI Chat harness with an image tool (agentloop, opencode, Qwen Code)
-    chat = parse_openai_chat({"model": "policy", "messages": [
-        {"role": "system", "content": "You are an agent."}, {"role": "user", "content": image.prompt},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "generate_image", "arguments": json.dumps({"prompt": "robot reading a book in a cafe",
-                                                               "path": "robot_cafe.png"})}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "saved robot_cafe.png"}]}).conversation  # fmt: skip
+    chat = parse_openai_chat(
+        {
+            "model": "policy",
+            "messages": [
+                {"role": "system", "content": "You are an agent."},
+                {"role": "user", "content": image.prompt},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {
+                                "name": "generate_image",
+                                "arguments": json.dumps(
+                                    {"prompt": "robot reading a book in a cafe", "path": "robot_cafe.png"}
+                                ),
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "saved robot_cafe.png"},
+            ],
+        }
+    ).conversation
     messages = transcript_messages(chat, Message("assistant", "I generated the image and saved it as robot_cafe.png."))
-    result = await graded(image, tmp_path, lambda ws: (ws / "robot_cafe.png").write_bytes(b"\x89PNG"),
-                          messages=messages)  # fmt: skip
+    result = await graded(
+        image, tmp_path, lambda ws: (ws / "robot_cafe.png").write_bytes(b"\x89PNG"), messages=messages
+    )
     subs = result.sub_scores
     assert (subs["used_image_tool"], subs["confirmed_generation"], subs["file_saved"]) == (1.0, 1.0, 1.0)
 
 
 async def test_memory_task_with_qwen_code_shaped_run(tmp_path: Path) -> None:
     task = suite().get("task_08_memory")
-    chat = parse_openai_chat({"model": "policy", "messages": [
-        {"role": "system", "content": "You are Qwen Code."}, {"role": "user", "content": task.prompt},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-            "name": "read_file", "arguments": '{"absolute_path": "notes.md"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "Beta Release: June 1, 2024"}]}).conversation  # fmt: skip
+    chat = parse_openai_chat(
+        {
+            "model": "policy",
+            "messages": [
+                {"role": "system", "content": "You are Qwen Code."},
+                {"role": "user", "content": task.prompt},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "read_file", "arguments": '{"absolute_path": "notes.md"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "Beta Release: June 1, 2024"},
+            ],
+        }
+    ).conversation
     messages = transcript_messages(chat, Message("assistant", "The beta release deadline is June 1, 2024."))
     answer = lambda ws: (ws / "answer.txt").write_text("The beta release deadline is June 1, 2024.")  # noqa: E731
     result = await graded(task, tmp_path, answer, messages=messages)
     # read_notes looks for tool "read_file"/"readFile" with params.files — a key OpenClaw's records never carry
     # (their arguments are under "arguments"), so it is 0 here exactly as for OpenClaw itself
-    assert result.sub_scores == {"file_created": 1.0, "correct_date": 1.0, "clear_answer": 1.0, "read_notes": 0.0,
-                                 "no_hallucination": 1.0}  # fmt: skip
+    assert result.sub_scores == {
+        "file_created": 1.0,
+        "correct_date": 1.0,
+        "clear_answer": 1.0,
+        "read_notes": 0.0,
+        "no_hallucination": 1.0,
+    }
     assert result.reward == pytest.approx(0.8)
     assert (await graded(task, tmp_path, messages=messages)).reward == 0.0  # no answer.txt
 
@@ -239,7 +308,7 @@ async def test_worker_grades_from_the_sealed_conversation(tmp_path: Path) -> Non
     """One rollout attempt through the worker's path (sandbox → harness → seal → grade) on task_00_sanity with a
     non-OpenClaw harness: the transcript comes from what the seal reports."""
     task = suite().get("task_00_sanity")
-    harness = S.python_adapter("claude-like", "print('{\"type\": \"result\", \"result\": \"Hello\"}')")
+    harness = S.python_adapter("claude-like", 'print(\'{"type": "result", "result": "Hello"}\')')
 
     async def reward_of(messages: list[dict] | None, adapter=harness) -> float | None:
         sink = ListSink()
@@ -248,10 +317,14 @@ async def test_worker_grades_from_the_sealed_conversation(tmp_path: Path) -> Non
             return "", ""
 
         ctx = RolloutContext(
-            backend=LocalBackend(SandboxSettings(root=tmp_path / "sbx")), proxy=SealingProxy(messages),
-            catalog=SuiteCatalog({"pinch": str(PINCH)}), adapters={adapter.name: adapter}, sink=sink,
-            settings=SandboxSettings(), resolve_exe=resolve,
-        )  # fmt: skip
+            backend=LocalBackend(SandboxSettings(root=tmp_path / "sbx")),
+            proxy=SealingProxy(messages),
+            catalog=SuiteCatalog({"pinch": str(PINCH)}),
+            adapters={adapter.name: adapter},
+            sink=sink,
+            settings=SandboxSettings(),
+            resolve_exe=resolve,
+        )
         out = await execute(S.request(task.task_id, adapter.name, suite="pinch", timeout_s=30), ctx)
         assert out.cleanup is not None and out.cleanup.clean
         (reward,) = sink.rewards
@@ -277,8 +350,9 @@ def openclaw_home(records: list[dict]):
 
 async def test_openclaw_own_session_file_is_read_for_openclaw_only(tmp_path: Path) -> None:
     task = suite().get("task_00_sanity")
-    answered = session_transcript([{"role": "user", "content": task.prompt},
-                                   {"role": "assistant", "content": "Hello, I'm ready!"}])  # fmt: skip
+    answered = session_transcript(
+        [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": "Hello, I'm ready!"}]
+    )
     silent = [{"role": "user", "content": task.prompt}]
     # OpenClaw (session_dir set): its own file wins over the proxy's record
     own = await graded(task, tmp_path, home=openclaw_home(answered), messages=silent, session_dir=".openclaw/agents")
@@ -293,17 +367,22 @@ async def test_openclaw_own_session_file_is_read_for_openclaw_only(tmp_path: Pat
 async def test_runner_averages_as_the_benchmark(tmp_path: Path) -> None:
     root = tmp_path / "pb"
     (root / "tasks").mkdir(parents=True)
-    check = ('def grade(transcript, workspace_path):\n    print("noise", {"x": 1})\n    print(0.9)\n'
-             '    return {"a": True, "b": 0.0, "note": "text", "c": "0.5"}\n')  # fmt: skip
+    check = (
+        'def grade(transcript, workspace_path):\n    print("noise", {"x": 1})\n    print(0.9)\n'
+        '    return {"a": True, "b": 0.0, "note": "text", "c": "0.5"}\n'
+    )
     (root / "tasks" / "task_01_x.md").write_text(
         f"---\nid: task_01_x\ngrading_type: automated\n---\n\n## Prompt\n\nDo x.\n\n## Automated Checks\n\n"
-        f"```python\n{check}```\n")  # fmt: skip
+        f"```python\n{check}```\n"
+    )
     (root / "tasks" / "task_02_y.md").write_text(
         "---\nid: task_02_y\ngrading_type: automated\n---\n\n## Prompt\n\nDo y.\n\n## Automated Checks\n\n"
-        "```python\ndef grade(transcript, workspace_path):\n    return None\n```\n")  # fmt: skip
+        "```python\ndef grade(transcript, workspace_path):\n    return None\n```\n"
+    )
     (root / "tasks" / "task_03_z.md").write_text(
         "---\nid: task_03_z\ngrading_type: automated\n---\n\n## Prompt\n\nDo z.\n\n## Automated Checks\n\n"
-        "```python\ndef grade(transcript, workspace_path):\n    raise ValueError('bad file')\n```\n")  # fmt: skip
+        "```python\ndef grade(transcript, workspace_path):\n    raise ValueError('bad file')\n```\n"
+    )
     s = load_suite(str(root))
     assert s.get("task_01_x").timeout_s == 120  # the benchmark's default
     x = await graded(s.get("task_01_x"), tmp_path)
@@ -322,7 +401,10 @@ def test_parse_judge_reply_as_the_benchmark() -> None:
     assert parse('{"scores": {"a": 1.0, "b": 0.5}, "total": 0.8, "notes": "ok"}') == (0.8, {"a": 1.0, "b": 0.5}, "ok")
     assert parse('Sure!\n```json\n{"score": 0.7, "justification": "fine"}\n```') == (0.7, {}, "fine")
     assert parse('{"criteria_scores": {"a": {"score": "0.5", "weight": 1}, "b": {"score": 1}}}') == (
-        0.75, {"a": 0.5, "b": 1.0}, "")
+        0.75,
+        {"a": 0.5, "b": 1.0},
+        "",
+    )
     assert parse('{"x": 1} then {"scores": {"a": 0.2}, "total": 0.2}')[0] == 0.2  # the one with scores
     assert parse("I think. Total score: 0.65")[0] == 0.65  # prose fallback
     assert parse("no idea")[0] is None and parse("")[0] is None
@@ -347,14 +429,21 @@ async def test_judge_and_hybrid_weights(tmp_path: Path) -> None:
     try:
         humanizer = s.get("task_14_humanizer")
         assert (await graded(humanizer, tmp_path)).status == RewardStatus.UNGRADED  # no judge URL
-        messages = claude_code_messages(humanizer.prompt, [
-            (ToolCall("toolu_1", "Read", {"file_path": "ai_blog.txt"}), "In today's fast-paced world ..."),
-            (ToolCall("toolu_2", "Write", {"file_path": "humanized_blog.txt", "content": "Look, ..."}), "ok"),
-        ], "Rewrote it by hand.")  # fmt: skip
+        messages = claude_code_messages(
+            humanizer.prompt,
+            [
+                (ToolCall("toolu_1", "Read", {"file_path": "ai_blog.txt"}), "In today's fast-paced world ..."),
+                (ToolCall("toolu_2", "Write", {"file_path": "humanized_blog.txt", "content": "Look, ..."}), "ok"),
+            ],
+            "Rewrote it by hand.",
+        )
         replies.append('{"scores": {"skill_usage": 0.75, "quality": 0.65}, "total": 0.7, "notes": "manual"}')
         judged = await graded(humanizer, tmp_path, messages=messages, judge_url=url, judge_model="judge-m")
         assert (judged.status, judged.reward, judged.sub_scores) == (
-            RewardStatus.OK, 0.7, {"skill_usage": 0.75, "quality": 0.65})
+            RewardStatus.OK,
+            0.7,
+            {"skill_usage": 0.75, "quality": 0.65},
+        )
         body = seen[-1]
         assert body["model"] == "judge-m" and body["temperature"] == 0 and len(body["messages"]) == 1
         prompt = body["messages"][0]["content"]

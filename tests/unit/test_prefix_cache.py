@@ -179,8 +179,7 @@ def test_a_weight_swap_drops_the_cache_and_answers_as_a_fresh_engine_on_the_new_
 
 
 def test_concurrent_requests_share_a_prefix_as_soon_as_one_has_computed_it(model: torch.nn.Module) -> None:
-    engine = Engine(model, eos_token_ids=[EOS], prefix_block_size=BLOCK, prefill_chunk_tokens=8,
-                    max_prefill_tokens=8)  # fmt: skip
+    engine = Engine(model, eos_token_ids=[EOS], prefix_block_size=BLOCK, prefill_chunk_tokens=8, max_prefill_tokens=8)
     shared = _tokens(40, 7)
     got: dict[str, GenerationResult | BaseException] = {}
     engine.submit([shared + [1, 2]], PARAMS, lambda r: got.__setitem__("a", r))

@@ -22,9 +22,17 @@ from tests.support.scripted_engine import tool_call_text
 
 def test_claude_code_request_places_both_system_prompts_and_ignores_unknown_fields() -> None:
     first = H.claude_first_user()
-    answer = {"content": [{"type": "thinking", "thinking": "plan", "signature": "x"},
-                          {"type": "tool_use", "id": "toolu_1", "name": "Write",
-                           "input": {"file_path": "/w/hello.txt", "content": "hi"}}]}  # fmt: skip
+    answer = {
+        "content": [
+            {"type": "thinking", "thinking": "plan", "signature": "x"},
+            {
+                "type": "tool_use",
+                "id": "toolu_1",
+                "name": "Write",
+                "input": {"file_path": "/w/hello.txt", "content": "hi"},
+            },
+        ]
+    }
     body = H.claude_request([first, *H.claude_followup(answer, "File created")], stream=True)
     body["messages"][-1]["content"].append({"type": "text", "text": "<system-reminder>x</system-reminder>"})
     parsed = parse_anthropic(body)
@@ -46,11 +54,19 @@ def test_claude_code_request_places_both_system_prompts_and_ignores_unknown_fiel
 
 
 def test_codex_responses_request() -> None:
-    response = {"output": [
-        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "think"}]},
-        {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
-        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "exec_command",
-         "arguments": '{"cmd": "echo hi > hello.txt"}'}]}  # fmt: skip
+    response = {
+        "output": [
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "think"}]},
+            {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_1",
+                "name": "exec_command",
+                "arguments": '{"cmd": "echo hi > hello.txt"}',
+            },
+        ]
+    }
     body = H.codex_request(H.codex_followup(response, "exit 0"), stream=True)
     body["tools"].append({"type": "custom", "name": "apply_patch", "description": "patch", "format": {}})
     parsed = parse_openai_responses(body)
@@ -65,8 +81,22 @@ def test_codex_responses_request() -> None:
 
 
 def test_openai_chat_request_with_parts_developer_and_tool_calls() -> None:
-    completion = {"choices": [{"message": {"content": None, "tool_calls": [
-        {"id": "call_9", "type": "function", "function": {"name": "write_file", "arguments": '{"a": 1}'}}]}}]}
+    completion = {
+        "choices": [
+            {
+                "message": {
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "write_file", "arguments": '{"a": 1}'},
+                        }
+                    ],
+                }
+            }
+        ]
+    }
     body = H.qwen_request(H.qwen_followup(completion, "ok"), stream=True)
     body["messages"].insert(1, {"role": "developer", "content": "dev"})
     parsed = parse_openai_chat(body)
@@ -97,15 +127,21 @@ def test_schema_errors_raise_dialect_error(parser, body) -> None:
 
 def test_error_bodies_follow_each_dialect() -> None:
     assert error_body(Dialect.ANTHROPIC_MESSAGES, 401, "no") == {
-        "type": "error", "error": {"type": "authentication_error", "message": "no"}}  # fmt: skip
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "no"},
+    }
     assert error_body(Dialect.ANTHROPIC_MESSAGES, 413, "big")["error"]["type"] == "request_too_large"
     err = error_body(Dialect.OPENAI_RESPONSES, 502, "down")["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
 
 
 def test_tool_call_parsing_several_calls_think_and_malformed_json() -> None:
-    text = "<think>\nI should write.\n</think>\n\nWriting now.\n" + tool_call_text("Write", {"a": 1}) + "\n" + (
-        tool_call_text("Bash", {"command": "ls"}))  # fmt: skip
+    text = (
+        "<think>\nI should write.\n</think>\n\nWriting now.\n"
+        + tool_call_text("Write", {"a": 1})
+        + "\n"
+        + (tool_call_text("Bash", {"command": "ls"}))
+    )
     turn = parse_turn(text)
     assert turn.reasoning == "I should write." and turn.text == "Writing now."
     assert [(c.name, c.arguments) for c in turn.tool_calls] == [("Write", {"a": 1}), ("Bash", {"command": "ls"})]

@@ -25,8 +25,15 @@ def renderer(tok) -> TemplateRenderer:
 
 
 def reference(tok, conv: Conversation) -> list[int]:
-    return list(tok.apply_chat_template([m.to_template() for m in conv.messages], tools=list(conv.tools) or None,
-                                        add_generation_prompt=True, tokenize=True, return_dict=False))  # fmt: skip
+    return list(
+        tok.apply_chat_template(
+            [m.to_template() for m in conv.messages],
+            tools=list(conv.tools) or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
 
 
 CONVERSATIONS = [
@@ -34,15 +41,25 @@ CONVERSATIONS = [
     Conversation((Message("system", "sys"), Message("user", "hi"))),
     Conversation((Message("user", "hi"),), TOOLS),
     Conversation(
-        (Message("system", "You are X."), Message("system", "mid system"), Message("user", "create hello.txt"),
-         Message("assistant", "ok", "thinking first", (ToolCall("1", "Write", {"file_path": "a"}),)),
-         Message("tool", "done1"), Message("tool", "done2"), Message("user", "thanks"),
-         Message("assistant", "", tool_calls=(ToolCall("2", "Write", '{"file_path": "b"}'),
-                                              ToolCall("3", "Write", {"file_path": "c"}))),
-         Message("tool", "r"), Message("user", "[image]\nnext")),
+        (
+            Message("system", "You are X."),
+            Message("system", "mid system"),
+            Message("user", "create hello.txt"),
+            Message("assistant", "ok", "thinking first", (ToolCall("1", "Write", {"file_path": "a"}),)),
+            Message("tool", "done1"),
+            Message("tool", "done2"),
+            Message("user", "thanks"),
+            Message(
+                "assistant",
+                "",
+                tool_calls=(ToolCall("2", "Write", '{"file_path": "b"}'), ToolCall("3", "Write", {"file_path": "c"})),
+            ),
+            Message("tool", "r"),
+            Message("user", "[image]\nnext"),
+        ),
         TOOLS,
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("conv", CONVERSATIONS, ids=range(len(CONVERSATIONS)))
@@ -92,7 +109,8 @@ def test_tito_prefix_property_over_a_multi_turn_claude_code_episode(tok, rendere
         calls = tuple(ToolCall(f"toolu_{seq}{i}", c.name, c.arguments) for i, c in enumerate(turn.tool_calls))
         rr.record(f"c{seq}", seq, result, gen, Message("assistant", turn.text, turn.reasoning, calls))
         blocks = ([{"type": "text", "text": turn.text}] if turn.text else []) + [
-            {"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]  # fmt: skip
+            {"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls
+        ]
         history += H.claude_followup({"content": blocks}, "ok")
         prev = (result.prompt_ids, gen)
 
@@ -150,11 +168,19 @@ def test_repeated_answer_text_keeps_each_answers_own_ids_on_a_full_render(tok, r
     assert FULL_RENDER in r3.flags
     gp, seg = renderer.generation_prompt_ids, renderer.segment_ids
     expected = (
-        renderer.header_ids(Conversation((system,))) + seg([task])
-        + gp + gen1 + renderer.turn_suffix(gen1) + seg([more])  # the first answer keeps the first call's ids
-        + gp + gen2 + renderer.turn_suffix(gen2) + seg([more])  # the second answer the second call's
-        + seg([ctx]) + gp
-    )  # fmt: skip
+        renderer.header_ids(Conversation((system,)))
+        + seg([task])
+        + gp
+        + gen1
+        + renderer.turn_suffix(gen1)
+        + seg([more])  # the first answer keeps the first call's ids
+        + gp
+        + gen2
+        + renderer.turn_suffix(gen2)
+        + seg([more])  # the second answer the second call's
+        + seg([ctx])
+        + gp
+    )
     assert r3.prompt_ids == expected
 
 
@@ -170,9 +196,13 @@ def test_repeated_answer_text_with_counts_that_do_not_line_up_gets_the_latest_id
     r = rr.render(Conversation((Message("user", "other"), done, Message("user", "next"))))
     gp = renderer.generation_prompt_ids
     assert r.prompt_ids == (
-        renderer.segment_ids([Message("user", "other")]) + gp + gen2 + renderer.turn_suffix(gen2)
-        + renderer.segment_ids([Message("user", "next")]) + gp
-    )  # fmt: skip
+        renderer.segment_ids([Message("user", "other")])
+        + gp
+        + gen2
+        + renderer.turn_suffix(gen2)
+        + renderer.segment_ids([Message("user", "next")])
+        + gp
+    )
 
 
 def test_unknown_assistant_turn_is_rendered_by_the_template(tok, renderer) -> None:

@@ -17,8 +17,7 @@ from tests.support import proxy_helpers as H
 
 def _engine_answer(**extra: Any) -> dict[str, Any]:
     choice = {"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "stop"}
-    return {"choices": [choice], "usage": {"prompt_tokens": 40, "completion_tokens": 2}, "policy_version": 3,
-            **extra}  # fmt: skip
+    return {"choices": [choice], "usage": {"prompt_tokens": 40, "completion_tokens": 2}, "policy_version": 3, **extra}
 
 
 # --- engine answer → EngineReply -------------------------------------------------------------------------------
@@ -29,16 +28,19 @@ def test_reply_without_cached_tokens_or_telemetry_leaves_them_null() -> None:
     reply = engine_reply(_engine_answer())
     assert reply == EngineReply([5, 6], [-0.1, -0.2], "stop", 3)
     assert reply.cached_tokens is None and reply.gpu_utilization is None and reply.gpu_memory_used_bytes is None
-    nulls = engine_reply(_engine_answer(usage={"prompt_tokens": 40, "prompt_tokens_details": None},
-                                        engine_telemetry=None))  # fmt: skip
+    nulls = engine_reply(
+        _engine_answer(usage={"prompt_tokens": 40, "prompt_tokens_details": None}, engine_telemetry=None)
+    )
     assert (nulls.cached_tokens, nulls.gpu_utilization, nulls.gpu_memory_used_bytes) == (None, None, None)
 
 
 def test_reply_reads_cached_tokens_and_gpu_readings() -> None:
-    reply = engine_reply(_engine_answer(
-        usage={"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}},
-        engine_telemetry={"gpu_utilization": 87.0, "gpu_memory_used_bytes": 12_884_901_888},
-    ))  # fmt: skip
+    reply = engine_reply(
+        _engine_answer(
+            usage={"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}},
+            engine_telemetry={"gpu_utilization": 87.0, "gpu_memory_used_bytes": 12_884_901_888},
+        )
+    )
     assert reply.cached_tokens == 32
     assert reply.gpu_utilization == 87.0 and isinstance(reply.gpu_utilization, float)
     assert reply.gpu_memory_used_bytes == 12_884_901_888 and isinstance(reply.gpu_memory_used_bytes, int)
@@ -70,8 +72,16 @@ def test_reply_without_tokens_is_502() -> None:
 
 
 def _answer(cached: int) -> emit.Answer:
-    return emit.Answer(ParsedTurn("hi"), "stop", prompt_tokens=100, completion_tokens=7, model="policy",
-                       response_id="msg_x", created=1, cached_tokens=cached)  # fmt: skip
+    return emit.Answer(
+        ParsedTurn("hi"),
+        "stop",
+        prompt_tokens=100,
+        completion_tokens=7,
+        model="policy",
+        response_id="msg_x",
+        created=1,
+        cached_tokens=cached,
+    )
 
 
 def _sse_usage(dialect: str, raw: bytes) -> dict[str, Any]:
@@ -86,8 +96,12 @@ def _sse_usage(dialect: str, raw: bytes) -> dict[str, Any]:
 def test_anthropic_reports_cache_reads_and_the_uncached_rest_as_input() -> None:
     """Anthropic's input total is input + cache_creation + cache_read (what Claude Code counts as context)."""
     usage = emit.anthropic_message(_answer(96))["usage"]
-    assert usage == {"input_tokens": 4, "output_tokens": 7, "cache_creation_input_tokens": 0,
-                     "cache_read_input_tokens": 96}  # fmt: skip
+    assert usage == {
+        "input_tokens": 4,
+        "output_tokens": 7,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 96,
+    }
     assert _sse_usage("anthropic", emit.anthropic_body(_answer(96))) == usage
     # the stream's message_start goes out before the engine answered: nothing known to be cached yet
     start = H.read_sse(emit.anthropic_preamble("msg_x", "policy", 100))[0][0][1]["message"]["usage"]
@@ -97,8 +111,12 @@ def test_anthropic_reports_cache_reads_and_the_uncached_rest_as_input() -> None:
 
 def test_openai_chat_reports_prompt_tokens_details() -> None:
     usage = emit.chat_completion(_answer(96))["usage"]
-    assert usage == {"prompt_tokens": 100, "completion_tokens": 7, "total_tokens": 107,
-                     "prompt_tokens_details": {"cached_tokens": 96}}  # fmt: skip
+    assert usage == {
+        "prompt_tokens": 100,
+        "completion_tokens": 7,
+        "total_tokens": 107,
+        "prompt_tokens_details": {"cached_tokens": 96},
+    }
     assert _sse_usage("chat", emit.chat_body(_answer(96), include_usage=True)) == usage
 
 
@@ -119,8 +137,12 @@ def test_engine_model_defaults_to_the_engines_served_name(monkeypatch: pytest.Mo
     from consumers.inference.server import InferenceWorkerSettings
     from learner.config import LearnerSettings
 
-    for var in ("CLAWSTREAM_PROXY_ENGINE_MODEL", "CLAWSTREAM_PROXY_SERVED_MODEL_NAME",
-                "CLAWSTREAM_INFER_SERVED_MODEL_NAME", "CLAWSTREAM_LEARNER_MODEL_NAME"):  # fmt: skip
+    for var in (
+        "CLAWSTREAM_PROXY_ENGINE_MODEL",
+        "CLAWSTREAM_PROXY_SERVED_MODEL_NAME",
+        "CLAWSTREAM_INFER_SERVED_MODEL_NAME",
+        "CLAWSTREAM_LEARNER_MODEL_NAME",
+    ):
         monkeypatch.delenv(var, raising=False)
     proxy = ProxySettings(model=tmp_path)
     infer = InferenceWorkerSettings(model=tmp_path / "tiny-qwen3")

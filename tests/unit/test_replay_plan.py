@@ -30,17 +30,26 @@ def test_topics_by_full_or_short_name_and_a_clear_error_otherwise() -> None:
 
 def test_ranges_intersect_watermarks_offsets_and_times() -> None:
     marks = {0: (5, 100), 1: (0, 40), 2: (0, 0)}
-    assert partition_ranges(marks, {}, {}) == [PartitionRange(0, 5, 100), PartitionRange(1, 0, 40),
-                                               PartitionRange(2, 0, 0)]  # fmt: skip
+    assert partition_ranges(marks, {}, {}) == [
+        PartitionRange(0, 5, 100),
+        PartitionRange(1, 0, 40),
+        PartitionRange(2, 0, 0),
+    ]
     got = partition_ranges(marks, {ALL: 10, 1: 2}, {0: 50}, since={0: 20, 1: 0, 2: 0}, until={0: 90, 1: 30, 2: 0})
     assert got == [PartitionRange(0, 20, 50), PartitionRange(1, 2, 30), PartitionRange(2, 10, 10)]
     assert partition_ranges({0: (0, 10)}, {ALL: 8}, {ALL: 3})[0].size == 0  # an inverted range is empty
     # negative: back from the end; bounds naming partitions only (none for all): those partitions only, as in tail
-    assert partition_ranges(marks, {ALL: -10}, {}) == [PartitionRange(0, 90, 100), PartitionRange(1, 30, 40),
-                                                       PartitionRange(2, 0, 0)]  # fmt: skip
+    assert partition_ranges(marks, {ALL: -10}, {}) == [
+        PartitionRange(0, 90, 100),
+        PartitionRange(1, 30, 40),
+        PartitionRange(2, 0, 0),
+    ]
     assert partition_ranges(marks, {1: 3}, {0: -1}) == [PartitionRange(0, 5, 99), PartitionRange(1, 3, 40)]
-    assert partition_ranges(marks, {1: 3}, {ALL: 20}) == [PartitionRange(0, 5, 20), PartitionRange(1, 3, 20),
-                                                          PartitionRange(2, 0, 0)]  # fmt: skip
+    assert partition_ranges(marks, {1: 3}, {ALL: 20}) == [
+        PartitionRange(0, 5, 20),
+        PartitionRange(1, 3, 20),
+        PartitionRange(2, 0, 0),
+    ]
     with pytest.raises(ConfigError, match=r"--to names partition\(s\) \[4\]"):
         partition_ranges(marks, {}, {4: 1})
 
@@ -64,8 +73,15 @@ def test_whole_batches_are_copied_and_cut_ones_skipped_with_the_bound_to_move() 
 
 def test_interleaved_batches_and_a_reused_id_are_followed_as_the_learner_follows_them() -> None:
     # a-1 opens, b-1 opens and seals, a-1 seals; then the id b-1 again (a new batch) with a seal.
-    entries = [Entry(0, "a"), Entry(1, "b"), Entry(2, "b", True, 1), Entry(3, "a"), Entry(4, "a", True, 2),
-               Entry(5, "b"), Entry(6, "b", True, 1)]  # fmt: skip
+    entries = [
+        Entry(0, "a"),
+        Entry(1, "b"),
+        Entry(2, "b", True, 1),
+        Entry(3, "a"),
+        Entry(4, "a", True, 2),
+        Entry(5, "b"),
+        Entry(6, "b", True, 1),
+    ]
     plan = plan_batches(entries, PartitionRange(0, 0, 7))
     assert plan.batches == ["b", "a", "b"] and plan.copy == set(range(7)) and not plan.skipped
     late = plan_batches(entries[1:], PartitionRange(0, 1, 7))  # a's first member is cut off
@@ -116,8 +132,9 @@ def test_summary_names_offsets_on_both_sides_and_skipped_batches() -> None:
     for offset, dest in ((4, 0), (5, 1), (6, 2)):
         part.copied(offset)
         part.delivered(dest)
-    copy = TopicCopy("a.clawstream.batches", "b.clawstream.batches", True, [part, PartitionCopy(1, PartitionRange(1, 0,
-                     0))], ["b-1"])  # fmt: skip
+    copy = TopicCopy(
+        "a.clawstream.batches", "b.clawstream.batches", True, [part, PartitionCopy(1, PartitionRange(1, 0, 0))], ["b-1"]
+    )
     copy.skipped = plan_batches([Entry(11, "b-3")], PartitionRange(0, 2, 13)).skipped
     text = summary_text([copy])
     assert "a.clawstream.batches → b.clawstream.batches (created): copied 3 record(s)" in text

@@ -38,23 +38,38 @@ from producers.scheduler.plan import (
     may_issue,
     plan_step,
     score_table,
-)  # fmt: skip
+)
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.cpu import cpu_suite
 from schemas.events import RewardEvent, RewardStatus, RolloutState, now_ms
 from tests.support import sandbox_helpers as S
 
-CTX = LaunchContext(base_url="http://127.0.0.1:9/r/rid", secret="s3cret", workspace="/w", home="/h",
-                    prompt='Create "a.txt" with "it\'s" $HOME {x}', timeout_s=60, python="/py", exe="/bin/harness",
-                    clawstream_root="/src")  # fmt: skip
+CTX = LaunchContext(
+    base_url="http://127.0.0.1:9/r/rid",
+    secret="s3cret",
+    workspace="/w",
+    home="/h",
+    prompt='Create "a.txt" with "it\'s" $HOME {x}',
+    timeout_s=60,
+    python="/py",
+    exe="/bin/harness",
+    clawstream_root="/src",
+)
 
 
 # --- adapters -------------------------------------------------------------------------------------------------------
 
 
 def test_builtin_adapters_render() -> None:
-    assert set(ADAPTERS) >= {"claude-code", "codex", "qwen-code", "openclaw", "opencode", "agentloop",
-                             "agentloop-anthropic"}  # fmt: skip
+    assert set(ADAPTERS) >= {
+        "claude-code",
+        "codex",
+        "qwen-code",
+        "openclaw",
+        "opencode",
+        "agentloop",
+        "agentloop-anthropic",
+    }
     for name, adapter in ADAPTERS.items():
         spec = launch_spec(adapter, CTX)
         assert CTX.prompt in spec.argv, name  # the prompt is one argv element, untouched
@@ -105,9 +120,11 @@ async def test_local_sandbox_env_limits_kill_cleanup(tmp_path: Path, monkeypatch
     assert res.exit_code == 0 and nofile == "321"
     assert "CLAWSTREAM_KAFKA_SASL_PASSWORD" not in names and "EXTRA" in names and "HOME" in names
     # a group that ignores SIGTERM, with a background child: everything dies at the timeout
-    hang = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); print(p.pid, flush=True); "
-            "time.sleep(300)")  # fmt: skip
+    hang = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); print(p.pid, flush=True); "
+        "time.sleep(300)"
+    )
     res = await box.run([box.python, "-c", hang], {}, box.workspace, 1.0)
     assert res.timed_out and res.exit_code is None and res.killed == ["SIGTERM", "SIGKILL"] and res.duration_s < 5
     assert not S.pid_alive(int(res.stdout.split()[0]))
@@ -120,8 +137,15 @@ async def test_local_sandbox_env_limits_kill_cleanup(tmp_path: Path, monkeypatch
 
 
 def test_docker_container_spec(tmp_path: Path) -> None:
-    settings = SandboxSettings(backend="docker", root=tmp_path, docker_image="img:1", docker_cpus=1.5,
-                               docker_memory_mb=2048, docker_pids=128, docker_network="sbx-net")  # fmt: skip
+    settings = SandboxSettings(
+        backend="docker",
+        root=tmp_path,
+        docker_image="img:1",
+        docker_cpus=1.5,
+        docker_memory_mb=2048,
+        docker_pids=128,
+        docker_network="sbx-net",
+    )
     task = SuiteCatalog({"n": str(S.NATIVE_SUITE)}).task("n", "hello")
     spec = container_spec(settings, "sb1", task, "host:1:2")
     assert spec["image"] == "img:1" and spec["command"] == ["sleep", "infinity"] and spec["detach"] and spec["init"]
@@ -140,8 +164,12 @@ def test_docker_copy_in_and_out_keeps_files_inside_their_directory(tmp_path: Pat
     (ws / ".hidden").write_text("H")
     archive = pack({"/root/.openclaw/workspace": ws})
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        assert sorted(tar.getnames()) == ["root/.openclaw/workspace", "root/.openclaw/workspace/.hidden",
-                                          "root/.openclaw/workspace/sub", "root/.openclaw/workspace/sub/a.txt"]
+        assert sorted(tar.getnames()) == [
+            "root/.openclaw/workspace",
+            "root/.openclaw/workspace/.hidden",
+            "root/.openclaw/workspace/sub",
+            "root/.openclaw/workspace/sub/a.txt",
+        ]
     # What get_archive returns for /workspace: members under "workspace/", here with one escaping link and one
     # escaping path; both are skipped, the rest replaces the host copy (old files disappear).
     buf = io.BytesIO()
@@ -214,18 +242,29 @@ class ListSink:
         self.rewards.append(reward)
 
 
-async def _outcome(tmp_path: Path, harness: str, code: str, *, proxy: FakeProxy | None = None,
-                   sink: ListSink | None = None, timeout_s: float = 20):  # fmt: skip
+async def _outcome(
+    tmp_path: Path,
+    harness: str,
+    code: str,
+    *,
+    proxy: FakeProxy | None = None,
+    sink: ListSink | None = None,
+    timeout_s: float = 20,
+):
     sink = sink or ListSink()
 
     async def resolve(_adapter):  # noqa: ANN001, ANN202
         return "", ""
 
     ctx = RolloutContext(
-        backend=LocalBackend(SandboxSettings(root=tmp_path, kill_grace_s=0.5)), proxy=proxy or FakeProxy(),
+        backend=LocalBackend(SandboxSettings(root=tmp_path, kill_grace_s=0.5)),
+        proxy=proxy or FakeProxy(),
         catalog=SuiteCatalog({"native": str(S.NATIVE_SUITE)}),
-        adapters={harness: S.python_adapter(harness, code)}, sink=sink, settings=SandboxSettings(), resolve_exe=resolve,
-    )  # fmt: skip
+        adapters={harness: S.python_adapter(harness, code)},
+        sink=sink,
+        settings=SandboxSettings(),
+        resolve_exe=resolve,
+    )
     out = await execute(S.request("hello", harness, timeout_s=timeout_s), ctx)
     assert out.cleanup is None or out.cleanup.clean
     return out, sink
@@ -236,10 +275,16 @@ async def _outcome(tmp_path: Path, harness: str, code: str, *, proxy: FakeProxy 
     [
         ("open('hello.txt','w').write('hi')", 20, ["STARTED", "HARNESS_EXITED"], "OK", 1.0, 0),
         ("raise SystemExit(7)", 20, ["STARTED", "HARNESS_EXITED"], "OK", 0.0, 7),
-        ("import time; open('hello.txt','w').write('hi'); time.sleep(60)", 1, ["STARTED", "TIMED_OUT"], "OK", 1.0,
-         None),
+        (
+            "import time; open('hello.txt','w').write('hi'); time.sleep(60)",
+            1,
+            ["STARTED", "TIMED_OUT"],
+            "OK",
+            1.0,
+            None,
+        ),
     ],
-)  # fmt: skip
+)
 async def test_status_mapping(tmp_path, code, timeout_s, states, status, reward, exit_code) -> None:
     out, sink = await _outcome(tmp_path, "fake", code, timeout_s=timeout_s)
     assert [e.state.value for e in sink.events] == states
@@ -293,8 +338,15 @@ def test_lag_gating() -> None:
 
 
 def _reward(rid: str, status: RewardStatus, value: float | None) -> RewardEvent:
-    return RewardEvent(rollout_id=rid, policy_version=0, timestamp_ms=now_ms(), attempt_id=f"{rid}.x",
-                       status=status, grader="g", reward=value)  # fmt: skip
+    return RewardEvent(
+        rollout_id=rid,
+        policy_version=0,
+        timestamp_ms=now_ms(),
+        attempt_id=f"{rid}.x",
+        status=status,
+        grader="g",
+        reward=value,
+    )
 
 
 def test_reissue_is_bounded_and_eval_table() -> None:

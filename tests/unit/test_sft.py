@@ -37,8 +37,18 @@ from warmstart.evaluate import evaluate_policy, greedy_policy  # noqa: E402
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sft") / "tiny"
-    init_tiny_model(out, seed=0, vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                    num_kv_heads=1, num_documents=3000, progress=None)  # fmt: skip
+    init_tiny_model(
+        out,
+        seed=0,
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        num_documents=3000,
+        progress=None,
+    )
     return out
 
 
@@ -58,8 +68,16 @@ def episodes(tok: Any, tasks: list[Task]) -> list[EpisodeResult]:
 
 
 def test_every_template_and_dialect_is_covered(episodes: list[EpisodeResult], tasks: list[Task]) -> None:
-    assert {t.metadata["template"] for t in tasks} == {"write", "write_two", "copy", "replace", "append", "delete",
-                                                       "sum", "count"}  # fmt: skip
+    assert {t.metadata["template"] for t in tasks} == {
+        "write",
+        "write_two",
+        "copy",
+        "replace",
+        "append",
+        "delete",
+        "sum",
+        "count",
+    }
     assert sorted(e.dialect for e in episodes) == sorted(list(DIALECTS) * len(tasks))
     assert all(e.why == "finished" for e in episodes)
 
@@ -127,8 +145,18 @@ def test_shared_prefix_kv_gives_the_same_loss_and_gradient(model_dir: Path, epis
 
 
 def test_sft_steps_reduce_the_loss_and_save_a_loadable_model(model_dir: Path, tmp_path: Path) -> None:
-    summary = sft.sft(model_dir, tmp_path / "out", minutes=5.0, steps=30, lr=3e-3, warmup_steps=2, batch_size=4,
-                      n_tasks=8, eval_tasks=0, log_every=5)  # fmt: skip
+    summary = sft.sft(
+        model_dir,
+        tmp_path / "out",
+        minutes=5.0,
+        steps=30,
+        lr=3e-3,
+        warmup_steps=2,
+        batch_size=4,
+        n_tasks=8,
+        eval_tasks=0,
+        log_every=5,
+    )
     assert summary["steps"] == 30
     losses = [loss for _, loss in summary["history"]]
     assert losses[-1] < 0.7 * losses[0]
@@ -173,16 +201,19 @@ def test_heldout_prompts_never_in_training() -> None:
 
 
 def _grader_task(script: str, output: GraderOutput = "subscores_json") -> Task:
-    grader = Grader("probe", {"check.py": script.encode()}, ("${python}", "${grader_dir}/check.py", "${workspace}"),
-                    output=output)  # fmt: skip
+    grader = Grader(
+        "probe", {"check.py": script.encode()}, ("${python}", "${grader_dir}/check.py", "${workspace}"), output=output
+    )
     return Task("probe", "probe-0", "-", 10.0, {}, grader)
 
 
 def test_grade_workspace_runs_the_grader_through_the_shared_rules(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("x")
-    script = ("import json, os, sys; ws = sys.argv[1]; assert os.environ['WORKSPACE'] == ws; "
-              "assert json.load(open('transcript.json')) == []; "
-              "print(json.dumps({'a': float(os.path.exists(os.path.join(ws, 'a.txt'))), 'b': 0.0}))")  # fmt: skip
+    script = (
+        "import json, os, sys; ws = sys.argv[1]; assert os.environ['WORKSPACE'] == ws; "
+        "assert json.load(open('transcript.json')) == []; "
+        "print(json.dumps({'a': float(os.path.exists(os.path.join(ws, 'a.txt'))), 'b': 0.0}))"
+    )
     assert grade_workspace(_grader_task(script), tmp_path) == (0.5, {"a": 1.0, "b": 0.0})
     assert grade_workspace(_grader_task("print(0.25)", "reward_float"), tmp_path) == (0.25, {})
     with pytest.raises(GraderFailure, match="exited 1"):

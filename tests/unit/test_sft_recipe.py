@@ -16,15 +16,32 @@ pytest.importorskip("transformers")
 from policy.tiny_model import init_tiny_model  # noqa: E402
 from warmstart import sft  # noqa: E402
 
-RECIPE = {"lr": 3e-3, "warmup_steps": 2, "batch_size": 2, "n_tasks": 8, "eval_tasks": 0, "log_every": 2,
-          "progress": False}  # fmt: skip
+RECIPE = {
+    "lr": 3e-3,
+    "warmup_steps": 2,
+    "batch_size": 2,
+    "n_tasks": 8,
+    "eval_tasks": 0,
+    "log_every": 2,
+    "progress": False,
+}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sft-recipe") / "tiny"
-    init_tiny_model(out, seed=0, vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                    num_kv_heads=1, num_documents=3000, progress=None)  # fmt: skip
+    init_tiny_model(
+        out,
+        seed=0,
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        num_documents=3000,
+        progress=None,
+    )
     return out
 
 
@@ -41,8 +58,9 @@ def test_same_steps_and_seed_give_the_same_weights(model_dir: Path, tmp_path: Pa
     assert saved["steps_per_s"] > 0
 
 
-def test_a_run_cut_part_way_through_a_longer_schedule_is_that_schedule_s_checkpoint(model_dir: Path,
-                                                                                   tmp_path: Path) -> None:  # fmt: skip
+def test_a_run_cut_part_way_through_a_longer_schedule_is_that_schedule_s_checkpoint(
+    model_dir: Path, tmp_path: Path
+) -> None:
     long = sft.sft(model_dir, tmp_path / "long", steps=6, checkpoint_every=3, seed=3, **RECIPE)
     cut = sft.sft(model_dir, tmp_path / "cut", steps=3, schedule_steps=6, seed=3, **RECIPE)
     short = sft.sft(model_dir, tmp_path / "short", steps=3, seed=3, **RECIPE)
@@ -54,8 +72,9 @@ def test_a_run_cut_part_way_through_a_longer_schedule_is_that_schedule_s_checkpo
         sft.SFTConfig(steps=6, schedule_steps=3)
 
 
-def test_a_minutes_cap_that_cuts_the_run_is_reported(model_dir: Path, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_a_minutes_cap_that_cuts_the_run_is_reported(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     summary = sft.sft(model_dir, tmp_path / "cut", steps=10_000, minutes=1e-6, **RECIPE)
     assert summary["cut_by_minutes"] and summary["steps"] < 10_000
     assert "cap cut the run" in capsys.readouterr().out

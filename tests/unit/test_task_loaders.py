@@ -32,8 +32,9 @@ from schemas.events import RewardStatus
 from tests.support.sandbox_helpers import FIXTURES, leftover_processes
 
 
-async def graded(task, tmp_path: Path, edit=None, stdout: str = "", left: list | None = None, messages=None,
-                 **settings):  # fmt: skip
+async def graded(
+    task, tmp_path: Path, edit=None, stdout: str = "", left: list | None = None, messages=None, **settings
+):
     """Grade ``task`` in a real local sandbox after ``edit`` (the agent's work) on its workspace; ``left`` collects
     the workspace's top-level names after grading."""
     backend = LocalBackend(SandboxSettings(root=tmp_path / "sbx", **settings))
@@ -87,8 +88,10 @@ def test_clawgym_real_layout_loads() -> None:
     assert task.metadata["grading_type"] == "automated" and json.loads(task.metadata["metadata"])["category"] == ""
     assert task.files["input/backup_date.txt"] == b"2026-04-14"
     g = task.grader
-    assert set(g.files) == {"reward.sh", "check.py"} and g.files["reward.sh"] == (CLAWGYM / "task_0078/reward/reward.sh"
-                                                                                  ).read_bytes()  # fmt: skip
+    assert (
+        set(g.files) == {"reward.sh", "check.py"}
+        and g.files["reward.sh"] == (CLAWGYM / "task_0078/reward/reward.sh").read_bytes()
+    )
     assert g.workspace_folder == "reward" and g.subscores_script == "check.py" and g.output == "reward_float"
     # The published reward.sh expects check.py inside the workspace, at the hard-coded mount dir.
     assert b"python3 /root/.openclaw/workspace/reward/check.py /root/.openclaw/workspace" in g.files["reward.sh"]

@@ -46,14 +46,21 @@ def test_each_path_is_a_chain_and_each_trainable_segment_is_trained_in_exactly_o
 
 def test_training_path_by_path_gives_the_packed_trees_gradient_and_loss() -> None:
     """Catches a shared turn trained twice, or a rollout's token mean taken per row instead of over its rows."""
-    trees = [ScoredTree(retry_tree(3), 1.0, 1.0, "a"), ScoredTree(retry_tree(7), -0.5, 0.0, "b"),
-             ScoredTree(retry_tree(11)[:2], 0.25, 0.5, "c")]  # fmt: skip
+    trees = [
+        ScoredTree(retry_tree(3), 1.0, 1.0, "a"),
+        ScoredTree(retry_tree(7), -0.5, 0.0, "b"),
+        ScoredTree(retry_tree(11)[:2], 0.25, 0.5, "c"),
+    ]
     results = {}
     for budget in (64, 10):  # all three trees in one row with the tree mask / the big two split into path rows
         rows = pack_trees([t.segments for t in trees], budget)
         model = tiny_model(0, "sdpa")
-        metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trees,
-                             LearnerConfig(max_grad_norm=0.0, token_budget=budget))  # fmt: skip
+        metrics = train_step(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            trees,
+            LearnerConfig(max_grad_norm=0.0, token_budget=budget),
+        )
         results[budget] = (len(rows), metrics, [p.grad.clone() for p in model.parameters()])
     (one, packed, g_packed), (many, split, g_split) = results[64], results[10]
     assert one == 1 and many == 7  # 3 + 3 paths, and the small tree

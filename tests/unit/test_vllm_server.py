@@ -28,9 +28,17 @@ def test_server_command_has_the_flags_the_project_relies_on(tmp_path: Path) -> N
     cmd = server_command(tmp_path, 8123, max_model_len=2048, python=Path("/venv/bin/python"))
     assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(cmd)
-    for flag in (f"--model {tmp_path}", "--served-model-name policy", "--port 8123", "--max-model-len 2048",
-                 "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype float32",
-                 "--logprobs-mode processed_logprobs", f"--worker-extension-cls {EXTENSION_CLS}"):  # fmt: skip
+    for flag in (
+        f"--model {tmp_path}",
+        "--served-model-name policy",
+        "--port 8123",
+        "--max-model-len 2048",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--dtype float32",
+        "--logprobs-mode processed_logprobs",
+        f"--worker-extension-cls {EXTENSION_CLS}",
+    ):
         assert flag in joined, flag
     assert "--worker-extension-cls" not in server_command(tmp_path, 1, extension=False)
     assert (EXTENSION_DIR / (EXTENSION_CLS.split(".")[0] + ".py")).is_file()

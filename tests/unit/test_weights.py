@@ -29,8 +29,15 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> WeightVersion:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     data = path.read_bytes()
-    return WeightVersion(policy_version=1, timestamp_ms=0, model_name="tiny", step=1, uri=path.as_uri(),
-                         sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))  # fmt: skip
+    return WeightVersion(
+        policy_version=1,
+        timestamp_ms=0,
+        model_name="tiny",
+        step=1,
+        uri=path.as_uri(),
+        sha256=hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+    )
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -95,8 +102,11 @@ def test_engine_target_swaps_weights_between_steps(tmp_path: Path) -> None:
         assert target.policy_version == 1 and report.apply_s >= 0
         done = threading.Event()
         box: list = []
-        engine.submit([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                      lambda r: (box.append(r), done.set()))  # fmt: skip
+        engine.submit(
+            [[3, 4, 5]],
+            SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+            lambda r: (box.append(r), done.set()),
+        )
         assert done.wait(30)
         assert box[0].policy_version == 1 and box[0].outputs[0].token_ids == greedy_reference(new, [3, 4, 5], 6)
         assert torch.equal(model.lm_head.weight, new.lm_head.weight)  # tied head followed the embeddings
@@ -121,8 +131,11 @@ def test_gpu_readings_with_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     monkeypatch.setattr(telemetry, "_nvml", None)
     monkeypatch.setattr(telemetry, "_handles", [])
-    assert telemetry.gpu_readings() == {"gpu0_mem_used_bytes": 3.0e9, "gpu0_mem_total_bytes": 1.5e11,
-                                        "gpu0_util_pct": 42.0}  # fmt: skip
+    assert telemetry.gpu_readings() == {
+        "gpu0_mem_used_bytes": 3.0e9,
+        "gpu0_mem_total_bytes": 1.5e11,
+        "gpu0_util_pct": 42.0,
+    }
 
     def no_driver() -> None:
         raise RuntimeError("NVML Shared Library Not Found")  # stands in for pynvml.NVMLError
@@ -153,13 +166,22 @@ class _RecordingServer:
     """A real aiohttp server on a background loop that records every request (method, path + query, JSON body) and
     answers as vLLM 0.32 does where the adapter reads the answer (``/server_info``, ``/reset_prefix_cache``)."""
 
-    def __init__(self, fail_path: str | None = None, *, info: dict | None = None, status: dict[str, int] | None = None,
-                 answers: dict[str, object] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fail_path: str | None = None,
+        *,
+        info: dict | None = None,
+        status: dict[str, int] | None = None,
+        answers: dict[str, object] | None = None,
+    ) -> None:
         self.requests: list[tuple[str, str, dict | None]] = []
         self.fail_path = fail_path
         self.status = status or {}
-        self.answers = {"/server_info": info or _server_info(), "/reset_prefix_cache": {"success": True},
-                        **(answers or {})}  # fmt: skip
+        self.answers = {
+            "/server_info": info or _server_info(),
+            "/reset_prefix_cache": {"success": True},
+            **(answers or {}),
+        }
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.url = ""
@@ -205,10 +227,17 @@ INFO = ("GET", "/server_info?config_format=json", None)
 
 def test_reload_calls_in_order(tmp_path: Path) -> None:
     calls = reload_calls(tmp_path, refresh_tied=True, version=7)
-    assert [c.path for c in calls] == ["/pause?mode=wait", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache",
-                                       "/update_weight_version", "/resume"]  # fmt: skip
-    assert calls[1] == VllmCall("/collective_rpc", {"method": "reload_weights",
-                                                    "kwargs": {"weights_path": str(tmp_path)}})  # fmt: skip
+    assert [c.path for c in calls] == [
+        "/pause?mode=wait",
+        "/collective_rpc",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/resume",
+    ]
+    assert calls[1] == VllmCall(
+        "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    )
     assert calls[2] == VllmCall("/collective_rpc", {"method": "clawstream_refresh_tied_weights"})
     assert calls[4] == VllmCall("/update_weight_version", {"new_version": "7"})
     assert [c.path for c in reload_calls(tmp_path, pause=False)] == ["/collective_rpc", "/reset_prefix_cache"]
@@ -239,15 +268,22 @@ def test_vllm_target_on_gpu_without_extension_skips_the_refresh(version_dir: tup
         target = VllmWeightsTarget(server.url, timeout_s=10)
         target.apply(target.prepare(event), event)
     assert [(r[1], (r[2] or {}).get("method")) for r in server.requests] == [
-        ("/server_info?config_format=json", None), ("/pause?mode=wait", None), ("/collective_rpc", "reload_weights"),
-        ("/reset_prefix_cache", None), ("/update_weight_version", None), ("/resume", None)]  # fmt: skip
+        ("/server_info?config_format=json", None),
+        ("/pause?mode=wait", None),
+        ("/collective_rpc", "reload_weights"),
+        ("/reset_prefix_cache", None),
+        ("/update_weight_version", None),
+        ("/resume", None),
+    ]
 
 
 def test_vllm_target_refuses_servers_it_cannot_reload(version_dir: tuple[WeightVersion, Path]) -> None:
     """A CPU server without the extension (stale tied head) or without dev endpoints: refused before any POST."""
     event, _ = version_dir
-    for kwargs, needle in [({"info": _server_info("cpu", "")}, "worker extension"),
-                           ({"status": {"/server_info": 404}}, "VLLM_SERVER_DEV_MODE=1")]:  # fmt: skip
+    for kwargs, needle in [
+        ({"info": _server_info("cpu", "")}, "worker extension"),
+        ({"status": {"/server_info": 404}}, "VLLM_SERVER_DEV_MODE=1"),
+    ]:
         with _RecordingServer(**kwargs) as server:
             target = VllmWeightsTarget(server.url, timeout_s=10)
             with pytest.raises(WeightsRejected) as info:

@@ -43,8 +43,16 @@ from schemas.topics import (
 
 log = logging.getLogger(__name__)
 
-LIVE_TOPICS: tuple[str, ...] = (WEIGHTS, ROLLOUT_REQUESTS, ROLLOUT_EVENTS, CALLS, REWARDS, TRAJECTORIES, METRICS,
-                                DEADLETTER)  # fmt: skip
+LIVE_TOPICS: tuple[str, ...] = (
+    WEIGHTS,
+    ROLLOUT_REQUESTS,
+    ROLLOUT_EVENTS,
+    CALLS,
+    REWARDS,
+    TRAJECTORIES,
+    METRICS,
+    DEADLETTER,
+)
 _EVENT_TYPES: dict[str, type[Event]] = {f"io.clawstream.{cls.SCHEMA}": cls for cls in ALL_EVENTS}
 _BATCH = 500
 
@@ -65,16 +73,26 @@ def decode_event(value: bytes | None) -> Event:
 
 def _reader(settings: KafkaSettings, role: str) -> Consumer:
     # A throw-away group id the broker never hears of: partitions are assigned by hand and nothing is committed.
-    return make_consumer(settings, f"clawstream-{role}-{uuid.uuid4().hex[:12]}",
-                         **{"enable.auto.commit": False, "enable.auto.offset.store": False})  # fmt: skip
+    return make_consumer(
+        settings,
+        f"clawstream-{role}-{uuid.uuid4().hex[:12]}",
+        **{"enable.auto.commit": False, "enable.auto.offset.store": False},
+    )
 
 
 class LiveFeed:
     """Follows the dashboard's topics in a daemon thread and feeds ``state`` under ``lock``."""
 
-    def __init__(self, settings: KafkaSettings, state: DashboardState, lock: threading.Lock, *,
-                 since_ms: int | None = None, topics: tuple[str, ...] = LIVE_TOPICS,
-                 recheck_s: float = 3.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        state: DashboardState,
+        lock: threading.Lock,
+        *,
+        since_ms: int | None = None,
+        topics: tuple[str, ...] = LIVE_TOPICS,
+        recheck_s: float = 3.0,
+    ) -> None:
         self.settings = settings
         self.state = state
         self.lock = lock
@@ -158,8 +176,9 @@ class LiveFeed:
             tps = [TopicPartition(full, p, OFFSET_BEGINNING) for p in sorted(meta.partitions)]
             if self.since_ms is not None:
                 try:
-                    found = consumer.offsets_for_times([TopicPartition(full, p, self.since_ms) for p in
-                                                        sorted(meta.partitions)], timeout=10)  # fmt: skip
+                    found = consumer.offsets_for_times(
+                        [TopicPartition(full, p, self.since_ms) for p in sorted(meta.partitions)], timeout=10
+                    )
                 except KafkaException as exc:
                     self.error = f"cannot look up offsets by time in {full}: {exc}"
                     continue
@@ -188,8 +207,14 @@ class LiveFeed:
                     self.state.add(event, topic)
 
 
-def read_events(consumer: Consumer, topic: str, starts: dict[int, int], ends: dict[int, int], *,
-                on_error: Callable[[str], Any] | None = None) -> Iterator[Event]:  # fmt: skip
+def read_events(
+    consumer: Consumer,
+    topic: str,
+    starts: dict[int, int],
+    ends: dict[int, int],
+    *,
+    on_error: Callable[[str], Any] | None = None,
+) -> Iterator[Event]:
     """Decoded events of ``topic`` from ``starts`` up to ``ends`` (exclusive); undecodable records go to
     ``on_error`` with their position (``topic[partition]@offset``) and are skipped."""
     for msg in read_range(consumer, topic, starts, ends):

@@ -63,8 +63,11 @@ def collect(kafka: KafkaSettings, scope: HealthRange, *, progress: Callable[[str
     rollouts: set[str] = set()
     try:
         marks = watermarks(consumer, ref.name)
-        starts = start_offsets(scope.from_offsets, marks, flag="--from") if scope.from_offsets else {
-            p: low for p, (low, _high) in marks.items()}  # fmt: skip
+        starts = (
+            start_offsets(scope.from_offsets, marks, flag="--from")
+            if scope.from_offsets
+            else {p: low for p, (low, _high) in marks.items()}
+        )
         ends = {p: high for p, (_low, high) in marks.items()}
         if scope.to_offsets:
             ends = {p: min(ends[p], off) for p, off in start_offsets(scope.to_offsets, marks, flag="--to").items()}
@@ -132,25 +135,45 @@ def main(argv: list[str] | None = None) -> int:
     from clawbase.settings import add_kafka_arguments, kafka_settings
 
     parser = argparse.ArgumentParser(
-        prog="clawstream health", description=__doc__.split("\n\n")[0],
+        prog="clawstream health",
+        description=__doc__.split("\n\n")[0],
         epilog="Columns: share of follow-up calls that extend their tree parent exactly, full re-renders and forks\n"
         "per rollout (answer forks: the answer came back as other token ids), masked share of generated tokens,\n"
         "retry orphans, calls of superseded attempts, engine prefix-cache hit rate. Definitions: docs/dashboard.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
-    parser.add_argument("--since", metavar="TIME", help="calls at/after TIME: epoch ms, ISO 8601 (UTC unless a zone "
-                        "is given) or an age such as 2h, 30m, 7d (default: the beginning)")  # fmt: skip
+    )
+    parser.add_argument(
+        "--since",
+        metavar="TIME",
+        help="calls at/after TIME: epoch ms, ISO 8601 (UTC unless a zone "
+        "is given) or an age such as 2h, 30m, 7d (default: the beginning)",
+    )
     parser.add_argument("--until", metavar="TIME", help="calls before TIME (default: the end as of the start)")
-    parser.add_argument("--from", dest="from_offsets", action="append", default=[], metavar="[P:]OFFSET",
-                        help="first offset of the calls topic to read (every partition, or partition P)")
-    parser.add_argument("--to", dest="to_offsets", action="append", default=[], metavar="[P:]OFFSET",
-                        help="read the calls topic up to this offset (exclusive)")
-    parser.add_argument("--lookback", default="6h", metavar="AGE",
-                        help="read requests/events/trajectories from this long before --since (default 6h)")
+    parser.add_argument(
+        "--from",
+        dest="from_offsets",
+        action="append",
+        default=[],
+        metavar="[P:]OFFSET",
+        help="first offset of the calls topic to read (every partition, or partition P)",
+    )
+    parser.add_argument(
+        "--to",
+        dest="to_offsets",
+        action="append",
+        default=[],
+        metavar="[P:]OFFSET",
+        help="read the calls topic up to this offset (exclusive)",
+    )
+    parser.add_argument(
+        "--lookback",
+        default="6h",
+        metavar="AGE",
+        help="read requests/events/trajectories from this long before --since (default 6h)",
+    )
     parser.add_argument("--per-rollout", action="store_true", help="also list every rollout's counts")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--prefix", dest="topic_prefix", metavar="PREFIX", default=None,
-                        help="same as --topic-prefix")
+    parser.add_argument("--prefix", dest="topic_prefix", metavar="PREFIX", default=None, help="same as --topic-prefix")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -162,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             since_ms=parse_time_ms(args.since) if args.since else None,
             until_ms=parse_time_ms(args.until) if args.until else None,
             from_offsets=parse_offsets(args.from_offsets, flag="--from"),
-            to_offsets=parse_offsets(args.to_offsets, flag="--to"), lookback_ms=max(0, lookback),
-        )  # fmt: skip
+            to_offsets=parse_offsets(args.to_offsets, flag="--to"),
+            lookback_ms=max(0, lookback),
+        )
         check_broker(kafka)
         progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
         report = collect(kafka, scope, progress=progress)
@@ -180,13 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_rollout:
         print()
         for r in report.aggregator.rollouts():
-            print(f"{r.rollout_id}  {r.harness}/{r.template}  main {r.main_calls}  extends {r.extends}/{r.follow_ups}"
-                  f"  re-renders {r.full_renders}  forks {r.forks} (answer {r.answer_forks})  orphans "
-                  f"{r.retry_orphans}  masked {r.masked_tokens if r.masked_tokens is not None else '-'}"
-                  f"/{r.generated_tokens}  stale {r.stale_attempt_calls}  unresolved {r.unresolved_calls}")
-    print(f"{report.calls_in_range} call(s) of {len(report.aggregator)} rollout(s), {report.label_records} label "
-          f"record(s), in {time.monotonic() - started:.1f}s" + (f"; {len(report.errors)} undecodable record(s), "
-          f"first: {report.errors[0]}" if report.errors else ""), file=sys.stderr)  # fmt: skip
+            print(
+                f"{r.rollout_id}  {r.harness}/{r.template}  main {r.main_calls}  extends {r.extends}/{r.follow_ups}"
+                f"  re-renders {r.full_renders}  forks {r.forks} (answer {r.answer_forks})  orphans "
+                f"{r.retry_orphans}  masked {r.masked_tokens if r.masked_tokens is not None else '-'}"
+                f"/{r.generated_tokens}  stale {r.stale_attempt_calls}  unresolved {r.unresolved_calls}"
+            )
+    print(
+        f"{report.calls_in_range} call(s) of {len(report.aggregator)} rollout(s), {report.label_records} label "
+        f"record(s), in {time.monotonic() - started:.1f}s"
+        + (f"; {len(report.errors)} undecodable record(s), first: {report.errors[0]}" if report.errors else ""),
+        file=sys.stderr,
+    )
     return 0
 
 

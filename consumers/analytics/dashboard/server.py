@@ -64,8 +64,10 @@ def plotly_js() -> Path:
         path = Path(root) / "package_data" / "plotly.min.js"
         if path.is_file():
             return path
-    raise ConfigError("the dashboard draws with plotly.js from the `plotly` Python package, which is not installed "
-                      "(or ships no package_data/plotly.min.js): pip install plotly")  # fmt: skip
+    raise ConfigError(
+        "the dashboard draws with plotly.js from the `plotly` Python package, which is not installed "
+        "(or ships no package_data/plotly.min.js): pip install plotly"
+    )
 
 
 # ---- Prometheus -----------------------------------------------------------------------------------------------------
@@ -84,13 +86,15 @@ class _SnapshotCollector(Collector):
         errors = CounterMetricFamily("clawstream_dashboard_decode_errors", "Records that did not decode")
         errors.add_metric([], snap["errors"]["count"])
         yield errors
-        status = GaugeMetricFamily("clawstream_rollouts", "Rollouts by status of their latest attempt",
-                                   labels=["status"])  # fmt: skip
+        status = GaugeMetricFamily(
+            "clawstream_rollouts", "Rollouts by status of their latest attempt", labels=["status"]
+        )
         for name, n in snap["status"].items():
             status.add_metric([name], n)
         yield status
-        reward = GaugeMetricFamily("clawstream_reward_mean", "Mean reward of the latest step with a reward",
-                                   labels=["harness", "step"])  # fmt: skip
+        reward = GaugeMetricFamily(
+            "clawstream_reward_mean", "Mean reward of the latest step with a reward", labels=["harness", "step"]
+        )
         for series, data in snap["reward"].items():
             if data["steps"]:
                 reward.add_metric([series, str(data["steps"][-1])], data["mean"][-1])
@@ -100,14 +104,16 @@ class _SnapshotCollector(Collector):
         if published is not None:
             weights.add_metric([], published)
         yield weights
-        applied = GaugeMetricFamily("clawstream_weights_applied_version", "Newest weight version an engine applied",
-                                    labels=["engine"])  # fmt: skip
+        applied = GaugeMetricFamily(
+            "clawstream_weights_applied_version", "Newest weight version an engine applied", labels=["engine"]
+        )
         for engine, data in snap["weights"]["applied"].items():
             if data["version"]:
                 applied.add_metric([engine], max(data["version"]))
         yield applied
-        lag = GaugeMetricFamily("clawstream_policy_lag", "Policy lag of main calls in the latest bucket",
-                                labels=["stat"])  # fmt: skip
+        lag = GaugeMetricFamily(
+            "clawstream_policy_lag", "Policy lag of main calls in the latest bucket", labels=["stat"]
+        )
         if snap["lag"]["t"]:
             lag.add_metric(["mean"], snap["lag"]["mean"][-1])
             lag.add_metric(["max"], snap["lag"]["max"][-1])
@@ -115,23 +121,42 @@ class _SnapshotCollector(Collector):
         yield from _health_families(snap["health"])
 
 
-_HEALTH_COUNTS = ("rollouts", "main_calls", "follow_ups", "extends", "forks", "answer_forks", "full_renders",
-                  "retry_orphans", "stale_attempt_calls", "unresolved_calls", "masked_tokens", "generated_tokens")
-_HEALTH_RATES = ("extends_share", "full_renders_per_rollout", "forks_per_rollout", "masked_token_fraction",
-                 "prefix_cache_hit_rate")  # fmt: skip
+_HEALTH_COUNTS = (
+    "rollouts",
+    "main_calls",
+    "follow_ups",
+    "extends",
+    "forks",
+    "answer_forks",
+    "full_renders",
+    "retry_orphans",
+    "stale_attempt_calls",
+    "unresolved_calls",
+    "masked_tokens",
+    "generated_tokens",
+)
+_HEALTH_RATES = (
+    "extends_share",
+    "full_renders_per_rollout",
+    "forks_per_rollout",
+    "masked_token_fraction",
+    "prefix_cache_hit_rate",
+)
 
 
 def _health_families(rows: list[dict[str, Any]]) -> Iterator[Any]:
     labels = ["harness", "template"]
     for name in _HEALTH_COUNTS:
-        family = CounterMetricFamily(f"clawstream_capture_{name}", f"Capture health: {name.replace('_', ' ')}",
-                                     labels=labels)  # fmt: skip
+        family = CounterMetricFamily(
+            f"clawstream_capture_{name}", f"Capture health: {name.replace('_', ' ')}", labels=labels
+        )
         for row in rows:
             family.add_metric([row["harness"], row["template"]], row[name])
         yield family
     for name in _HEALTH_RATES:
-        family = GaugeMetricFamily(f"clawstream_capture_{name}", f"Capture health: {name.replace('_', ' ')}",
-                                   labels=labels)  # fmt: skip
+        family = GaugeMetricFamily(
+            f"clawstream_capture_{name}", f"Capture health: {name.replace('_', ' ')}", labels=labels
+        )
         for row in rows:
             if row[name] is not None:
                 family.add_metric([row["harness"], row["template"]], row[name])
@@ -188,20 +213,23 @@ class Dashboard:
         return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     async def _plotly(self, _request: web.Request) -> web.FileResponse:
-        return web.FileResponse(self.plotly, headers={"Content-Type": "application/javascript",
-                                                      "Cache-Control": "max-age=86400"})  # fmt: skip
+        return web.FileResponse(
+            self.plotly, headers={"Content-Type": "application/javascript", "Cache-Control": "max-age=86400"}
+        )
 
     async def _static(self, request: web.Request) -> web.FileResponse:
         name = request.match_info["name"]
         if name not in PAGE_FILES:  # a fixed list: no path from the request ever reaches the file system
             raise web.HTTPNotFound(text=f"no static file {name}")
-        return web.FileResponse(STATIC / name, headers={"Content-Type": PAGE_FILES[name],
-                                                        "Cache-Control": "no-cache"})  # fmt: skip
+        return web.FileResponse(STATIC / name, headers={"Content-Type": PAGE_FILES[name], "Cache-Control": "no-cache"})
 
     async def _state(self, _request: web.Request) -> web.Response:
         snap = await asyncio.to_thread(self.snapshot)  # health rows are recomputed here: keep the loop free
-        return web.Response(text=json.dumps(snap, allow_nan=False), content_type="application/json",
-                            headers={"Cache-Control": "no-store"})  # fmt: skip
+        return web.Response(
+            text=json.dumps(snap, allow_nan=False),
+            content_type="application/json",
+            headers={"Cache-Control": "no-store"},
+        )
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, self.registry)
@@ -209,12 +237,12 @@ class Dashboard:
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         alive = self.feed is None or self.feed.alive
-        return web.json_response({"ok": alive, "error": self.feed.error if self.feed else None},
-                                 status=200 if alive else 503)  # fmt: skip
+        return web.json_response(
+            {"ok": alive, "error": self.feed.error if self.feed else None}, status=200 if alive else 503
+        )
 
 
-async def serve(dashboard: Dashboard, *, stop: asyncio.Event | None = None,
-                on_listening: Any = None) -> None:  # fmt: skip
+async def serve(dashboard: Dashboard, *, stop: asyncio.Event | None = None, on_listening: Any = None) -> None:
     """Serve until ``stop`` is set; ``on_listening(url)`` once the socket listens."""
     runner = web.AppRunner(dashboard.app(), access_log=None)
     await runner.setup()
@@ -223,8 +251,10 @@ async def serve(dashboard: Dashboard, *, stop: asyncio.Event | None = None,
         try:
             await site.start()
         except OSError as exc:
-            raise ConfigError(f"cannot listen on {dashboard.settings.host}:{dashboard.settings.port}: {exc} "
-                              "(pick another --port, or 0 for any free one)") from exc  # fmt: skip
+            raise ConfigError(
+                f"cannot listen on {dashboard.settings.host}:{dashboard.settings.port}: {exc} "
+                "(pick another --port, or 0 for any free one)"
+            ) from exc
         host, port = runner.addresses[0][:2]
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
         if on_listening is not None:
@@ -249,8 +279,9 @@ class DashboardHandle:
         self._thread.join(timeout)
 
 
-def start_dashboard(kafka: KafkaSettings, *, host: str = "127.0.0.1", port: int = 0, since_ms: int | None = None,
-                    timeout: float = 30.0) -> DashboardHandle:  # fmt: skip
+def start_dashboard(
+    kafka: KafkaSettings, *, host: str = "127.0.0.1", port: int = 0, since_ms: int | None = None, timeout: float = 30.0
+) -> DashboardHandle:
     """Start a dashboard over ``kafka``'s topics (its prefix) in a background thread; returns once it listens."""
     dashboard = Dashboard(load_settings(DashboardSettings, host=host, port=port, since_ms=since_ms), kafka)
     ready: dict[str, Any] = {}
@@ -285,22 +316,35 @@ def main(argv: list[str] | None = None) -> int:
     from clawbase.settings import add_kafka_arguments, kafka_settings
     from consumers.analytics.records import parse_time_ms
 
-    parser = argparse.ArgumentParser(prog="clawstream dashboard", description=__doc__.split("\n\n")[0],
-                                     epilog="Panels and figures: docs/dashboard.md")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="clawstream dashboard",
+        description=__doc__.split("\n\n")[0],
+        epilog="Panels and figures: docs/dashboard.md",
+    )
     parser.add_argument("--port", type=int, help="port to listen on (default 8200; 0: any free port)")
     parser.add_argument("--host", help="interface to listen on (default 127.0.0.1)")
-    parser.add_argument("--since", metavar="TIME", help="read the topics from TIME: epoch ms, ISO 8601 or an age "
-                        "such as 2h (default: from the beginning)")  # fmt: skip
+    parser.add_argument(
+        "--since",
+        metavar="TIME",
+        help="read the topics from TIME: epoch ms, ISO 8601 or an age such as 2h (default: from the beginning)",
+    )
     parser.add_argument("--bucket-s", type=int, help="throughput / lag bucket width in seconds (default 10)")
     parser.add_argument("--refresh-ms", type=int, help="page refresh period (default 2000)")
-    parser.add_argument("--prefix", dest="topic_prefix", metavar="PREFIX", default=None,
-                        help="same as --topic-prefix")
+    parser.add_argument("--prefix", dest="topic_prefix", metavar="PREFIX", default=None, help="same as --topic-prefix")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        overrides = {k: v for k, v in {"host": args.host, "port": args.port, "bucket_s": args.bucket_s,
-                                       "refresh_ms": args.refresh_ms}.items() if v is not None}  # fmt: skip
+        overrides = {
+            k: v
+            for k, v in {
+                "host": args.host,
+                "port": args.port,
+                "bucket_s": args.bucket_s,
+                "refresh_ms": args.refresh_ms,
+            }.items()
+            if v is not None
+        }
         if args.since:
             overrides["since_ms"] = parse_time_ms(args.since)
         settings = load_settings(DashboardSettings, **overrides)
@@ -308,8 +352,14 @@ def main(argv: list[str] | None = None) -> int:
         log.info("Kafka at %s, topic prefix %r", check_broker(kafka), kafka.topic_prefix)
         dashboard = Dashboard(settings, kafka)
         started = time.monotonic()
-        asyncio.run(serve(dashboard, on_listening=lambda url: print(
-            f"dashboard on {url} (ready in {time.monotonic() - started:.1f}s)", flush=True)))  # fmt: skip
+        asyncio.run(
+            serve(
+                dashboard,
+                on_listening=lambda url: print(
+                    f"dashboard on {url} (ready in {time.monotonic() - started:.1f}s)", flush=True
+                ),
+            )
+        )
     except ClawstreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

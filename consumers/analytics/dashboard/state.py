@@ -209,9 +209,18 @@ class DashboardState:
         if old is not None and old.timestamp_ms > t.timestamp_ms:
             return
         self._trajectories[t.rollout_id] = _Settled(
-            t.harness, t.step, t.status, t.reward, t.metadata.get("eval") == "true", t.leaves, t.prefix_reuse_ratio,
-            sum(len(s.tokens) for s in t.segments if s.trainable), t.path_tokens, t.unique_tokens, t.timestamp_ms,
-        )  # fmt: skip
+            t.harness,
+            t.step,
+            t.status,
+            t.reward,
+            t.metadata.get("eval") == "true",
+            t.leaves,
+            t.prefix_reuse_ratio,
+            sum(len(s.tokens) for s in t.segments if s.trainable),
+            t.path_tokens,
+            t.unique_tokens,
+            t.timestamp_ms,
+        )
         if old is None and len(self._trajectories) > self.max_rollouts:
             del self._trajectories[next(iter(self._trajectories))]
 
@@ -220,8 +229,11 @@ class DashboardState:
             latency = m.values.get("publish_to_applied_s", float("nan"))
             self._applied.setdefault(m.source, []).append((m.timestamp_ms, m.policy_version, latency))
         elif m.name == "inference_stats":
-            self._engines[m.source] = {**m.values, "policy_version": float(m.policy_version),
-                                       "timestamp_ms": float(m.timestamp_ms)}  # fmt: skip
+            self._engines[m.source] = {
+                **m.values,
+                "policy_version": float(m.policy_version),
+                "timestamp_ms": float(m.timestamp_ms),
+            }
         elif m.name == "train_step" and m.step is not None:
             self._learner[m.step] = dict(m.values)
 
@@ -240,8 +252,11 @@ class DashboardState:
         out: dict[str, Any] = {}
         for series in sorted(sums):
             steps = sorted(sums[series])
-            out[series] = {"steps": steps, "mean": [sum(sums[series][s]) / len(sums[series][s]) for s in steps],
-                           "n": [len(sums[series][s]) for s in steps]}  # fmt: skip
+            out[series] = {
+                "steps": steps,
+                "mean": [sum(sums[series][s]) / len(sums[series][s]) for s in steps],
+                "n": [len(sums[series][s]) for s in steps],
+            }
         return out
 
     def _tree(self) -> dict[str, Any]:
@@ -271,7 +286,10 @@ class DashboardState:
         if not self._buckets:
             empty: dict[str, list[Any]] = {"t": []}
             return {**empty, "calls_per_s": [], "generated_tokens_per_s": [], "prompt_tokens_per_s": []}, {
-                **empty, "mean": [], "max": []}  # fmt: skip
+                **empty,
+                "mean": [],
+                "max": [],
+            }
         step = self.bucket_s * 1000
         first, last = min(self._buckets), max(self._buckets)
         first = max(first, last - (self.max_buckets - 1) * step)
@@ -286,21 +304,29 @@ class DashboardState:
                 lag_t.append(iso(start))
                 lag_mean.append(b.lag_sum / b.lag_calls)
                 lag_max.append(b.lag_max)
-        return ({"t": times, "calls_per_s": calls, "generated_tokens_per_s": gen, "prompt_tokens_per_s": prompt},
-                {"t": lag_t, "mean": lag_mean, "max": lag_max})  # fmt: skip
+        return (
+            {"t": times, "calls_per_s": calls, "generated_tokens_per_s": gen, "prompt_tokens_per_s": prompt},
+            {"t": lag_t, "mean": lag_mean, "max": lag_max},
+        )
 
     def _weights(self) -> dict[str, Any]:
         applied = {}
         for engine in sorted(self._applied):
             rows = sorted(self._applied[engine])
-            applied[engine] = {"t": [iso(r[0]) for r in rows], "version": [r[1] for r in rows],
-                               "latency_s": [None if r[2] != r[2] else r[2] for r in rows]}  # fmt: skip
+            applied[engine] = {
+                "t": [iso(r[0]) for r in rows],
+                "version": [r[1] for r in rows],
+                "latency_s": [None if r[2] != r[2] else r[2] for r in rows],
+            }
         return {
-            "published": {"t": [iso(t) for t, _ in self._published], "version": [v for _, v in self._published],
-                          "step": [self._published_steps.get(v) for _, v in self._published]},
+            "published": {
+                "t": [iso(t) for t, _ in self._published],
+                "version": [v for _, v in self._published],
+                "step": [self._published_steps.get(v) for _, v in self._published],
+            },
             "applied": applied,
             "latest_published": self._published[-1][1] if self._published else None,
-        }  # fmt: skip
+        }
 
     def snapshot(self) -> dict[str, Any]:
         """Everything the page draws, JSON-ready (no NaN: missing values are null)."""
@@ -318,7 +344,9 @@ class DashboardState:
             "lag": lag,
             "weights": self._weights(),
             "engines": engines,
-            "learner": {"steps": sorted(self._learner),
-                        "loss": [self._learner[s].get("loss") for s in sorted(self._learner)]},
+            "learner": {
+                "steps": sorted(self._learner),
+                "loss": [self._learner[s].get("loss") for s in sorted(self._learner)],
+            },
             "health": [row.to_dict() for row in self.health.rows()],
-        }  # fmt: skip
+        }

@@ -25,13 +25,22 @@ from schemas.topics import TRAJECTORIES
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m consumers.analytics.examples.harness_report",
-                                     description="Per-harness prefix reuse and mean reward of the trajectories.")
+    parser = argparse.ArgumentParser(
+        prog="python -m consumers.analytics.examples.harness_report",
+        description="Per-harness prefix reuse and mean reward of the trajectories.",
+    )
     add_kafka_arguments(parser)
     settings = kafka_settings(parser.parse_args(argv))
-    consumer = Consumer({**client_config(settings), "group.id": f"harness-report-{uuid.uuid4().hex[:8]}",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "isolation.level": "read_committed"})  # fmt: skip
+    consumer = Consumer(
+        {
+            **client_config(settings),
+            "group.id": f"harness-report-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+    )
     assigned: set[int] = set()
     at_end: set[int] = set()
     consumer.subscribe([settings.topic(TRAJECTORIES)], on_assign=lambda c, ps: assigned.update(p.partition for p in ps))
