@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/clawstream demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rsx -p no:cacheprovider tests
+	$(PY) -m pytest -q -rsx -p no:cacheprovider --durations=25 tests
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/unit
@@ -34,9 +34,11 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/integration
 
-lint: $(STAMP)
+lint: $(STAMP)  # ruff check + ruff format --check + import contracts + mypy on the pure cores ([tool.mypy])
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m bench.codec

@@ -34,7 +34,8 @@ def _model(device: str, tmp: Path) -> torch.nn.Module:
 
 
 def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
-    from learner.pack import pack_trees, packed_logprobs
+    from learner.forward import packed_logprobs
+    from learner.pack import pack_trees
     from schemas.tree_paths import path_tokens, paths
     from tests.support.learner_data import branching_trajectory
 
@@ -74,7 +75,8 @@ def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
 
 def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
     from learner.config import LearnerConfig
-    from learner.pack import pack_trees, packed_logprobs
+    from learner.forward import packed_logprobs
+    from learner.pack import pack_trees
     from learner.step import ScoredTree, train_step
     from tests.support.learner_data import branching_trajectory
 

@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from learner.forward import packed_logprobs
 from learner.losses import grpo_loss
-from learner.pack import pack_trees, packed_logprobs
+from learner.pack import pack_trees
 from schemas.tree_paths import path_tokens, path_trainable_mask, paths
 from streams.tree import Segment, TreeCall, build_tree
 

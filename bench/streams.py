@@ -1,30 +1,12 @@
 """Stream processors benchmark: call events/s through one worker, and settle → trajectory latency, before vs after.
 
-One real worker (``python -m streams.app worker``, exactly-once and RocksDB by default) on a local Apache Kafka
-broker, fed synthetic rollouts (tests/support/stream_load.py: append-only call chains, one SIDE call in five,
-groups of 8 over two harnesses, no faults). Two phases per worker run:
-
-1. Throughput. A burst of rollouts is published as fast as the producer can; the clock runs from the first record
-   sent until the worker's consumer group has committed every call event (its committed offsets on
-   ``clawstream.calls`` reach the end offsets). Committed offsets move only with the worker's transactions, so this is
-   "processed and committed". Reported: call events/s, all records/s (calls + lifecycle + rewards + requests), and
-   the worker's own CPU time per record over that window (user + system, from /proc: less sensitive to what else
-   runs on a shared machine than the wall-clock rate).
-2. Latency. Rollouts are published at a steady rate, ``--window`` in flight (like that many sandboxes); for each
-   rollout, the time from flushing its last record (the one that makes it complete) to its trajectory being readable
-   with ``isolation.level=read_committed``. That includes the quiet period (``settle_interval_s``) by design, plus up
-   to one tick and one commit interval; p50/p99 are reported raw and minus the quiet period.
-
-Before / after. ``--before DIR`` names a checkout of the old code (e.g. ``git worktree add /tmp/streams-before
-<commit>``): each round then runs the old code with the old settings (tick 0.5 s, commit 1.0 s) and the current code
-with the current defaults, alternately, on the same broker, each with fresh topics; the results file shows both side
-by side with every round (``--also TICK:COMMIT`` adds the current code at other intervals: the latency / throughput
-trade-off). ``--py-spy PREFIX``: after the measured rounds, one more run of each variant with py-spy recording its
-worker during the burst (raw stacks in ``PREFIX-<variant>.raw``), summarised by category in the results.
+One real worker (``python -m streams.app worker``) on a local broker, fed synthetic rollouts. Phase 1 (throughput):
+a burst, timed until the worker's group has committed every call event. Phase 2 (latency): rollouts at a steady
+rate, the time from a rollout's last record to its committed trajectory. ``--before DIR`` runs an old checkout
+alternately with the current code on the same broker. What each figure means: docs/benchmarks.md#streams.
 
 Run: ``.venv/bin/python -m bench.streams [--before DIR] [--rounds 2] [--bootstrap host:port] [--burst 600]
-[--latency-s 30]``. Without ``--bootstrap`` a private broker is started (and stopped) in a temporary directory.
-Writes ``bench/results/streams.md`` and prints it. One worker run takes about a minute on 2 busy cores.
+[--latency-s 30]``. Writes ``bench/results/streams.md``.
 """
 
 from __future__ import annotations

@@ -5,53 +5,19 @@ rollout's prefix tree appears once, ``rollout_index`` (T,) says which rollout a 
 (T,) marks the trainable ones (generated tokens of kept calls). Per-rollout quantities (GRPO advantage, PPO return)
 are (R,) tensors indexed by ``rollout_index``.
 
-The pieces, as in ClawGym II (docs/method.md#advantages, docs/method.md#off-policy-correction):
+The pieces, as in ClawGym II (docs/method.md#advantages, docs/method.md#off-policy-correction; every formula, and
+where the project departs from the paper or the paper is silent: docs/method.md#loss-details):
 
-- clipped surrogate, per token: ``max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high))`` with
-  ``r_t = exp(logp_new - logp_old)``; separate low/high clip ("clip-higher", DAPO) and an optional dual clip
-  (``dual_clip_c``, bounds the loss of negative-advantage tokens at ``-A c``; off by default, verl has it at 3);
-- truncated importance sampling (TIS): the per-token loss is multiplied by
-  ``w_t = min(exp(logp_old - logp_rollout), c)`` (detached, ``c = is_cap``, default 2) to correct for the inference
-  engine's policy differing from the trainer's (other kernels, stale weights). ``is_mode="masked"`` instead of
-  truncating gives weight 0 to tokens whose ratio lies outside ``[1/c, c]`` and keeps the plain ratio inside
-  (masked IS, as IcePop and verl's ``rollout_is_threshold="lower_upper"``); ``is_mode="none"`` disables the
-  correction;
-- GRPO: one advantage per rollout, broadcast to its tokens (the group normalisation (R - mu) / (sigma + eps) over a
-  task x harness group is done upstream, in the streams stage);
-- PPO: gamma = lambda = 1 and a terminal reward, so ``A_t = R - V(s_t)`` with V detached for the advantage; value loss
-  ``0.5 (V - R)^2`` or, with ``value_clip`` set, the PPO clipped form
-  ``0.5 max((V - R)^2, (clip(V, V_old - vc, V_old + vc) - R)^2)``; ``loss = policy + vf_coef * value``;
-- optional KL to a reference policy (k3 estimator ``exp(q) - q - 1``, ``q = logp_ref - logp_new``), added per token
-  with ``kl_coef`` (0 = off, the default).
+- clipped surrogate with separate low/high clip ("clip-higher") and an optional dual clip (``clipped_surrogate``);
+- truncated importance sampling ``min(exp(logp_old - logp_rollout), c)``, or masked IS, or none
+  (``importance_weights``);
+- GRPO: one advantage per rollout, broadcast to its tokens (group normalisation is done upstream, in streams/);
+- PPO: gamma = lambda = 1, ``A_t = R - V(s_t)``; value loss ``0.5 (V - R)^2``, optionally clipped (``value_loss``);
+- optional k3 KL to a reference policy with ``kl_coef`` (0 = off, the default).
 
-Aggregation. Notation: rollout r (r = 1..R), ``l_rt`` the per-token loss and ``m_rt`` in {0, 1} its loss mask, t
-running over the unique tokens of rollout r's prefix tree (the packed tree holds each once). A trajectory here is a
-rollout tree: a prefix shared by several of its root-to-leaf paths counts once per rollout, never once per path
-("tokens of a shared prefix count once per rollout in the loss"). The two modes:
-
-- ``"seq_mean_token_mean"`` (default): ``(1/R) sum_r ( sum_t m_rt l_rt / sum_t m_rt )``, the mean over rollouts of
-  each rollout's mean over its unique trainable tokens; R counts the rollouts with at least one trainable token.
-  Every rollout weighs the same, whatever its length. This is the paper's form: ClawGym II's Eq. 6 averages per
-  trajectory, ``(1/G) sum_i (1/|y_i|) sum_t (...)``, with |y_i| here the number of unique trainable tokens of
-  rollout i's tree (verl's "seq-mean-token-mean" with a rollout tree, not a path, as the sequence).
-- ``"token_mean"``: ``sum_r sum_t m_rt l_rt / sum_r sum_t m_rt``, one mean over all trainable tokens of the batch.
-  Every unique generated token weighs the same, so long rollouts weigh more (DAPO's token-level loss, verl's
-  "token-mean"). An option, not the paper's form.
-
-Micro-batching: pass the WHOLE step's denominators (``num_tokens`` for token_mean, ``num_rollouts`` for
-seq_mean_token_mean) and the micro-batch losses sum to the full-batch loss, so gradient accumulation by summing is
-exact. Without them the denominators are the micro-batch's own. A rollout's own token count comes from the
-micro-batch, unless ``rollout_tokens`` (R,) gives it over all rows: a tree longer than the token budget is split
-into path rows (``learner.tree_split``), and the learner always passes it. ``num_rollouts`` must count only
-rollouts with a trainable token (the streams stage drops trees without one).
-
-Where this departs from the paper (or the paper is silent): the paper gives TIS (``min(w, c)``) and names masked IS
-without details; we apply the IS weight to the clipped surrogate (not to the KL term), as verl's rollout correction
-does, and a masked token keeps its place in the normaliser (weight 0, not removed) like verl's IcePop weights, so
-dropping tokens does not inflate the others' weight. Log-ratios are clamped to [-20, 20] before ``exp`` (as verl) so
-one wild token cannot produce inf/NaN. The PPO value loss is aggregated in the same mode as the policy loss (Eq. 6
-is the policy objective; the paper does not say). Dual clip and the clipped value loss are options the paper does
-not mention (off by default).
+Per-token losses are reduced by ``learner.aggregation.aggregate`` (``seq_mean_token_mean`` by default, the paper's
+form; ``token_mean`` optional), with the whole step's denominators so micro-batch losses sum to the full-batch loss.
+Pure torch, no Kafka; used by ``learner.step``.
 """
 
 from __future__ import annotations
@@ -61,14 +27,21 @@ from typing import Literal
 
 import torch
 
-from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.errors import ConfigError
+from learner.aggregation import (
+    Aggregation,
+    LossInputError,
+    StepDenominators,
+    aggregate,
+    check_flat,
+    masked_frac,
+    masked_mean,
+    per_rollout,
+)
 
 __all__ = [
-    "Aggregation",
     "ISMode",
     "LossConfig",
-    "LossInputError",
-    "aggregate",
     "clipped_surrogate",
     "grpo_loss",
     "importance_weights",
@@ -78,15 +51,10 @@ __all__ = [
     "value_loss",
 ]
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean"]
 ISMode = Literal["tis", "masked", "none"]
 
 # exp() of a log-ratio beyond this overflows nothing but says nothing useful either (verl uses the same bound).
 LOG_RATIO_BOUND = 20.0
-
-
-class LossInputError(ClawstreamError):
-    """Loss inputs disagree (shapes, dtypes, indices): a bug upstream, caught before it becomes a wrong gradient."""
 
 
 @dataclass(frozen=True)
@@ -122,21 +90,6 @@ class LossConfig:
             raise ConfigError(f"vf_coef must be >= 0, got {self.vf_coef}")
         if self.value_clip is not None and self.value_clip <= 0.0:
             raise ConfigError(f"value_clip must be > 0 (or None for plain MSE), got {self.value_clip}")
-
-
-def _check_flat(name: str, t: torch.Tensor, n: int) -> None:
-    if t.dim() != 1 or t.shape[0] != n:
-        raise LossInputError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
-
-
-def _frac(flags: torch.Tensor, mask: torch.Tensor) -> float:
-    # Fraction of masked-in tokens whose flag is set, counted exactly (a statistic, never differentiated).
-    return float((flags & mask).sum().item()) / max(int(mask.sum().item()), 1)
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # x, mask: (T,) -> scalar; 0 when nothing is masked in, instead of NaN.
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def _safe_log_ratio(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -185,10 +138,10 @@ def importance_weights(
             if bool(mask.any())
             else 0.0,
             # TIS: fraction truncated at cap; masked IS: fraction dropped; none: 0.
-            "is_truncated_frac": _frac(off, mask) if mode == "tis" else 0.0,
-            "is_masked_frac": _frac(off, mask) if mode == "masked" else 0.0,
+            "is_truncated_frac": masked_frac(off, mask) if mode == "tis" else 0.0,
+            "is_masked_frac": masked_frac(off, mask) if mode == "masked" else 0.0,
             # Mismatch between inference engine and trainer: mean of k1 = log pi_rollout - log pi_old on its samples.
-            "rollout_old_kl": float(_masked_mean(-torch.log(raw.clamp(min=1e-30)), mask.to(dtype)).item()),
+            "rollout_old_kl": float(masked_mean(-torch.log(raw.clamp(min=1e-30)), mask.to(dtype)).item()),
         }
     return weights, stats
 
@@ -240,47 +193,6 @@ def k3_kl(logp_new: torch.Tensor, logp_ref: torch.Tensor, loss_mask: torch.Tenso
     return torch.where(mask, torch.exp(q) - q - 1.0, torch.zeros_like(q))
 
 
-def aggregate(
-    per_token: torch.Tensor,  # (T,)
-    loss_mask: torch.Tensor,  # (T,) bool
-    rollout_index: torch.Tensor,  # (T,) long
-    mode: Aggregation = "seq_mean_token_mean",
-    *,
-    num_tokens: int | float | None = None,
-    num_rollouts: int | float | None = None,
-    rollout_tokens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss to a scalar; see the module docstring for the two modes and the global denominators.
-
-    ``token_mean``: ``sum(per_token * mask) / num_tokens`` (default: trainable tokens here).
-    ``seq_mean_token_mean``: ``sum_r mean_{t in r}(per_token) / num_rollouts`` (default: rollouts with >= 1 trainable
-    token here).
-    """
-    mask = loss_mask.bool()
-    masked = torch.where(mask, per_token, torch.zeros_like(per_token))  # (T,)
-    if mode == "token_mean":
-        denom = mask.sum().clamp(min=1).to(per_token.dtype) if num_tokens is None else float(num_tokens)
-        return masked.sum() / denom
-    if mode == "seq_mean_token_mean" and rollout_tokens is not None:  # (R,) trainable tokens over all rows
-        per_rollout = _per_rollout("rollout_tokens", rollout_tokens.to(per_token.dtype), rollout_index)  # (T,)
-        present = torch.unique(rollout_index[mask]).numel()
-        denom = float(max(present, 1)) if num_rollouts is None else float(num_rollouts)
-        return (masked / per_rollout.clamp(min=1)).sum() / denom
-    if mode == "seq_mean_token_mean":
-        # Renumber rollouts densely so the scatter size does not depend on how large the indices are.
-        _, dense = torch.unique(rollout_index, return_inverse=True)  # (T,)
-        n_slots = int(dense.max().item()) + 1 if dense.numel() else 0
-        sums = torch.zeros(n_slots, dtype=per_token.dtype, device=per_token.device).index_add(0, dense, masked)
-        counts = torch.zeros(n_slots, dtype=per_token.dtype, device=per_token.device).index_add(
-            0, dense, mask.to(per_token.dtype)
-        )
-        present = counts > 0  # rollouts without a trainable token here add nothing and are not counted
-        seq_means = torch.where(present, sums / counts.clamp(min=1), torch.zeros_like(sums))  # (R_here,)
-        denom = present.sum().clamp(min=1).to(per_token.dtype) if num_rollouts is None else float(num_rollouts)
-        return seq_means.sum() / denom
-    raise ConfigError(f"aggregation must be 'token_mean' or 'seq_mean_token_mean', got {mode!r}")
-
-
 def _validate(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor | None,
@@ -290,12 +202,12 @@ def _validate(
     logp_ref: torch.Tensor | None,
 ) -> int:
     n = int(logp_new.shape[0]) if logp_new.dim() == 1 else -1
-    _check_flat("logp_new", logp_new, n)
+    check_flat("logp_new", logp_new, n)
     for name, t in (("logp_old", logp_old), ("logp_rollout", logp_rollout), ("logp_ref", logp_ref)):
         if t is not None:
-            _check_flat(name, t, n)
-    _check_flat("rollout_index", rollout_index, n)
-    _check_flat("loss_mask", loss_mask, n)
+            check_flat(name, t, n)
+    check_flat("rollout_index", rollout_index, n)
+    check_flat("loss_mask", loss_mask, n)
     if loss_mask.dtype != torch.bool:
         raise LossInputError(f"loss_mask must be a bool tensor, got {loss_mask.dtype}")
     if rollout_index.dtype not in (torch.int64, torch.int32):
@@ -303,17 +215,6 @@ def _validate(
     if n and int(rollout_index.min().item()) < 0:
         raise LossInputError("rollout_index must be >= 0")
     return n
-
-
-def _per_rollout(name: str, values: torch.Tensor, rollout_index: torch.Tensor) -> torch.Tensor:
-    # (R,) -> (T,) by rollout_index, with a clear error for an index out of range.
-    if values.dim() != 1:
-        raise LossInputError(f"{name} must be one value per rollout, shape (R,), got {tuple(values.shape)}")
-    if rollout_index.numel() and int(rollout_index.max().item()) >= values.shape[0]:
-        raise LossInputError(
-            f"rollout_index reaches {int(rollout_index.max().item())} but {name} has {values.shape[0]} rollouts"
-        )
-    return values[rollout_index]
 
 
 def policy_loss(
@@ -332,7 +233,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate x IS weight (+ kl_coef x k3 KL), aggregated. Shared by ``grpo_loss`` and ``ppo_loss``."""
     n = _validate(logp_new, logp_old, logp_rollout, rollout_index, loss_mask, logp_ref)
-    _check_flat("advantages", advantages, n)
+    check_flat("advantages", advantages, n)
     old = logp_new.detach() if logp_old is None else logp_old.detach()  # (T,)
     mask = loss_mask
     maskf = mask.to(logp_new.dtype)
@@ -342,7 +243,7 @@ def policy_loss(
         logp_new, old, advantages, mask, config.eps_low, config.eps_high, config.dual_clip_c
     )  # (T,)
     per_token = surrogate * weights.to(surrogate.dtype)  # (T,)
-    agg = {"num_tokens": num_tokens, "num_rollouts": num_rollouts, "rollout_tokens": rollout_tokens}
+    agg: StepDenominators = {"num_tokens": num_tokens, "num_rollouts": num_rollouts, "rollout_tokens": rollout_tokens}
     pg = aggregate(per_token, mask, rollout_index, config.aggregation, **agg)
     loss = pg
 
@@ -360,15 +261,15 @@ def policy_loss(
         log_ratio = _safe_log_ratio(logp_new.detach(), old, mask)  # (T,)
         stats.update(
             {
-                "clip_frac_low": _frac(info["clipped_low"], mask),
-                "clip_frac_high": _frac(info["clipped_high"], mask),
-                "clip_frac": _frac(info["clipped_low"] | info["clipped_high"], mask),
-                "dual_clip_frac": _frac(info["dual_clipped"], mask),
+                "clip_frac_low": masked_frac(info["clipped_low"], mask),
+                "clip_frac_high": masked_frac(info["clipped_high"], mask),
+                "clip_frac": masked_frac(info["clipped_low"] | info["clipped_high"], mask),
+                "dual_clip_frac": masked_frac(info["dual_clipped"], mask),
                 # k1 estimate of KL(pi_old || pi_new) on pi_old's samples (verl's ppo_kl) and the k3 one.
-                "approx_kl": float(_masked_mean(-log_ratio, maskf).item()),
-                "approx_kl_k3": float(_masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, maskf).item()),
-                "ratio_mean": float(_masked_mean(info["ratio"], maskf).item()),
-                "advantage_mean": float(_masked_mean(advantages.detach().to(maskf.dtype), maskf).item()),
+                "approx_kl": float(masked_mean(-log_ratio, maskf).item()),
+                "approx_kl_k3": float(masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, maskf).item()),
+                "ratio_mean": float(masked_mean(info["ratio"], maskf).item()),
+                "advantage_mean": float(masked_mean(advantages.detach().to(maskf.dtype), maskf).item()),
                 "trainable_tokens": float(mask.sum().item()),
                 "rollouts": float(torch.unique(rollout_index[mask]).numel()),
             }
@@ -395,7 +296,7 @@ def grpo_loss(
     """GRPO: the rollout's advantage on every one of its tokens, clipped surrogate with TIS / masked IS."""
     config = config or LossConfig()
     _validate(logp_new, logp_old, logp_rollout, rollout_index, loss_mask, logp_ref)
-    adv_tok = _per_rollout("advantages", advantages.to(logp_new.dtype), rollout_index)  # (T,)
+    adv_tok = per_rollout("advantages", advantages.to(logp_new.dtype), rollout_index)  # (T,)
     return policy_loss(
         logp_new,
         logp_old,
@@ -439,7 +340,7 @@ def value_loss(
         old = old_values.detach()
         clipped = torch.maximum(torch.minimum(values, old + value_clip), old - value_clip)  # (T,)
         err_clipped = (clipped - returns.detach()) ** 2  # (T,)
-        clip_frac = torch.tensor(_frac(err_clipped > err, mask))
+        clip_frac = torch.tensor(masked_frac(err_clipped > err, mask))
         err = torch.maximum(err, err_clipped)
     loss = 0.5 * aggregate(
         err,
@@ -453,7 +354,7 @@ def value_loss(
     stats = {
         "value_loss": float(loss.detach().item()),
         "value_clip_frac": float(clip_frac.item()),
-        "value_mean": float(_masked_mean(values.detach(), mask.to(values.dtype)).item()),
+        "value_mean": float(masked_mean(values.detach(), mask.to(values.dtype)).item()),
     }
     return loss, stats
 
@@ -482,13 +383,13 @@ def ppo_loss(
     """
     config = config or LossConfig()
     n = _validate(logp_new, logp_old, logp_rollout, rollout_index, loss_mask, logp_ref)
-    _check_flat("values", values, n)
+    check_flat("values", values, n)
     if old_values is not None:
-        _check_flat("old_values", old_values, n)
-    ret_tok = _per_rollout("returns", returns.to(values.dtype), rollout_index)  # (T,)
+        check_flat("old_values", old_values, n)
+    ret_tok = per_rollout("returns", returns.to(values.dtype), rollout_index)  # (T,)
     v_old = values.detach() if old_values is None else old_values.detach()  # (T,)
     adv_tok = (ret_tok - v_old).to(logp_new.dtype)  # (T,)
-    agg = {"num_tokens": num_tokens, "num_rollouts": num_rollouts, "rollout_tokens": rollout_tokens}
+    agg: StepDenominators = {"num_tokens": num_tokens, "num_rollouts": num_rollouts, "rollout_tokens": rollout_tokens}
     pg, stats = policy_loss(
         logp_new, logp_old, logp_rollout, adv_tok, rollout_index, loss_mask, config, logp_ref=logp_ref, **agg
     )

@@ -1,52 +1,21 @@
 """Tree packing: one rollout's prefix tree of token segments -> one packed sequence with a tree attention mask.
 
-The streams stage emits each rollout as a list of token *segments* in topological order (``parent < index``); the
-concatenation of the segments on a root-to-node path is the context the model saw at that node. Every shared prefix
-is stored once, so a tree with many branches is much shorter than the sum of its root-to-leaf paths. Packing runs the
-whole tree in ONE forward pass:
+The streams stage emits each rollout as a list of token *segments* in topological order (``parent < index``); every
+shared prefix is stored once, and packing runs the whole tree in ONE forward pass (docs/method.md#tree-packing):
 
-- tokens: the segments concatenated in list order (so every ancestor's tokens come before a node's tokens);
-- attention: token ``i`` attends to token ``j`` iff ``j`` lies on ``i``'s root path at or before ``i`` — the earlier
-  tokens of its own segment and every token of its ancestor segments, never a sibling branch;
-- position ids: a token's depth on its root path (the number of tokens before it on that path), so RoPE sees exactly
-  the positions the plain root-to-leaf sequence would give it;
-- predictor: the index of the token whose logits predict this one (the previous token on its root path: for the
-  first token of a segment, the last token of the nearest non-empty ancestor). A root's first token has none.
+- tokens: the segments concatenated in list order (every ancestor's tokens come before a node's tokens);
+- attention: token ``i`` attends to token ``j`` iff ``j`` lies on ``i``'s root path at or before ``i``;
+- position ids: a token's depth on its root path, so RoPE sees the positions of the plain root-to-leaf sequence;
+- predictor: the index of the token whose logits predict this one (-1 for a root's first token).
 
-With that, ``log_softmax(logits[predictor[t]])[token[t]]`` equals the logprob that running the root-to-leaf path as a
-plain causal sequence would give (checked to 1e-5 in fp32 by tests/unit/test_pack.py).
+With that, ``log_softmax(logits[predictor[t]])[token[t]]`` equals the logprob of the root-to-leaf path run as a plain
+causal sequence (1e-5 in fp32, tests/unit/test_pack.py). Every token also carries its call's sampling settings
+(``learner.segment_sampling``; unknown ones are refused with ``UnreproducibleSampling``).
 
-Sampling settings. A rollout's logprobs are those of the distribution its tokens were drawn from: temperature, then
-top-k, then top-p, renormalised (the engine's processed logprobs, ``policy.sampling``). For the
-importance weights π_old/π_rollout to mean anything, the learner's logprobs must be of the same transform of its own
-logits, so every trainable token carries its call's (temperature, top_p, top_k), recorded by the proxy on the call
-event and by the assembler on the segment, and ``gather_token_logprobs`` applies them per token with the engine's
-own functions. A trainable segment recorded without them (a record older than that field) or with values no engine
-samples with cannot be reproduced and is refused (``UnreproducibleSampling``: the batch is dead-lettered). Segment
-objects without the attributes at all (plain test trees) mean temperature 1, no top-k, no top-p. A sampled token
-that the learner's top-k/top-p support leaves out has probability 0 under π: its logprob is floored at
-``MIN_LOGPROB`` (zero gradient), so its TIS weight is 0 and it adds nothing to the loss, as the importance weight
-of an impossible sample should.
-
-Several trees go into one micro-batch (one row) with a block-diagonal mask; ``pack_trees`` fills micro-batches up to
-a token budget by first-fit decreasing. A micro-batch row is never padded. With ``share_prefix_min`` (the learner's
-default) the context that the trees of a row begin with — a dialect's system prompt and tool schemas, a group's user
-prompt — is stored once per row, as virtual context segments every tree hangs under (``learner.prefix_share``).
-
-Attention implementation (checked against transformers 5.24 source, ``masking_utils._preprocess_mask_arguments``):
-a 4D ``attention_mask`` tensor of shape (B, 1, T, T) is returned as-is by the mask builders, so the model uses ours.
-``eager`` ADDS the mask to the attention scores (a boolean mask would be added as 0/1 — wrong), and ``sdpa`` passes it
-to ``scaled_dot_product_attention`` as ``attn_mask`` (bool or additive float both work there). We therefore build an
-additive float mask in the model's dtype — 0 where allowed, ``finfo(dtype).min`` where not — which both ``eager`` and
-``sdpa`` honor. Flash-attention kernels ignore dense masks, so other implementations are refused. ``finfo.min`` rather
-than ``-inf``: every row keeps at least its own token, but a finite value also keeps a fully masked row from turning
-into NaN should one ever appear.
-
-Memory: the dense mask is (T, T) per micro-batch (T = token budget): 8k tokens need 256 MiB in fp32, 128 MiB in bf16.
-A row that is one chain needs no mask (the model's causal path). So a tree longer than the budget (a real harness's
-rollout: 15–40k tokens) gets rows of its own: itself if it is a chain, else one chain per root-to-leaf path with
-each trainable token trained once (``learner.tree_split``; a block-sparse mask (flex attention) built from the
-metadata here would keep prefix reuse for those too).
+``pack_trees`` fills micro-batches (one unpadded row each, block-diagonal mask) up to a token budget by first-fit
+decreasing; with ``share_prefix_min`` the context the trees of a row begin with is stored once
+(``learner.prefix_share``); a tree over the budget gets chain rows of its own (``learner.tree_split``). Running a
+model on the rows: ``learner.forward``. Pure torch, no Kafka.
 """
 
 from __future__ import annotations
@@ -61,7 +30,6 @@ from clawbase.errors import ClawstreamError
 from learner.prefix_share import fill_rows, shared_row
 from learner.segment_sampling import PLAIN_SAMPLING, UnreproducibleSampling, segment_sampling
 from learner.tree_split import is_chain, split_into_paths
-from policy.sampling import MIN_REPORTED_LOGPROB, apply_temperature, apply_top_k, apply_top_p
 
 __all__ = [
     "MicroBatch",
@@ -69,19 +37,9 @@ __all__ = [
     "PackedTree",
     "SegmentLike",
     "additive_mask",
-    "gather_token_logprobs",
     "pack_tree",
     "pack_trees",
-    "packed_forward",
-    "packed_logprobs",
 ]
-
-# The attention implementations whose transformers code path applies a custom dense 4D mask as given.
-SUPPORTED_ATTN_IMPLEMENTATIONS: frozenset[str] = frozenset({"eager", "sdpa"})
-
-
-# Floor of a token's logprob: a sampled token outside the learner's top-k/top-p support (-inf) gets this instead.
-MIN_LOGPROB = MIN_REPORTED_LOGPROB
 
 
 class PackError(ClawstreamError):
@@ -287,14 +245,12 @@ class MicroBatch:
         ``share_prefix_min > 0``: root context the trees have in common (at least that many tokens) is stored once."""
         if len(trees) != len(tree_indices):
             raise PackError(f"{len(trees)} trees but {len(tree_indices)} tree indices")
-        flags = {
-            "tree_indices": tuple(int(i) for i in tree_indices),
-            "uses_top_k": any(bool((t.top_k > 0).any()) for t in trees),
-            "uses_top_p": any(bool((t.top_p < 1).any()) for t in trees),
-        }
+        indices = tuple(int(i) for i in tree_indices)
+        uses_top_k = any(bool((t.top_k > 0).any()) for t in trees)
+        uses_top_p = any(bool((t.top_p < 1).any()) for t in trees)
         shared = shared_row(trees, tree_indices, share_prefix_min) if share_prefix_min > 0 else None
         if shared is not None:
-            return cls(**shared, **flags)
+            return cls(**shared, tree_indices=indices, uses_top_k=uses_top_k, uses_top_p=uses_top_p)
         token_offset = 0
         segment_offset = 0
         predictors: list[torch.Tensor] = []
@@ -328,7 +284,9 @@ class MicroBatch:
             temperature=cat([t.temperature for t in trees], torch.float32),
             top_p=cat([t.top_p for t in trees], torch.float32),
             top_k=cat([t.top_k for t in trees], torch.long),
-            **flags,
+            tree_indices=indices,
+            uses_top_k=uses_top_k,
+            uses_top_p=uses_top_p,
         )
 
     def attention_allowed(self) -> torch.Tensor:
@@ -442,75 +400,3 @@ def pack_trees(
             bins.append([k])
             loads.append(n)
     return [MicroBatch.from_trees([packed[k] for k in b], [owner[k] for k in b]) for b in bins]
-
-
-def _model_dtype_device(model: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
-    param = next(model.parameters())
-    return param.dtype, param.device
-
-
-def packed_forward(model: torch.nn.Module, batch: MicroBatch, **model_kwargs: Any) -> Any:
-    """Run a HF causal LM on one micro-batch with the tree mask and depth position ids; returns the model output.
-
-    ``model_kwargs`` go to the model (e.g. ``output_hidden_states=True`` for a value head). The batch is moved to the
-    model's device; the mask is built in the model's dtype, which ``sdpa`` requires of a float mask.
-    """
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
-        raise PackError(
-            f"attention implementation {impl!r} does not apply a custom 4D mask; load the model with "
-            f"attn_implementation in {sorted(SUPPORTED_ATTN_IMPLEMENTATIONS)}"
-        )
-    dtype, device = _model_dtype_device(model)
-    anc = batch.segment_ancestors  # (S, S)
-    if torch.equal(anc, torch.ones_like(anc).tril()):
-        # One chain (an append-only rollout alone in its row): the tree mask IS the causal mask, so let the model use
-        # its own causal path (SDPA's is_causal kernel) instead of materialising a (T, T) float mask.
-        mask = None
-    else:
-        mask = batch.attention_mask(dtype=dtype, device=device)  # (1, 1, T, T)
-    return model(
-        input_ids=batch.input_ids.to(device)[None],  # (1, T)
-        attention_mask=mask,
-        position_ids=batch.position_ids.to(device)[None],  # (1, T)
-        use_cache=False,
-        **model_kwargs,
-    )
-
-
-def gather_token_logprobs(logits: torch.Tensor, batch: MicroBatch, *, only_trainable: bool = False) -> torch.Tensor:
-    """Per-token logprobs from a micro-batch's logits under each token's own sampling distribution.
-
-    ``log q_t(token[t])`` with ``q_t = softmax(top_p(top_k(logits[predictor[t]] / temperature[t])))``, the
-    transform the engine sampled with (``policy.sampling``; greedy rows are divided by 1, as there);
-    top-k and top-p run only when a token of the row asked for them. logits: (T, V) or (1, T, V). Returns (T,) in
-    float32, 0.0 where a token has no predictor (or is not trainable when ``only_trainable``), floored at
-    ``MIN_LOGPROB`` where the token is outside the support; only the needed rows are normalised, in fp32, to bound
-    memory at large vocabularies.
-    """
-    if logits.dim() == 3:
-        logits = logits[0]
-    device = logits.device
-    predictor = batch.predictor.to(device)  # (T,)
-    wanted = predictor >= 0  # (T,)
-    if only_trainable:
-        wanted &= batch.loss_mask.to(device)
-    rows = wanted.nonzero(as_tuple=True)[0]  # (K,)
-    picked = apply_temperature(logits[predictor[rows]], batch.temperature.to(device)[rows])  # (K, V) fp32
-    if batch.uses_top_k:
-        picked = apply_top_k(picked, batch.top_k.to(device)[rows])
-    if batch.uses_top_p:
-        picked = apply_top_p(picked, batch.top_p.to(device)[rows])
-    targets = batch.input_ids.to(device)[rows]  # (K,)
-    token_lp = picked.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(picked, dim=-1)  # (K,)
-    token_lp = token_lp.clamp(min=MIN_LOGPROB)  # -inf (cut by top-k/top-p) -> floor, with zero gradient
-    out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)  # (T,)
-    return out.index_put((rows,), token_lp)
-
-
-def packed_logprobs(model: torch.nn.Module, batch: MicroBatch, *, only_trainable: bool = False) -> torch.Tensor:
-    """Logprob of every token of ``batch`` under ``model`` (one forward pass; differentiable). Returns (T,) float32."""
-    if batch.num_tokens == 0:
-        return torch.zeros(0, dtype=torch.float32, device=_model_dtype_device(model)[1])
-    out = packed_forward(model, batch)
-    return gather_token_logprobs(out.logits, batch, only_trainable=only_trainable)

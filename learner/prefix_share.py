@@ -1,37 +1,16 @@
 """Cross-rollout prefix sharing: the context that the trees of one micro-batch row begin with is packed once.
 
-Why. Tree packing (``learner.pack``) stores a prefix once *within* a rollout's tree, but every rollout of a batch
-repeats the system prompt and tool schemas of its chat dialect (~434 tokens of the built-in loop's), and the
-rollouts of one group also repeat the task's user prompt. On the quickstart a 16-rollout batch packed ~8.6k tokens
-of which ~665 were trainable. The learner's step is the pace of the whole RL loop and its cost grows with the packed
-tokens, so the trees of a row share that context: measured by ``bench/prefix_share.py``.
+Tree packing (``learner.pack``) stores a prefix once *within* a rollout's tree, but every rollout of a batch repeats
+its chat dialect's system prompt and tool schemas, and a group's rollouts the task's user prompt too. Here an *item*
+is a root segment of a tree in the row; its *shareable* tokens are its leading run of pure context (out of the loss,
+rollout logprob 0, plain sampling). The distinct common prefixes of at least ``min_tokens`` form a radix tree whose
+nodes become *virtual* context segments at the start of the row; each item's root hangs under the node it matches,
+those tokens removed. Positions, attention, predictors and the loss are exactly those of unshared packing (1e-5 in
+fp32, tests/unit/test_pack_prefix_share.py; why: docs/method.md#prefix-sharing-across-rollouts).
 
-What is shared. An *item* is a root segment of a tree in the row (one per tree, usually; a tree whose history was
-split at a compaction point has several). Its *shareable* tokens are its leading run of pure context: tokens out of
-the loss, with rollout logprob 0 and plain sampling settings — the whole segment for a context root, nothing of a
-trainable root. An item's shared length ``P`` is the longest common prefix of its shareable tokens with any other
-item of the row, or 0 when that is shorter than ``min_tokens`` (a few tokens of chat-template header are not worth a
-segment). The distinct shared prefixes form a radix tree; each radix node becomes one *virtual* context segment at
-the start of the row — e.g. the 3-token header both dialects start with, under it each dialect's system prompt,
-under that each group's user prompt — and each item's root segment hangs under the node that ends at depth ``P``,
-with its first ``P`` tokens removed (a root that is entirely shared stays as an empty segment).
-
-Why it is exact (checked to 1e-5 in fp32, and the loss and gradients of a learner step, by
-tests/unit/test_pack_prefix_share.py):
-
-- positions: a root starts at depth 0, so the shared token at depth d has position d, as each removed copy had;
-- attention: the virtual segments on an item's radix path are ancestors of exactly the segments of that item's
-  tree (its root's descendants), so every token attends to the same token ids at the same positions as before;
-- predictors: a kept token whose predictor was removed (the root's first kept token, or a child's first token when
-  the root is entirely shared) is predicted from the shared copy of that token, at the same depth;
-- loss: only pure context is removed, so every trainable token, its logprob, sampling settings and rollout stay.
-  A virtual token is context too; its ``rollout_index`` is that of the first tree hanging under it (any index of
-  the row would do: the loss, the per-rollout token counts and the value targets only read trainable tokens).
-
-Rows of their own (a tree over the token budget: a chain, or one row per path, ``learner.tree_split``) are never
-shared: they run without a dense mask, which sharing would need. ``fill_rows`` is the first-fit decreasing of
-``learner.pack.pack_trees`` made aware of sharing: a tree goes to the row it adds the fewest tokens to after
-sharing (ties: the first), among the rows it fits in — exactly first fit when nothing is shared.
+``shared_row`` builds a row's tensor fields; ``fill_rows`` is the first-fit decreasing of ``learner.pack.pack_trees``
+made aware of sharing (a tree goes to the row it adds the fewest tokens to after sharing). Rows of their own (trees
+over the token budget, ``learner.tree_split``) are never shared. Measured by ``bench/prefix_share.py``.
 
 Pure: no Kafka. Trees are read through the fields of ``learner.pack.PackedTree`` (duck-typed: pack imports this).
 """
@@ -198,9 +177,12 @@ def shared_row(trees: Sequence[Any], tree_indices: Sequence[int], min_tokens: in
     n_virtual = len(nodes)
 
     # The virtual segments: tokens, depths, predictors (the previous token on the radix path), ancestors, owner.
-    ids, pred, owner = [], [], []
+    ids: list[int] = []
+    pred: list[int] = []
+    owner: list[int] = []
     v_anc = torch.zeros(n_virtual, n_virtual, dtype=torch.bool)  # (V, V)
-    first_item = {}  # string -> the first item whose shared prefix it is (its tree owns the virtual tokens)
+    # string -> the first item whose shared prefix it is (its tree owns the virtual tokens)
+    first_item: dict[Prefix, int] = {}
     for i, n in enumerate(lengths):
         if n:
             first_item.setdefault(prefixes[i][:n], i)

@@ -1,5 +1,6 @@
-"""A trainable segment's sampling settings, as the learner recomputes its logprobs (``learner.pack``, "Sampling
-settings"): its call's (temperature, top_p, top_k) recorded by the proxy, refused when missing or impossible.
+"""A trainable segment's sampling settings, as the learner recomputes its logprobs: its call's (temperature, top_p,
+top_k) recorded by the proxy, refused when missing or impossible (docs/method.md#off-policy-correction, "Same
+distribution on both sides").
 
 Pure: no Kafka, no torch.
 """
@@ -21,19 +22,19 @@ class UnreproducibleSampling(ClawstreamError):
 
 
 def segment_sampling(seg: object, index: int) -> tuple[float, float, int]:
-    """(temperature, top_p, top_k) of a trainable segment; see "Sampling settings" in the module docstring."""
+    """(temperature, top_p, top_k) of a trainable segment; plain settings for a segment without the attributes."""
     if not hasattr(seg, "temperature"):
         return PLAIN_SAMPLING
-    values = (getattr(seg, "temperature", None), getattr(seg, "top_p", None), getattr(seg, "top_k", None))
+    raw_t, raw_p, raw_k = getattr(seg, "temperature", None), getattr(seg, "top_p", None), getattr(seg, "top_k", None)
     call = getattr(seg, "call_id", None)
     what = f"trainable segment {index}" + (f" (call {call})" if call else "")
-    if any(v is None for v in values):
+    if raw_t is None or raw_p is None or raw_k is None:
         raise UnreproducibleSampling(
-            f"{what} carries no sampling settings (temperature={values[0]}, top_p={values[1]}, top_k={values[2]}): "
+            f"{what} carries no sampling settings (temperature={raw_t}, top_p={raw_p}, top_k={raw_k}): "
             "it was recorded by a proxy that did not record them, so the distribution behind its rollout logprobs is "
             "unknown and importance weights against it would be biased; re-run those rollouts with a current proxy"
         )
-    temperature, top_p, top_k = float(values[0]), float(values[1]), int(values[2])
+    temperature, top_p, top_k = float(raw_t), float(raw_p), int(raw_k)
     if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1 and top_k >= 0):
         raise UnreproducibleSampling(
             f"{what} was sampled with temperature={temperature}, top_p={top_p}, top_k={top_k}: not settings the "

@@ -1,30 +1,18 @@
 """One training step on one batch of scored rollout trees: pack → π_old logprobs → loss → optimizer step(s).
 
-Pure torch (no Kafka): the train loop hands it decoded trajectories and advantages. A step:
+Pure torch (no Kafka): the train loop hands it decoded trajectories and advantages. A step (in detail, and why each
+measurement: docs/method.md#the-training-step):
 
-1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget (a tree
-   over it gets rows of its own: ``learner.pack.pack_trees``);
+1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget
+   (``learner.pack.pack_trees``);
 2. recomputes π_old logprobs for all rows with the current weights, before any update (no grad) — except for one
-   GRPO update per batch (``mini_batches == 1``, no dropout), where π_old is exactly the policy of the gradient pass
-   and its logprobs are that pass's, detached (one forward pass less);
-3. for each of ``mini_batches`` parts (whole trees), accumulates gradients of the GRPO loss over its rows
-   (normalised by the part's trainable-token and rollout counts, so the accumulated gradient equals the gradient of
-   the whole part's loss) and takes one clipped AdamW step.
-
-With ``mini_batches == 1`` the ratio π_new/π_old is 1 at the step, so the clipped surrogate reduces to the plain
-policy gradient scaled by the TIS weight min(π_old/π_rollout, c) — the paper's off-policy correction. Its value is
-then -(1/R) Σ_r A_r · mean_t w_rt: near 0 by construction (GRPO advantages sum to 0 within a group), which is why a
-step also measures what it did:
-
-4. after the update, one more forward pass (no grad) gives π_new's logprobs of the same sampled tokens:
-   ``update_kl`` = mean over trainable tokens of log π_old − log π_new (k1 estimate of KL(π_old‖π_new) on the
-   batch's samples), ``update_kl_k3``, and for GRPO ``update_adv_dot`` = mean over rollouts of A_r × the mean change
-   of its tokens' logprobs (> 0: the step moved the policy in the advantages' direction) and ``update_sign_agreement``
-   = the fraction of rollouts with A ≠ 0 whose mean logprob change has A's sign;
-5. with ``kl_coef > 0``, a frozen reference policy (the learner's initial model) gives each row's logprobs
-   (no grad) for the k3 KL term, logged as ``ref_kl``;
-6. GRPO's π_old logits also give ``entropy``: the mean entropy (nats) of π_old's next-token distribution (at each
-   token's sampling temperature, before top-k/top-p) at the trainable tokens.
+   GRPO update per batch (``mini_batches == 1``, no dropout), where they are the gradient pass's, detached;
+3. for each part, accumulates gradients of the loss over its rows (normalised by the part's trainable-token and
+   rollout counts: the accumulated gradient is the whole part's) and takes one clipped AdamW step;
+4. after the update, one more forward pass (no grad) measures what the step did: ``update_kl``, ``update_kl_k3``,
+   and for GRPO ``update_adv_dot`` and ``update_sign_agreement``;
+5. with ``kl_coef > 0``, a frozen reference policy gives each row's logprobs for the k3 KL term (``ref_kl``);
+6. GRPO's π_old logits also give ``entropy`` at the trainable tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +27,9 @@ import torch
 
 from clawbase.errors import ConfigError
 from learner.config import LearnerConfig
+from learner.forward import gather_token_logprobs, packed_forward, packed_logprobs
 from learner.losses import grpo_loss, ppo_loss
-from learner.pack import MicroBatch, gather_token_logprobs, pack_trees, packed_forward, packed_logprobs
+from learner.pack import MicroBatch, pack_trees
 from learner.value import ValueHead, policy_and_values
 from policy.sampling import apply_temperature
 

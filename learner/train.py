@@ -2,26 +2,16 @@
 
 Topics: ``clawstream.batches`` (read_committed, manual offsets) → ``clawstream.weights`` + ``clawstream.metrics``
 (and ``clawstream.deadletter`` for batches that cannot be trained). The weight version and the batch's input
-offsets are committed in ONE Kafka transaction: a crash after the weights are saved but before the commit leaves
-no published version and no committed offset, so the restarted learner trains that batch again from the last
-published weights and overwrites the unpublished file. Versions are contiguous; no batch is trained twice: committed
-offsets never pass a batch still open on the partition, so a restart can re-read a batch that was sealed (and
-trained) after it; the learner knows every batch id its published versions name (``clawstream.weights``) and
-dead-letters such a batch as already trained. (An exact set, not "at or before the last id": a batch opened earlier
-can be sealed, and trained, later.)
+offsets are committed in ONE Kafka transaction, so a crash before the commit publishes nothing and the batch is
+trained again; versions are contiguous and no batch is trained twice (a re-read batch that a published version
+already names is dead-lettered as already trained).
 
 Untrainable batches never stop the learner: a seal that does not add up, a trajectory that does not decode, an empty
-batch, a tree that cannot be packed (a root-to-leaf path longer than ``max_path_tokens``, by default the model's
-context; a tree over ``token_budget`` is trained path by path) or a trainable segment whose sampling settings are
-unknown or unreproducible (``learner.pack``, "Sampling settings") goes to ``clawstream.deadletter`` with the reason,
-in the transaction that commits its offsets; the weights stay as they were and the next batch is trained. Packing is
-checked before any parameter changes.
-
-Resume: the newest published ``WeightVersion`` of this model is read back from ``clawstream.weights`` and its file
-loaded (sha256 verified), with the optimizer's state (AdamW moments, step counts) and the RNG state saved beside it
-(``trainer-state/vNNNNNN.pt``), so a resumed run continues exactly as an uninterrupted one; committed offsets say
-where the batches continue. A version without that file (written by an older learner) resumes with fresh moments,
-and says so.
+batch, a tree that cannot be packed or a trainable segment whose sampling settings are unknown goes to
+``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; packing is checked before any
+parameter changes. Resume: the newest published version is loaded (sha256 verified) with the optimizer and RNG state
+saved beside it (``trainer-state/vNNNNNN.pt``), so a resumed run continues exactly as an uninterrupted one. Every
+case in detail: docs/method.md#exactly-once-dead-letters-resume.
 
 Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
 Fault point (``clawbase.faults``, docs/faults.md): ``learner.after_save``, after a version's files are saved and

@@ -5,7 +5,7 @@ fp32 mask). A real harness's rollout is one tree of 1–40k tokens (measured by 
 the tiny model's tokenizer on a three-call task: Claude Code 38k, Qwen Code 29k, Codex and OpenClaw 18k, opencode
 14k, the built-in loop 1k); refusing such trees made every real-harness batch untrainable, and a 38k-token dense
 mask would need 5.8 GiB. A *chain* needs no mask at all: it is a plain causal sequence
-(``learner.pack.packed_forward`` then passes none and SDPA runs its causal kernel in O(T) memory). So a tree over
+(``learner.forward.packed_forward`` then passes none and SDPA runs its causal kernel in O(T) memory). So a tree over
 the budget is split **along the tree** into its root-to-leaf paths, each a chain row of any length:
 
 - a path holds the path's segments in root-to-leaf order, context and generated alike, so every token is predicted

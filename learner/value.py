@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clawbase.errors import ClawstreamError
-from learner.pack import MicroBatch, gather_token_logprobs, pack_trees, packed_forward
+from learner.forward import gather_token_logprobs, packed_forward
+from learner.pack import MicroBatch, pack_trees
 
 log = logging.getLogger("clawstream.value")
 

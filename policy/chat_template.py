@@ -3,32 +3,16 @@
 The serving proxy renders prompts with it (token-in-token-out), the tiny model's tokenizer carries it, the warm
 start trains on it. Pure: no model, no tokenizer needed (``render_chat`` uses transformers' Jinja environment).
 
-Contract (what the serving proxy relies on for token-in-token-out)
------------------------------------------------------------------
-* A turn is ``<|im_start|>{role}\\n{body}<|im_end|>\\n``. The generation prompt is ``<|im_start|>assistant\\n``
-  (``GENERATION_PROMPT``); after the assistant's body the template puts exactly ``<|im_end|>`` + ``\\n``
-  (``ASSISTANT_TURN_SUFFIX``), i.e. the token ids ``[id(<|im_end|>), id("\\n")]`` (``assistant_turn_suffix_ids``).
-  ``<|im_end|>`` is the eos, so a turn that finished with ``stop`` already ends with it among the generated ids
-  and the proxy appends only the ``\\n`` id; a turn cut off by the length limit needs both.
-* Prefix stability: for a conversation whose message k is an assistant turn, the rendering of messages[:k] with
-  ``add_generation_prompt=True`` is a string prefix of the rendering of messages[:k+1] (and of any longer
-  conversation). Unlike Qwen3's own template, reasoning of earlier turns is never dropped and no empty
-  ``<think></think>`` block is injected into history, so this holds for every assistant turn, not just the last.
-  It is also a token prefix, because ``<|im_start|>`` splits the text and the trailing ``\\n`` is its own
-  pre-token, except when the assistant body starts with whitespace containing a line break (``"\\n..."``,
-  ``"  \\n..."``): the pre-tokenizer then merges that run with the prompt's ``\\n`` (the Qwen2 regex has
-  ``\\s*[\\r\\n]+``). TITO never re-encodes generated text, so this only matters to code that re-tokenizes.
-* The same holds at user/system/tool boundaries (render(messages[:k]) is a prefix of render(messages[:k+1])),
-  except between two consecutive ``tool`` messages: they are grouped into one user turn, as in Qwen3.
-* ``enable_thinking=False`` appends ``<think>\\n\\n</think>\\n\\n`` to the generation prompt (Qwen3's switch); those
-  tokens are then part of the prompt, not of the assistant message, so that mode is outside the prefix contract.
-* The assistant body is wrapped in ``{% generation %}`` so ``return_assistant_tokens_mask=True`` marks exactly
-  the tokens the model produced (reasoning, content, tool calls, ``<|im_end|>``), which SFT uses.
+The contract the proxy relies on: a turn is ``<|im_start|>{role}\\n{body}<|im_end|>\\n``; the generation prompt is
+``GENERATION_PROMPT``; after an assistant body comes exactly ``ASSISTANT_TURN_SUFFIX``; and the template is prefix
+stable (render(messages[:k]) is a prefix of render(messages[:k+1]), except between consecutive ``tool`` messages,
+which share one user turn). In full, with the token-level exceptions: docs/method.md#the-chat-template-contract.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 # --- tokens ---------------------------------------------------------------------------------------------------
 
@@ -162,12 +146,18 @@ def render_chat(
     """
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, _ = render_jinja_template(
-        conversations=[messages],
-        tools=tools,
-        chat_template=CHAT_TEMPLATE,
-        add_generation_prompt=add_generation_prompt,
-        **kwargs,
+    # transformers types ``tools`` as list[dict | Callable] (invariant: a list of dicts is copied into one) and the
+    # result as ``str``, but returns (rendered conversations, generation indices).
+    schemas: list[dict[str, Any] | Callable[..., Any]] | None = list(tools) if tools is not None else None
+    rendered, _ = cast(
+        tuple[list[str], Any],
+        render_jinja_template(
+            conversations=[messages],
+            tools=schemas,
+            chat_template=CHAT_TEMPLATE,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        ),
     )
     return rendered[0]
 

@@ -138,6 +138,8 @@ class AvroCodec:
             raise CorruptRecordError(
                 f"corrupt {writer.name} body: {len(data) - HEADER_LEN - body.tell()} trailing bytes after the record"
             )
+        if not isinstance(record, dict):  # every clawstream schema is a record
+            raise CorruptRecordError(f"{writer.name} body decoded to {type(record).__name__}, not a record")
         return writer.name, record
 
 

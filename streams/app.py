@@ -7,13 +7,13 @@ topic prefix): two tick topics, ``…-by-group`` (trajectories re-keyed by group
 partition: scored groups for the batcher) — created by :func:`ensure_internal_topics` at start — and the tables'
 changelogs (``…-<table>-changelog``, declared by Faust itself).
 
-Agents only decode (a record that does not decode is dead-lettered: :func:`decode_or_dead_letter`) → call the pure
-core (``streams.assemble`` / ``group`` / ``batch``) → produce. Tables hold the state in RocksDB
-(``store="rocksdb://"``, rocksdict driver) or memory; with ``processing_guarantee="exactly_once"`` (the default) every
-partition number's outputs, changelog writes and offsets (all co-partitioned topics) commit in one Kafka transaction,
-between records (``streams.eos``: agents process each record inside ``eos.processing``). Timers
-cannot write tables in Faust, so a timer sends each owned partition with something due a tick and the agents check
-deadlines when the tick arrives, inside the partition's transaction (``streams.state.Deadlines``).
+This module is the wiring: the agents are data (:func:`stages`), each run by the one skeleton in ``streams.agent``
+(decode or dead-letter → the pure core ``streams.assemble`` / ``group`` / ``batch`` → dead-letter rejects → produce).
+Tables hold the state in RocksDB (``store="rocksdb://"``, rocksdict driver) or memory; with
+``processing_guarantee="exactly_once"`` (the default) every partition number's outputs, changelog writes and offsets
+(all co-partitioned topics) commit in one Kafka transaction, between records (``streams.eos``). Timers cannot write
+tables in Faust, so a timer sends each owned partition with something due a tick and the agents check deadlines
+when the tick arrives, inside the partition's transaction (``streams.state.Deadlines``).
 
 Run: ``python -m streams.app worker`` (Faust's CLI; settings from ``CLAWSTREAM_STREAMS_*`` and
 ``CLAWSTREAM_KAFKA_*``, see ``streams.settings``). The catalog topics must exist (``clawstream topics create``).
@@ -24,18 +24,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import faust
-from faust.types import EventT, StreamT
+from faust.types import EventT
 
 from clawbase.kafka.clients import bootstrap_servers, create_topics
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
-from schemas.codec import default_codec
-from schemas.dead_letter import dead_letter
 from schemas.events import BatchRecord, Event, Trajectory, WeightVersion
 from schemas.topics import (
     BATCHES,
@@ -52,10 +50,11 @@ from schemas.topics import (
     TopicSpec,
 )
 from streams import eos
+from streams.agent import Action, Emit, Forward, Reject, Stage, add_agent, decode, now_ms
 from streams.assemble import Assembler
-from streams.batch import Batcher
-from streams.codec import CODEC_NAME, EVENT_TYPES
-from streams.group import Grouper
+from streams.batch import Batcher, BatchOutput
+from streams.codec import CODEC_NAME
+from streams.group import Emission, Grouper
 from streams.settings import StreamsSettings
 from streams.state import Deadlines
 
@@ -65,56 +64,7 @@ RAW: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
 # bytes (value_type=bytes makes Faust use the "raw" codec: a schema= argument would be ignored for the changelog).
 TABLE_TYPES: dict[str, Any] = {"key_type": str, "value_type": bytes}
 _ = CODEC_NAME  # importing streams.codec registers the project's Avro codec with Faust
-T = TypeVar("T")
 PRODUCER_BATCH_BYTES = 512 * 1024  # per partition and request; Faust's 16 KiB held about 12 call events
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def decode(value: bytes | None) -> Event:
-    """Single-object Avro bytes → typed event; raises on anything else (the caller dead-letters it)."""
-    if value is None:
-        raise ValueError("empty record value")
-    name, record = default_codec().decode(value)
-    return EVENT_TYPES[name].from_record(record)
-
-
-def where(event: EventT) -> str:
-    msg = event.message
-    return f"{msg.topic}[{msg.partition}]@{msg.offset}"
-
-
-async def send_dead_letter(
-    deadletter: faust.TopicT, event: EventT, source: str, reason: str, error_type: str, rollout_id: str | None = None
-) -> None:
-    """Send the event's record to the dead-letter topic, keyed like the original (built by the shared builder)."""
-    msg = event.message
-    log.warning("%s: %s → dead letter (%s): %s", source, where(event), error_type, reason)
-    record = dead_letter(
-        source,
-        reason,
-        error_type,
-        topic=msg.topic,
-        partition=msg.partition,
-        offset=msg.offset,
-        key=msg.key,
-        value=msg.value,
-        rollout_id=rollout_id,
-    )
-    await deadletter.send(key=msg.key, value=record.to_bytes())
-
-
-async def decode_or_dead_letter(
-    deadletter: faust.TopicT, event: EventT, source: str, decoder: Callable[[bytes], T]
-) -> T | None:
-    """The event's value decoded, or None once it went to the dead-letter topic (the agent skips it)."""
-    try:
-        return decoder(event.message.value)
-    except Exception as exc:  # noqa: BLE001 - any undecodable record goes to the dead-letter topic, never stops the agent
-        await send_dead_letter(deadletter, event, source, str(exc), type(exc).__name__)
-        return None
 
 
 # Tables: name → (partitions, what it holds). Partitions match the source topics (Faust checks it).
@@ -160,8 +110,8 @@ def ensure_internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[s
     return create_topics(unprefixed, internal_topics(cfg, kafka).values())
 
 
-def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
-    """Build the app, its topics, tables, agents and timer (nothing connects before the worker starts)."""
+def faust_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
+    """The Faust app with the project's settings, bare (nothing connects before the worker starts)."""
     app_id = kafka.topic_prefix + cfg.app_id  # changelogs, internal topics, group and transactional ids follow it
     exactly_once = cfg.processing_guarantee == "exactly_once"
     big = MAX_MESSAGE_BYTES + 1024 * 1024
@@ -190,24 +140,167 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
     )
     # Faust leaves the root logger at DEBUG (its handlers filter): aiokafka would build a record for every request.
     logging.getLogger("aiokafka").setLevel(logging.INFO)
+    return app
+
+
+@dataclass(frozen=True)
+class Channels:
+    """The agents' inputs and the app's outputs (Faust topics; the internal ones by role)."""
+
+    assembler_in: faust.TopicT
+    grouper_in: faust.TopicT
+    batcher_in: faust.TopicT
+    a_ticks: faust.TopicT
+    g_ticks: faust.TopicT
+    by_group: faust.TopicT
+    scored_groups: faust.TopicT
+    trajectories: faust.TopicT
+    batches: faust.TopicT
+    metrics: faust.TopicT
+    deadletter: faust.TopicT
+
+    @classmethod
+    def declare(cls, app: faust.App, cfg: StreamsSettings, kafka: KafkaSettings) -> Channels:
+        def topic(*names: str) -> faust.TopicT:
+            return app.topic(*names, **RAW)
+
+        own = {role: topic(spec.name) for role, spec in internal_topics(cfg, kafka).items()}
+        a_ticks, g_ticks, by_group = own["ticks-assemble"], own["ticks-group"], own["by-group"]
+        scored_groups = own["scored-groups"]
+        assembler_in = topic(
+            *(kafka.topic(n) for n in (CALLS, ROLLOUT_EVENTS, REWARDS, ROLLOUT_REQUESTS)), a_ticks.get_topic_name()
+        )
+        grouper_in = topic(by_group.get_topic_name(), g_ticks.get_topic_name())
+        batcher_in = topic(scored_groups.get_topic_name(), kafka.topic(WEIGHTS))
+        trajectories, batches = topic(kafka.topic(TRAJECTORIES)), topic(kafka.topic(BATCHES))
+        metrics, deadletter = topic(kafka.topic(METRICS)), topic(kafka.topic(DEADLETTER))
+        return cls(
+            assembler_in=assembler_in,
+            grouper_in=grouper_in,
+            batcher_in=batcher_in,
+            a_ticks=a_ticks,
+            g_ticks=g_ticks,
+            by_group=by_group,
+            scored_groups=scored_groups,
+            trajectories=trajectories,
+            batches=batches,
+            metrics=metrics,
+            deadletter=deadletter,
+        )
+
+
+def stages(
+    io: Channels, assembler: Assembler, grouper: Grouper, batcher: Batcher, since_ms: Callable[[], int]
+) -> list[Stage[Any]]:
+    """The agents as data: assemble, rekey, group, batch. ``since_ms()``: when this worker started listening."""
+
+    def assembled(record: Event, event: EventT, now: int) -> list[Action]:
+        msg = event.message
+        result = assembler.on_record(record, msg.value, msg.partition, now)
+        bad = result.rejected
+        dead = [Reject(bad.reason, bad.verdict.value, getattr(record, "rollout_id", None))] if bad else []
+        return [*dead, Emit(io.trajectories, result.trajectories, "rollout_id", msg.partition)]
+
+    def assemble_tick(partition: int, now: int) -> list[Action]:
+        result = assembler.on_tick(partition, now, since_ms())
+        return [Emit(io.trajectories, result.trajectories, "rollout_id", partition)]
+
+    def group_outputs(out: Emission) -> list[Action]:
+        return [Emit(io.scored_groups, out.records, "batch_id"), Emit(io.metrics, out.metrics, "source")]
+
+    def grouped(t: Trajectory, event: EventT, now: int) -> list[Action]:
+        out = grouper.on_trajectory(t, event.message.value, event.message.partition, now)
+        bad = out.rejected
+        return [*([Reject(bad.reason, bad.verdict.value, t.rollout_id)] if bad else []), *group_outputs(out)]
+
+    def batched(record: BatchRecord | WeightVersion, event: EventT, now: int) -> list[Action]:
+        out: BatchOutput
+        if isinstance(record, BatchRecord):
+            out = batcher.on_envelope(record, event.message.value, now)
+        else:
+            out = batcher.on_weights(record.policy_version, now)
+        dropped: list[Action] = [
+            Reject(
+                reason, "StaleGroup" if reason.startswith("stale") else "IncompleteGroup", note=f"group {gid} dropped"
+            )
+            for gid, reason in out.dropped
+        ]
+        return [Emit(io.batches, out.records, "batch_id"), *dropped]
+
+    scored = io.scored_groups.get_topic_name()
+    return [
+        Stage(
+            name="assemble",
+            help="calls / lifecycle events / rewards / requests (+ ticks) → trajectories.",
+            source="streams.assembler",
+            channel=io.assembler_in,
+            decoder=lambda _topic: decode,
+            handle=assembled,
+            ticks=io.a_ticks.get_topic_name(),
+            on_tick=assemble_tick,
+        ),
+        Stage(
+            name="rekey",
+            help="trajectories (key = rollout id) → by-group (key = group id).",
+            source="streams.grouper",
+            channel=io.trajectories,
+            decoder=lambda _topic: Trajectory.from_bytes,
+            handle=lambda t, _event, _now: [Forward(io.by_group, t.group_id.encode())],
+        ),
+        Stage(
+            name="group",
+            help="by-group trajectories (+ ticks) → scored groups (BatchRecord envelopes + SEAL) and group metrics.",
+            source="streams.grouper",
+            channel=io.grouper_in,
+            decoder=lambda _topic: Trajectory.from_bytes,
+            handle=grouped,
+            ticks=io.g_ticks.get_topic_name(),
+            on_tick=lambda partition, now: group_outputs(grouper.on_tick(partition, now, since_ms())),
+        ),
+        Stage(
+            name="batch",
+            help="scored groups + weight versions → training batches (TRAJECTORY records, then SEAL).",
+            source="streams.batcher",
+            channel=io.batcher_in,
+            decoder=lambda topic: BatchRecord.from_bytes if topic == scored else WeightVersion.from_bytes,
+            handle=batched,
+        ),
+    ]
+
+
+def add_ticks(app: faust.App, interval_s: float, ticks: Sequence[tuple[faust.TopicT, Deadlines]]) -> Any:
+    """The timer that sends a tick to every owned partition of a tick topic whose stage has something due."""
+
+    def has_due(deadlines: Deadlines, partition: int, now: int) -> bool:
+        try:
+            earliest = deadlines.earliest(partition)  # a read of the local table (the agents' view), no write
+        except Exception:  # noqa: BLE001 - e.g. a store being closed by a rebalance: tick anyway, the agent decides
+            return True
+        return earliest is not None and earliest <= now
+
+    @app.timer(interval=interval_s)
+    async def tick() -> None:
+        """Tick every owned partition that has something due (a tick before its earliest due visits nothing, and an
+        idle one costs a record's whole path through Faust); sent outside any transaction (a lost or repeated tick
+        only shifts a check)."""
+        now = now_ms()
+        for tp in app.consumer.assignment():
+            for channel, deadlines in ticks:
+                if tp.topic == channel.get_topic_name() and has_due(deadlines, tp.partition, now):
+                    await channel.send(key=b"tick", value=b"", partition=tp.partition)
+        await eos.send_untransacted(app)  # a tick waiting out the producer's linger would delay every settle
+
+    return tick
+
+
+def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
+    """Build the app, its topics, tables, agents and timer (nothing connects before the worker starts)."""
+    app_id = kafka.topic_prefix + cfg.app_id
+    app = faust_app(cfg, kafka)
     eos.patch_faust_resume()
-    if exactly_once:
+    if cfg.processing_guarantee == "exactly_once":
         eos.install(app)
-
-    def topic(*names: str, **kw: Any) -> faust.TopicT:
-        return app.topic(*(kafka.topic(n) for n in names), **RAW, **kw)
-
-    own = {role: app.topic(spec.name, **RAW) for role, spec in internal_topics(cfg, kafka).items()}
-    a_ticks, g_ticks, by_group = own["ticks-assemble"], own["ticks-group"], own["by-group"]
-    scored_groups = own["scored-groups"]
-    assembler_in = app.topic(
-        *(kafka.topic(n) for n in (CALLS, ROLLOUT_EVENTS, REWARDS, ROLLOUT_REQUESTS)), a_ticks.get_topic_name(), **RAW
-    )
-    grouper_in = app.topic(by_group.get_topic_name(), g_ticks.get_topic_name(), **RAW)
-    batcher_in = app.topic(scored_groups.get_topic_name(), kafka.topic(WEIGHTS), **RAW)
-    trajectories, batches = topic(TRAJECTORIES), topic(BATCHES)
-    metrics, deadletter = topic(METRICS), topic(DEADLETTER)
-
+    io = Channels.declare(app, cfg, kafka)
     tables = {
         name: app.Table(name, default=None, partitions=n, help=help, **TABLE_TYPES)
         for name, (n, help) in TABLES.items()
@@ -223,115 +316,11 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
     async def _listening(sender: Any, **_: Any) -> None:
         listening["since_ms"] = now_ms()
 
-    async def send_all(channel: faust.TopicT, records: Sequence[Event], key: str, partition: int | None = None) -> None:
-        for rec in records:
-            await channel.send(key=str(getattr(rec, key)).encode(), value=rec.to_bytes(), partition=partition)
-
-    @app.agent(assembler_in, name="assemble")
-    async def assemble(stream: StreamT) -> None:
-        """calls / lifecycle events / rewards / requests (+ ticks) → trajectories."""
-        eos.start_agent(app)
-        async for event in stream.events():
-            async with eos.processing(app):
-                msg, now = event.message, now_ms()
-                if msg.topic == a_ticks.get_topic_name():
-                    result = assembler.on_tick(msg.partition, now, listening["since_ms"])
-                else:
-                    record = await decode_or_dead_letter(deadletter, event, "streams.assembler", decode)
-                    if record is None:
-                        continue
-                    result = assembler.on_record(record, msg.value, msg.partition, now)
-                    if result.rejected:
-                        rollout_id = getattr(record, "rollout_id", None)
-                        await send_dead_letter(
-                            deadletter,
-                            event,
-                            "streams.assembler",
-                            result.rejected.reason,
-                            result.rejected.verdict.value,
-                            rollout_id,
-                        )
-                await send_all(trajectories, result.trajectories, "rollout_id", msg.partition)
-
-    @app.agent(trajectories, name="rekey")
-    async def rekey(stream: StreamT) -> None:
-        """trajectories (key = rollout id) → by-group (key = group id)."""
-        eos.start_agent(app)
-        async for event in stream.events():
-            async with eos.processing(app):
-                t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
-                if t is None:
-                    continue
-                await by_group.send(key=t.group_id.encode(), value=event.message.value)
-
-    @app.agent(grouper_in, name="group")
-    async def group(stream: StreamT) -> None:
-        """by-group trajectories (+ ticks) → scored groups (BatchRecord envelopes + SEAL) and group metrics."""
-        eos.start_agent(app)
-        async for event in stream.events():
-            async with eos.processing(app):
-                msg, now = event.message, now_ms()
-                if msg.topic == g_ticks.get_topic_name():
-                    out = grouper.on_tick(msg.partition, now, listening["since_ms"])
-                else:
-                    t = await decode_or_dead_letter(deadletter, event, "streams.grouper", Trajectory.from_bytes)
-                    if t is None:
-                        continue
-                    out = grouper.on_trajectory(t, msg.value, msg.partition, now)
-                    if out.rejected:
-                        await send_dead_letter(
-                            deadletter,
-                            event,
-                            "streams.grouper",
-                            out.rejected.reason,
-                            out.rejected.verdict.value,
-                            t.rollout_id,
-                        )
-                await send_all(scored_groups, out.records, "batch_id")
-                await send_all(metrics, out.metrics, "source")
-
-    @app.agent(batcher_in, name="batch")
-    async def batch(stream: StreamT) -> None:
-        """scored groups + weight versions → training batches (TRAJECTORY records, then SEAL)."""
-        eos.start_agent(app)
-        async for event in stream.events():
-            async with eos.processing(app):
-                msg, now = event.message, now_ms()
-                is_group = msg.topic == scored_groups.get_topic_name()
-                decoder = BatchRecord.from_bytes if is_group else WeightVersion.from_bytes
-                record = await decode_or_dead_letter(deadletter, event, "streams.batcher", decoder)
-                if record is None:
-                    continue
-                if isinstance(record, BatchRecord):
-                    out = batcher.on_envelope(record, msg.value, now)
-                else:
-                    out = batcher.on_weights(record.policy_version, now)
-                await send_all(batches, out.records, "batch_id")
-                for group_id, reason in out.dropped:
-                    kind = "StaleGroup" if reason.startswith("stale") else "IncompleteGroup"
-                    await send_dead_letter(deadletter, event, "streams.batcher", reason, kind)
-                    log.info("group %s dropped at %s", group_id, where(event))
-
-    def has_due(deadlines: Deadlines, partition: int, now: int) -> bool:
-        try:
-            earliest = deadlines.earliest(partition)  # a read of the local table (the agents' view), no write
-        except Exception:  # noqa: BLE001 - e.g. a store being closed by a rebalance: tick anyway, the agent decides
-            return True
-        return earliest is not None and earliest <= now
-
-    @app.timer(interval=cfg.tick_interval_s)
-    async def tick() -> None:
-        """Tick every owned partition that has something due (a tick before its earliest due visits nothing, and an
-        idle one costs a record's whole path through Faust); sent outside any transaction (a lost or repeated tick
-        only shifts a check)."""
-        now = now_ms()
-        for tp in app.consumer.assignment():
-            for ticks, deadlines in ((a_ticks, assembler.deadlines), (g_ticks, grouper.deadlines)):
-                if tp.topic == ticks.get_topic_name() and has_due(deadlines, tp.partition, now):
-                    await ticks.send(key=b"tick", value=b"", partition=tp.partition)
-        await eos.send_untransacted(app)  # a tick waiting out the producer's linger would delay every settle
-
-    app.clawstream_agents = (assemble, rekey, group, batch, tick)  # type: ignore[attr-defined]
+    agents = [
+        add_agent(app, io.deadletter, s) for s in stages(io, assembler, grouper, batcher, lambda: listening["since_ms"])
+    ]
+    tick = add_ticks(app, cfg.tick_interval_s, ((io.a_ticks, assembler.deadlines), (io.g_ticks, grouper.deadlines)))
+    app.clawstream_agents = (*agents, tick)  # type: ignore[attr-defined]
     return app
 
 

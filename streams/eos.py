@@ -1,74 +1,24 @@
 """Exactly-once for the Faust app: one Kafka transaction per partition number of the co-partitioned topics (Kafka
-Streams' task), committed only between two records, plus a fix to Faust's resume order that both processing
-guarantees need.
+Streams' task), committed only between two records, plus a fix to Faust's resume order that both guarantees need.
 
-What works out of the box: aiokafka 0.14 transactions against Kafka 4.1 (init, produce, send_offsets_to_transaction,
-commit, abort; read_committed consumers see only committed records), and faust-streaming 0.15 with
-``processing_guarantee="exactly_once"`` starts one transactional producer per (topic group, partition number) and
-commits input offsets in it. Faust's topic groups are the subscribed topics with the same partition count, so the
-co-partitioned inputs (requests, lifecycle events, calls, rewards), the tick topics, ``trajectories``, ``by-group``
-and the 8-partition changelogs share *one* transaction per partition number (a worker's log says "Starting 9
-transactional producers for 116 assigned partitions": 8 partition numbers + the one-partition batcher): a rollout's
-state, outputs and input offsets are in the same transaction. What does not work, found with the fault tests:
+faust-streaming 0.15's ``processing_guarantee="exactly_once"`` gets seven things wrong, found with the fault tests;
+docs/method.md#exactly-once-in-the-stream-processors tells each (what was measured, why the fix works), numbered as
+here. This module patches them:
 
-1. Faust picks a send's transaction by the *destination* partition (``TransactionManager.send``). An output to a
-   topic the app does not consume goes out with no transaction at all (the consumer has no metadata for it), and an
-   output to a consumed topic joins the transaction of whatever partition its key hashes to, committed separately
-   from the input offsets that caused it: a crash between the two commits duplicates or loses the output.
-2. Table changelog writes go through an in-memory buffer drained by a background task, and the transactional commit
-   does not drain it first: a changelog write can miss the transaction of the offsets that caused it.
-3. Faust commits from a background task while agents are in the middle of a record. The offsets to commit are taken
-   first, then the commit awaits the broker (changelog flush, AddOffsetsToTxn, EndTxn); a record processed in that
-   window puts its outputs (and possibly its table writes) into the committing transaction without its offset. After
-   a crash the record is replayed: with its table writes missing it settles the rollout a second time (a duplicate
-   trajectory); with them present it finds its own rollout settled (a spurious "late" dead letter). A send made while
-   the transaction is already ending fails outright (aiokafka: "Can't send messages while not in transaction").
-4. (Both guarantees.) When a rebalance or recovery completes, Faust resumes the stream partitions, *then* seeks them
-   to the committed offsets, *then* calls ``flow_control.resume()``, which empties every agent's queue. Records
-   fetched in between are dropped without a new seek and later offsets get committed past them: the fault test lost
-   a few records per partition on every restart.
-5. RocksDB tables are local files written before the transaction commits, so after an unclean stop they can hold
-   aborted writes that the changelog does not have.
-6. Faust commits a partition's offset only up to the first hole in its acknowledged offsets that it recorded as a
-   gap, and refuses to commit at all when the first acknowledged offset is more than one past the committed one.
-   Transaction markers and aborted records make holes, and the fetcher does not record one after offset 0
-   (``if gap > 1 and r_offset``): measured in the fault test, "committing 13 where Faust's rule gives None (acked
-   12..12, committed 1)" — that partition's offset stayed at 1 while its table state and outputs kept committing,
-   and after the kill its records were replayed into groups that had already closed.
-7. (Exactly-once only.) Recovery asks where each changelog ends (``Consumer.highwaters``) and Faust answers, in a
-   transaction, with aiokafka's ``last_stable_offset`` — a value aiokafka only learns from a fetch response. Right
-   after an assignment no changelog partition has been fetched yet, so the answer is None and Faust takes every
-   changelog for empty (highwater -1): the worker starts with empty tables whenever recovery outruns the first
-   fetches. Found by the kill test (#16: about 1 restart in 5 on a loaded machine): every changelog partition read
-   as -1, the tables came back empty, and records already committed by the killed worker (a rollout's request,
-   calls and exit) were gone, so 20-36 rollouts never settled; with RocksDB the same -1 fell below the offsets the
-   local store had persisted and Faust stopped with "persisted offset ... is higher than the highwater".
+1. every send goes into the transaction of the *source* partition being processed
+   (:class:`SourcePartitionTransactionManager`);
+2. table changelog writes wait for the commit, which hands them over first (:class:`ChangelogBuffer`);
+3. commits happen between records: agents process each record inside :func:`processing`, and a commit waits for the
+   records in progress (:class:`CommitGate`, :class:`EosConsumer`);
+4. (both guarantees) seek to the committed offsets before the stream partitions resume (:func:`patch_faust_resume`);
+5. RocksDB tables left by an unclean stop are wiped and rebuilt from the changelogs (:func:`prepare_rocksdb`);
+6. a partition's offset commits one past its highest acknowledged record (``EosConsumer._new_offset``);
+7. recovery asks the broker where each changelog ends (:class:`EosConsumerThread`).
 
-Fixes. (1) :class:`SourcePartitionTransactionManager` sends everything produced while processing an event in the
-transaction of that event's source partition (changelog writes name their source partition already and keep Faust's
-routing); sends made outside any event (the tick timer) go without a transaction. (2) :class:`ChangelogBuffer` takes
-table changelog writes away from the background task, and every commit hands them to the producer first (a key's
-last write only), inside the gate: an event's state changes are in its transaction before its offset is committed.
-(3) :class:`CommitGate`: every agent processes a record inside :func:`processing`, and a commit (:class:`EosConsumer`)
-first stops new records from starting, waits until the records in progress are finished and acknowledged, and only
-then reads the offsets and commits (all partitions with acknowledged records, whatever subset Faust asked for: a
-transaction holds every record processed since the last one). (4) :func:`patch_faust_resume` seeks first, empties
-and resumes the flow, and only then resumes the stream partitions. (5) :func:`prepare_rocksdb` wipes the local tables
-at start unless the previous run left a clean-shutdown marker; they are rebuilt from the committed changelogs. (6)
-``EosConsumer._new_offset`` commits one past the highest acknowledged offset: each topic is read in order by one
-agent, so everything below it was processed. (7) :class:`EosConsumerThread` asks the broker (ListOffsets with
-``read_committed``, which answers the last stable offset) instead of reading aiokafka's fetch-time cache. Each
-partition number's outputs, changelog writes and input offsets then commit or abort together at a record boundary,
-and a restarted worker continues exactly where the last commit left off. Known cost: after a crash, recovery waits
-~10 s (two empty 5 s polls) before Faust accepts that a changelog's tail holds only aborted records.
-
-Known gap (not fixed): a *live* worker evicted from the group (heartbeats lapsed for a session timeout, seen once
-in ~20 kill-test runs with a 6 s session on a 2-core machine at load 10) rejoins with the same partitions; Faust
-keeps its open transactions ("Exception in begin_transaction ... IN_TRANSACTION -> IN_TRANSACTION" in the log),
-its in-memory state and the changelog writes not yet committed, and seeks back to the committed offsets, so the
-records since the last commit are processed a second time into the same transaction. Kafka Streams would close the
-task dirty (abort, rebuild state from the changelog). Keep ``session_timeout_s`` well above the longest event-loop
-stall (default 30 s).
+Use: :func:`install` on an exactly-once app; every agent calls :func:`start_agent`, then processes each record
+inside :func:`processing`. Known gap (not fixed): a *live* worker evicted from the group (heartbeats lapsed for a
+session timeout) rejoins with its open transactions and in-memory state and processes the records since the last
+commit a second time into the same transaction. Keep ``session_timeout_s`` well above the longest event-loop stall.
 """
 
 from __future__ import annotations

@@ -1,39 +1,26 @@
 """Grouper: settled trajectories → GRPO groups (task × harness × step) with one advantage per rollout.
 
 Topics in: ``clawstream.trajectories`` (key = rollout id), re-keyed by group id into the app's internal ``by-group``
-topic, and the app's tick topic. Out: the app's internal ``scored-groups`` topic (one partition) for the batcher,
+topic, and the app's tick topic. Out: the internal ``scored-groups`` topic (one partition) for the batcher,
 ``clawstream.metrics`` (one ``group`` metric per closed group) and ``clawstream.deadletter``. The Faust agents live in
-``streams.app`` (run ``python -m streams.app worker``); this module is the pure core: no Kafka, no Faust.
+``streams.app``; this module is the pure core: no Kafka, no Faust.
 
 Closing. A group closes when it holds as many finished rollouts as its expected size — the trajectory's
 ``metadata["group_size"]`` when it is a positive integer (the scheduler copies it from the rollout request), else
 ``StreamsSettings.group_size`` — or ``group_timeout_s`` after its first trajectory. An infrastructure failure is
 finished unless the scheduler will re-issue it (``metadata["attempt"]`` + 1 < ``metadata["max_attempts"]``, both
-copied from the request): then its place waits for the re-issued attempt, which replaces it. Trajectories of a
-closed group are late (dead-lettered). A second trajectory of the same rollout replaces the first only when the first
-was an infrastructure failure of another attempt (a re-issue); an identical one is a duplicate (ignored); anything
-else is rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``)
-are not grouped.
+copied from the request): then its place waits for the re-issued attempt, which replaces it. Trajectories of a closed
+group are late (dead-lettered). A second trajectory of the same rollout replaces the first only when the first was an
+infrastructure failure of another attempt (a re-issue); an identical one is a duplicate (ignored); anything else is
+rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``) are not grouped.
 
-Advantages. GRPO (docs/method.md#advantages): A = (R − μ) / (σ + ε), μ and σ (population standard deviation) over
-the group's rollouts that have a reward — infrastructure failures have none, so they never enter the statistics.
-INCOMPLETE rollouts that were graded count in μ and σ (fair samples of the policy's reward). DROPPED ones (the tree
-filter: leaf cap, no trainable tokens) do not: the cap removes the longest, most branched episodes, and counting
-their rewards in the baseline of rollouts that are trained would bias it towards short ones. Only COMPLETE / TIMED_OUT
-rollouts with a reward and a tree are emitted for training. A group whose rewards are all equal has no signal:
-``zero_variance="drop"`` emits nothing for it, ``"keep"`` emits its rollouts with advantage 0.
-
-PPO (``advantage_estimator="ppo"``, the paper's one rollout per task): the learner forms A_t = R − V(s_t) from each
-rollout's reward, so every trainable rollout is emitted whatever its group's size or variance (a group of one, equal
-rewards); the record's advantage is the GRPO value when the group has reward variance, else 0 (informational).
-
-Emission. Each trained rollout goes out as a :class:`BatchRecord` envelope (``batch_id`` = group id, kind TRAJECTORY,
-advantage, reward, the trajectory's original bytes), then one SEAL record (``index`` = rollout count,
-``harness_counts``, ``policy_version`` = the group's oldest version) so the batcher takes a group as a unit.
-
-State layout (key → bytes maps, Faust tables in the app): ``groups[group_id]`` the JSON :class:`GroupState`,
-``members[group_id + NUL + rollout_id]`` the original bytes of trainable trajectories, ``index[str(partition)]`` a
-:class:`streams.state.DueIndex` of timeouts and forget times (the tick loop: :class:`streams.state.Deadlines`).
+Advantages: A = (R − μ) / (σ + ε) over the group's rollouts with a reward (docs/method.md#advantages; which
+rollouts count and which are emitted, GRPO and PPO: docs/method.md#how-the-grouper-applies-them). Each trained
+rollout goes out as a :class:`BatchRecord` envelope (``batch_id`` = group id, kind TRAJECTORY, advantage, reward,
+the trajectory's original bytes), then one SEAL (``index`` = rollout count, ``harness_counts``, ``policy_version`` =
+the group's oldest version) so the batcher takes a group as a unit. State (key → bytes maps, Faust tables in the
+app): ``groups[group_id]`` the JSON :class:`GroupState`, ``members[group_id + NUL + rollout_id]`` the original bytes
+of trainable trajectories, ``index[str(partition)]`` a :class:`streams.state.DueIndex` of timeouts and forget times.
 """
 
 from __future__ import annotations
@@ -151,7 +138,7 @@ class Scored:
 
 
 def score(group: GroupState, cfg: StreamsSettings) -> Scored:
-    """GRPO statistics and advantages of a group (rules in the module docstring)."""
+    """GRPO statistics and advantages of a group (rules: docs/method.md#how-the-grouper-applies-them)."""
     members = group.members
     with_reward = {
         rid: m["reward"]

@@ -15,42 +15,12 @@ keep their trainable flag and their share of the logprobs). The rest of the prom
 (``trainable=False``) and the generation a trainable child of it. A generation that repeats an existing trainable
 segment from the same node (a deterministic retry) is shared with it; it never merges into context tokens.
 
-Filtering (docs/method.md#filtering):
-
-* Kinds. Only ``main`` calls enter the tree. ``side``, ``subagent``, ``compaction`` (and any unknown kind) stay out
-  of it entirely — none of their tokens is stored — but count in ``stats.calls`` and ``excluded_calls``; their
-  prompts still serve as delta parents. Kinds are compared case-insensitively (the Avro enum is upper case).
-* Compaction segments. Main calls are grouped by the number of compaction calls served before them
-  (``seq`` order): a compaction call closes a segment, the calls after it form the next one.
-* Winner. In each compaction segment the winner is the valid main call with the longest accumulated path
-  (``len(prompt) + len(generated)``; ties go to the later ``seq``) — the paper's "leaf with the longest valid
-  continuation". A call whose ``finish_reason`` is in :data:`INVALID_FINISH_REASONS` (``error``) is never a winner.
-* Dead ends (``prune="carried"``, the default). The rule keeps each winner, and each valid call served before its
-  segment's winner whose generated tokens occur verbatim (TITO) in the winner's prompt *at its branch point*: where
-  the winner's prompt leaves the call's prompt (their longest common prefix), give or take :data:`CARRY_WINDOW`
-  tokens (a role header). Such a turn was carried forward: history re-laid out (OpenClaw removes a reminder message
-  and re-appends it at the end, so its history departs from the previous prompt exactly where the previous answer
-  now sits), not a branch it abandoned. A dead retry whose text the model happens to repeat verbatim later in the
-  episode is not carried: the repeat is far from the branch point. The kept tree is the union of the root→end paths
-  of these calls; everything else is removed (a pruned branch contributes no tokens, not even context) and segment
-  splits made only for pruned branches are merged back. A main call counts as kept when its whole prompt +
-  generation lies in the kept tree (the earlier steps of an append-only chain, an error call that generated
-  nothing); every other main call is a pruned dead end. For append-only harnesses (Claude Code) this is the literal
-  rule, one leaf per compaction segment. For a harness that re-orders every call it keeps one leaf per carried
-  call, so every generated turn is trained once, conditioned on its real prompt.
-* ``prune="strict"`` keeps only the winners (literally one path per compaction segment; for OpenClaw this trains
-  only the last generation of each segment). ``prune="none"`` keeps every main call (debugging, property tests).
-* Leaf cap. The cap counts *branch leaves* (``stats.branch_leaves``): kept leaves where a winner or an uncarried
-  call ends — compaction segments and, with ``prune="none"``, retries — not the leaves of carried calls, which are
-  one path of history re-laid out (otherwise every OpenClaw rollout longer than the cap would be dropped; the
-  paper's cap is against pathological branching). If they exceed ``max_leaves`` the rollout is dropped:
-  ``dropped_reason`` says why, ``segments`` is empty (nothing downstream can train on it by mistake) and ``stats``
-  describes the dropped tree. A tree without trainable tokens is dropped the same way.
-
-Generated tokens on a kept path stay trainable even when the call that produced them is not itself kept (a kept
-prompt may run into the middle of an earlier generation and diverge there). A harness that rewrites earlier turns
-(e.g. strips reasoning from history) defeats the verbatim test, so those turns count as dead ends.
-Pure: standard library only, no Kafka.
+Filtering (docs/method.md#filtering; the rules in detail: docs/method.md#how-the-tree-applies-them): only ``main``
+calls enter the tree (other kinds count in ``stats`` and ``excluded_calls``; their prompts still serve as delta
+parents); per compaction segment the winner (longest valid accumulated path) and, with ``prune="carried"`` (the
+default), the calls whose answers it carried forward are kept and every other branch is pruned (``"strict"``: winners
+only; ``"none"``: every main call); a rollout over ``max_leaves`` branch leaves, or without trainable tokens, is
+dropped (``dropped_reason``, no segments). Pure: standard library only, no Kafka.
 """
 
 from __future__ import annotations
@@ -304,8 +274,8 @@ def _contains(haystack: bytes, needle: bytes, start: int = 0, end: int | None = 
 def _chosen_calls(
     main: list[TreeCall], prompts: dict[str, list[int]], compaction_seqs: list[int], prune: PruneMode
 ) -> tuple[set[str], set[str]]:
-    """Ids of the main calls the dead-end rule keeps (see the module docstring; their paths make the kept tree), and
-    the subset kept only as carried turns (not winners)."""
+    """Ids of the main calls the dead-end rule keeps (docs/method.md#how-the-tree-applies-them; their paths make the
+    kept tree), and the subset kept only as carried turns (not winners)."""
     if prune == "none":
         return {c.call_id for c in main}, set()
     by_segment: dict[int, list[TreeCall]] = {}
@@ -443,7 +413,8 @@ def _branch_leaves(segments: Sequence[Segment], call_nodes: dict[str, int], carr
 
 
 def build_tree(calls: Iterable[TreeCall], *, max_leaves: int | None = 64, prune: PruneMode = "carried") -> TreeResult:
-    """Build the filtered prefix tree of one rollout (rules in the module docstring); raises TreeError."""
+    """Build the filtered prefix tree of one rollout (rules: docs/method.md#how-the-tree-applies-them); raises
+    TreeError."""
     if prune not in _PRUNE_MODES:
         raise TreeError(f"prune={prune!r}: expected one of {sorted(_PRUNE_MODES)}")
     ordered = _ordered(calls)

@@ -63,16 +63,14 @@ class InProcessProxy:
         gen = list(self.policy(rendered.prompt_ids))
         turn = parse_turn(self.r.decode(gen))
         seq = len(self.turns)
-        prefix = "toolu_" if self.dialect == Dialect.ANTHROPIC_MESSAGES else "call_"
-        ids = [f"{prefix}{seq:012d}{i:012d}" for i in range(len(turn.tool_calls))]
+        emitter = emit.EMITTERS[self.dialect]
+        ids = [f"{emitter.tool_call_prefix}{seq:012d}{i:012d}" for i in range(len(turn.tool_calls))]
         calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
         self.rollout.record(f"call{seq}", seq, rendered, gen, Message("assistant", turn.text, turn.reasoning, calls))
         self.turns.append((rendered.prompt_ids, gen))
         finish = "stop" if gen and gen[-1] == self.r.im_end_id else "length"
         answer = emit.Answer(turn, finish, len(rendered.prompt_ids), len(gen), parsed.model, f"r{seq}", 0, ids)
-        if self.dialect == Dialect.ANTHROPIC_MESSAGES:
-            return emit.anthropic_message(answer)
-        return emit.chat_completion(answer)
+        return emitter.body(answer)
 
 
 @dataclass

@@ -7,17 +7,10 @@ dialects. The episodes come from the *real* agent loop driven by a scripted poli
 through the in-process proxy of ``warmstart.episodes``); the model is then evaluated greedily on held-out
 tasks (``warmstart.evaluate``).
 
-Training uses two exact shortcuts (same gradients as training every turn separately on its full prompt):
-* TITO makes an episode append-only (turn k+1's prompt starts with turn k's prompt + generated ids), so one
-  forward over the final sequence with the loss on every assistant span equals one forward per turn.
-* Episodes of one dialect share the system prompt + tool schemas; its KV is computed once per batch (with grad)
-  and repeated over the batch (docs/method.md#measurements: 2.2x).
-
-The recipe is bounded by optimizer steps, not wall-clock time, and seeded (data order, shuffling, torch): the same
-``--steps/--seed/--batch-size/--lr/--n-tasks`` give the same model on any machine, however loaded (up to
-floating-point summation order across CPU types). ``--minutes`` is only a safety cap; when it cuts the run short the
-summary says so (``cut_by_minutes``) and the log prints it. ``sft_summary.json`` beside the weights records the
-recipe, the seed, the sha256 of the base and of the result, steps/s and the held-out evaluation.
+Training uses two exact shortcuts (one forward over each append-only episode; the shared system prompt's KV computed
+once per batch) and is bounded by optimizer steps and seeded, so a recipe gives the same model on any machine;
+``--minutes`` is only a safety cap; ``sft_summary.json`` beside the weights records the recipe, seed, sha256s and
+held-out evaluation. Both, and the shipped recipe: docs/quickstart.md#the-warm-start-recipe.
 
 Topics: none (offline). Run::
 
@@ -297,7 +290,7 @@ def weights_sha256(model_dir: str | Path) -> str:
 # and contents out of the prompt), and the held-out score was still rising at its end. Stage 2 stops at step 520 of
 # its 800-step schedule, in the middle of learning to copy: 42 % of held-out tasks solved at the demo's sampling
 # temperature, inside the 30-60 % band the method recommends for GRPO (all 800 steps: 62 % sampled, 74 % greedy).
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "models" / "warmstart"
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "models" / "warmstart"
 SHIPPED_RECIPE: tuple[dict[str, Any], ...] = (
     {"steps": 1200, "seed": 0, "n_tasks": 4096, "lr": 2e-3, "batch_size": 16},
     {"steps": 520, "schedule_steps": 800, "seed": 1, "n_tasks": 4096, "lr": 1e-3, "batch_size": 16},

@@ -1,7 +1,8 @@
-"""Kafka plumbing every service stands on: client configs, reading a topic to its end, dead letters, an asyncio
+"""Kafka plumbing every service stands on: client configs, reading a topic to its end, topic creation, an asyncio
 publisher that waits for delivery, and the local single-node Apache Kafka broker.
 
-Modules: ``clients`` (configs, bootstrap resolution, ``read_to_end``, topic creation), ``dead_letter`` (build and
-produce dead letters), ``publisher`` (asyncio producer used by the proxy, sandbox worker and scheduler), ``local``
-(provision, format and run the local broker behind ``clawstream kafka up``).
+Modules: ``clients`` (configs, bootstrap resolution, ``read_to_end``, ``produce_reliably``, ``create_topics``),
+``topic_spec`` (what a topic is; the largest record), ``publisher`` (asyncio producer used by the proxy, sandbox
+worker and scheduler), ``local`` (provision, format and run the local broker behind ``clawstream kafka up``).
+Knows no clawstream topic: the catalog is ``schemas.topics``; the dead-letter builder ``schemas.dead_letter``.
 """

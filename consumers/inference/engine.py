@@ -7,42 +7,16 @@ consumer around it); topics in → out: none. Use::
     engine.start()                                   # scheduler thread
     engine.submit([[1, 2, 3]], SamplingParams(max_tokens=8), callback)   # callback(GenerationResult | Exception)
 
-How a step works
-----------------
-A request's prompts are *prefilled* one chunk at a time, each in a cache of its own (one row, no padding), then
-join the *decode batch*: all generating sequences in one left-padded batch with one shared KV cache
-(``consumers.inference.kv_batch``): keys/values (B, H, T, D), a 2-D mask (B, T) of the real columns of each row and
-each row's next position id, the newest token of every row in the last column. One scheduler step:
+One scheduler step (details: docs/inference.md#the-scheduler-step): admit waiting requests (FIFO) while the batch has
+room; **chunked prefill** of the prefilling prompts under a token budget, shortest remaining first (the oldest always
+gets its chunk), each chunk after a **prefix cache** lookup (``consumers.inference.prefix_cache``); a finished prompt
+samples its first token and joins the left-padded **decode batch** (``consumers.inference.kv_batch``); decode ONE
+token for every row in one forward pass; retire finished rows (caching their full blocks) and complete requests.
+Per-sequence state and the per-row sampling: ``consumers.inference.sequences``.
 
-1. admits waiting requests (FIFO) while the batch has room (``max_batch_size`` rows, prefilling ones included);
-2. **chunked prefill** under a token budget (``max_prefill_tokens`` per step, less one per decoding row): each
-   prefilling prompt gets at most ``prefill_chunk_tokens``, shortest remaining first (the oldest always gets its
-   chunk, so none starves) — so a short request is never stuck behind a long prompt's prefill (it waits for at
-   most one chunk, not the whole prompt). Before
-   each chunk the prompt looks up the **prefix cache** and skips what is cached; after it, the chunk's full blocks
-   go into the cache (so concurrent requests share a prefix as soon as one has computed it). A finished prompt
-   samples its first token, is duplicated ``n`` times (a prompt is prefilled once per request, not per sample)
-   and merges into the decode batch;
-3. decodes ONE token for every decoding row with a single forward pass over (B, 1) new tokens;
-4. drops rows that finished (eos, a stop token, ``max_tokens``) or were aborted, caches the full blocks of each
-   finished sequence (prompt + answer: the next call of an agent rollout starts with exactly that), trims cache
-   columns no remaining row uses, and completes requests whose sequences all finished.
-
-A sequence never has its prefix recomputed. Positions are per row (prompt length + generated so far), so rotary
-embeddings see the same positions as an unpadded run, and padding never changes results beyond float rounding.
-
-Prefix caching (``consumers.inference.prefix_cache``): KV blocks keyed by the chain of tokens before them, an LRU
-pool within ``prefix_cache_bytes``. A prompt always recomputes at least its last token (its logits are needed),
-as vLLM does. Per result, ``cached_tokens`` says how many prompt tokens came from the cache.
-
-Weight swaps
-------------
-``request_swap`` queues a new set of weights. From then on no request is admitted; the active rows (prefilling
-ones included) finish on the old weights (none fails), and when nothing is active the scheduler applies the swap
-between two steps, **drops every cached block** (KV computed by the old weights must never serve the new ones),
-bumps ``policy_version`` and admits again. Every response therefore comes from exactly one version (reported in
-``GenerationResult.policy_version``). The cost is that new requests wait while in-flight ones drain; a second
-model copy would avoid the wait but double memory and need a forward pass per version per step.
+Weight swaps (``request_swap``): no request is admitted until the active rows finish on the old weights; the swap is
+applied between two steps, **drops every cached block** and bumps ``policy_version``, so every response comes from
+exactly one version (``GenerationResult.policy_version``).
 """
 
 from __future__ import annotations
@@ -54,8 +28,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -79,53 +52,19 @@ from consumers.inference.kv_batch import (
     use_engine_attention,
 )
 from consumers.inference.prefix_cache import PrefixCache
-from policy import sampling
+from consumers.inference.sequences import (
+    LogprobsMode,
+    Prefill,
+    Request,
+    Row,
+    cache_sequences,
+    row_generator,
+    sample_and_record,
+)
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "SamplingParams", "SequenceOutput", "SwapOutcome", "WeightSwap"]
 
 log = logging.getLogger(__name__)
-
-LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompts: list[list[int]]
-    params: SamplingParams
-    callback: Callback
-    arrival: float
-    outputs: list[SequenceOutput] = field(default_factory=list)
-    remaining: int = 0
-    admitted: float = 0.0
-    policy_version: int = 0
-    cancelled: bool = False
-    cached: list[int] = field(default_factory=list)  # per prompt: tokens taken from the prefix cache
-
-
-@dataclass
-class _Prefill:
-    """One prompt of an admitted request, being prefilled chunk by chunk in a cache of its own."""
-
-    request: _Request
-    prompt_index: int
-    cache: Cache | None = None
-    done: int = 0  # prompt tokens whose KV is in ``cache``
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompts[self.prompt_index]
-
-    @property
-    def remaining(self) -> int:
-        return len(self.tokens) - self.done
-
-
-@dataclass
-class _Row:
-    request: _Request
-    output: SequenceOutput
-    generator: torch.Generator | None
 
 
 class Engine:
@@ -165,10 +104,10 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._policy_version = policy_version
         self._cond = threading.Condition()
-        self._waiting: deque[_Request] = deque()
-        self._live: dict[str, _Request] = {}  # submitted, not yet completed, failed or dropped
+        self._waiting: deque[Request] = deque()
+        self._live: dict[str, Request] = {}  # submitted, not yet completed, failed or dropped
         self._swap: WeightSwap | None = None
-        self._prefilling: list[_Prefill] = []  # admission order
+        self._prefilling: list[Prefill] = []  # admission order
         self._batch: KVBatch | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -207,7 +146,7 @@ class Engine:
             bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        request = _Request(
+        request = Request(
             request_id or f"cmpl-{uuid.uuid4().hex}",
             [list(map(int, p)) for p in prompts],
             params,
@@ -291,7 +230,7 @@ class Engine:
                     swap, self._swap = self._swap, None
             else:
                 for request in self._take_admissible():
-                    self._prefilling.extend(_Prefill(request, i) for i in range(len(request.prompts)))
+                    self._prefilling.extend(Prefill(request, i) for i in range(len(request.prompts)))
         if swap is not None:
             self._apply_swap(swap)
             return True
@@ -308,9 +247,9 @@ class Engine:
         self.steps += 1
         return True
 
-    def _take_admissible(self) -> list[_Request]:
+    def _take_admissible(self) -> list[Request]:
         rows = self.active_sequences
-        taken: list[_Request] = []
+        taken: list[Request] = []
         while self._waiting:
             request = self._waiting[0]
             need = len(request.prompts) * request.params.n
@@ -375,7 +314,7 @@ class Engine:
                 max(1, min(budget, self.prefill_chunk_tokens)) if unit is not oldest else self.prefill_chunk_tokens,
             )
 
-    def _prefill_one(self, unit: _Prefill, limit: int) -> int:
+    def _prefill_one(self, unit: Prefill, limit: int) -> int:
         """Reuse the cached prefix, compute the next ``limit`` prompt tokens at most; returns tokens computed."""
         tokens = unit.tokens
         # At least the last token is computed: its logits give the first generated token.
@@ -399,14 +338,14 @@ class Engine:
             self._start_decoding(unit, logits)
         return end - start
 
-    def _start_decoding(self, unit: _Prefill, logits: torch.Tensor) -> None:
+    def _start_decoding(self, unit: Prefill, logits: torch.Tensor) -> None:
         """The prompt is in its cache: sample the first token of its ``n`` samples, move them to the batch."""
         request, n = unit.request, unit.request.params.n
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for s_index in range(n):
             output = SequenceOutput(prompt_index=unit.prompt_index, sample_index=s_index)
             request.outputs.append(output)
-            rows.append(_Row(request, output, self._generator(request.params, s_index)))
+            rows.append(Row(request, output, row_generator(request.params, s_index, self.device)))
         length = len(unit.tokens)
         assert unit.cache is not None
         one = KVBatch(
@@ -446,46 +385,11 @@ class Engine:
         batch.pending = self._sample_and_record(batch.rows, logits)
         self._retire_finished()
 
-    def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
-        if params.seed is None or params.greedy:
-            return None
-        # vLLM gives the i-th of n parallel samples the seed `seed + i` (vllm/v1/engine/parallel_sampling.py).
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed + sample_index)
-        return generator
-
-    def _sample_and_record(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+    def _sample_and_record(self, rows: list[Row], logits: torch.Tensor) -> torch.Tensor:
         """Sample one token per row from logits (B, V), append it and its log-prob to each output; returns (B,)."""
-        params = [row.request.params for row in rows]
-        dev = self.device
-        temperature = torch.tensor([p.temperature for p in params], device=dev)  # (B,)
-        # Stages nobody in the batch asked for are skipped (decided here, on the host: no device sync).
-        scaled = any(p.temperature != 1.0 and not p.greedy for p in params)
-        top_k = torch.tensor([p.top_k for p in params], device=dev) if any(p.top_k > 0 for p in params) else None
-        top_p = torch.tensor([p.top_p for p in params], device=dev) if any(p.top_p < 1 for p in params) else None
-        drawn_from = sampling.processed_logprobs(logits, temperature if scaled else None, top_k, top_p)  # (B, V)
-        reported = drawn_from if self.logprobs_mode == "processed_logprobs" else sampling.raw_logprobs(logits)
-        tokens = sampling.sample(drawn_from, temperature < sampling.GREEDY_EPS, [row.generator for row in rows])
-        chosen = reported.gather(1, tokens.unsqueeze(1))  # (B, 1)
-        k_max = max((p.logprobs or 0 for p in params), default=0)
-        top_values, top_ids = sampling.top_logprobs(reported, k_max)  # (B, k) each
-        # One device-to-host copy per step: float64 holds token ids and float32 log-probs exactly.
-        host = torch.cat([tokens.unsqueeze(1).double(), chosen.double(), top_ids.double(), top_values.double()], 1)
-        host_rows = host.cpu().tolist()  # (B, 2 + 2k)
-        for row, p, values in zip(rows, params, host_rows, strict=True):
-            out, token, logprob = row.output, int(values[0]), values[1]
-            out.token_ids.append(token)
-            out.logprobs.append(logprob)
-            if p.logprobs is not None:
-                ids, lps = values[2 : 2 + p.logprobs], values[2 + k_max : 2 + k_max + p.logprobs]
-                out.top_logprobs.append([(token, logprob), *((int(t), lp) for t, lp in zip(ids, lps, strict=True))])
-            # vLLM's order (vllm/v1/core/sched/utils.py check_stop): eos, then stop_token_ids, then length.
-            if token in self.eos_token_ids and not p.ignore_eos:
-                out.finish_reason = "stop"
-            elif token in p.stop_token_ids:
-                out.finish_reason, out.stop_reason = "stop", token
-            elif len(out.token_ids) >= p.max_tokens:
-                out.finish_reason = "length"
+        tokens = sample_and_record(
+            rows, logits, logprobs_mode=self.logprobs_mode, eos_token_ids=self.eos_token_ids, device=self.device
+        )
         self.tokens_generated += len(rows)
         return tokens
 
@@ -498,7 +402,7 @@ class Engine:
         finished = [
             i for i, row in enumerate(batch.rows) if row.output.finish_reason is not None and not row.request.cancelled
         ]
-        self._cache_sequences(batch, finished)
+        cache_sequences(self.prefix_cache, batch, finished)
         with self._cond:
             for row in batch.rows:
                 if row.request.cancelled:
@@ -514,24 +418,7 @@ class Engine:
             if request.remaining == 0:
                 self._complete(request)
 
-    def _cache_sequences(self, batch: KVBatch, finished: list[int]) -> None:
-        """Put the full blocks of finished sequences (prompt + answer but its last token, which was never fed)
-        into the prefix cache: the next call of an agent rollout starts with exactly these tokens."""
-        layers = cache_layers(batch.cache)
-        width = batch.mask.shape[1]
-        for i in finished:
-            row = batch.rows[i]
-            tokens = row.request.prompts[row.output.prompt_index] + row.output.token_ids[:-1]
-            length = len(tokens)  # == batch.positions[i]: the row's real columns are the last `length`
-            if length // self.prefix_cache.block_size <= len(row.request.prompts[row.output.prompt_index]) // (
-                self.prefix_cache.block_size
-            ):
-                continue  # no full block beyond the prompt's, which are cached already
-            self.prefix_cache.insert(
-                tokens, [(k[i : i + 1, :, width - length :], v[i : i + 1, :, width - length :]) for k, v in layers]
-            )
-
-    def _complete(self, request: _Request) -> None:
+    def _complete(self, request: Request) -> None:
         now = time.monotonic()
         outputs = sorted(request.outputs, key=lambda o: (o.prompt_index, o.sample_index))
         result = GenerationResult(
@@ -549,7 +436,7 @@ class Engine:
         self._notify(request, result)
 
     @staticmethod
-    def _notify(request: _Request, outcome: GenerationResult | BaseException) -> None:
+    def _notify(request: Request, outcome: GenerationResult | BaseException) -> None:
         try:
             request.callback(outcome)
         except Exception:  # a broken callback must not take the scheduler down
@@ -557,7 +444,7 @@ class Engine:
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._cond:
-            requests: dict[str, _Request] = {}
+            requests: dict[str, Request] = {}
             for row in self._batch.rows if self._batch else ():
                 requests[row.request.request_id] = row.request
             for request in [p.request for p in self._prefilling] + list(self._waiting):

@@ -9,23 +9,12 @@ and hands every full block it computed back with :meth:`PrefixCache.insert`. Use
     cache.insert(tokens, layers)          # layers of ONE unpadded row: (K, V) each (1, H_kv, >= len, D)
     cache.clear()                         # new weights: KV of old weights must never serve new weights
 
-Why blocks keyed by chains (vLLM's automatic prefix caching, docs/design/prefix_caching.md): an agent rollout is
-dozens of calls whose prompts each extend the previous prompt plus its answer, so almost every prompt token of
-call k+1 was already computed for call k. A block of ``block_size`` tokens is identified by its own tokens AND
-every token before it (the key chains the parent's key), so two prompts share exactly the blocks of their common
-prefix; a prompt that branches in the middle of a block (OpenClaw rewrites its context 138 tokens before the end)
-reuses everything up to the last full block before the branch point. Partial blocks are never cached.
-
-Exactness: the key is a Python hash, but a hit is only taken after the block's own tokens and its parent block
-are compared, so a hash collision can cost a miss, never a wrong answer.
-
-Eviction: least recently used first, within a byte budget. A lookup touches a chain from its last block back to
-the root, so a parent is always more recent than its children and eviction removes deep blocks before the prefix
-they hang from (an evicted parent would strand its children: a lookup walks from the root).
-
-Memory: each block holds every layer's keys and values in ONE tensor (L, 2, H_kv, block_size, D); a hit is
-copied out (``torch.cat``) into the request's own cache, so a block is never shared with a running batch and can
-be evicted at any time.
+A block of ``block_size`` tokens is keyed by its own tokens AND every token before it (vLLM's automatic prefix
+caching), so two prompts share exactly the blocks of their common prefix; partial blocks are never cached. A hit is
+only taken after the block's tokens and parent are compared (a hash collision costs a miss, never a wrong answer);
+eviction is least recently used first within a byte budget, deep blocks before the prefix they hang from; each block
+is ONE tensor (L, 2, H_kv, block_size, D), copied out on a hit. Why, and each rule in detail:
+docs/inference.md#the-prefix-caches-blocks.
 """
 
 from __future__ import annotations

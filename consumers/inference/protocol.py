@@ -1,42 +1,19 @@
 """The subset of vLLM's OpenAI-compatible completions API that the CPU engine serves: parsing and response shapes.
 
 Pure functions (no HTTP server, no Kafka; topics in → out: none). ``consumers.inference.server`` calls them.
-Field names and shapes follow vLLM's own models, read from vllm/entrypoints/openai/completion/protocol.py
-(``CompletionRequest``, ``CompletionLogProbs``, ``CompletionResponseChoice``, ``CompletionResponse``) and
-vllm/entrypoints/openai/completion/serving.py (``request_output_to_completion_response``,
-``_create_completion_logprobs``):
+Field names and shapes follow vLLM's own models (vllm/entrypoints/openai/completion/protocol.py and serving.py):
 
-* request: ``prompt`` (token ids, a list of token-id lists, a string or a list of strings), ``max_tokens``
-  (default 16; null means 16), ``temperature`` (1.0), ``top_p`` (1.0), ``top_k``, ``seed``, ``n``,
-  ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (int, at most ``max_logprobs`` = 20), ``return_token_ids``;
-* response: ``id`` ("cmpl-..."), ``object`` "text_completion", ``created``, ``model``, ``choices``,
-  ``system_fingerprint``, ``usage`` {``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
-  ``prompt_tokens_details`` {``cached_tokens``}}; each choice has
-  ``index``, ``text``, ``logprobs``, ``finish_reason`` ("stop" | "length"), ``stop_reason`` (the stop token id,
-  null for eos/length), ``token_ids`` and ``prompt_token_ids`` (vLLM >= 0.10.2 with ``return_token_ids``: both
-  inside each choice, null otherwise) and ``prompt_logprobs`` (always null here). Choices are numbered
-  prompt-major (all n samples of prompt 0, then prompt 1, ...); ``usage.prompt_tokens`` counts each prompt once.
-* ``choices[i].logprobs`` = {``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``}:
-  ``top_logprobs[t]`` maps token text → log-prob for the sampled token followed by the ``logprobs`` most likely
-  tokens (so up to ``logprobs + 1`` entries, fewer when texts collide); ``-inf`` is written as -9999.0.
-* ``usage.prompt_tokens_details.cached_tokens``: prompt tokens whose KV came from the prefix cache (vLLM's
-  ``PromptTokenUsageInfo``). vLLM reports it only when started with ``--enable-prompt-tokens-details``, leaves the
-  whole object null when nothing was cached, and takes the count of the last prompt only; here it is always
-  present (0 when nothing was cached) and sums every prompt of the request.
-* model names: the request's ``model`` must be the served name or one of its aliases (vLLM answers to every name
-  given to ``--served-model-name``); the response's ``model`` is always the served name (vLLM's first name).
-* errors: ``{"error": {"message", "type", "param", "code"}}`` with HTTP 400 ``BadRequestError`` for an invalid
-  request and 404 ``NotFoundError`` for an unknown model (vLLM's ``ErrorResponse``/``ErrorInfo``).
+* request: ``prompt`` (token ids, lists of them, a string or strings), ``max_tokens``, ``temperature``, ``top_p``,
+  ``top_k``, ``seed``, ``n``, ``stop_token_ids``, ``ignore_eos``, ``logprobs`` (at most 20), ``return_token_ids``;
+* response: vLLM's ``text_completion`` object, choices prompt-major, with ``usage.prompt_tokens_details.cached_tokens``
+  (always present here, summed over every prompt of the request);
+* errors: vLLM's ``{"error": {...}}`` with 400 ``BadRequestError`` or 404 ``NotFoundError`` (unknown model).
 
-Our additions: a top-level ``policy_version`` (the weight version that produced every choice of the response; the
-server also sends it as the ``X-Policy-Version`` header) and a top-level ``engine_telemetry``: the engine's GPU
-readings when the response was built, ``{"gpu_utilization": percent, "gpu_memory_used_bytes": int}``, or null
-(no NVML, or the engine runs on the CPU). The proxy copies both onto the call event.
-
-Departures: streaming, ``echo``, stop strings, penalties, ``min_p``, ``logit_bias``, ``prompt_logprobs`` and the
-other options listed in ``UNSUPPORTED`` are rejected with 400 instead of being honoured; unknown fields are ignored
-(as vLLM does). Which log-probs are reported is explained in ``policy.sampling`` (processed by
-default, vLLM's default is raw).
+Our additions: top-level ``policy_version`` (also the ``X-Policy-Version`` header) and ``engine_telemetry`` (GPU
+readings or null); the proxy copies both onto the call event. Departures: the options in ``UNSUPPORTED`` (streaming,
+``echo``, stop strings, penalties, ...) are rejected with 400; unknown fields are ignored (as vLLM does). Which
+log-probs are reported: ``policy.sampling``. Every field, default and departure:
+docs/inference.md#the-completions-protocol.
 """
 
 from __future__ import annotations

@@ -3,29 +3,13 @@
 Topics: ``clawstream.weights`` (``WeightVersion``) in → ``clawstream.metrics`` (``Metric`` "weights_applied" on
 every switch, "inference_stats" every ``metrics_interval_s``) and ``clawstream.deadletter`` (rejected versions) out.
 
-Two engines:
-
-* ``cpu`` (default): a Hugging Face causal LM loaded from a local directory runs in this process, behind the
-  continuous-batching scheduler of ``consumers.inference.engine`` (its own thread, so the aiohttp loop stays
-  responsive).
-  HTTP: ``POST /v1/completions`` (the vLLM subset in ``consumers.inference.protocol``), ``GET /v1/models``,
-  ``GET /health``, ``GET /metrics`` (Prometheus: prefix-cache hit rate, cached prompt tokens, throughput, GPU;
-  ``consumers.inference.metrics``). New weight versions are swapped in between decode steps
-  (``consumers.inference.weight_follower``).
-* ``vllm``: the worker serves no completions; it applies each weight version to the vLLM server at
-  ``--engine-url`` (``consumers.inference.vllm_adapter``) and answers ``GET /health`` only.
-
-Every HTTP response carries the ``X-Policy-Version`` header: the weight version that produced it (completions;
-their JSON also has a top-level ``policy_version``), or the version served right now (other endpoints). Each
-completion also reports its cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``) and the engine's
-GPU readings (top-level ``engine_telemetry``, null without NVML or on the CPU); the proxy copies both onto the call
-event.
-
-Model name: the engine serves ``policy`` (``policy.DEFAULT_MODEL_NAME``) unless ``--served-model-name`` says
-otherwise, the name the proxy asks for and the learner publishes weight versions under by default, so
-``clawstream infer`` and ``clawstream proxy`` work together without flags. The CPU engine also answers requests
-naming the model directory (an alias, as vLLM answers to every name given to ``--served-model-name``); weight
-versions are followed under the served name only.
+Two engines: ``cpu`` (default; a Hugging Face causal LM in this process behind the scheduler of
+``consumers.inference.engine``; HTTP ``POST /v1/completions`` (``consumers.inference.protocol``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``; new versions swapped in between decode steps by
+``consumers.inference.weight_follower``) and ``vllm`` (no completions here: each version is applied to the vLLM
+server at ``--engine-url`` by ``consumers.inference.vllm_adapter``; ``GET /health`` only). Every HTTP response
+carries the ``X-Policy-Version`` header. The served model name is ``policy`` unless ``--served-model-name`` says
+otherwise (the CPU engine also answers to its model directory's name). Details: docs/inference.md#the-inference-worker.
 
 Run (the ``clawstream infer`` command calls :func:`main`)::
 

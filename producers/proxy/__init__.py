@@ -3,8 +3,9 @@
 Purpose: speak Anthropic Messages, OpenAI Chat and OpenAI Responses to the harness (streaming and not), render
 each request to prompt token ids token-in-token-out (``render``), call the engine with vLLM's completions
 protocol, parse the finished turn (``tool_parse``) and answer in the caller's dialect (``emit``), and record every
-call as a call event. Modules: ``app`` (aiohttp app, admin API, engine calls), ``dialects``, ``conversation``,
-``render``, ``tool_parse``, ``emit``, ``metrics``.
+call as a call event (``call_event``). Modules: ``app`` (aiohttp app, model-call routes), ``admin`` (rollouts, admin
+API), ``engine_client``, ``dialects`` (request side: ``PARSERS``), ``emit`` (response side: ``EMITTERS``),
+``conversation``, ``render``, ``tool_parse``, ``call_event``, ``metrics``.
 
 Topics: HTTP from harnesses in → ``clawstream.calls`` out.
 Run: ``clawstream proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` or

@@ -9,8 +9,8 @@
 
 Unknown fields (``thinking``, ``context_management``, ``output_config``, ``metadata``, ``cache_control``,
 ``stream_options`` apart from ``include_usage``, ``reasoning``, ``include``, ``store``...) are ignored. A body that
-is not what the dialect requires raises :class:`DialectError` (the proxy answers 400). Error bodies for each dialect
-are built by :func:`error_body`. Pure: standard library only.
+is not what the dialect requires raises :class:`DialectError` (the proxy answers 400). The error bodies of the two
+API families (:func:`anthropic_error`, :func:`openai_error`) are here too. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def parse_openai_chat(body: Any) -> ParsedRequest:
         elif role == "assistant":
             calls = []
             for tc in msg.get("tool_calls") or []:
-                fn = tc.get("function") if isinstance(tc, dict) else None
+                fn: Any = tc.get("function") if isinstance(tc, dict) else None
                 _req(isinstance(fn, dict) and isinstance(fn.get("name"), str), f"{where}: bad tool_calls entry")
                 calls.append(ToolCall(str(tc.get("id", "")), fn["name"], _arguments(fn.get("arguments", "{}"), where)))
             reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
@@ -335,9 +335,12 @@ _OPENAI_ERRORS = {
 }
 
 
-def error_body(dialect: Dialect, status: int, message: str) -> dict[str, Any]:
-    """The dialect's JSON error body for an HTTP status."""
-    if dialect == Dialect.ANTHROPIC_MESSAGES:
-        return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's JSON error body for an HTTP status."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def openai_error(status: int, message: str) -> dict[str, Any]:
+    """The OpenAI JSON error body (Chat and Responses) for an HTTP status."""
     kind, code = _OPENAI_ERRORS.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}

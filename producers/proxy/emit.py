@@ -1,39 +1,40 @@
-"""Emit a finished assistant turn in each dialect: a non-streaming JSON body, or its exact SSE event sequence.
+"""The response side of each dialect: a finished turn as a JSON body or as its exact SSE event sequence.
 
-Pseudo-streaming (docs/method.md#pseudo-streaming): the proxy parses the whole turn once, then streams it. Each
-dialect has
-a *preamble* (sent as soon as the stream opens, before the engine answers: it only needs the ids, the model name
-and the prompt length), a *keep-alive* (sent periodically while the engine works) and a *body* (the turn).
+Pseudo-streaming (docs/method.md#pseudo-streaming): the proxy parses the whole turn once, then streams it. A
+stream (:class:`SseStream`) has a *preamble* (sent as soon as it opens, before the engine answers: ids, model
+name, prompt length), a *keep-alive* (sent while the engine works), then the *body* (the turn) or an *error*.
 
-* Anthropic: ``message_start`` | ``ping`` | ``content_block_start/delta/stop`` per block (``thinking_delta``,
-  ``text_delta``, ``input_json_delta``), ``message_delta`` (stop_reason + usage), ``message_stop``.
-* OpenAI Chat: first chunk with ``role`` | SSE comment | content / ``reasoning_content`` / ``tool_calls`` delta
-  chunks, a chunk with ``finish_reason``, a usage chunk (``choices: []``) when ``include_usage``, ``[DONE]``.
+* Anthropic: ``message_start`` | ``ping`` | ``content_block_start/delta/stop`` per block, ``message_delta``
+  (stop_reason + usage), ``message_stop``.
+* OpenAI Chat: a ``role`` chunk | SSE comment | content / ``reasoning_content`` / ``tool_calls`` chunks, a
+  ``finish_reason`` chunk, a usage chunk (``choices: []``) when ``include_usage``, ``[DONE]``.
 * OpenAI Responses: ``response.created`` + ``response.in_progress`` | SSE comment | per output item
-  ``response.output_item.added`` ... ``response.output_item.done`` (reasoning, message with content_part /
-  output_text events, function_call with function_call_arguments events), ``response.completed`` (or
-  ``response.incomplete`` when cut by the length limit).
+  ``response.output_item.added`` ... ``.done``, then ``response.completed`` (or ``response.incomplete``).
 
-Cached prompt tokens (``Answer.cached_tokens``, what the engine reported served from its prefix cache) go where
-each API reports them: Anthropic ``usage.cache_read_input_tokens``, with ``input_tokens`` the *uncached* rest
-(Anthropic's input total is ``input_tokens + cache_creation_input_tokens + cache_read_input_tokens``, which is what
-Claude Code counts as context); OpenAI Chat ``usage.prompt_tokens_details.cached_tokens`` and OpenAI Responses
-``usage.input_tokens_details.cached_tokens``, both a part of the prompt/input total. The count is known only once
-the engine has answered: the streaming preambles (Anthropic ``message_start``) report 0 cached, the closing usage
-(``message_delta``, the Chat usage chunk, ``response.completed``) the engine's count.
-
-Pure: standard library only.
+:data:`EMITTERS` is the table, one :class:`Emitter` row per dialect: its routes, id prefixes, JSON body, error
+body and stream. Where each API reports cached prompt tokens: docs/method.md#pseudo-streaming. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from producers.proxy.dialects import anthropic_error, openai_error
 from producers.proxy.tool_parse import ParsedTurn
+from schemas.events import Dialect
 
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
+
+class ApiError(Exception):
+    """A failed call, answered in the caller's dialect (its emitter's error body, or its stream's error event)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 @dataclass
@@ -56,6 +57,35 @@ def sse(data: Any, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
     body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"{head}data: {body}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class StreamHead:
+    """What a stream's preamble says before the engine has answered."""
+
+    response_id: str
+    model: str
+    created: int  # unix seconds
+    prompt_tokens: int = 0
+    include_usage: bool = False  # OpenAI Chat stream_options.include_usage
+
+
+class SseStream:
+    """One streamed answer: ``preamble()``, ``keepalive`` while the engine works, then ``body()`` or ``error()``."""
+
+    keepalive = KEEPALIVE_COMMENT
+
+    def __init__(self, head: StreamHead) -> None:
+        self.head = head
+
+    def preamble(self) -> bytes:
+        raise NotImplementedError
+
+    def body(self, ans: Answer) -> bytes:
+        raise NotImplementedError
+
+    def error(self, status: int, message: str) -> bytes:
+        raise NotImplementedError
 
 
 # --- Anthropic --------------------------------------------------------------------------------------------------
@@ -102,7 +132,7 @@ def anthropic_message(ans: Answer) -> dict[str, Any]:
 
 
 def anthropic_preamble(response_id: str, model: str, prompt_tokens: int) -> bytes:
-    message = {
+    message: dict[str, Any] = {
         "id": response_id,
         "type": "message",
         "role": "assistant",
@@ -122,7 +152,7 @@ def anthropic_body(ans: Answer) -> bytes:
     out: list[bytes] = []
     for i, block in enumerate(_anthropic_blocks(ans)):
         if block["type"] == "thinking":
-            start = {"type": "thinking", "thinking": "", "signature": ""}
+            start: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
             deltas = [
                 {"type": "thinking_delta", "thinking": block["thinking"]},
                 {"type": "signature_delta", "signature": block["signature"]},
@@ -146,6 +176,19 @@ def anthropic_body(ans: Answer) -> bytes:
 
 def anthropic_stream_error(message: str, kind: str = "api_error") -> bytes:
     return sse({"type": "error", "error": {"type": kind, "message": message}}, "error")
+
+
+class AnthropicStream(SseStream):
+    keepalive = ANTHROPIC_PING
+
+    def preamble(self) -> bytes:
+        return anthropic_preamble(self.head.response_id, self.head.model, self.head.prompt_tokens)
+
+    def body(self, ans: Answer) -> bytes:
+        return anthropic_body(ans)
+
+    def error(self, status: int, message: str) -> bytes:
+        return anthropic_stream_error(message, anthropic_error(status, message)["error"]["type"])
 
 
 # --- OpenAI Chat ------------------------------------------------------------------------------------------------
@@ -250,14 +293,26 @@ def chat_stream_error(body: dict[str, Any]) -> bytes:
     return sse(body)
 
 
+class ChatStream(SseStream):
+    def preamble(self) -> bytes:
+        head = self.head
+        return chat_preamble(head.response_id, head.model, head.created, head.include_usage)
+
+    def body(self, ans: Answer) -> bytes:
+        return chat_body(ans, self.head.include_usage)
+
+    def error(self, status: int, message: str) -> bytes:
+        return chat_stream_error(openai_error(status, message))
+
+
 # --- OpenAI Responses -------------------------------------------------------------------------------------------
 
 
-class ResponsesStream:
+class ResponsesStream(SseStream):
     """Builds the Responses event sequence; keeps the ``sequence_number`` counter across preamble and body."""
 
-    def __init__(self, response_id: str, model: str, created: int) -> None:
-        self.response_id, self.model, self.created = response_id, model, created
+    def __init__(self, head: StreamHead) -> None:
+        super().__init__(head)
         self.seq = 0
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -269,11 +324,11 @@ class ResponsesStream:
         self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None, **extra: Any
     ) -> dict[str, Any]:
         return {
-            "id": self.response_id,
+            "id": self.head.response_id,
             "object": "response",
-            "created_at": self.created,
+            "created_at": self.head.created,
             "status": status,
-            "model": self.model,
+            "model": self.head.model,
             "output": output,
             "usage": usage,
             "error": None,
@@ -290,8 +345,9 @@ class ResponsesStream:
         resp = self.response("in_progress", [])
         return self.event("response.created", response=resp) + self.event("response.in_progress", response=resp)
 
-    def error(self, code: str, message: str) -> bytes:
-        resp = self.response("failed", [], error={"code": code, "message": message})
+    def error(self, status: int, message: str) -> bytes:
+        # Whatever the status: the Responses clients read a failed stream's code, not an HTTP status.
+        resp = self.response("failed", [], error={"code": "server_error", "message": message})
         return self.event("response.failed", response=resp)
 
     def body(self, ans: Answer) -> bytes:
@@ -384,9 +440,40 @@ def responses_object(ans: Answer) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": ans.prompt_tokens + ans.completion_tokens,
     }
-    stream = ResponsesStream(ans.response_id, ans.model, ans.created)
+    stream = ResponsesStream(StreamHead(ans.response_id, ans.model, ans.created))
     if ans.finish == "length" and not ans.turn.tool_calls:
         return stream.response(
             "incomplete", responses_output(ans), usage, incomplete_details={"reason": "max_output_tokens"}
         )
     return stream.response("completed", responses_output(ans), usage)
+
+
+# --- the table --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Emitter:
+    """One dialect's response side (its request side: ``dialects.PARSERS``)."""
+
+    paths: tuple[str, ...]  # POST routes under /r/{rid} and /r/{rid}/v1
+    response_prefix: str  # response id = prefix + the call id's first 24 hex digits
+    tool_call_prefix: str  # tool-call id = prefix + 24 random hex digits
+    body: Callable[[Answer], dict[str, Any]]  # the non-streaming JSON body
+    error_body: Callable[[int, str], dict[str, Any]]  # the JSON error body for an HTTP status
+    stream: Callable[[StreamHead], SseStream]  # the SSE event sequence of one streamed answer
+
+    def response_id(self, call_id: str) -> str:
+        return self.response_prefix + call_id[:24]
+
+
+EMITTERS: dict[Dialect, Emitter] = {
+    Dialect.ANTHROPIC_MESSAGES: Emitter(
+        ("/messages",), "msg_", "toolu_", anthropic_message, anthropic_error, AnthropicStream
+    ),
+    Dialect.OPENAI_CHAT: Emitter(
+        ("/chat/completions",), "chatcmpl-", "call_", chat_completion, openai_error, ChatStream
+    ),
+    Dialect.OPENAI_RESPONSES: Emitter(
+        ("/responses",), "resp_", "call_", responses_object, openai_error, ResponsesStream
+    ),
+}

@@ -1,37 +1,12 @@
 """Conversation → prompt token ids with token-in-token-out (TITO), per rollout. The heart of the serving proxy.
 
-Rendering is *piecewise*: a prompt is ``header + segment + segment + ... + generation prompt`` where the header is
-the leading system prompt with the tool schemas, and a segment is one message (or a maximal run of consecutive
-``tool`` messages, which the Qwen3 template groups into one user turn). Each segment's ids are obtained by
-rendering it behind a one-message stub with the model's own chat template and taking the text after the stub
-(``render(stub + seg)[len(render(stub)):]``), then tokenizing that text alone. Every segment text starts with
-``<|im_start|>``, an added special token that splits the tokenizer's input, so the concatenation equals the
-tokenization of the whole rendered conversation (tests check it against ``apply_chat_template``). This requires
-a prefix-stable template (``policy.tiny_model`` documents and tests that property); a non-prefix-stable one is
-detected (the stub is not a prefix) and raises :class:`RenderError`.
-
-TITO. An assistant segment whose text/tool calls equal an answer the proxy returned earlier in the rollout is
-never re-encoded: it becomes ``generation prompt + generated ids + turn suffix`` (the suffix is ``\\n`` when the
-generation ended with ``<|im_end|>``, else ``<|im_end|>\\n``: see ``policy.chat_template.assistant_turn_suffix_ids``).
-
-Repeated answers. The same text can come from different sampled ids (a text has many tokenizations, and the
-model may sample any of them), so an answer text does not identify its ids. The rollout keeps, per answer key, the
-answers in the order they were generated, and the k-th assistant message with that key in the conversation gets
-the k-th answer's ids: on a full render (below) every earlier turn keeps its *own* ids instead of the latest
-answer's, which would otherwise put ids in the prompt that this turn never had (and the turn, whose ids are then
-missing from later prompts, would be pruned downstream as a dead end). When the counts do not line up (a retried
-call whose answer the harness dropped, the same text answered in a subagent or side call), assignment by
-position is ambiguous and every message with that key gets the latest answer's ids, as for a key answered once.
-
-Cost. A request whose conversation *extends* an earlier call (that call's conversation + its answer + new
-messages; found by comparing the messages' keys with the conversations of the last ``match_window`` calls: tuple
-equality of the request's strings, no hashing or serialisation of the context) gets
-``prompt = earlier prompt + generated + suffix + render(new messages)``: only the new messages go through the
-template and the tokenizer, so the CPU cost grows with the new tokens, not with the context (the list
-concatenation and the key comparison are linear but run at memcpy/memcmp speed). Otherwise (OpenClaw re-orders a
-message each call, compaction, subagents) the whole conversation is laid out again ("full_render"); unchanged
-segments come from a per-rollout cache keyed by their hash, and the prompt is delta-encoded against the earlier
-call with the longest common token prefix. Pure: no Kafka, no aiohttp.
+Rendering is piecewise (``header + segment + ... + generation prompt``, each segment rendered behind a stub with the
+model's own chat template and tokenized alone), which needs a prefix-stable template (else :class:`RenderError`).
+An assistant segment equal to an answer the proxy returned earlier in the rollout is never re-encoded: it becomes
+``generation prompt + generated ids + turn suffix``; repeated answer texts get their own ids by position. A request
+that extends an earlier call renders only its new messages; otherwise the whole conversation is laid out again from
+a per-rollout segment cache and delta-encoded against the longest common prefix. Pure: no Kafka, no aiohttp.
+The rules in full (piecewise rendering, TITO, repeated answers, cost): docs/method.md#rendering-piece-by-piece.
 """
 
 from __future__ import annotations

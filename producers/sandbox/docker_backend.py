@@ -1,35 +1,13 @@
 """Docker sandbox backend (docker SDK): one container per rollout on a real Docker Engine.
 
-Container (:func:`container_spec`, the exact ``containers.run`` kwargs): image ``CLAWSTREAM_SANDBOX_DOCKER_IMAGE``
-(``clawstream/harnesses``: python3, node, the npm harnesses under ``docker_harness_home``, clawstream at
-``docker_clawstream_root``; compose/Dockerfile.harnesses), kept alive by ``sleep infinity`` under ``--init`` (reaps
-zombies). Limits: ``nano_cpus``, ``mem_limit`` = ``memswap_limit`` (no swap), ``pids_limit``, nofile ulimit, every
-capability dropped, ``no-new-privileges``, a size-capped ``/tmp`` tmpfs.
-
-Files are copied, never bind-mounted, so the worker may itself run in a container (compose mounts only the engine's
-socket): the sandbox keeps a host-side copy of its three directories — the workspace at the task's ``mount_dir``
-(``/workspace``, or ``/root/.openclaw/workspace`` for ClawGym-Bench, so its scripts need no rewriting), HOME at
-``/home/sandbox`` and the grader directory ``/grader`` — which the worker lays out and reads through
-``host_path`` like the local backend's. Before a command the copy is pushed into the container (when it changed
-since the last pull: the container's directories are emptied, then one tar is put); after it, the container's
-directories are pulled back (tar; members that would land outside their directory, such as links to absolute
-paths, are skipped, by :mod:`tarfile`'s ``data`` filter).
-
-Network: the container joins only ``docker_network``, created ``internal`` and with no address for the host on its
-bridge (``com.docker.network.bridge.inhibit_ipv4``): no route out, and not even the host's own services answer. Its
-only peer is the serving proxy — the proxy container itself (compose: it joins the network and its ``public_url``
-is its name there; ``docker_proxy_relay`` off) or, when the worker and proxy run on the host, this worker's relay
-container (``producers.sandbox.relay``) on that network and on Docker's default bridge, forwarding to the proxy's
-port on the host; the harness's base URL is then rewritten to the relay's name (:meth:`DockerSandbox.proxy_base_url`).
-
-Commands run through ``docker exec`` wrapped in GNU ``timeout -s TERM -k GRACE T`` (it signals the command's whole
-process group; exit 124/137 = timed out), with a host-side deadline as a backstop that kills the container.
-``destroy`` force-removes the container (everything in it dies) and its host copy and verifies the container is gone.
-
-Leftovers: containers carry the labels ``clawstream.sandbox`` (the sandbox id) and ``clawstream.worker``
-(``host:pid:start-time`` of the worker process), so :meth:`DockerBackend.sweep` removes the containers and relays of
-workers that are gone (a SIGKILLed worker's, on the next start of any worker on the host), even when a restarted
-container reuses the pid. Requires the ``docker`` Python package (imported lazily).
+:func:`container_spec` is the exact ``containers.run`` kwargs (image ``clawstream/harnesses``, CPU/memory/pids/nofile
+limits, no capabilities, ``no-new-privileges``, a capped ``/tmp``). Files are copied in and out around every command,
+never bind-mounted (the worker may itself run in a container). The container joins only an ``internal`` network
+with no host address on its bridge; its one peer is the serving proxy (the proxy container in compose, else this
+worker's relay container, ``producers.sandbox.relay``). Commands run through ``docker exec`` under GNU ``timeout``;
+``destroy`` force-removes the container and verifies it is gone; :meth:`DockerBackend.sweep` removes the containers
+of workers that are gone (labels ``clawstream.sandbox``, ``clawstream.worker``). The design, in full:
+docs/method.md#the-docker-backend. Requires the ``docker`` Python package (imported lazily).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ class EventSink(Protocol):
 
 
 class ProxyAdmin:
-    """Client of the proxy's admin API (``producers.proxy.app``)."""
+    """Client of the proxy's admin API (``producers.proxy.admin``)."""
 
     def __init__(self, url: str, token: str, timeout_s: float = 90.0) -> None:
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s

@@ -1,38 +1,11 @@
 """PinchBench (github.com/pinchbench/skill, MIT): its task files → :class:`Task`, graded as the benchmark grades.
 
-Layout: ``tasks/task_*.md`` and ``assets/``. A task file is YAML front matter between ``---`` lines (``id``, ``name``,
-``category``, ``grading_type`` automated | llm_judge | hybrid, ``timeout_seconds`` (default 120),
-``workspace_files``, optional ``grading_weights``) and ``## `` sections: ``Prompt``, ``Expected Behavior``,
-``Grading Criteria`` (``- [ ]`` items), ``Automated Checks`` (a ```` ```python ```` block defining
-``grade(transcript, workspace_path) -> dict``), ``LLM Judge Rubric``, others ignored. Read as
-``scripts/lib_tasks.py`` reads it: the task id is the front matter's ``id`` (two published ids differ from their
-file names: ``task_18_market_research.md`` is ``task_16_market_research``, ``task_19_spreadsheet_summary.md`` is
-``task_18_spreadsheet_summary``), a section is everything up to the next ``## `` heading, stripped (so a prompt
-keeps a trailing ``---`` rule, as the agent gets it there). Workspace files: ``{path, content}`` (inline) or
-``{source, dest}`` (``assets/<source>``; tolerated besides: a bare name, and sources under ``tasks/<file stem>/`` or
-the suite root).
-
-**Per-task problems** do not stop the suite: a task whose file does not parse, whose asset is missing (the published
-repository's ``assets/GPT4.pdf`` is often absent from copies) or whose id repeats an earlier one is listed in
-``Suite.unavailable`` with the reason, and the others load. A suite with no task available at all is an error.
-
-**Grading** (``scripts/lib_grading.py``):
-
-* automated: the check runs in the sandbox through :data:`RUNNER` (``pinch_runner.py <transcript.json>
-  <workspace>``), which executes the block as the benchmark does and prints the breakdown (a JSON line) and the
-  score (the last line) = mean of the numeric values (a non-dict result scores 0). The transcript is the run's
-  OpenClaw session (``producers.tasks.transcript``).
-* llm_judge: a judge (any OpenAI-compatible chat endpoint) gets :func:`judge_prompt` — the benchmark's prompt: task
-  prompt, expected behaviour, the transcript summarised as the benchmark summarises it (:func:`summarize_transcript`),
-  the rubric (``LLM Judge Rubric``, else the grading criteria) — and its reply is read as the benchmark reads it
-  (:func:`parse_judge_reply`: ``{"scores", "total", "notes"}`` and the variants it accepts).
-* hybrid: ``(automated × w_a + judge × w_j) / (w_a + w_j)`` with ``grading_weights`` (0.5 / 0.5 when absent);
-  sub-scores ``automated.<k>`` and ``llm_judge.<k>`` (:func:`combine`).
-
-Departures, each because this project never turns a grading failure into a 0 (docs/method.md#infrastructure-failures):
-a check that raises, a judge that cannot be reached or that gives no score, make the attempt a ``GraderFailure``
-where the benchmark records 0.0; and an ``automated`` task without a ``python`` block (which the benchmark always
-scores 0) is unavailable.
+Reads ``tasks/task_*.md`` (YAML front matter + ``## `` sections) and ``assets/`` as the benchmark's
+``scripts/lib_tasks.py`` does; a task with a per-task problem is listed in ``Suite.unavailable`` with the reason.
+Grading as ``scripts/lib_grading.py``: automated checks run in the sandbox through :data:`RUNNER`, the LLM judge gets
+:func:`judge_prompt` and its reply is read by :func:`parse_judge_reply`, hybrid tasks are combined by :func:`combine`.
+Departure: a check that raises or a judge that gives no score is a ``GraderFailure``, never a 0. The layout, the
+grading and the departures in full: docs/task_suites.md#pinchbench-module-notes.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """Agent transcripts in OpenClaw's session format, the one PinchBench's automated checks and judge read.
 
-OpenClaw (on pi's session manager) writes each run to ``~/.openclaw/agents/<agent>/sessions/<session id>.jsonl``
-(index ``sessions.json`` in the same folder), one JSON record a line, version 3::
-
-    {"type":"session","version":3,"id":"<uuid>","timestamp":"<ISO>","cwd":"<dir>"}
-    {"type":"model_change","id":"…","parentId":null,"timestamp":"…","provider":"…","modelId":"…"}
-    {"type":"thinking_level_change","id":"…","parentId":"…","timestamp":"…","thinkingLevel":"off"}
-    {"type":"message","id":"…","parentId":"…","timestamp":"…","message":{"role":"user",
-        "content":[{"type":"text","text":"…"}],"timestamp":<ms>}}
-    {"type":"message",…,"message":{"role":"assistant","content":[{"type":"thinking","thinking":"…"},
-        {"type":"text","text":"…"},{"type":"toolCall","id":"…","name":"…","arguments":{…}}],
-        "api":"openai-completions","provider":"…","model":"…","usage":{…},"stopReason":"toolUse"|"stop",
-        "timestamp":<ms>}}
-    {"type":"message",…,"message":{"role":"toolResult","toolCallId":"…","toolName":"…",
-        "content":[{"type":"text","text":"…"}],"isError":false,"timestamp":<ms>}}
-
-PinchBench loads that file as a list of dicts (``scripts/lib_agent.py``: blank lines skipped, an unparseable line
-kept as ``{"raw", "parse_error"}``) and hands it to every task's ``grade(transcript, workspace_path)`` and, summarised,
-to its judge. For OpenClaw rollouts the grader gets OpenClaw's own file (:func:`find_openclaw_session`); for every
-other harness :func:`session_transcript` writes the same records from the conversation the serving proxy saw: the
-messages of the rollout's last main-agent call plus the answer it got (OpenAI Chat shaped: ``role`` system | user
-| assistant | tool, ``content``, ``reasoning_content``, ``tool_calls`` [{``id``, ``function``: {``name``,
-``arguments``}}], ``tool_call_id``, ``name``). System messages are left out, as OpenClaw leaves its system prompt
-out of the session file. Usage and cost are zero (the call events carry the token counts).
+For OpenClaw rollouts the grader gets OpenClaw's own session file (:func:`find_openclaw_session`); for every other
+harness :func:`session_transcript` writes the same records from the conversation the serving proxy saw (the last
+main-agent call's messages plus its answer; system messages left out, as OpenClaw leaves them out). The format,
+record by record: docs/task_suites.md#transcripts-openclaws-session-format.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from clawstream.demo import run_demo
 from schemas.events import BatchRecord, BatchRecordKind, Trajectory, WeightVersion
 from schemas.topics import BATCHES, WEIGHTS
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 LR = 1e-5
 SEED = 3
@@ -87,7 +87,8 @@ def _mean_logprobs(model, trees: list) -> list[float | None]:  # noqa: ANN001
     """Per rollout, the mean logprob of its trainable tokens under ``model`` (packed as the learner packs)."""
     import torch
 
-    from learner.pack import pack_trees, packed_logprobs
+    from learner.forward import packed_logprobs
+    from learner.pack import pack_trees
 
     sums, counts = [0.0] * len(trees), [0] * len(trees)
     with torch.no_grad():

@@ -1,9 +1,9 @@
 """Capture health on the real broker: rollouts recorded as the proxy records them, `clawstream health` over a range.
 
 The calls are rendered by the proxy's own per-rollout renderer (``producers.proxy.render.RolloutRenderer``, the
-tiny model's real chat template and tokenizer) and put into ``CallEvent`` exactly as ``producers.proxy.app`` does;
-the trajectory is built by the streams' own pure core (``streams.assemble.build_trajectory``). The command runs as
-its own process (``python -m consumers.analytics.dashboard.health_report``) against the session's Kafka broker.
+tiny model's real chat template and tokenizer) and put into ``CallEvent`` exactly as ``producers.proxy.call_event``
+does; the trajectory is built by the streams' own pure core (``streams.trajectory.build_trajectory``). The command
+runs as its own process (``python -m consumers.analytics.dashboard.health_report``) against the session's Kafka broker.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from schemas.events import (
     RolloutState,
 )
 from schemas.topics import CALLS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES
-from streams.assemble import RolloutAccumulator, build_trajectory
+from streams.rollout import RolloutAccumulator
 from streams.settings import StreamsSettings
+from streams.trajectory import build_trajectory
 from tests.support import proxy_helpers as H
 
 pytestmark = pytest.mark.integration
@@ -44,7 +45,7 @@ TOPIC = {RolloutRequest: ROLLOUT_REQUESTS, RolloutEvent: ROLLOUT_EVENTS, CallEve
 
 
 class ProxyRecorder:
-    """One rollout's calls, rendered and encoded the way ``producers.proxy.app`` records them."""
+    """One rollout's calls, rendered and encoded the way ``producers.proxy.call_event`` records them."""
 
     def __init__(self, template: TemplateRenderer, rollout_id: str, attempt_id: str) -> None:
         self.template, self.rollout_id, self.attempt_id = template, rollout_id, attempt_id

@@ -45,8 +45,9 @@ from schemas.events import (
     WeightVersion,
 )
 from schemas.topics import CALLS, CATALOG, METRICS, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES, WEIGHTS
-from streams.assemble import RolloutAccumulator, build_trajectory
+from streams.rollout import RolloutAccumulator
 from streams.settings import StreamsSettings
+from streams.trajectory import build_trajectory
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,38 +1,11 @@
-"""The REAL Claude Code runs a multi-call rollout through the real proxy into a real engine (the project's CPU engine,
-then a real vLLM CPU server), both with prefix caching at their default settings: its second main call is ≥ 95 %
-cached.
+"""The REAL Claude Code runs a multi-call rollout through the real proxy into a real engine (the CPU engine, then real
+vLLM on CPU), both with prefix caching at their defaults: its second main call is ≥ 95 % cached.
 
-Parts, all real: Claude Code from npm (``install_harness("claude-code")``, launched with the ``claude-code`` adapter's
-own argv and environment, in a scrubbed environment like the local sandbox's); the serving proxy
-(``tests.support.proxy_server.running_proxy``) publishing to the session's Kafka broker; the engine as a subprocess on
-the project's tiny model (``policy.tiny_model.init_tiny_model``, random weights): ``python -m consumers.inference.server
---model DIR --port 0 --no-weights`` with nothing else set, or ``consumers.inference.vllm_server.serve`` (vLLM CPU,
-``--enable-prefix-caching --enable-prompt-tokens-details``; skipped, with the reason, when `clawstream vllm install`
-has not run). The call events are read back from the calls topic.
-
-How a random policy gets a second main call that extends the first one's history: Claude Code's own output-token-
-limit recovery. The rollout is registered with ``max_tokens=8``, so the proxy caps Claude Code's ``max_tokens: 32000``
-at 8 and the gibberish answer stops with Anthropic ``stop_reason: "max_tokens"``. Claude Code (2.1.197: in its query
-loop, ``transition.reason = "max_output_tokens_recovery"``) then re-sends the whole history plus its cut answer and a
-meta user message "Output token limit hit. Resume directly …", up to 3 times (``maxOutputTokensRecoveryCount < 3``), so
-one ``claude -p`` run makes 4 MAIN calls, each the previous prompt + its 8 generated tokens + ~100 new tokens. After
-the third recovery it gives up: the run ends with ``is_error: true``, the result "API Error: Claude's response
-exceeded the 32000 output token maximum …" and **exit code 1** — Claude Code's normal outcome for a policy that never
-ends its turn, not an infrastructure failure (``api_error_status`` is null: every HTTP call succeeded). Exit code 0
-needs a turn that ends with ``<|im_end|>`` (``end_turn``), which random weights sample with probability ~1/2048 per
-token; a session continuation (``--session-id`` then ``--resume``) does not avoid the exit code either, since each
-``claude -p`` run would again end in the same recovery. The recovery is preferred: no second process, one session
-and one conversation, so the history is append-only exactly as in a tool loop. If the policy does happen to end its
-first turn (no recovery, exit 0), the test continues the session with ``claude -p … --resume <session>`` to get call 2.
-
-Asserted: ≥ 2 MAIN call events; call 2's ``cached_prompt_tokens / prompt_len ≥ 0.95``; Claude Code received the same
-counts (``usage.cache_read_input_tokens`` of each assistant message in its session transcript
-``~/.claude/projects/*/<session>.jsonl`` equals the call event's cached count, and ``input_tokens +
-cache_read_input_tokens`` its prompt length; the run's summed ``usage`` in the ``--output-format json`` result equals
-the sum over the calls); the harness exited 0, or 1 for exactly the reason above; no call failed at the proxy.
-Latencies and cached fractions are printed (``-s``). Cached counts are whole KV blocks of prompt + generated tokens
-(the CPU engine's 32 tokens; vLLM 0.32 on CPU defaults to 128, not 16), so call 2 measures ~99.7 % cached on the CPU
-engine and ~99.4 % on vLLM.
+A random policy gets a second main call that extends the first one's history through Claude Code's own
+output-token-limit recovery (the rollout is registered with ``max_tokens=8``; Claude Code re-sends the history plus
+its cut answer up to 3 times, then exits 1). Asserted: ≥ 2 MAIN calls; call 2's cached fraction ≥ 0.95; Claude
+Code's own session transcript reports the same cached and prompt counts; exit 0, or 1 for exactly that reason.
+How and why, in full: docs/harnesses.md#claude-codes-output-limit-recovery-the-prefix-cache-test.
 """
 
 from __future__ import annotations

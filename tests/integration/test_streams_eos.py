@@ -1,10 +1,11 @@
 """Exactly-once at the record boundary (``streams.eos.CommitGate``), on the real broker with a real Faust worker.
 
 The probe app (``tests/support/eos_probe.py``) starts a commit while it is in the middle of a record, finishes the
-record and dies right after the commit (exit 9). Its restart must not replay the record: its outputs, table write
-and offset were committed together. Before commits waited for records, the commit took the offsets first and the
-record's outputs joined the committing transaction without its offset: the restart replayed it and the committed
-output held it twice (``trigger:1``, ``trigger:1:after``, then ``trigger:2``, ``trigger:2:after``).
+record and dies right after the commit (fault point ``eos_probe.after_commit`` set to ``crash`` through
+``CLAWSTREAM_FAULTS``: exit 86). Its restart must not replay the record: its outputs, table write and offset were
+committed together. Before commits waited for records, the commit took the offsets first and the record's outputs
+joined the committing transaction without its offset: the restart replayed it and the committed output held it twice
+(``trigger:1``, ``trigger:1:after``, then ``trigger:2``, ``trigger:2:after``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ from pathlib import Path
 
 import pytest
 
+from clawbase import faults
 from clawbase.kafka.clients import bootstrap_servers, create_topics, make_consumer
 from clawbase.settings import KafkaSettings
 from schemas.topics import TopicSpec
+from tests.support.eos_probe import AFTER_COMMIT, COMMIT_MID_RECORD
 from tests.support.stream_harness import ROOT, produce_raw
 
 pytestmark = pytest.mark.integration
 
 
-def run_probe(kafka: KafkaSettings, app_id: str, workdir: Path, crash_on: str | None, log: Path) -> subprocess.Popen:
+def run_probe(
+    kafka: KafkaSettings, app_id: str, workdir: Path, log: Path, *, crash_after_commit: bool = False
+) -> subprocess.Popen:
+    """The probe app; ``crash_after_commit``: it dies once the commit of its ``COMMIT_MID_RECORD`` record is done,
+    and it commits nothing else (the commit interval outlasts the run)."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,13 +48,16 @@ def run_probe(kafka: KafkaSettings, app_id: str, workdir: Path, crash_on: str | 
         "--datadir",
         str(workdir),
     ]
-    if crash_on:
-        cmd += ["--crash-on", crash_on]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop(faults.ENV, None)
+    if crash_after_commit:
+        cmd += ["--commit-interval", "3600"]
+        env |= faults.fault_env(workdir.parent / "faults", **{AFTER_COMMIT: "crash"})
     with open(log, "wb") as out:
         return subprocess.Popen(
             cmd,
             cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -79,17 +89,17 @@ def test_commit_waits_for_the_record_in_progress(kafka_settings: KafkaSettings, 
     create_topics(
         unprefixed, [TopicSpec(f"{app_id}-counts-changelog", "key", "bytes", 1, {"cleanup.policy": "compact"})]
     )
-    for key in (b"a", b"b", b"trigger"):
-        produce_raw(kafka_settings, "probe.in", key, b"x")
+    for key, value in ((b"a", b"x"), (b"b", b"x"), (b"trigger", COMMIT_MID_RECORD)):
+        produce_raw(kafka_settings, "probe.in", key, value)
 
-    first = run_probe(kafka_settings, app_id, tmp_path / "data", "trigger", tmp_path / "probe-1.log")
+    first = run_probe(kafka_settings, app_id, tmp_path / "data", tmp_path / "probe-1.log", crash_after_commit=True)
     try:
-        assert first.wait(120) == 9, (tmp_path / "probe-1.log").read_text(errors="replace")[-3000:]
+        assert first.wait(120) == faults.CRASH_STATUS, (tmp_path / "probe-1.log").read_text(errors="replace")[-3000:]
     finally:
         if first.poll() is None:
             first.kill()
 
-    second = run_probe(kafka_settings, app_id, tmp_path / "data", None, tmp_path / "probe-2.log")
+    second = run_probe(kafka_settings, app_id, tmp_path / "data", tmp_path / "probe-2.log")
     try:
         produce_raw(kafka_settings, "probe.in", b"c", b"x")  # processed after anything replayed: marks the end
         got = read_until(kafka_settings, group_id, b"c:1", second, tmp_path / "probe-2.log")

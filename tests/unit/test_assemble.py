@@ -18,9 +18,11 @@ from schemas.events import (
     TrajectoryStatus,
 )
 from schemas.topics import CALLS, REWARDS, ROLLOUT_EVENTS
-from streams.assemble import Assembler, RolloutAccumulator, split_group_id
+from streams.assemble import Assembler
+from streams.rollout import RolloutAccumulator
 from streams.settings import StreamsSettings
 from streams.state import DueIndex, Verdict
+from streams.trajectory import split_group_id
 from tests.support.stream_load import SynthRollout, build
 
 CFG = StreamsSettings(

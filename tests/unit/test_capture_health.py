@@ -7,13 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from consumers.analytics.health import (
-    ALL,
-    FULL_RENDER,
-    HealthAggregator,
-    format_rows,
-    rollout_health,
-)
+from consumers.analytics.health import FULL_RENDER, rollout_health
+from consumers.analytics.health_table import ALL, HealthAggregator, format_rows
 from schemas.events import (
     CallEvent,
     CallKind,

@@ -12,7 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 
 from consumers.inference.engine import Engine, GenerationResult, SamplingParams  # noqa: E402
-from learner.pack import pack_trees, packed_logprobs  # noqa: E402
+from learner.forward import packed_logprobs  # noqa: E402
+from learner.pack import pack_trees  # noqa: E402
 from schemas.events import TreeSegment  # noqa: E402
 from tests.support.tiny_model import EOS, tiny_model  # noqa: E402
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.pack import pack_trees, packed_logprobs
+from learner.forward import packed_logprobs
+from learner.pack import pack_trees
 from learner.step import ScoredTree, train_step
 from learner.train import BatchCollector, parse_hparams
 from policy.weight_store import WeightsRejected, copy_into, load_checked, save_weights, verify_file

@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' 
 pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
 from learner.config import LearnerConfig  # noqa: E402
+from learner.forward import packed_logprobs  # noqa: E402
 from learner.losses import grpo_loss  # noqa: E402
-from learner.pack import MicroBatch, pack_tree, pack_trees, packed_logprobs  # noqa: E402
+from learner.pack import MicroBatch, pack_tree, pack_trees  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
 from learner.value import ValueHead, policy_and_values  # noqa: E402
 from tests.support.segments import Seg  # noqa: E402

@@ -13,8 +13,9 @@ pytest.importorskip("transformers", reason="learner tests need transformers (the
 
 from clawbase.errors import ConfigError  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
+from learner.forward import packed_logprobs  # noqa: E402
 from learner.logit_scale import LogitScale  # noqa: E402
-from learner.pack import MicroBatch, pack_tree, packed_logprobs  # noqa: E402
+from learner.pack import MicroBatch, pack_tree  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
 from tests.support.segments import Seg  # noqa: E402
 from tests.support.tiny_model import tiny_model  # noqa: E402

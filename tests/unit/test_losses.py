@@ -13,10 +13,9 @@ import pytest
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 
 from clawbase.errors import ConfigError  # noqa: E402
+from learner.aggregation import LossInputError, aggregate  # noqa: E402
 from learner.losses import (  # noqa: E402
     LossConfig,
-    LossInputError,
-    aggregate,
     grpo_loss,
     importance_weights,
     k3_kl,

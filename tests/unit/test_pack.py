@@ -11,16 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 transformers = pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
-from learner.pack import (  # noqa: E402
-    MicroBatch,
-    PackError,
-    additive_mask,
-    gather_token_logprobs,
-    pack_tree,
-    pack_trees,
-    packed_forward,
-    packed_logprobs,
-)
+from learner.forward import gather_token_logprobs, packed_forward, packed_logprobs  # noqa: E402
+from learner.pack import MicroBatch, PackError, additive_mask, pack_tree, pack_trees  # noqa: E402
 from tests.support.segments import Seg  # noqa: E402
 from tests.support.tiny_model import tiny_model  # noqa: E402
 
@@ -397,7 +389,7 @@ def test_logprobs_use_each_tokens_own_sampling_settings_as_the_engine_does() -> 
 
 
 def test_a_token_outside_the_top_k_support_is_floored_with_zero_gradient() -> None:
-    from learner.pack import MIN_LOGPROB
+    from learner.forward import MIN_LOGPROB
 
     model = tiny_model(0, "eager", **PACK_MODEL)
     with torch.no_grad():

@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' 
 transformers = pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
 from learner.config import LearnerConfig  # noqa: E402
-from learner.pack import MicroBatch, pack_tree, pack_trees, packed_logprobs  # noqa: E402
+from learner.forward import packed_logprobs  # noqa: E402
+from learner.pack import MicroBatch, pack_tree, pack_trees  # noqa: E402
 from learner.prefix_share import (  # noqa: E402
     DEFAULT_MIN_TOKENS,
     fill_rows,

@@ -8,12 +8,15 @@ import pytest
 
 from producers.proxy.conversation import CallKindRules, Conversation, Message, classify_call
 from producers.proxy.dialects import (
+    PARSERS,
     DialectError,
-    error_body,
+    anthropic_error,
+    openai_error,
     parse_anthropic,
     parse_openai_chat,
     parse_openai_responses,
 )
+from producers.proxy.emit import EMITTERS
 from producers.proxy.tool_parse import MALFORMED_TOOL_JSON, parse_turn
 from schemas.events import CallKind, Dialect
 from tests.support import proxy_helpers as H
@@ -126,13 +129,25 @@ def test_schema_errors_raise_dialect_error(parser, body) -> None:
 
 
 def test_error_bodies_follow_each_dialect() -> None:
-    assert error_body(Dialect.ANTHROPIC_MESSAGES, 401, "no") == {
+    assert anthropic_error(401, "no") == {
         "type": "error",
         "error": {"type": "authentication_error", "message": "no"},
     }
-    assert error_body(Dialect.ANTHROPIC_MESSAGES, 413, "big")["error"]["type"] == "request_too_large"
-    err = error_body(Dialect.OPENAI_RESPONSES, 502, "down")["error"]
+    assert anthropic_error(413, "big")["error"]["type"] == "request_too_large"
+    err = openai_error(502, "down")["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+
+
+def test_every_dialect_has_a_parser_and_an_emitter_row() -> None:
+    """The request side (PARSERS) and the response side (EMITTERS) are tables over the same dialects."""
+    assert set(PARSERS) == set(EMITTERS) == set(Dialect)
+    paths = [path for emitter in EMITTERS.values() for path in emitter.paths]
+    assert len(paths) == len(set(paths))
+    assert EMITTERS[Dialect.ANTHROPIC_MESSAGES].response_id("0123456789abcdef0123456789abcdef") == (
+        "msg_0123456789abcdef01234567"
+    )
+    assert EMITTERS[Dialect.ANTHROPIC_MESSAGES].error_body(401, "no") == anthropic_error(401, "no")
+    assert EMITTERS[Dialect.OPENAI_RESPONSES].error_body(401, "no") == openai_error(401, "no")
 
 
 def test_tool_call_parsing_several_calls_think_and_malformed_json() -> None:

@@ -10,7 +10,9 @@ import pytest
 from clawbase.settings import load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
-from producers.proxy.app import ApiError, EngineReply, ProxySettings, engine_reply
+from producers.proxy.app import ProxySettings
+from producers.proxy.emit import ApiError
+from producers.proxy.engine_client import EngineReply, engine_reply
 from producers.proxy.tool_parse import ParsedTurn
 from tests.support import proxy_helpers as H
 
@@ -126,7 +128,7 @@ def test_openai_responses_reports_input_tokens_details() -> None:
     usage = emit.responses_object(answer)["usage"]
     assert usage["input_tokens"] == 100 and usage["input_tokens_details"] == {"cached_tokens": 96}
     assert usage["total_tokens"] == 107
-    stream = emit.ResponsesStream("resp_x", "policy", 1)
+    stream = emit.ResponsesStream(emit.StreamHead("resp_x", "policy", 1))
     assert _sse_usage("responses", stream.body(answer)) == usage
 
 

@@ -117,3 +117,10 @@ def test_a_shipped_warm_start_is_used_only_for_its_recipe_and_checksum(model_dir
     commands = sft.recipe_commands(recipe)
     assert commands[0].startswith("clawstream model sft --model-dir BASE --out STAGE1 --steps 2 --seed 5")
     assert commands[1].startswith("clawstream model sft --model-dir STAGE1 --out OUT --steps 1 --seed 6")
+
+
+def test_the_repository_ships_its_warm_start_intact() -> None:
+    """The checkpoint in models/warmstart/ is found where the demo looks and its sha256 holds (a package move once
+    pointed SHIPPED_DIR outside the repository, and the demo silently fell back to an hour of SFT)."""
+    found, why = sft.shipped_warm_start()
+    assert found == Path(__file__).resolve().parents[2] / "models" / "warmstart", why

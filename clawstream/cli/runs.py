@@ -1,0 +1,211 @@
+"""Whole runs over every service: ``clawstream demo`` (the CPU quickstart) and ``clawstream eval``.
+
+The demo and the evaluation are imported inside the commands, so ``clawstream --help`` stays fast; their defaults
+are written in the help texts (tests/unit/test_demo_cli.py keeps them equal to DemoConfig / EvalConfig).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from clawstream.cli.base import sigterm_interrupts
+
+
+# ---- demo --------------------------------------------------------------------------------------------------------
+@click.command("demo")
+@click.option("--steps", type=int, default=None, help="RL training steps.  [default: 20]")
+@click.option(
+    "--tasks-per-step", type=int, default=None, help="Task x harness instances (GRPO groups) per step.  [default: 4]"
+)
+@click.option("--group-size", type=int, default=None, help="Rollouts per instance (GRPO group).  [default: 8]")
+@click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
+@click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
+@click.option(
+    "--hp",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Another learner hyperparameter (repeat; `clawstream learner --help` lists them), e.g. "
+    "--hp mini_batches=2 --hp kl_coef=0.01. The demo sets logit_scale_lr=0.1 (learner/logit_scale.py; "
+    "--hp logit_scale_lr=0 turns it off).",
+)
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="Start RL from this model directory (e.g. `clawstream model sft` output) instead of the built-in warm start.",
+)
+@click.option(
+    "--sft-steps",
+    type=int,
+    default=None,
+    help="Warm start: an N-step single-stage SFT recipe (once per recipe; cached) instead of the shipped "
+    "checkpoint; 0: RL from the random model.  [default: the shipped warm start, models/warmstart/]",
+)
+@click.option("--sft-seed", type=int, default=None, help="Warm start recipe: seed.  [default: 0]")
+@click.option(
+    "--eval-tasks",
+    type=int,
+    default=None,
+    help="Held-out tasks per harness and mode, before and after RL (0: no evaluation).  [default: 256]",
+)
+@click.option(
+    "--eval-mode",
+    "eval_modes",
+    multiple=True,
+    type=click.Choice(["greedy", "sampled"]),
+    help="Evaluation decoding (repeat).  [default: greedy, sampled]",
+)
+@click.option("--concurrency", type=int, default=None, help="Rollouts at once.  [default: 8]")
+@click.option(
+    "--timeout", type=float, default=None, help="Give up on the RL part after this many seconds.  [default: 3600]"
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["cpu", "vllm"]),
+    default="cpu",
+    show_default=True,
+    help="Inference engine: the project's CPU engine, or real vLLM (`clawstream vllm install` first).",
+)
+@click.option("--no-progress", is_flag=True, help="Log lines only, no progress bars.")
+def demo(
+    steps: int | None,
+    tasks_per_step: int | None,
+    group_size: int | None,
+    lr: float | None,
+    seed: int | None,
+    hp: tuple[str, ...],
+    model_dir: Path | None,
+    sft_steps: int | None,
+    sft_seed: int | None,
+    eval_tasks: int | None,
+    eval_modes: tuple[str, ...],
+    concurrency: int | None,
+    timeout: float | None,
+    engine: str,
+    no_progress: bool,
+) -> None:
+    """CPU quickstart: warm start, then RL through every service (engine, proxy, sandbox worker, streams, learner,
+    scheduler) on a local broker, then held-out reward per harness before and after, a plot and TensorBoard scalars
+    in $CLAWSTREAM_HOME/demo/<run>/ (docs/quickstart.md)."""
+    from clawstream.demo import run_demo
+
+    sigterm_interrupts()  # `kill` stops the demo's services too (its finally), as Ctrl-C does
+    given = {
+        "steps": steps,
+        "tasks_per_step": tasks_per_step,
+        "group_size": group_size,
+        "lr": lr,
+        "seed": seed,
+        "hp": tuple(hp) or None,
+        "model": model_dir,
+        "sft_steps": sft_steps,
+        "sft_seed": sft_seed,
+        "eval_tasks": eval_tasks,
+        "eval_modes": tuple(eval_modes) or None,
+        "concurrency": concurrency,
+        "timeout_s": timeout,
+    }
+    run_demo(engine=engine, progress=not no_progress, **{k: v for k, v in given.items() if v is not None})
+
+
+# ---- eval --------------------------------------------------------------------------------------------------------
+@click.command("eval")
+@click.option(
+    "--model",
+    "model_dir",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    required=True,
+    help="Model directory (HF format: `clawstream model init`/`model sft`, or a demo run's exported final model).",
+)
+@click.option(
+    "--harness",
+    "harnesses",
+    multiple=True,
+    default=("agentloop", "agentloop-anthropic"),
+    show_default=True,
+    help="Harness to evaluate (repeat for several; `clawstream harness list`).",
+)
+@click.option(
+    "--suite",
+    default="builtin:cpu",
+    show_default=True,
+    help="Suite spec: builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR.",
+)
+@click.option("--split", default="heldout", show_default=True, help="Split of the suite to run.")
+@click.option(
+    "--tasks",
+    type=int,
+    default=256,
+    show_default=True,
+    help="Tasks (prompts) per harness and mode; 0 = the whole split. builtin:cpu beyond its 48 held-out "
+    "tasks uses the warm start's extended held-out split (never in the SFT data up to 256).",
+)
+@click.option(
+    "--mode",
+    "modes",
+    multiple=True,
+    type=click.Choice(["greedy", "sampled"]),
+    default=("greedy", "sampled"),
+    show_default=True,
+    help="Decoding: greedy (temperature 0), sampled.",
+)
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampled mode's temperature.")
+@click.option("--max-tokens", type=int, default=256, show_default=True, help="Generation cap per model call.")
+@click.option("--concurrency", type=int, default=12, show_default=True, help="Rollouts at once.")
+@click.option(
+    "--engine",
+    type=click.Choice(["cpu", "vllm"]),
+    default="cpu",
+    show_default=True,
+    help="Inference engine serving the model.",
+)
+@click.option(
+    "--json",
+    "json_out",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the result (rows, config, seconds) as JSON here.",
+)
+def eval_command(
+    model_dir: Path,
+    harnesses: tuple[str, ...],
+    suite: str,
+    split: str,
+    tasks: int,
+    modes: tuple[str, ...],
+    temperature: float,
+    max_tokens: int,
+    concurrency: int,
+    engine: str,
+    json_out: Path | None,
+) -> None:
+    """Held-out score of a model per harness, greedy and sampled: mean reward ± standard error, solved fraction, n.
+
+    Starts the inference engine, serving proxy and sandbox worker for the model (on the broker the demo uses:
+    CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else the local one, started if needed), runs every task through each harness,
+    grades it with the task's grader and prints one table per mode. `clawstream schedule --eval` does the same
+    against services already running.
+    """
+    from clawstream.stack.evaluate import EvalConfig, run_eval
+
+    cfg = EvalConfig(
+        harnesses=tuple(harnesses),
+        suite=suite,
+        split=split,
+        tasks=tasks,
+        modes=tuple(modes),
+        temperature=temperature,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        engine=engine,
+    )
+    sigterm_interrupts()  # `kill` stops the evaluation's services too, as Ctrl-C does
+    result = run_eval(model_dir, cfg)
+    click.echo(result.table)
+    click.echo(f"({result.seconds:.0f} s)")
+    if json_out is not None:
+        json_out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
