@@ -79,6 +79,11 @@ SERVICES: tuple[Service, ...] = (
         "A topic's records over an offset or time range to JSON lines or Parquet (--format jsonl|parquet --out PATH).",
     ),
     Service(
+        "audit",
+        "consumers.analytics.audit:main",
+        "Read a run's topics back: anything lost, doubled or trained twice? (exit 0 clean, 1 not; --json).",
+    ),
+    Service(
         "dashboard",
         "consumers.analytics.dashboard.server:main",
         "Live dashboard over the topics: rewards, statuses, trees, throughput, lag, weights, capture health (--help).",

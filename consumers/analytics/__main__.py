@@ -1,13 +1,21 @@
-"""``python -m consumers.analytics {tail,export} ...``: the event-log tools (same as ``clawstream tail|export``)."""
+"""``python -m consumers.analytics {tail,export,audit} ...``: the event-log tools (``clawstream tail|export|audit``)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-USAGE = """usage: python -m consumers.analytics {tail,export} ...
+COMMANDS = {
+    "tail": "consumers.analytics.tail",
+    "export": "consumers.analytics.export",
+    "audit": "consumers.analytics.audit",
+}
+
+USAGE = """usage: python -m consumers.analytics {tail,export,audit} ...
 
   tail    print a topic's records as decoded JSON lines (--help for options)
   export  write a topic's records over an offset or time range to JSON lines or Parquet (--help for options)
+  audit   read a run's topics back and reconcile them: nothing lost, doubled or trained twice (--help)
 
 The custom-consumer example: python -m consumers.analytics.examples.harness_report --help"""
 
@@ -18,13 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "tail":
-        from consumers.analytics.tail import main as run
-    elif command == "export":
-        from consumers.analytics.export import main as run
-    else:
+    if command not in COMMANDS:
         print(f"error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2
+    run = importlib.import_module(COMMANDS[command]).main
     return run(rest, prog=f"python -m consumers.analytics {command}")
 
 

@@ -24,6 +24,7 @@ published weight files and the batches on Kafka):
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 from collections import Counter
@@ -176,6 +177,16 @@ def test_two_steps_train_and_the_engine_serves_each_version(
             model, torch.optim.SGD(model.parameters(), lr=0.0), trees, LearnerConfig(lr=LR, seed=SEED)
         )
         assert printed[version] == pytest.approx(recomputed["policy_loss"], rel=2e-4, abs=1e-9), (version, out)
+
+    # Read back, the run's log reconciles: every attempt settled once, every trajectory batched at most once,
+    # every batch trained at most once, versions contiguous (the oracle of the fault tests, on a real run).
+    from consumers.analytics.audit import main as audit
+
+    report = io.StringIO()
+    assert audit(["--topic-prefix", result["prefix"], "--bootstrap", kafka_bootstrap], out=report) == 0, (
+        report.getvalue()
+    )
+    assert "CLEAN" in report.getvalue()
 
     # A step with non-zero advantages moves the logprobs of its sampled tokens in the advantages' direction.
     moved = [v for v, trees in sorted(batches.items()) if any(t.advantage != 0 for t in trees)]

@@ -1,0 +1,148 @@
+"""The audit's rules (consumers.analytics.reconcile): a clean run is clean, and each kind of loss, duplicate and
+double training is found and named, whatever the order of the records."""
+
+from __future__ import annotations
+
+import random
+
+from consumers.analytics.reconcile import (
+    DUPLICATED,
+    INCONSISTENT,
+    LOST,
+    TRAINED_TWICE,
+    BatchEntry,
+    Lifecycle,
+    Reward,
+    RunLog,
+    Settled,
+    Version,
+    Where,
+    reconcile,
+)
+from schemas.events import RolloutState
+
+_offsets: dict[str, int] = {}
+
+
+def at(topic: str) -> Where:
+    _offsets[topic] = _offsets.get(topic, -1) + 1
+    return Where(topic, 0, _offsets[topic])
+
+
+def clean_run(rollouts: int = 4, batches: int = 2) -> RunLog:
+    """``rollouts`` rollouts per batch, each started, exited, graded, settled, batched; each batch trained once."""
+    log = RunLog()
+    for b in range(batches):
+        batch = f"b{b}"
+        for i in range(rollouts):
+            rid, aid = f"r{b}-{i}", f"r{b}-{i}#0"
+            reward = i / rollouts
+            log.lifecycle += [
+                Lifecycle(rid, aid, RolloutState.STARTED, at("events")),
+                Lifecycle(rid, aid, RolloutState.HARNESS_EXITED, at("events")),
+            ]
+            log.rewards.append(Reward(rid, aid, "OK", reward, at("rewards")))
+            log.trajectories.append(Settled(rid, aid, "COMPLETE", reward, at("trajectories")))
+            log.batches.append(
+                BatchEntry(batch, "TRAJECTORY", i, Settled(rid, aid, "COMPLETE", reward, at("x")), at("batches"))
+            )
+        log.batches.append(BatchEntry(batch, "SEAL", rollouts, None, at("batches")))
+        log.versions.append(Version(b + 1, batch, at("weights")))
+    return log
+
+
+def kinds(log: RunLog) -> list[tuple[str, str]]:
+    return sorted((v.kind, v.rule) for v in reconcile(log).violations)
+
+
+def test_a_clean_run_is_clean_in_any_order() -> None:
+    log = clean_run()
+    report = reconcile(log)
+    assert report.clean and report.violations == []
+    assert (report.attempts, report.settled, report.batched, report.batches_sealed, report.batches_trained) == (
+        8,
+        8,
+        8,
+        2,
+        2,
+    )
+    for field in ("rewards", "trajectories", "batches", "versions"):
+        random.Random(0).shuffle(getattr(log, field))
+    assert reconcile(log).clean
+
+
+def test_an_attempt_without_a_reward_or_trajectory_is_lost() -> None:
+    log = clean_run()
+    log.lifecycle.append(Lifecycle("r9", "r9#0", RolloutState.STARTED, at("events")))
+    assert kinds(log) == [(LOST, "terminal status")]
+
+
+def test_an_attempt_settled_by_the_streams_without_a_reward_is_not_lost() -> None:
+    log = clean_run()  # its worker died before grading; the streams superseded it with an infra-failure trajectory
+    log.lifecycle.append(Lifecycle("r9", "r9#0", RolloutState.STARTED, at("events")))
+    log.trajectories.append(Settled("r9", "r9#0", "INFRA_FAILURE", None, at("trajectories")))
+    assert reconcile(log).clean
+
+
+def test_two_rewards_for_one_attempt_are_a_duplicate() -> None:
+    log = clean_run()
+    log.rewards.append(log.rewards[0])
+    assert kinds(log) == [(DUPLICATED, "terminal status")]
+
+
+def test_a_graded_attempt_in_no_trajectory_is_lost_and_in_two_is_doubled() -> None:
+    log = clean_run()
+    lost = log.trajectories.pop(0)
+    assert kinds(log) == [(LOST, "one trajectory")]
+    log.trajectories += [lost, lost]
+    assert kinds(log) == [(DUPLICATED, "one trajectory")]
+
+
+def test_a_trajectory_carrying_another_attempts_reward_is_inconsistent() -> None:
+    log = clean_run()
+    t = log.trajectories[1]
+    log.trajectories[1] = Settled(t.rollout_id, t.attempt_id, t.status, 0.77, t.where)
+    assert kinds(log) == [(INCONSISTENT, "reward joined")]
+
+
+def test_a_trajectory_in_two_batches_is_a_duplicate() -> None:
+    log = clean_run()
+    first = log.batches[0]
+    log.batches.append(BatchEntry("b1", "TRAJECTORY", 4, first.trajectory, at("batches")))
+    got = kinds(log)
+    assert (DUPLICATED, "one batch") in got
+    assert (DUPLICATED, "sealed batch") in got  # b1 now holds five records under a seal announcing four
+
+
+def test_a_seal_announcing_records_that_never_came_is_a_loss() -> None:
+    log = clean_run()
+    del log.batches[1]  # b0's record #1
+    assert kinds(log) == [(LOST, "sealed batch")]
+
+
+def test_a_batch_trained_twice_and_a_version_published_twice_are_found() -> None:
+    log = clean_run()
+    log.versions.append(Version(3, "b1", at("weights")))
+    assert kinds(log) == [(TRAINED_TWICE, "trained once")]
+    log.versions.append(Version(3, "b1", at("weights")))
+    assert (DUPLICATED, "versions contiguous") in kinds(log)
+
+
+def test_a_gap_in_versions_is_a_loss() -> None:
+    log = clean_run(batches=3)
+    log.versions = [v for v in log.versions if v.policy_version != 2]
+    assert kinds(log) == [(LOST, "versions contiguous")]
+
+
+def test_a_disallowed_lifecycle_move_is_found() -> None:
+    log = clean_run()
+    e = log.lifecycle[0]
+    log.lifecycle.append(Lifecycle(e.rollout_id, e.attempt_id, RolloutState.STARTED, at("events")))
+    assert kinds(log) == [(INCONSISTENT, "lifecycle")]
+
+
+def test_dead_letters_are_listed_not_violations() -> None:
+    log = clean_run()
+    log.dead_letters.append(("streams", "undecodable value: bad magic", at("dead")))
+    report = reconcile(log)
+    assert report.clean and report.dead_letters == {"streams: undecodable value: bad magic": 1}
