@@ -141,6 +141,16 @@ async def perform(deadletter: faust.TopicT, event: EventT, source: str, actions:
                 log.info("%s at %s", action.note, where(event))
 
 
+def core(source: str, call: Callable[..., Sequence[Action]], *args: Any) -> Sequence[Action]:
+    """The pure core's actions for one record; if it raises, the record goes to the dead-letter topic with the
+    reason and the agent goes on (an exception here once wedged the batcher: every later SEAL raised the same)."""
+    try:
+        return call(*args)
+    except Exception as exc:  # noqa: BLE001 - one bad record must never stop the stage
+        log.exception("%s: the core raised on a record", source)
+        return [Reject(f"the {source} core raised: {exc!r}"[:2000], type(exc).__name__)]
+
+
 def add_agent(app: faust.App, deadletter: faust.TopicT, stage: Stage[Any]) -> Any:
     """Declare the stage's Faust agent on ``app`` (returns the agent)."""
 
@@ -150,12 +160,12 @@ def add_agent(app: faust.App, deadletter: faust.TopicT, stage: Stage[Any]) -> An
             async with eos.processing(app):
                 msg, now = event.message, now_ms()
                 if stage.on_tick is not None and msg.topic == stage.ticks:
-                    actions = stage.on_tick(msg.partition, now)
+                    actions = core(stage.source, stage.on_tick, msg.partition, now)
                 else:
                     record = await decode_or_dead_letter(deadletter, event, stage.source, stage.decoder(msg.topic))
                     if record is None:
                         continue
-                    actions = stage.handle(record, event, now)
+                    actions = core(stage.source, stage.handle, record, event, now)
                 await perform(deadletter, event, stage.source, actions)
 
     agent.__doc__ = stage.help

@@ -18,7 +18,8 @@ harness the oldest groups go first; the chosen groups are shuffled (a group's ro
 ``{app id}-{n:06d}`` and the batch's ``step`` is ``n``.
 
 State layout (key → bytes maps, Faust tables in the app): ``state["batcher"]`` the JSON :class:`BatcherState`,
-``members[group_id + NUL + index]`` the envelopes of groups not yet batched.
+``members[group_id + NUL + index]`` the envelopes of groups not yet batched. Idempotent under replay: an envelope
+counts once, a record of a pending, batched or dropped group is ignored.
 """
 
 from __future__ import annotations
@@ -150,9 +151,16 @@ class Batcher:
         if gid in st.recent:
             log.info("group %s was already batched or dropped; replayed %s record ignored", gid, rec.kind.value)
             return out
+        if any(g["group_id"] == gid for g in st.pending):
+            # Sealed and waiting for a batch: a replayed envelope or SEAL changes nothing (a second SEAL appended the
+            # group twice, and forming the batch then failed for good on its members, popped the first time).
+            log.info("group %s is already pending; replayed %s record ignored", gid, rec.kind.value)
+            return out
         if rec.kind is BatchRecordKind.TRAJECTORY:
-            self.members[member_key(gid, rec.index)] = raw
-            st.open[gid] = st.open.get(gid, 0) + 1
+            key = member_key(gid, rec.index)
+            if key not in self.members:  # counted once however often it is replayed before its SEAL
+                st.open[gid] = st.open.get(gid, 0) + 1
+            self.members[key] = raw
         else:
             got = st.open.pop(gid, 0)
             group = {
@@ -212,6 +220,14 @@ class Batcher:
             groups = [st.pending[i] for i in chosen]
             batch_id = f"{self.prefix}-{n:06d}"
             counts: dict[str, int] = {}
+            missing = [
+                g for g in groups if any(member_key(g["group_id"], i) not in self.members for i in range(g["size"]))
+            ]
+            if missing:  # never raise here: a group whose records are gone is dropped with the reason, the rest go on
+                for group in missing:
+                    st.pending.remove(group)
+                    self._drop(st, group, f"group {group['group_id']}: records missing when forming a batch", out)
+                continue
             for group in groups:
                 for i in range(group["size"]):
                     raw = self.members.pop(member_key(group["group_id"], i))

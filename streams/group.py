@@ -98,13 +98,13 @@ class GroupState:
 
     def add(self, t: Trajectory) -> Outcome:
         """Record a trajectory; ACCEPTED means the caller stores its bytes when ``trainable(t)``."""
+        old = self.members.get(t.rollout_id)
+        if old is not None and old["attempt_id"] == t.attempt_id and old["status"] == t.status.value:
+            return Outcome(Verdict.DUPLICATE)  # a replay (also after the group closed): skipped, not a dead letter
         if self.closed:
             why = f"{self.closed['by']}, {len(self.members)}/{self.expected} rollouts"
             return Outcome(Verdict.LATE, f"late trajectory {t.rollout_id}: group {self.group_id} closed ({why})")
-        old = self.members.get(t.rollout_id)
         if old is not None:
-            if old["attempt_id"] == t.attempt_id and old["status"] == t.status.value:
-                return Outcome(Verdict.DUPLICATE)
             if old["status"] != TrajectoryStatus.INFRA_FAILURE or old["attempt_id"] == t.attempt_id:
                 why = f"attempt {t.attempt_id}, {t.status.value}, after {old['status']}"
                 return Outcome(Verdict.REJECTED, f"second trajectory of rollout {t.rollout_id} ({why})")

@@ -248,3 +248,16 @@ def test_an_infra_failure_on_its_last_attempt_is_final() -> None:
         [traj(0, 1.0), traj(1, None, TrajectoryStatus.INFRA_FAILURE, **reissued(1, 2, 3)), traj(2, 0.0), traj(3, 0.5)]
     )
     assert set(rig.advantages()) == {"r-0", "r-2", "r-3"} and rig.emitted.metrics[0].values["infra"] == 1
+
+
+def test_a_member_replayed_after_its_group_closed_is_skipped_not_dead_lettered() -> None:
+    """A replay after an exactly-once gap re-sends trajectories of a group that already closed: skipped silently
+    (a dead letter for every replayed record would bury the real late ones); nothing is emitted twice."""
+    rig = Rig()
+    members = [traj(i, float(i % 2)) for i in range(4)]
+    rig.feed(members)
+    emitted = len(rig.emitted.records)
+    rig.feed(members)
+    assert rig.rejected == [] and len(rig.emitted.records) == emitted
+    rig.feed([replace(members[0], attempt_id="another")])  # a different trajectory after closing is still late
+    assert [v for v, _ in rig.rejected] == [Verdict.LATE]
