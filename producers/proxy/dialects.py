@@ -125,6 +125,13 @@ def parse_anthropic(body: Any) -> ParsedRequest:
     )
 
 
+def _str_field(block: dict[str, Any], name: str, where: str) -> str:
+    """A block's optional string field: absent or null is "", anything but a string is a 400 (it was a 500)."""
+    value = block.get(name)
+    _req(value is None or isinstance(value, str), f"{where}: a '{block.get('type')}' block's '{name}' must be a string")
+    return value or ""
+
+
 def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[Message]:
     texts: list[str] = []
     if role == "assistant":
@@ -134,9 +141,9 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[Message]
             _req(isinstance(block, dict), f"{where}: each content block must be an object")
             kind = block.get("type")
             if kind == "text":
-                texts.append(block.get("text") or "")
+                texts.append(_str_field(block, "text", where))
             elif kind == "thinking":
-                reasoning.append(block.get("thinking") or "")
+                reasoning.append(_str_field(block, "thinking", where))
             elif kind == "tool_use":
                 _req(isinstance(block.get("name"), str), f"{where}: tool_use needs a string 'name'")
                 calls.append(ToolCall(block.get("id", ""), block["name"], _arguments(block.get("input", {}), where)))
@@ -149,7 +156,7 @@ def _anthropic_blocks(role: str, blocks: list[Any], where: str) -> list[Message]
             text = _text_of(block.get("content"), where)
             tool_msgs.append(Message("tool", text, tool_call_id=str(block.get("tool_use_id", ""))))
         elif kind == "text":
-            texts.append(block.get("text") or "")
+            texts.append(_str_field(block, "text", where))
         elif kind in ("image", "document"):
             texts.append(IMAGE_PLACEHOLDER)
     out = tool_msgs

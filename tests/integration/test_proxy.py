@@ -219,6 +219,14 @@ async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: Kaf
             assert r.status == 200 and ok["rollout_id"] == "z"
 
 
+# A text part whose text is not a string, per dialect (the Anthropic one was an HTTP 500 in plain text).
+NON_STRING_TEXT = {
+    "anthropic": {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    "chat": {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    "responses": {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+}
+
+
 @pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
 async def test_bad_inputs_answer_in_dialect_and_publish_nothing(kafka_settings, dialect) -> None:
     tok = H.tiny_tokenizer()
@@ -244,6 +252,7 @@ async def test_bad_inputs_answer_in_dialect_and_publish_nothing(kafka_settings, 
             ("too large", rid, sec, {**good, "pad": "x" * 300_000}, None, 413),
             ("invalid json", rid, sec, None, b'{"model": ', 400),
             ("bad schema", rid, sec, {"model": "policy", "messages": 5, "input": 5}, None, 400),
+            ("non-string text block", rid, sec, {**good, **NON_STRING_TEXT[dialect]}, None, 400),
         ]
         for name, r, s, body, raw, want in rows:
             status, out = await call(http, url, r, s, dialect, body, raw)

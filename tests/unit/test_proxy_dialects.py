@@ -116,6 +116,16 @@ def test_openai_chat_request_with_parts_developer_and_tool_calls() -> None:
         (parse_anthropic, {"model": "m", "messages": [{"role": "robot", "content": "x"}]}),
         (parse_anthropic, {"model": "m", "messages": [{"role": "user", "content": 3}]}),
         (parse_anthropic, {"model": "m", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}),
+        # non-string text / thinking (issue #29: these were an HTTP 500 in plain text)
+        (parse_anthropic, {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+        (
+            parse_anthropic,
+            {"model": "m", "messages": [{"role": "assistant", "content": [{"type": "text", "text": []}]}]},
+        ),
+        (
+            parse_anthropic,
+            {"model": "m", "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": {}}]}]},
+        ),
         (parse_openai_chat, []),
         (parse_openai_chat, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
         (parse_openai_chat, {"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"x": 1}]}]}),
