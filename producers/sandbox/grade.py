@@ -1,10 +1,11 @@
 """Grading a finished rollout in its sandbox: the task's grader runs *inside* the sandbox, or an LLM judge is asked.
 
 The grader files are copied in only now, after the harness ended, so the harness never sees them: into the
-sandbox's grader directory, or — for a grader that expects them inside the workspace (ClawGym-Bench's ``reward/``) —
-into that folder of the workspace, after clearing whatever the agent left under that name, and removed again once
-graded. The command runs with the same backend and isolation as the harness, with ``grader_timeout_s``. The grading
-rules themselves (invocation, output parsing, judge) are ``producers.tasks.grading``; a grader that fails is a
+sandbox's grader directory, emptied first (nothing a rollout planted there survives), or — for a grader that
+expects them inside the workspace (ClawGym-Bench's ``reward/``) — into that folder of the workspace, after clearing
+whatever the agent left under that name, and removed again once graded. The command runs with the same backend
+and isolation as the harness, with ``grader_timeout_s``; a Python grader with ``-E -s``. The grading rules
+themselves (invocation, output parsing, judge) are ``producers.tasks.grading``; a grader that fails is a
 :class:`GraderFailure` (an infrastructure failure of the attempt, never a 0). :func:`grade_directory` grades a
 workspace directory the same way, in a fresh local sandbox (``clawstream tasks grade``).
 """
@@ -48,6 +49,9 @@ async def run_grader(task: Task, box: Sandbox, transcript: list[dict[str, Any]],
     inv = grader_invocation(task, python=box.python, grader_dir=box.grader_dir, workspace=box.workspace)
     host_ws = box.host_path(box.workspace)
     try:
+        # A grader directory emptied now, after the harness: whatever a rollout planted where the grader's Python
+        # looks first (its script directory: ``../grader/json.py`` forged a 1.0) is gone (#29).
+        _empty(box.host_path(box.grader_dir))
         for name in inv.workspace_entries:  # whatever the agent left under these names (it cannot pre-plant checks)
             _remove(host_ws / name)
         box.write_files(inv.files_dir, inv.files)
@@ -66,6 +70,13 @@ async def run_grader(task: Task, box: Sandbox, transcript: list[dict[str, Any]],
     if result.timed_out:
         raise GraderFailure(f"grader {task.grader.name} timed out after {timeout_s:.0f}s")
     return parse_grader_output(task, result.exit_code, result.stdout, result.stderr, captured=captured)
+
+
+def _empty(folder: Path) -> None:
+    """Remove everything inside ``folder`` (created if missing)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for entry in list(folder.iterdir()):
+        _remove(entry)
 
 
 def _remove(path: Path) -> None:

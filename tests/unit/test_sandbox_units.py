@@ -387,3 +387,20 @@ def test_offset_commit_points() -> None:
     t.done(tp, 99)  # revoked meanwhile: ignored
     assert t.commit_points() == {} and t.in_flight() == 0
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+# A rollout that does nothing but plant a module where the grader's Python looks first, its script directory (#29):
+# the grader dir beside the workspace. `json.py` there took the untouched hello task from 0.0 to 1.0.
+FORGE_JSON = """
+import os
+fake = 'def dumps(obj):\\n    return \\'{"forged": 1.0}\\'\\n'
+os.makedirs('../grader', exist_ok=True)
+open('../grader/json.py', 'w').write(fake)
+"""
+
+
+async def test_a_rollout_cannot_plant_a_module_that_grades_it(tmp_path: Path) -> None:
+    _, sink = await _outcome(tmp_path, "forger", FORGE_JSON)
+    (r,) = sink.rewards
+    assert r.status == RewardStatus.OK and r.reward == 0.0, (r.reward, r.sub_scores)  # hello.txt was never written
+    assert "forged" not in r.sub_scores
