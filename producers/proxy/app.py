@@ -24,6 +24,7 @@ import secrets
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,16 @@ class ProxySettings(BaseSettings):
     port: int = Field(default=8100, description="Port to listen on (0: any free port).")
     public_url: str | None = Field(default=None, description="Base URL harnesses reach; default http://host:port.")
     admin_token: str | None = Field(default=None, description="Bearer token of the admin API; unset: random, logged.")
-    max_request_bytes: int = Field(default=32 * 1024 * 1024, description="Larger request bodies get 413.")
+    max_request_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        description="Larger request bodies get 413. 8 MiB holds a 40k-token conversation with its tools many times "
+        "over (a 39k-token Claude Code call is ~0.3 MB); images are replaced by placeholders anyway.",
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None,
+        description="Longest prompt sent to the engine (then 400 in the caller's dialect); default the tokenizer's "
+        "model_max_length (the model's context).",
+    )
     default_ttl_s: float = Field(default=6 * 3600, description="Lifetime of a rollout's secret unless registered.")
     default_max_tokens: int = Field(default=4096, description="Generation cap when the rollout sets none.")
     engine_timeout_s: float = Field(default=900.0, description="Longest wait for one engine answer (then 502).")
@@ -97,6 +107,13 @@ class Proxy:
 
             tokenizer = AutoTokenizer.from_pretrained(settings.model)
         self.template = TemplateRenderer(tokenizer)
+        context = getattr(tokenizer, "model_max_length", None)
+        self.max_prompt_tokens = settings.max_prompt_tokens or (
+            context if isinstance(context, int) and context < 1 << 30 else None
+        )
+        # No token covers more characters than the vocabulary's longest entry, so a conversation with more than
+        # max_prompt_tokens x that many characters cannot fit: refused before it is tokenized at all.
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.rules = CallKindRules(
             settings.side_model_pattern, settings.compaction_pattern, settings.short_system_chars
         )
@@ -114,6 +131,10 @@ class Proxy:
             seal_wait_s=settings.seal_wait_s,
         )
         self.rollouts = self.admin.rollouts
+        # Parsing, rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
+        # request held every other rollout's calls, keep-alives and seals for seconds (#29). One thread keeps the
+        # renderers' state (per rollout, and the shared segment cache) touched by one thread only, as before.
+        self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-render")
 
     @property
     def public_url(self) -> str:
@@ -145,6 +166,10 @@ class Proxy:
 
     async def _cleanup(self, _app: web.Application) -> None:
         await self.engine.close()
+        self.cpu.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
 
     async def _head(self, _request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -186,12 +211,18 @@ class Proxy:
         return rollout
 
     async def _read(self, request: web.Request, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
+        """The body, read on the loop, then decoded and parsed off it (:meth:`_parse`)."""
         if request.content_length is not None and request.content_length > self.s.max_request_bytes:
             raise ApiError(413, f"request body exceeds {self.s.max_request_bytes} bytes")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"request body exceeds {self.s.max_request_bytes} bytes") from exc
+        result: tuple[ParsedRequest, dict[str, Any]] = await self._off_loop(self._parse, raw, dialect)
+        return result
+
+    @staticmethod
+    def _parse(raw: bytes, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -206,16 +237,35 @@ class Proxy:
             log.warning("unparsed %s body shape (%s: %s): answered 400", dialect.value, type(exc).__name__, exc)
             raise ApiError(400, f"malformed request body ({type(exc).__name__}: {exc})"[:500]) from exc
 
+    def _check_fits(self, parsed: ParsedRequest) -> None:
+        """400 now for a conversation too long for the model by its characters alone (tokenizing 4 MiB took 5 s)."""
+        if self.max_prompt_tokens is None:
+            return
+        chars = sum(len(m.content) + len(m.reasoning) for m in parsed.conversation.messages)
+        at_least = chars // self.max_token_chars
+        if at_least > self.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"the prompt is at least {at_least} tokens ({chars} characters); the model's context is "
+                f"{self.max_prompt_tokens}",
+            )
+
     async def _call(self, request: web.Request, dialect: Dialect, t0: float) -> web.StreamResponse:
         received_ms = now_ms()
         rollout = self._authenticate(request)
         parsed, body = await self._read(request, dialect)
         t_parsed = time.perf_counter()
+        self._check_fits(parsed)
         try:
-            rendered = rollout.renderer.render(parsed.conversation)
+            rendered = await self._off_loop(rollout.renderer.render, parsed.conversation)
         except RenderError as exc:
             raise ApiError(400, f"cannot render the conversation: {exc}") from exc
         t_rendered = time.perf_counter()
+        if self.max_prompt_tokens is not None and len(rendered.prompt_ids) >= self.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"the prompt is {len(rendered.prompt_ids)} tokens; the model's context is {self.max_prompt_tokens}",
+            )
         kind, rollout.main_fingerprint = classify_call(
             parsed.conversation, parsed.model, rollout.main_fingerprint, self.rules
         )
@@ -265,7 +315,7 @@ class Proxy:
                 rollout.infra_failure = f"call {seq}: {exc}"
                 log.error("rollout %s: %s", rollout.rollout_id, exc)
                 raise ApiError(503, "the call could not be recorded (Kafka unavailable); retry later") from exc
-            rollout.renderer.record(call_id, seq, rendered, gen, answer_msg)
+            await self._off_loop(rollout.renderer.record, call_id, seq, rendered, gen, answer_msg)
             if kind == CallKind.MAIN:
                 rollout.last_main = (parsed.conversation, answer_msg)
             rollout.calls_served += 1
