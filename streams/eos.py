@@ -1,7 +1,7 @@
 """Exactly-once for the Faust app: one Kafka transaction per partition number of the co-partitioned topics (Kafka
 Streams' task), committed only between two records, plus a fix to Faust's resume order that both guarantees need.
 
-faust-streaming 0.15's ``processing_guarantee="exactly_once"`` gets seven things wrong, found with the fault tests;
+faust-streaming 0.15's ``processing_guarantee="exactly_once"`` gets eight things wrong, found with the fault tests;
 docs/method.md#exactly-once-in-the-stream-processors tells each (what was measured, why the fix works), numbered as
 here. This module patches them:
 
@@ -13,12 +13,12 @@ here. This module patches them:
 4. (both guarantees) seek to the committed offsets before the stream partitions resume (:func:`patch_faust_resume`);
 5. RocksDB tables left by an unclean stop are wiped and rebuilt from the changelogs (:func:`prepare_rocksdb`);
 6. a partition's offset commits one past its highest acknowledged record (``EosConsumer._new_offset``);
-7. recovery asks the broker where each changelog ends (:class:`EosConsumerThread`).
+7. recovery asks the broker where each changelog ends (:class:`EosConsumerThread`);
+8. a rebalance commits every transaction before Faust drops the acknowledged offsets
+   (``EosConsumer.on_partitions_revoked``); a worker evicted meanwhile is fenced and crashes (dirty close).
 
 Use: :func:`install` on an exactly-once app; every agent calls :func:`start_agent`, then processes each record
-inside :func:`processing`. Known gap (not fixed): a *live* worker evicted from the group (heartbeats lapsed for a
-session timeout) rejoins with its open transactions and in-memory state and processes the records since the last
-commit a second time into the same transaction. Keep ``session_timeout_s`` well above the longest event-loop stall.
+inside :func:`processing`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import AppT
 from faust.types.tuples import FutureMessage
 
+from clawbase.errors import ClawstreamError
+
 log = logging.getLogger(__name__)
 CLEAN_MARKER = ".clean-shutdown"
+
+
+class WorkerEvicted(ClawstreamError):
+    """The group evicted this worker while it was alive; it crashes so that its tables are rebuilt (point 8)."""
 
 
 class SourcePartitionTransactionManager(TransactionManager):
@@ -72,6 +78,22 @@ class SourcePartitionTransactionManager(TransactionManager):
             msg = event.message
             tid = f"{self.app.conf.id}-{self.app.assignor.group_for_topic(msg.topic)}-{msg.partition}"
         return await self.producer.send(topic, key, value, partition, timestamp, headers, transactional_id=tid)
+
+    async def on_rebalance(self, assigned: Any, revoked: Any, newly_assigned: Any) -> None:
+        """Stop the producer of every transactional id this worker no longer owns, then start the owned ones.
+
+        Faust stops only the ids of the partitions it computes as revoked, and that set came out empty when a
+        second worker joined: the first kept the producers of the partitions it gave away, got them back at the
+        next rebalance and sent into transactions the other worker had fenced (``ProducerFenced``, then
+        ``IllegalOperation`` in the commit and a crashed worker). A fresh producer re-initialises its id, fencing
+        whoever held it before.
+        """
+        owned = self._tps_to_transactional_ids(assigned)
+        held = set(cast(Any, self.producer)._transaction_producers)
+        if gone := sorted(held - owned):
+            log.info("eos: stopping %d transactional producer(s) no longer owned: %s", len(gone), gone)
+            await self._stop_transactions(gone)
+        await super().on_rebalance(assigned, set(), newly_assigned)
 
     async def commit(self, offsets: Any, start_new_transaction: bool = True) -> bool:
         await flush_changelog(self.app)
@@ -136,6 +158,36 @@ class EosConsumer(faust_aiokafka.Consumer):
             # All partitions, not just ``topics``: the transactions being committed hold every record processed since
             # the last commit, so every acknowledged offset must go with them.
             return await super().force_commit(None, start_new_transaction=start_new_transaction)
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        """Commit every partition's transaction while still a group member, then let Faust revoke (point 8).
+
+        Faust drops the acknowledged offsets of the revoked partitions first and then waits for the streams, so
+        what was processed since the last commit stayed in open transactions without its offsets; a partition the
+        worker got back was sought to the last commit and processed a second time into the same transaction. Here
+        the flow stops, the records in progress finish, and everything acknowledged commits with its outputs and
+        table writes, before anything is dropped. A fenced producer (the worker was evicted and its partitions
+        taken over) crashes the worker: its state is rebuilt from the changelogs when it restarts.
+        """
+        if self.app.in_transaction and not self.app.should_stop and self.assignment():
+            if self._evicted():
+                # Rejoining would keep tables that miss what the new owner did meanwhile: close dirty instead.
+                log.error("eos: evicted from the group while alive (session timeout lapsed): crashing to rebuild")
+                await self.app.crash(WorkerEvicted("evicted from the consumer group while alive"))
+                return
+            self.stop_flow()
+            self.app.flow_control.suspend()
+            self.app.flow_control.clear()
+            await self.wait_empty()  # waits for the records in progress, committing as they are acknowledged
+            await self.force_commit(None)  # a periodic commit running meanwhile made wait_empty's last one a no-op
+            log.info("eos: committed every partition's transaction before revoking %d partition(s)", len(revoked))
+        await super().on_partitions_revoked(revoked)
+
+    def _evicted(self) -> bool:
+        """True when the group dropped this member (heartbeats lapsed): aiokafka reset its generation to -1."""
+        consumer = getattr(getattr(self, "_thread", None), "_consumer", None)
+        coordinator = getattr(consumer, "_coordinator", None)
+        return getattr(coordinator, "generation", 0) == -1
 
     def _new_offset(self, tp: Any) -> int | None:
         """The offset to commit for ``tp``: one past the highest acknowledged record (module docstring, point 6).

@@ -289,8 +289,8 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     # No rollout is absent here, so groups close when complete; a long group timeout keeps the restart's pause
     # (session timeout + recovery) from closing groups early.
     # Session timeout 15 s, not the 6 s minimum: on a loaded 2-core machine the worker's event loop stalled for
-    # seconds, its heartbeats lapsed and the broker evicted the *live* worker (1 run in ~20); the rejoin path with
-    # transactions still open is not what this test is about (see streams.eos). The restart waits it out.
+    # seconds, its heartbeats lapsed and the broker evicted the *live* worker (1 run in ~20); an evicted worker is
+    # fenced and crashes (test_streams_rebalance.py's zombie), which is not what this test is about.
     settings = SETTINGS | {"store": store, "group_timeout_s": 90.0, "commit_interval_s": 0.1, "session_timeout_s": 15.0}
     worker = Worker(kafka_settings, tmp_path, app_id=f"streams-{group_id}", **settings)
     worker.start()

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,11 +88,21 @@ class Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP the worker: heartbeats lapse and the group evicts it, but it keeps its state (a zombie)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 40.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a paused worker acts on the SIGTERM only once resumed
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -119,7 +129,8 @@ class Feeder(threading.Thread):
     """Publishes records in the background at about ``rate`` records/s (one producer), recording send times.
 
     ``hold_at``: publish only the first ``hold_at`` records, then wait until :meth:`release` before the rest (a fault
-    test places its kill by the stream's state while the feeder holds the remainder, never by wall-clock).
+    test places its kill by the stream's state while the feeder holds the remainder, never by wall-clock). Several
+    hold points: ``holding`` is set at each, and each :meth:`release` lets the feeder go on to the next.
     """
 
     def __init__(
@@ -128,31 +139,34 @@ class Feeder(threading.Thread):
         records: list[tuple[str, Event]],
         rate: float,
         chunk: int = 20,
-        hold_at: int | None = None,
+        hold_at: int | Sequence[int] | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.kafka, self.records, self.rate, self.chunk = kafka, records, rate, chunk
-        self.hold_at = len(records) if hold_at is None else hold_at
+        holds = [len(records)] if hold_at is None else [hold_at] if isinstance(hold_at, int) else list(hold_at)
+        self.bounds = [0, *sorted(h for h in holds if 0 < h < len(records)), len(records)]
         self.sent_at: dict[str, float] = {}  # rollout id → monotonic time its last record was flushed
-        self.holding = threading.Event()  # set once the first ``hold_at`` records are flushed
-        self._released = threading.Event()
+        self.holding = threading.Event()  # set once the records up to the next hold point are flushed
+        self._released = threading.Semaphore(0)
+        self.sent = 0  # records flushed so far
 
-    def release(self) -> None:
-        self._released.set()
+    def release(self, all_holds: bool = False) -> None:
+        for _ in range(len(self.bounds) if all_holds else 1):
+            self._released.release()
 
     def run(self) -> None:
         producer = make_producer(self.kafka)
         start = time.monotonic()
-        for lo, hi in ((0, self.hold_at), (self.hold_at, len(self.records))):
-            if lo == hi and lo > 0:  # nothing held back: no release to wait for
-                break
+        for lo, hi in zip(self.bounds, self.bounds[1:], strict=False):
             if lo > 0:
                 self.holding.set()
-                self._released.wait()
+                self._released.acquire()
+                self.holding.clear()
                 start = time.monotonic() - lo / self.rate
             for i in range(lo, hi, self.chunk):
                 part = self.records[i : min(i + self.chunk, hi)]
                 produce(self.kafka, part, producer=producer)
+                self.sent = i + len(part)
                 now = time.monotonic()
                 for _, event in part:
                     self.sent_at[event.rollout_id] = now  # type: ignore[attr-defined]
