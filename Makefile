@@ -8,7 +8,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker
+.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ unit: $(STAMP)
 
 integration: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/integration
+
+test-faults: $(STAMP)  # the fault matrix (bench/faults.py FAULT_TESTS); CI runs these too, inside `make test`
+	$(PY) -c 'from bench.faults import FAULT_TESTS; print(" ".join(FAULT_TESTS))' | xargs $(PY) -m pytest -q -rs -p no:cacheprovider
+
+bench-faults: $(STAMP)  # the same, tabulated into bench/results/faults.md
+	$(PY) -m bench.faults
 
 lint: $(STAMP)  # ruff check + ruff format --check + import contracts + mypy on the pure cores ([tool.mypy])
 	$(VENV)/bin/ruff check .

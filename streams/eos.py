@@ -15,7 +15,7 @@ here. This module patches them:
 6. a partition's offset commits one past its highest acknowledged record (``EosConsumer._new_offset``);
 7. recovery asks the broker where each changelog ends (:class:`EosConsumerThread`);
 8. a rebalance commits every transaction before Faust drops the acknowledged offsets
-   (``EosConsumer.on_partitions_revoked``); a worker evicted meanwhile is fenced and crashes (dirty close).
+   (``EosConsumer.on_partitions_revoked``); a worker evicted meanwhile exits at once (``close_dirty``).
 
 Use: :func:`install` on an exactly-once app; every agent calls :func:`start_agent`, then processes each record
 inside :func:`processing`.
@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import faust
 from faust.streams import current_event
@@ -39,14 +40,26 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import AppT
 from faust.types.tuples import FutureMessage
 
-from clawbase.errors import ClawstreamError
-
 log = logging.getLogger(__name__)
 CLEAN_MARKER = ".clean-shutdown"
 
 
-class WorkerEvicted(ClawstreamError):
-    """The group evicted this worker while it was alive; it crashes so that its tables are rebuilt (point 8)."""
+EVICTED_EXIT = 75  # EX_TEMPFAIL: a supervisor restarts the worker
+
+
+def close_dirty(reason: str) -> NoReturn:
+    """Exit now, committing and sending nothing more: the worker was evicted or fenced (point 8).
+
+    Its tables may miss what the worker that took its partitions over did meanwhile, and Faust would keep them for a
+    partition assigned back to it (neither revoked nor new from where it stands), so it must not process another
+    record. Faust's own crash is asynchronous and let the rejoin go on: an evicted worker got its old partitions
+    back, processed them on stale tables and committed, and a group lost a member. Open transactions are aborted by
+    the next owner's initialisation; a restart rebuilds the tables from the changelogs (RocksDB ones are wiped: no
+    clean-shutdown marker).
+    """
+    log.critical("eos: closing dirty: %s", reason)
+    logging.shutdown()
+    os._exit(EVICTED_EXIT)
 
 
 class SourcePartitionTransactionManager(TransactionManager):
@@ -166,20 +179,19 @@ class EosConsumer(faust_aiokafka.Consumer):
         what was processed since the last commit stayed in open transactions without its offsets; a partition the
         worker got back was sought to the last commit and processed a second time into the same transaction. Here
         the flow stops, the records in progress finish, and everything acknowledged commits with its outputs and
-        table writes, before anything is dropped. A fenced producer (the worker was evicted and its partitions
-        taken over) crashes the worker: its state is rebuilt from the changelogs when it restarts.
+        table writes, before anything is dropped. A worker evicted meanwhile (its partitions taken over, its
+        producers fenced) exits at once instead (:func:`close_dirty`).
         """
+        if self.app.in_transaction and self.assignment() and self._evicted():
+            close_dirty("evicted from the consumer group while alive (heartbeats lapsed past the session timeout)")
         if self.app.in_transaction and not self.app.should_stop and self.assignment():
-            if self._evicted():
-                # Rejoining would keep tables that miss what the new owner did meanwhile: close dirty instead.
-                log.error("eos: evicted from the group while alive (session timeout lapsed): crashing to rebuild")
-                await self.app.crash(WorkerEvicted("evicted from the consumer group while alive"))
-                return
             self.stop_flow()
             self.app.flow_control.suspend()
             self.app.flow_control.clear()
             await self.wait_empty()  # waits for the records in progress, committing as they are acknowledged
             await self.force_commit(None)  # a periodic commit running meanwhile made wait_empty's last one a no-op
+            if self.app.crash_reason is not None:  # Faust turns ProducerFenced in a commit into a crash
+                close_dirty(f"the commit before revoking failed: {self.app.crash_reason!r}")
             log.info("eos: committed every partition's transaction before revoking %d partition(s)", len(revoked))
         await super().on_partitions_revoked(revoked)
 

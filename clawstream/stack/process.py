@@ -3,7 +3,8 @@
 Each service is the same ``python -m …`` entry point an operator would run by hand, started in its own process
 group with its output in ``<log_dir>/<name>.log``; readiness is a line it prints (a regex) or an HTTP endpoint
 answering. ``Stack.stop`` sends SIGTERM to every group in reverse start order, then SIGKILL after a grace period.
-Pure process plumbing: no Kafka.
+A service that exits with ``RESTART_EXIT`` (a streams worker evicted from its group: ``streams.eos.close_dirty``)
+is restarted by ``Stack.check``, up to ``MAX_RESTARTS`` times. Pure process plumbing: no Kafka.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pathlib import Path
 from clawbase.errors import ClawstreamError
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `python -m` runs from there
+RESTART_EXIT = 75  # EX_TEMPFAIL: "restart me" (streams.eos.EVICTED_EXIT; a unit test keeps them equal)
+MAX_RESTARTS = 5
 
 
 class StackError(ClawstreamError):
@@ -39,6 +42,7 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     found: str | None = None
+    restarts: int = 0
 
 
 class Stack:
@@ -56,7 +60,14 @@ class Stack:
 
     def start(self, service: Service, *, timeout: float = 120.0) -> Service:
         service.log = self.log_dir / f"{service.name}.log"
-        handle = open(service.log, "wb")  # noqa: SIM115 - owned by the child from here on
+        self._spawn(service, "wb")
+        self.services.append(service)
+        self._wait_ready(service, timeout)
+        return service
+
+    def _spawn(self, service: Service, mode: str) -> None:
+        assert service.log is not None
+        handle = open(service.log, mode)  # noqa: SIM115 - owned by the child from here on
         try:
             service.proc = subprocess.Popen(
                 [sys.executable, "-m", *service.args],
@@ -69,9 +80,6 @@ class Stack:
             )
         finally:
             handle.close()
-        self.services.append(service)
-        self._wait_ready(service, timeout)
-        return service
 
     def _wait_ready(self, service: Service, timeout: float) -> None:
         assert service.proc is not None and service.log is not None
@@ -98,10 +106,14 @@ class Stack:
         raise StackError(f"{service.name} was not ready within {timeout:.0f}s:\n{self.tail(service)}")
 
     def check(self) -> None:
-        """Raise if any service died."""
+        """Restart a service that asked for it (``RESTART_EXIT``); raise if any other died."""
         for service in self.services:
             code = service.proc.poll() if service.proc is not None else None
-            if code is not None and not (service.may_finish and code == 0):
+            if code == RESTART_EXIT and service.restarts < MAX_RESTARTS:
+                service.restarts += 1
+                print(f"{service.name} exited with {code} (restart me): restart {service.restarts}", file=sys.stderr)
+                self._spawn(service, "ab")
+            elif code is not None and not (service.may_finish and code == 0):
                 raise StackError(f"{service.name} died with {code}:\n{self.tail(service)}")
 
     def tail(self, service: Service, lines: int = 25) -> str:
