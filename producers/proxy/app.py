@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import secrets
 import sys
 import time
@@ -51,6 +52,12 @@ from schemas.events import CallKind, Dialect, now_ms
 from schemas.topics import CALLS
 
 log = logging.getLogger("clawstream.proxy")
+
+
+# A \uD800-\uDFFF escape in JSON text (paired ones decode to one character) or a surrogate's 3-byte form, which
+# json.loads decodes with "surrogatepass": a lone one is a string UTF-8 cannot encode (found by
+# tests/integration/test_proxy_fuzz.py: the call event's encoding failed after the engine had answered, a 500).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
 class ProxySettings(BaseSettings):
@@ -227,6 +234,15 @@ class Proxy:
             body = json.loads(raw)
         except ValueError as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # found by the fuzzer: a 500 before
+            raise ApiError(400, "request body is nested too deeply") from exc
+        if _SURROGATE_ESCAPE.search(raw):  # rare: only then check for a lone one (no UTF-8 for it: a 500 later)
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(
+                    400, f"request body holds a lone UTF-16 surrogate escape (not a character): {exc}"
+                ) from exc
         try:
             return PARSERS[dialect](body), body
         except DialectError as exc:
