@@ -6,7 +6,8 @@ longest stall after the fault and the time to recover. This runs them with ``CLA
 real broker per pytest session, as in CI) and writes the table. A failing test is listed as failed, with its rows
 (if it got as far as measuring) kept: the table never hides a fault that lost or doubled something.
 
-Run: ``.venv/bin/python -m bench.faults [-k EXPR]`` (``make test-faults`` runs the same tests without the table).
+Run: ``.venv/bin/python -m bench.faults [-k EXPR]`` (``make test-faults`` runs the same tests without the table);
+``--from-rows FILE`` renders rows another run wrote (e.g. the CI run with ``CLAWSTREAM_FAULT_RESULTS=FILE``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ FAULT_TESTS = (
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.split("\n")[0])
     parser.add_argument("-k", default=None, help="pytest -k expression to run a subset")
+    parser.add_argument("--from-rows", type=Path, default=None, help="render these JSON-lines rows; run nothing")
     args = parser.parse_args()
+    if args.from_rows is not None:
+        rows = [json.loads(line) for line in args.from_rows.read_text().splitlines() if line.strip()]
+        RESULTS.write_text(render(rows, [], 0.0, 0, source=f"rows of {args.from_rows.name}"))
+        print(f"wrote {RESULTS.relative_to(ROOT)} ({len(rows)} faults)")
+        return 0
     tests = [t for t in FAULT_TESTS if (ROOT / t.split("::")[0]).exists()]
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
@@ -68,13 +75,13 @@ def _failed(junit: Path) -> list[str]:
     return out
 
 
-def render(rows: list[dict], failed: list[str], took: float, code: int) -> str:
+def render(rows: list[dict], failed: list[str], took: float, code: int, source: str = "") -> str:
+    run = source or f"pytest exit {code}, {took / 60:.1f} min"
     head = [
         "# Fault matrix",
         "",
-        f"`python -m bench.faults` on {platform.node()} ({os.cpu_count()} cores), "
-        f"{time.strftime('%Y-%m-%d')}; pytest exit {code}, {took / 60:.1f} min. "
-        "What each column means: docs/faults.md#the-fault-tests.",
+        f"`python -m bench.faults` on {platform.node()} ({os.cpu_count()} cores), {time.strftime('%Y-%m-%d')}; "
+        f"{run}. What each column means: docs/faults.md#the-fault-tests.",
         "",
         "| fault | published | received | lost | duplicated | longest stall (s) | time to recover (s) | note |",
         "|---|---:|---:|---:|---:|---:|---:|---|",

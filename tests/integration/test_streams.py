@@ -28,6 +28,7 @@ from schemas.events import (
     WeightVersion,
 )
 from schemas.topics import BATCHES, CALLS, DEADLETTER, METRICS, TRAJECTORIES, WEIGHTS
+from tests.support.fault_report import FaultRow, record, stall_after
 from tests.support.stream_harness import Collector, Feeder, Worker, produce, produce_raw
 from tests.support.stream_load import SynthRollout, build, interleave, make_groups
 
@@ -299,6 +300,7 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     try:
         feeder.start()
         wait_for(collector, worker, lambda: collector.count(TRAJECTORIES) >= kill_after, 90, "the first trajectories")
+        killed_at = time.monotonic()
         worker.kill()
         before = collector.count(TRAJECTORIES)
         assert feeder.holding.wait(60), "the feeder never reached its hold point"
@@ -321,6 +323,10 @@ def test_worker_killed_mid_stream_recovers_exactly_once(
     assert kill_after <= before < len(complete_in_first)  # killed with first-part rollouts still unsettled
     got = [Trajectory.from_bytes(o.value) for o in collector.got[TRAJECTORIES]]
     counts = Counter(t.rollout_id for t in got)
+    stall, recover = stall_after(killed_at, [o.at for o in collector.got[TRAJECTORIES]])
+    unique, total = len(counts), sum(counts.values())
+    fault = f"streams worker SIGKILLed mid-stream, restarted ({store})"
+    record(FaultRow(fault, len(rollouts), total, len(rollouts) - unique, total - unique, stall, recover))
     assert set(counts) == {r.rollout_id for r in rollouts}, "lost trajectories"
     assert max(counts.values()) == 1, f"duplicated: {[k for k, n in counts.items() if n > 1]}"
     want = {r.rollout_id: r for r in rollouts}
