@@ -29,6 +29,8 @@ FAULT_TESTS = (
     "tests/integration/test_streams_rebalance.py",
     "tests/integration/test_streams.py::test_worker_killed_mid_stream_recovers_exactly_once",
     "tests/integration/test_learner.py::test_crash_between_save_and_commit_trains_the_batch_once",
+    "tests/integration/test_learner.py::test_a_step_that_raises_is_rolled_back_and_dead_lettered",
+    "tests/integration/test_learner.py::test_a_batch_killed_in_its_step_twice_is_dead_lettered_untrained",
     "tests/integration/test_sandbox_worker_kill.py",
     "tests/integration/test_sandbox_rebalance.py",
     "tests/integration/test_kafka_cluster.py",

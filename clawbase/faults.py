@@ -1,4 +1,4 @@
-"""The one fault-injection seam: named points in the code where a test makes the process crash, or hold still.
+"""The one fault-injection seam: named points in the code where a test makes the process crash, raise, or hold still.
 
 Code marks a point with ``fault_point("learner.after_save")``. Nothing happens unless the environment variable
 ``CLAWSTREAM_FAULTS`` names it, as a comma-separated list of ``NAME=ACTION`` (``NAME`` may end in ``@N``: act on the
@@ -6,6 +6,7 @@ N-th time the point is reached, counted per process; default the first):
 
 - ``crash``: exit at once with status 86 (``os._exit``: no ``finally``, no flush, no commit — as a kill -9 would);
 - ``kill``: SIGKILL itself (the exit a supervisor sees after an OOM kill);
+- ``raise``: raise :class:`InjectedFault` (an unexpected error at that point, e.g. inside a training step);
 - ``hold``: write ``NAME.held`` (the pid) into ``CLAWSTREAM_FAULT_DIR``, then wait until ``NAME.release`` appears
   there; meanwhile the test acts on the held process (kill -9, SIGSTOP, stopping a broker) at a moment chosen by the
   system's state, never by a sleep.
@@ -25,11 +26,15 @@ from pathlib import Path
 ENV = "CLAWSTREAM_FAULTS"
 DIR_ENV = "CLAWSTREAM_FAULT_DIR"
 CRASH_STATUS = 86
-ACTIONS = ("crash", "kill", "hold")
+ACTIONS = ("crash", "kill", "hold", "raise")
 
 
 class FaultSpecError(ValueError):
     """``CLAWSTREAM_FAULTS`` is malformed (raised at the first fault point reached, naming the fix)."""
+
+
+class InjectedFault(RuntimeError):
+    """Action ``raise``: stands for any unexpected error at the point (not a ``ClawstreamError``: nothing planned)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ _seen: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
-    """Crash or hold here when ``CLAWSTREAM_FAULTS`` names this point (its N-th arrival); otherwise nothing."""
+    """Crash, kill, raise or hold here when ``CLAWSTREAM_FAULTS`` names this point (its N-th arrival); else nothing."""
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -70,6 +75,8 @@ def fault_point(name: str) -> None:
         os._exit(CRASH_STATUS)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action == "raise":
+        raise InjectedFault(f"fault injection: raise at {name} (arrival {fault.nth})")
     _hold(name)
 
 

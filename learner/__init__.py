@@ -8,7 +8,8 @@ Modules: ``train`` (the service: sealed batches → step → weight version + of
 ``prefix_share`` (the context a row's trees begin with, packed once), ``tree_split`` (trees over the token budget as
 one chain row per path), ``segment_sampling`` (a trainable segment's recorded sampling settings), ``logit_scale``
 (a learned logit scale folded into the final norm after every step), ``value`` (PPO value head and pretraining),
-``config`` (hyperparameters and settings); ``warmstart/`` (SFT warm start through the real agent loop).
+``attempts`` (step attempts that outlive the process), ``config`` (hyperparameters and settings); ``warmstart/``
+(SFT warm start through the real agent loop).
 
 Topics: ``clawstream.batches`` (and ``clawstream.trajectories`` for value pretraining) in → ``clawstream.weights``,
 ``clawstream.metrics``, ``clawstream.deadletter`` out.

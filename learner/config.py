@@ -139,6 +139,13 @@ class LearnerSettings(BaseSettings):
     )
     max_steps: int | None = Field(default=None, description="Stop after this many steps (None = run forever).")
     idle_exit_s: float | None = Field(default=None, description="Exit after this long without a batch (None = never).")
+    max_step_attempts: int = Field(
+        default=2,
+        ge=1,
+        description="Dead-letter a batch untrained once the learner was killed during its training this many times "
+        "in a row (an OOM kill is a SIGKILL; counts kept in <weight store>/<model>/trainer-state/step-attempts.json). "
+        "A step that raises is dead-lettered at once.",
+    )
 
     # Defaults carry the topic prefix so isolated runs (tests, experiments) on one cluster never share a group.
     def resolved_group_id(self, topic_prefix: str = "") -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from clawbase.errors import ConfigError
+from clawbase.faults import fault_point
 from learner.config import LearnerConfig
 from learner.forward import gather_token_logprobs, packed_forward, packed_logprobs
 from learner.losses import grpo_loss, ppo_loss
@@ -137,6 +138,7 @@ def train_step(
             sums[key] += value
         sums["grad_norm"] += _clip(optimizer, config.max_grad_norm)
         optimizer.step()
+        fault_point("learner.in_step")  # weights and AdamW state moved, the step not finished (docs/faults.md)
         steps += 1
 
     metrics = {key: value / max(steps, 1) for key, value in sums.items()}

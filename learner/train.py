@@ -9,17 +9,20 @@ already names is dead-lettered as already trained).
 Untrainable batches never stop the learner: a seal that does not add up, a trajectory that does not decode, an empty
 batch, a tree that cannot be packed or a trainable segment whose sampling settings are unknown goes to
 ``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; packing is checked before any
-parameter changes. Resume: the newest published version is loaded (sha256 verified) with the optimizer and RNG state
-saved beside it (``trainer-state/vNNNNNN.pt``), so a resumed run continues exactly as an uninterrupted one. Every
-case in detail: docs/method.md#exactly-once-dead-letters-resume.
+parameter changes. A step that raises is rolled back to the last published version and dead-lettered the same way; a
+batch the learner was killed in ``max_step_attempts`` times (``learner.attempts``: out of memory?) is dead-lettered
+untrained. Resume: the newest published version is loaded (sha256 verified) with the optimizer and RNG state saved
+beside it (``trainer-state/vNNNNNN.pt``), so a resumed run continues exactly as an uninterrupted one. Every case in
+detail: docs/method.md#exactly-once-dead-letters-resume.
 
 Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
-Fault point (``clawbase.faults``, docs/faults.md): ``learner.after_save``, after a version's files are saved and
-before its transaction commits.
+Fault points (``clawbase.faults``, docs/faults.md): ``learner.after_save``, after a version's files are saved and
+before its transaction commits; ``learner.in_step`` (``learner/step.py``), after an optimizer step of a batch.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -43,6 +46,7 @@ from clawbase.kafka.clients import (
     where,
 )
 from clawbase.settings import KafkaSettings
+from learner.attempts import FILE_NAME, StepAttempts
 from learner.config import LearnerConfig, LearnerSettings
 from learner.logit_scale import LogitScale
 from learner.pack import PackError, pack_trees
@@ -78,6 +82,15 @@ class SealedBatch:
     records: list[BatchRecord]
     seal: BatchRecord
     commit_offset: int  # next offset to read once this batch is done (never past an unfinished batch)
+    seal_offset: int = -1  # where the SEAL record is (the batch's position in logs, dead letters, step attempts)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a batch is dead-lettered instead of trained: the dead letter's reason and error type."""
+
+    reason: str
+    kind: str = "UntrainableBatch"
 
 
 class BatchCollector:
@@ -94,7 +107,7 @@ class BatchCollector:
         del self.pending[record.batch_id]
         # Commit up to the earliest record of a batch still open (batches could interleave on the partition).
         commit = min([p.first_offset for p in self.pending.values()] + [offset + 1])
-        return SealedBatch(record.batch_id, record.step, pending.records, record, commit)
+        return SealedBatch(record.batch_id, record.step, pending.records, record, commit, offset)
 
 
 class Learner:
@@ -130,7 +143,16 @@ class Learner:
             groups.append({"params": [self.logit_scale.log_scale], "lr": config.logit_scale_lr, "logit_scale": True})
         self.optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         self.version = 0
+        self.latest: WeightVersion | None = None  # the last published version: what a failed step rolls back to
         self.trained: dict[str, int] = {}  # batch id → the version it was published as
+        # What v0 restores (a step that raises before any version is published): the initial head, no moments, RNG.
+        self._initial_head = copy.deepcopy(self.value_head.state_dict()) if self.value_head is not None else {}
+        self._initial_state = {
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "torch_rng": torch.get_rng_state(),
+        }
+        state_dir = trainer_state_path(settings.weight_store, settings.model_name, 0).parent
+        self.attempts = StepAttempts(state_dir / FILE_NAME)  # survive the process: an OOM kill raises nothing
         txn_id = settings.resolved_transactional_id(kafka.topic_prefix)
         self.producer: Producer = make_producer(kafka, **{"transactional.id": txn_id})
         # Static membership: a restarted learner takes over its old member's partitions at once instead of waiting
@@ -148,16 +170,16 @@ class Learner:
         steps = 0
         for batch in self._sealed_batches():
             trees, problem = self._decode(batch)
-            if batch.batch_id in self.trained:
-                problem = f"batch {batch.batch_id} was already trained (published as v{self.trained[batch.batch_id]})"
+            problem = self._refused_untrained(batch) or problem
             self.producer.begin_transaction()
-            metrics, problem = self._train(trees) if problem is None else ({}, problem)
+            metrics, problem = self._train(batch, trees) if problem is None else ({}, problem)
             if problem:
                 self._dead_letter(batch, problem)
             else:
                 self._publish_version(batch, metrics)
             self._commit_offsets(batch)
             self.producer.commit_transaction(60)
+            self.attempts.forget(self._key(batch))  # a batch dead-lettered for its kills: done with
             steps += 1
             if self.settings.max_steps is not None and steps >= self.settings.max_steps:
                 break
@@ -191,14 +213,52 @@ class Learner:
                 log.info("%s: batch %s sealed (%d trajectories)", where(msg), sealed.batch_id, len(sealed.records))
                 yield sealed
 
-    def _train(self, trees: list[ScoredTree]) -> tuple[dict[str, float], str | None]:
-        """One optimizer step, or why the batch cannot be trained (packing fails before any update)."""
+    def _refused_untrained(self, batch: SealedBatch) -> Refusal | None:
+        """A batch a published version names, or one the learner was killed training ``max_step_attempts`` times."""
+        if batch.batch_id in self.trained:
+            return Refusal(f"batch {batch.batch_id} was already trained (published as v{self.trained[batch.batch_id]})")
+        died = self.attempts.count(self._key(batch))
+        if died < self.settings.max_step_attempts:
+            return None
+        return Refusal(
+            f"batch {batch.batch_id} ({self._where(batch)}): attempted {died} times without finishing: the learner "
+            "was killed during its step each time (out of memory?)",
+            "TrainingStepKilled",
+        )
+
+    def _train(self, batch: SealedBatch, trees: list[ScoredTree]) -> tuple[dict[str, float], Refusal | None]:
+        """One optimizer step, or why the batch is dead-lettered instead: packing fails before any update; a step
+        that raises is rolled back to the last published version. A SIGKILL in here counts as an attempt."""
+        key = self._key(batch)
+        self.attempts.start(key)  # on disk before anything that may be killed (the dry run, the step, a rollback)
+        try:
+            refusal = self._dry_run(trees)
+            if refusal is not None:
+                return {}, refusal
+            try:
+                return self._step(trees), None
+            except Exception as exc:  # noqa: BLE001 - whatever it was, the step may have half-applied: roll back
+                failed = f"{type(exc).__name__}: {exc}"
+                log.error("%s: batch %s: the training step raised", self._where(batch), batch.batch_id, exc_info=True)
+            self._restore()  # outside the except: the failed step's frames (a CUDA OOM's activations) are freed
+            return {}, Refusal(
+                f"batch {batch.batch_id} ({self._where(batch)}): the training step raised {failed}; model and "
+                f"optimizer restored to v{self.version}",
+                "TrainingStepFailed",
+            )
+        finally:  # returned, raised or stopped (SIGTERM, Ctrl-C): not a kill by this batch
+            self.attempts.forget(key)
+
+    def _dry_run(self, trees: list[ScoredTree]) -> Refusal | None:
         try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
             pack_trees([t.segments for t in trees], self.config.token_budget, max_path_tokens(self.model, self.config))
         except UnreproducibleSampling as exc:
-            return {}, f"cannot recompute the rollout logprobs' distribution: {exc}"
+            return Refusal(f"cannot recompute the rollout logprobs' distribution: {exc}")
         except PackError as exc:
-            return {}, f"cannot pack the batch: {exc}"
+            return Refusal(f"cannot pack the batch: {exc}")
+        return None
+
+    def _step(self, trees: list[ScoredTree]) -> dict[str, float]:
         lr = self.config.lr_at(self.version)  # self.version = steps trained so far, also after a resume
         warm = lr / self.config.lr if self.config.lr else 1.0  # the warm-up applies to the logit scale too
         for group in self.optimizer.param_groups:
@@ -207,22 +267,34 @@ class Learner:
         if self.logit_scale is not None:  # the published weights are a plain model: exp(s) goes into the norm's gain
             metrics["logit_scale_step"] = self.logit_scale.fold()
             metrics["logit_scale"] = self.logit_scale.relative_gain()  # since the initial model (≈ 1/temperature)
-        return {**metrics, "lr": lr}, None
+        return {**metrics, "lr": lr}
 
-    def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], str | None]:
+    def _restore(self) -> None:
+        """Everything a step changes back to the last published version: reloaded from its files, as a resume does
+        (exact, and free until needed; an in-memory copy would cost 3x the weights on every step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.logit_scale is not None:  # 0 after every finished step (folded into the norm's gain)
+            with torch.no_grad():
+                self.logit_scale.log_scale.zero_()
+        self._load(self.latest)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("model, optimizer and RNG restored to v%d", self.version)
+
+    def _decode(self, batch: SealedBatch) -> tuple[list[ScoredTree], Refusal | None]:
         if batch.seal.index != len(batch.records):
-            return [], f"seal says {batch.seal.index} trajectories, {len(batch.records)} arrived"
+            return [], Refusal(f"seal says {batch.seal.index} trajectories, {len(batch.records)} arrived")
         trees = []
         for rec in batch.records:
             if rec.trajectory is None:
-                return [], f"trajectory record {rec.index} of {batch.batch_id} carries no trajectory"
+                return [], Refusal(f"trajectory record {rec.index} of {batch.batch_id} carries no trajectory")
             try:
                 traj = Trajectory.from_bytes(rec.trajectory)
             except ClawstreamError as exc:
-                return [], f"trajectory record {rec.index} ({rec.rollout_id}) does not decode: {exc}"
+                return [], Refusal(f"trajectory record {rec.index} ({rec.rollout_id}) does not decode: {exc}")
             trees.append(ScoredTree(traj.segments, rec.advantage, rec.reward, rec.harness or traj.harness))
         if not trees:
-            return [], "empty batch"
+            return [], Refusal("empty batch")
         return trees, None
 
     def _publish_version(self, batch: SealedBatch, metrics: dict[str, float]) -> None:
@@ -258,7 +330,7 @@ class Learner:
             labels={"model": self.settings.model_name},
         )
         self._produce(METRICS, "learner", metric.to_bytes())
-        self.version = version
+        self.version, self.latest = version, event
         self.trained[batch.batch_id] = version
         if self.writer is not None:
             for key, value in metrics.items():
@@ -282,17 +354,26 @@ class Learner:
     def _produce(self, topic: str, key: str, value: bytes) -> None:
         produce_reliably(self.producer, self.kafka.topic(topic), key.encode(), value)
 
-    def _dead_letter(self, batch: SealedBatch, reason: str) -> None:
-        log.error("batch %s not trainable: %s; dead-lettered", batch.batch_id, reason)
+    def _dead_letter(self, batch: SealedBatch, refusal: Refusal) -> None:
+        log.error("%s: batch %s not trained: %s; dead-lettered", self._where(batch), batch.batch_id, refusal.reason)
         letter = dead_letter(
             "learner",
-            reason,
-            "UntrainableBatch",
+            refusal.reason,
+            refusal.kind,
             topic=self.kafka.topic(BATCHES),
+            partition=0,
+            offset=batch.seal_offset,
+            key=batch.batch_id.encode(),
             policy_version=self.version,
             value=batch.seal.to_bytes(),
         )
         self._produce(DEADLETTER, batch.batch_id, letter.to_bytes())
+
+    def _where(self, batch: SealedBatch) -> str:
+        return f"{self.kafka.topic(BATCHES)}[0]@{batch.seal_offset}"  # topic[partition]@offset of its SEAL record
+
+    def _key(self, batch: SealedBatch) -> str:
+        return f"{self._where(batch)} {batch.batch_id}"  # exact: the same batch re-read, never another one
 
     def _dead_letter_raw(self, msg, exc: Exception) -> None:  # noqa: ANN001 - confluent_kafka.Message
         # Its own small transaction (a transactional producer cannot write outside one). The record's offset is
@@ -306,27 +387,42 @@ class Learner:
         """Load the newest published version of this model (read_committed), if any."""
         versions = published_versions(self.kafka, self.settings.model_name)
         self.trained = {v.batch_id: v.policy_version for v in versions if v.batch_id}
-        latest = max(versions, key=lambda v: v.policy_version, default=None)
-        if latest is None:
+        self.latest = max(versions, key=lambda v: v.policy_version, default=None)
+        if self.latest is None:
             log.info(
                 "no published version of %s: starting from %s as v0", self.settings.model_name, self.settings.model_dir
             )
             return
-        copy_into(self.model, load_checked(verify_file(latest), self.model))
-        head_file = value_head_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
-        if self.value_head is not None and head_file.exists():
-            self.value_head.load(head_file)
-        state_file = trainer_state_path(self.settings.weight_store, self.settings.model_name, latest.policy_version)
-        if state_file.exists():
-            state = torch.load(state_file, map_location=self.device, weights_only=True)
+        self._load(self.latest)
+        self.version = self.latest.policy_version
+        log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, self.latest.uri)
+
+    def _load(self, version: WeightVersion | None) -> None:
+        """Weights (sha256 verified), value head, optimizer and RNG state saved with ``version``; None: as started."""
+        store, name = self.settings.weight_store, self.settings.model_name
+        state: dict | None = self._initial_state
+        if version is None:
+            from transformers import AutoModelForCausalLM
+
+            initial = AutoModelForCausalLM.from_pretrained(self.settings.model_dir, attn_implementation="sdpa")
+            self.model.load_state_dict(initial.state_dict())
+        else:
+            copy_into(self.model, load_checked(verify_file(version), self.model))
+            state_file = trainer_state_path(store, name, version.policy_version)
+            state = torch.load(state_file, map_location=self.device, weights_only=True) if state_file.exists() else None
+            if state is None:
+                log.warning("no optimizer state for v%d (%s): fresh AdamW moments", version.policy_version, state_file)
+        if self.value_head is not None:
+            head_file = value_head_path(store, name, version.policy_version) if version is not None else None
+            if head_file is not None and head_file.exists():
+                self.value_head.load(head_file)
+            else:
+                self.value_head.load_state_dict(self._initial_head)
+        if state is None:
+            self.optimizer.state.clear()
+        else:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["torch_rng"].cpu())
-        else:
-            log.warning(
-                "no optimizer state for v%d (%s): resuming with fresh AdamW moments", latest.policy_version, state_file
-            )
-        self.version = latest.policy_version
-        log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, latest.uri)
 
 
 def published_versions(kafka: KafkaSettings, model_name: str, timeout: float = 30.0) -> list[WeightVersion]:
@@ -370,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-exit", type=float, default=None, help="exit after this many idle seconds")
     parser.add_argument("--tensorboard-dir", default=None)
     parser.add_argument("--value-head", default=None, help="PPO: pretrained value head (python -m learner.value)")
+    parser.add_argument(
+        "--max-step-attempts",
+        type=int,
+        default=None,
+        help=f"{LearnerSettings.model_fields['max_step_attempts'].description} Default "
+        f"{LearnerSettings.model_fields['max_step_attempts'].default} (CLAWSTREAM_LEARNER_MAX_STEP_ATTEMPTS).",
+    )
     parser.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
@@ -383,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_exit_s=args.idle_exit,
         tensorboard_dir=args.tensorboard_dir,
         value_head=args.value_head,
+        **({} if args.max_step_attempts is None else {"max_step_attempts": args.max_step_attempts}),
     )
     config = parse_hparams(args.hp)
     kafka = kafka_settings(args)

@@ -279,3 +279,98 @@ def test_a_batch_sealed_after_an_open_one_is_not_trained_twice_after_a_restart(
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-2"), (2, "b-1")]
     reasons = [d.reason for d in _dead_letters(kafka_settings, "check-twice-dl")]
     assert reasons == ["batch b-2 was already trained (published as v1)"]
+
+
+def _attempts(store: Path) -> dict[str, int]:
+    path = store / "policy" / "trainer-state" / "step-attempts.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _trainer_state(store: Path, version: int) -> dict:
+    return torch.load(store / "policy" / "trainer-state" / f"v{version:06d}.pt", weights_only=True)["optimizer"]
+
+
+@pytest.mark.parametrize("bad", [1, 2], ids=["from-v0", "from-v1"])
+def test_a_step_that_raises_is_rolled_back_and_dead_lettered(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path, bad: int
+) -> None:
+    """Batch ``bad`` of three raises inside its step, after its optimizer step moved the weights and AdamW state
+    (fault point ``learner.in_step``, action ``raise``). The learner restores the last published version (v0: the
+    initial model), dead-letters the batch with the reason and trains the next one in the same process; its v2 equals
+    v2 of a learner that never saw the bad batch. Before, the exception ended the learner and the restarted one read
+    the same batch again, for ever."""
+    from safetensors.torch import load_file
+
+    from clawbase.kafka.clients import create_topics
+
+    clean = KafkaSettings(
+        bootstrap_servers=kafka_settings.bootstrap_servers, topic_prefix=kafka_settings.topic_prefix + "clean."
+    )
+    create_topics(clean, CATALOG)
+    specs = [("b-1", 1), ("b-2", 2), ("b-3", 3)]
+    good = [s for i, s in enumerate(specs, 1) if i != bad]
+    _produce_batches(kafka_settings, specs)
+    _produce_batches(clean, good)
+    store = tmp_path / "store"
+    run = _run_learner(kafka_settings, model_dir, store, fault=f"learner.in_step@{bad}=raise", max_steps=3)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"fault injection: raise at learner.in_step (arrival {bad}" in run.stdout  # one process throughout
+    versions = _versions(kafka_settings, "check-raise")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, good[0][0]), (2, good[1][0])], run.stderr[-3000:]
+    [letter] = _dead_letters(kafka_settings, "check-raise-dl")
+    assert letter.error_type == "TrainingStepFailed" and letter.original_offset == 5 * bad - 1  # its SEAL record
+    assert letter.reason == (
+        f"batch b-{bad} ({kafka_settings.topic(BATCHES)}[0]@{5 * bad - 1}): the training step raised InjectedFault: "
+        f"fault injection: raise at learner.in_step (arrival {bad}); model and optimizer restored to v{bad - 1}"
+    )
+    assert _attempts(store) == {}
+
+    reference = _run_learner(clean, model_dir, tmp_path / "clean", max_steps=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    [a] = [v for v in versions if v.policy_version == 2]
+    [b] = [v for v in _versions(clean, "check-clean") if v.policy_version == 2]
+    sa, sb = load_file(str(verify_file(a))), load_file(str(verify_file(b)))
+    worst = max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+    assert worst <= 1e-6, f"v2 after the rolled-back step differs from the clean v2 by {worst}"
+    oa, ob = _trainer_state(store, 2), _trainer_state(tmp_path / "clean", 2)
+    assert {k: float(s["step"]) for k, s in oa["state"].items()} == {
+        k: float(s["step"]) for k, s in ob["state"].items()
+    }
+    moments = max(
+        float((oa["state"][k][m] - ob["state"][k][m]).abs().max())
+        for k in oa["state"]
+        for m in ("exp_avg", "exp_avg_sq")
+    )
+    assert moments <= 1e-6, f"AdamW moments after the rolled-back step differ from the clean run's by {moments}"
+
+
+def test_a_batch_killed_in_its_step_twice_is_dead_lettered_untrained(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """An OOM kill is a SIGKILL: nothing to catch. b-2's step is killed (fault point ``learner.in_step``, action
+    ``kill``) in two runs in a row; the third start dead-letters it without training it and trains b-3 as v2. Before,
+    every restart trained b-2 again and was killed again."""
+    records = _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2), ("b-3", 3)])
+    store = tmp_path / "store"
+    key = f"{kafka_settings.topic(BATCHES)}[0]@9 b-2"  # b-2's SEAL record
+    for n, fault in enumerate(["learner.in_step@2=kill", "learner.in_step=kill"], 1):  # b-1 trains in the first
+        killed = _run_learner(kafka_settings, model_dir, store, fault=fault, max_steps=3)
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        assert _attempts(store) == {key: n}
+    assert [(v.policy_version, v.batch_id) for v in _versions(kafka_settings, "check-killed-a")] == [(1, "b-1")]
+
+    third = _run_learner(kafka_settings, model_dir, store, max_steps=2)
+    assert third.returncode == 0, third.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-killed-b")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-3")], third.stderr[-3000:]
+    [letter] = _dead_letters(kafka_settings, "check-killed-dl")
+    assert letter.error_type == "TrainingStepKilled" and letter.original_offset == 9
+    assert letter.reason == (
+        f"batch b-2 ({kafka_settings.topic(BATCHES)}[0]@9): attempted 2 times without finishing: the learner was "
+        "killed during its step each time (out of memory?)"
+    )
+    assert _attempts(store) == {}
+    consumer = make_consumer(kafka_settings, f"{kafka_settings.topic_prefix}clawstream-learner-policy")
+    committed = consumer.committed([TopicPartition(kafka_settings.topic(BATCHES), 0)], timeout=10)[0].offset
+    consumer.close()
+    assert committed == records

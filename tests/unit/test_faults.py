@@ -62,3 +62,12 @@ def test_wait_held_fails_fast_when_the_process_died(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="exited \\(3\\) before reaching fault point p"):
         faults.wait_held(tmp_path, "p", timeout=5, alive=Exited())
+
+
+def test_raise_raises_on_the_nth_arrival_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(faults.ENV, "unit.raise@2=raise")
+    monkeypatch.setattr(faults, "_seen", {})
+    faults.fault_point("unit.raise")  # the first arrival passes
+    with pytest.raises(faults.InjectedFault, match="raise at unit.raise \\(arrival 2\\)"):
+        faults.fault_point("unit.raise")
+    faults.fault_point("unit.raise")  # and the third
