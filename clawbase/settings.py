@@ -53,6 +53,12 @@ class KafkaSettings(BaseSettings):
         description="Prepended to every topic name (e.g. 'test-3f2a.') so runs can share a cluster in isolation.",
     )
     client_id: str = Field(default="clawstream", description="client.id reported to the broker.")
+    replication_factor: int | None = Field(
+        default=None,
+        ge=1,
+        description="Replicas of every topic clawstream creates (the catalog, the streams app's own topics). Unset: "
+        "min(3, brokers in the cluster). min.insync.replicas follows: factor - 1 from 3 replicas on, else 1.",
+    )
     extra: dict[str, str] = Field(
         default_factory=dict,
         description="Any other librdkafka properties, passed through as-is (JSON object in the env variable).",

@@ -21,7 +21,9 @@ fi
 ADV="${KAFKA_ADVERTISED_LISTENERS:-PLAINTEXT://$(hostname):$PORT}"
 mkdir -p "$DATA"
 props=/tmp/server.properties
+# One node (node id 1, its own controller as the only voter): replication 1, min ISR 1, as `clawstream kafka up`.
 sed -e "s|{port}|$PORT|g" -e "s|{controller_port}|$CPORT|g" -e "s|{log_dir}|$DATA|g" \
+    -e "s|{node_id}|1|g" -e "s|{voters}|1@127.0.0.1:$CPORT|g" -e "s|{replication}|1|g" -e "s|{min_isr}|1|g" \
     -e "s|^listeners=.*|listeners=PLAINTEXT://0.0.0.0:$PORT,CONTROLLER://127.0.0.1:$CPORT|" \
     -e "s|^advertised.listeners=.*|advertised.listeners=$ADV|" "$CONF/server.properties.in" >"$props"
 log4j="-Dlog4j2.configurationFile=$CONF/log4j2.properties"

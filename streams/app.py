@@ -32,7 +32,7 @@ from typing import Any
 import faust
 from faust.types import EventT
 
-from clawbase.kafka.clients import bootstrap_servers, create_topics
+from clawbase.kafka.clients import bootstrap_servers, create_topics, replication
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from schemas.events import BatchRecord, Event, Trajectory, WeightVersion
 from schemas.topics import (
@@ -100,7 +100,7 @@ def internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[str, Top
 
 
 def ensure_internal_topics(cfg: StreamsSettings, kafka: KafkaSettings) -> dict[str, str]:
-    """Create the internal topics (idempotent; the broker's default replication), before the worker subscribes.
+    """Create the internal topics (idempotent; replicated by create_topics' rule), before the worker subscribes.
 
     Faust only declares topics an agent reads on its own (ours are read merged with catalog topics), and a changelog
     it declares itself can be seen with 0 partitions by its consumer's metadata for minutes, failing every table
@@ -124,6 +124,9 @@ def faust_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         processing_guarantee=cfg.processing_guarantee,
         topic_disable_leader=True,  # auto-creation is off and this app needs no leader election topic
         topic_partitions=ROLLOUT_PARTITIONS,
+        # Faust's default is 1 replica: a topic it creates itself would die with one broker of a cluster. The rule
+        # of create_topics (which makes the internal topics first): min(3, brokers), or the setting.
+        topic_replication_factor=replication(kafka).factor,
         web_enabled=False,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=cfg.commit_interval_s,

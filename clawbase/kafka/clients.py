@@ -1,5 +1,5 @@
 """Kafka client plumbing shared by every service: configs, reading a topic to its end, producing without loss,
-topic creation.
+topic creation (replicated by the cluster's size: :func:`replication`).
 
 Producers are idempotent with ``acks=all`` and zstd; consumers read large records; sizes match the broker recipe.
 Consumers log positions as ``topic[partition]@offset`` (see :func:`where`). :func:`read_to_end` is the one way a
@@ -19,7 +19,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from clawbase.errors import ClawstreamError, ConfigError, TopicError
 from clawbase.kafka.local import LocalKafka
-from clawbase.kafka.topic_spec import MAX_MESSAGE_BYTES, TopicSpec, co_partition_groups
+from clawbase.kafka.topic_spec import MAX_MESSAGE_BYTES, Replication, TopicSpec, co_partition_groups, replication_for
 from clawbase.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -247,22 +247,33 @@ def create_topics(
     """Create the topics of ``catalog`` (``schemas.topics.CATALOG``: the system's own), with ``settings.topic_prefix``,
     that do not exist yet. Idempotent.
 
-    Returns ``{full topic name: "created" | "exists"}``. Raises :class:`TopicError` when an existing topic's
-    partition count breaks a co-partitioned group, or when the broker refuses a creation.
+    Replication (:func:`replication`): ``settings.replication_factor``, else min(3, brokers in the cluster), with
+    ``min.insync.replicas`` = factor - 1 from 3 replicas on (else 1); a spec's own configs win. Returns
+    ``{full topic name: "created" | "exists"}``. Raises :class:`TopicError` when an existing topic's partition count
+    breaks a co-partitioned group, or when the broker refuses a creation.
     """
     specs = list(catalog)
     partitions = partitions or {}
     admin = make_admin(settings)
     try:
-        existing = admin.list_topics(timeout=timeout).topics
+        meta = admin.list_topics(timeout=timeout)
     except KafkaException as exc:
         raise TopicError(f"cannot list topics on {bootstrap_servers(settings)}: {exc}") from exc
+    existing = meta.topics
     wanted = {settings.topic(s.name): s for s in specs}
-    new = [
-        NewTopic(full, num_partitions=partitions.get(s.name, s.partitions), replication_factor=-1, config=s.configs)
-        for full, s in wanted.items()
-        if full not in existing
-    ]
+    missing = [full for full in wanted if full not in existing]
+    new: list[NewTopic] = []
+    if missing:  # only then: topics that exist need no rule (and a broker may be down meanwhile)
+        rule = _replication(settings, len(meta.brokers))
+        new = [
+            NewTopic(
+                full,
+                num_partitions=partitions.get(wanted[full].name, wanted[full].partitions),
+                replication_factor=rule.factor,
+                config={"min.insync.replicas": str(rule.min_insync), **wanted[full].configs},
+            )
+            for full in missing
+        ]
     result = {full: "exists" for full in wanted if full in existing}
     if new:
         futures = admin.create_topics(new, operation_timeout=timeout, request_timeout=timeout)
@@ -278,6 +289,27 @@ def create_topics(
                     raise TopicError(f"creating {full} failed: {exc}") from exc
     _check_co_partitioning(admin, settings, specs, timeout)
     return result
+
+
+def replication(settings: KafkaSettings, timeout: float = 15.0) -> Replication:
+    """How the topics clawstream creates on this cluster are replicated: ``settings.replication_factor``, else
+    min(3, brokers the cluster lists now) (``clawbase.kafka.topic_spec.replication_for``). Asks the cluster."""
+    try:
+        brokers = len(make_admin(settings).list_topics(timeout=timeout).brokers)
+    except KafkaException as exc:
+        raise TopicError(f"cannot list the brokers at {bootstrap_servers(settings)}: {exc}") from exc
+    return _replication(settings, brokers)
+
+
+def _replication(settings: KafkaSettings, brokers: int) -> Replication:
+    rule = replication_for(max(brokers, 1), settings.replication_factor)
+    if rule.factor > brokers:
+        raise TopicError(
+            f"replication_factor (CLAWSTREAM_KAFKA_REPLICATION_FACTOR) is {rule.factor} but the cluster at "
+            f"{bootstrap_servers(settings)} lists {brokers} broker(s); lower it, or start the missing brokers "
+            "(`clawstream kafka up` restarts the dead nodes of a local cluster)"
+        )
+    return rule
 
 
 def _check_co_partitioning(admin: AdminClient, settings: KafkaSettings, specs: list[TopicSpec], timeout: float) -> None:

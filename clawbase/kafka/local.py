@@ -1,12 +1,16 @@
-"""A real single-node Apache Kafka 4.x (KRaft, broker+controller in one JVM) for laptops, tests and CI.
+"""A real Apache Kafka 4.x (KRaft) on one host for laptops, tests and CI: one node by default, or a replicated cluster
+of N nodes (``--brokers 3``), each a combined broker + controller in its own JVM with its own ports, data and log.
 
 The jars come from Maven Central through the recipe in ``compose/kafka-local/pom.xml`` (provisioned once into a
-cache), storage is formatted with ``kafka.tools.StorageTool`` and the broker runs as ``kafka.Kafka`` in its own
-session. State (pid, ports, cluster id) lives in ``<home>/state.json``; the data dir survives restarts.
+cache), storage is formatted with ``kafka.tools.StorageTool`` and each node runs as ``kafka.Kafka`` in its own
+session. One node is one :class:`KafkaNode`; :class:`LocalKafka` is the cluster. State (pids, ports, cluster id)
+lives in ``<home>/state.json``; data dirs survive restarts, and ``up`` restarts the nodes of a cluster that died.
+A single node keeps its files in ``<home>`` itself (``data/``, ``kafka.log``), node N of a cluster in
+``<home>/node-N``. Replication follows the size (``clawbase.kafka.topic_spec.replication_for``).
 
-Run: ``clawstream kafka up [--port N] | down | status | logs [-n N] [-f]`` (or ``python -m clawstream kafka ...``).
+Run: ``clawstream kafka up [--port N] [--brokers N] | down | status | logs [--node N] [-n N] [-f]``.
 Environment: ``CLAWSTREAM_HOME`` (default ``~/.cache/clawstream``) holds ``kafka/`` (data, logs, state) and
-``jars/`` (the provisioned class path); ``CLAWSTREAM_KAFKA_HEAP`` (default ``512m``).
+``jars/`` (the provisioned class path); ``CLAWSTREAM_KAFKA_HEAP`` (default ``512m``, per node).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from clawbase.errors import KafkaLocalError
+from clawbase.kafka.topic_spec import replication_for
 from clawbase.settings import clawstream_home
 
 RECIPE_DIR = Path(__file__).resolve().parents[2] / "compose" / "kafka-local"
@@ -37,18 +43,50 @@ MIN_JAVA = 17
 
 
 @dataclass
-class BrokerState:
-    """What ``state.json`` records about the local broker."""
+class NodeState:
+    """What ``state.json`` records about one node."""
 
+    node_id: int
     port: int
     controller_port: int
-    cluster_id: str
     pid: int | None = None
     started_at: float | None = None
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class ClusterState:
+    """What ``state.json`` records about the local cluster: its id and its nodes (node ids 1..N)."""
+
+    cluster_id: str
+    nodes: list[NodeState]
+
+    @property
+    def bootstrap(self) -> str:
+        """Every node's address: a client finds the cluster through any one that answers."""
+        return ",".join(node.bootstrap for node in self.nodes)
+
+    @property
+    def port(self) -> int:
+        return self.nodes[0].port
+
+    @property
+    def pid(self) -> int | None:
+        return self.nodes[0].pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [node.pid for node in self.nodes]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClusterState:
+        if "nodes" not in data:  # written before clusters existed: one broker, node id 1
+            node = NodeState(1, data["port"], data["controller_port"], data.get("pid"), data.get("started_at"))
+            return cls(data["cluster_id"], [node])
+        return cls(data["cluster_id"], [NodeState(**node) for node in data["nodes"]])
 
 
 def _port_free(port: int) -> bool:
@@ -101,42 +139,200 @@ def _java_major(java: str) -> int:
     return int(match.group(2)) if major == 1 and match.group(2) else major
 
 
-class LocalKafka:
-    """Provision, start, stop and inspect the local broker. All paths derive from ``home`` and ``jar_cache``."""
+class KafkaNode:
+    """One KRaft combined node (broker + controller in one JVM): its files under ``root`` and its process."""
 
-    def __init__(self, home: Path | None = None, jar_cache: Path | None = None) -> None:
-        root = clawstream_home()
-        self.home = Path(home) if home else root / "kafka"
-        self.jar_cache = Path(jar_cache) if jar_cache else root / "jars"
-        self.data_dir = self.home / "data"
-        self.log_file = self.home / "kafka.log"
-        self.state_file = self.home / "state.json"
-        self.properties_file = self.home / "server.properties"
+    def __init__(self, root: Path, node_id: int) -> None:
+        self.root, self.node_id = root, node_id
+        self.data_dir = root / "data"
+        self.log_file = root / "kafka.log"
+        self.properties_file = root / "server.properties"
 
-    # ---- state -------------------------------------------------------------------------------------------------
-    def _read_state(self) -> BrokerState | None:
-        try:
-            return BrokerState(**json.loads(self.state_file.read_text()))
-        except (OSError, ValueError, TypeError):
-            return None
+    @property
+    def formatted(self) -> bool:
+        return (self.data_dir / "meta.properties").exists()
 
-    def _write_state(self, state: BrokerState) -> None:
-        self.home.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(state), indent=2))
-        tmp.replace(self.state_file)
-
-    def _our_pid(self, state: BrokerState | None) -> int | None:
-        """The recorded pid if that process is alive and is *this* home's broker (pids get reused)."""
+    def our_pid(self, state: NodeState | None) -> int | None:
+        """The recorded pid if that process is alive and is *this* node's broker (pids get reused)."""
         if state is None or state.pid is None or not _pid_alive(state.pid):
             return None
         cmd = _cmdline(state.pid)
         return state.pid if "kafka.Kafka" in cmd and str(self.properties_file) in cmd else None
 
-    def running_bootstrap(self) -> str | None:
-        """Bootstrap address of this home's broker if its process is alive, else None."""
+    def write_properties(self, state: NodeState, voters: str, brokers: int) -> None:
+        replication = replication_for(brokers)
+        template = (RECIPE_DIR / "server.properties.in").read_text()
+        text = template.format(
+            node_id=state.node_id,
+            port=state.port,
+            controller_port=state.controller_port,
+            voters=voters,
+            log_dir=self.data_dir,
+            replication=replication.factor,
+            min_isr=replication.min_insync,
+        )
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.properties_file.write_text(text)
+
+    def start_format(self, java: str, lib: Path, cluster_id: str) -> subprocess.Popen[str] | None:
+        """Start formatting the storage (None when it already is); the caller waits, so nodes format in parallel."""
+        if self.formatted:
+            return None
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            java,
+            "-Xmx256m",
+            f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
+            "-cp",
+            f"{lib}/*",
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            cluster_id,
+            "-c",
+            str(self.properties_file),
+            "--ignore-formatted",
+        ]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def start(self, java: str, lib: Path, state: NodeState) -> None:
+        """Start the JVM in its own session (its log appended to ``kafka.log``) and record its pid in ``state``."""
+        heap = os.environ.get("CLAWSTREAM_KAFKA_HEAP", "512m")
+        cmd = [
+            java,
+            f"-Xms{heap}",
+            f"-Xmx{heap}",
+            "-server",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExplicitGCInvokesConcurrent",
+            "-Djava.awt.headless=true",
+            f"-Dkafka.logs.dir={self.root / 'logs'}",
+            f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
+            "-cp",
+            f"{lib}/*",
+            "kafka.Kafka",
+            str(self.properties_file),
+        ]
+        log = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        finally:
+            log.close()
+        state.pid, state.started_at = proc.pid, time.time()
+
+    def death_reason(self, state: NodeState, brokers: int) -> str:
+        tail = self.tail(60)
+        who = "the broker" if brokers == 1 else f"broker {self.node_id}"
+        if "Address already in use" in tail or "failed to bind" in tail.lower():
+            return (
+                f"{who} could not bind 127.0.0.1:{state.port} or :{state.controller_port} (port taken); "
+                "pick another with --port"
+            )
+        errors = [line for line in tail.splitlines() if "ERROR" in line or "Exception" in line][-5:]
+        return f"{who} process exited during start-up:\n  " + "\n  ".join(errors or tail.splitlines()[-8:])
+
+    def tail(self, lines: int = 50) -> str:
+        try:
+            with open(self.log_file, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                handle.seek(max(0, size - 200 * lines))
+                text = handle.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _stop_pids(pids: list[int], *, grace: float) -> None:
+    """SIGTERM every node at once (a node whose peers are already gone could not finish a controlled shutdown
+    without a controller quorum), then SIGKILL what outlives ``grace``."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)  # each node leads its own session/group; its shutdown hook runs
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_pid_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        if _pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_pid_alive(pid) for pid in pids):
+        time.sleep(0.1)
+
+
+class LocalKafka:
+    """Provision, start, stop and inspect the local cluster (one node by default). Paths derive from ``home`` and
+    ``jar_cache``."""
+
+    def __init__(self, home: Path | None = None, jar_cache: Path | None = None) -> None:
+        root = clawstream_home()
+        self.home = Path(home) if home else root / "kafka"
+        self.jar_cache = Path(jar_cache) if jar_cache else root / "jars"
+        self.state_file = self.home / "state.json"
+
+    # ---- nodes and state ---------------------------------------------------------------------------------------
+    def node(self, node_id: int, brokers: int) -> KafkaNode:
+        # One node keeps the layout single-broker homes always had (their data dir is reused as it is).
+        return KafkaNode(self.home if brokers == 1 else self.home / f"node-{node_id}", node_id)
+
+    def nodes(self, brokers: int | None = None) -> list[KafkaNode]:
+        """The nodes of a cluster of ``brokers`` (default: the recorded size, else 1)."""
+        n = brokers or self.brokers()
+        return [self.node(i, n) for i in range(1, n + 1)]
+
+    def brokers(self) -> int:
+        """The size of the cluster this home holds (1 when it holds none yet)."""
         state = self._read_state()
-        return state.bootstrap if self._our_pid(state) else None
+        return len(state.nodes) if state else 1
+
+    def _read_state(self) -> ClusterState | None:
+        try:
+            return ClusterState.from_json(json.loads(self.state_file.read_text()))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def _write_state(self, state: ClusterState) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(state), indent=2))
+        tmp.replace(self.state_file)
+
+    def _alive(self, state: ClusterState | None) -> dict[int, int]:
+        """node id → pid of each recorded node whose process is alive and is that node's broker."""
+        if state is None:
+            return {}
+        nodes = self.nodes(len(state.nodes))
+        pids = {s.node_id: node.our_pid(s) for node, s in zip(nodes, state.nodes, strict=True)}
+        return {node_id: pid for node_id, pid in pids.items() if pid is not None}
+
+    def active_controller(self) -> int | None:
+        """The node id of the active controller (the KRaft quorum's leader), as the live nodes' own Raft state says: the
+        leader of the highest epoch any of them recorded in ``__cluster_metadata-0/quorum-state``. A client cannot ask:
+        KRaft answers Metadata and DescribeCluster with a random live broker as the "controller". None when no live
+        node knows a leader; right after the leader died, the dead one until the others elected anew."""
+        state = self._read_state()
+        alive = self._alive(state)
+        newest: tuple[int, int] | None = None  # (epoch, leader)
+        for node in self.nodes(len(state.nodes) if state else 1):
+            if node.node_id not in alive:
+                continue
+            try:
+                quorum = json.loads((node.data_dir / "__cluster_metadata-0" / "quorum-state").read_text())
+                epoch, leader = int(quorum["leaderEpoch"]), int(quorum["leaderId"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if leader >= 0 and (newest is None or epoch > newest[0]):
+                newest = (epoch, leader)
+        return newest[1] if newest else None
+
+    def running_bootstrap(self) -> str | None:
+        """Bootstrap addresses of this home's cluster if any of its nodes is alive, else None."""
+        state = self._read_state()
+        return state.bootstrap if self._alive(state) else None
 
     # ---- provisioning ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -208,198 +404,217 @@ class LocalKafka:
         return lib
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
-    def _pick_ports(self, port: int | None, previous: BrokerState | None) -> tuple[int, int]:
-        if port is not None:
-            if not _port_free(port):
-                raise KafkaLocalError(
-                    f"port {port} on 127.0.0.1 is taken by another process; pick another with --port, "
-                    "or omit --port to get a free one"
-                )
-        elif previous is not None and _port_free(previous.port):
-            port = previous.port  # keep the address stable across restarts when we can
-        else:
-            port = _free_port()
-        controller = previous.controller_port if previous else None
-        if controller is None or controller == port or not _port_free(controller):
-            controller = _free_port()
-            while controller == port:
-                controller = _free_port()
-        return port, controller
+    def _pick_ports(self, port: int | None, previous: ClusterState | None, brokers: int) -> list[tuple[int, int]]:
+        """(broker port, controller port) per node: ``--port`` and the next ones, else the previous ports where
+        still free (a stable address across restarts), else free ones; never one port twice."""
+        taken: set[int] = set()
 
-    def _write_properties(self, state: BrokerState) -> None:
-        template = (RECIPE_DIR / "server.properties.in").read_text()
-        text = template.format(port=state.port, controller_port=state.controller_port, log_dir=self.data_dir)
-        self.properties_file.write_text(text)
+        def fresh() -> int:
+            candidate = _free_port()
+            while candidate in taken:
+                candidate = _free_port()
+            return candidate
 
-    def _format_storage(self, java: str, lib: Path, cluster_id: str) -> None:
-        if (self.data_dir / "meta.properties").exists():
+        ports = []
+        for i in range(brokers):
+            prev = previous.nodes[i] if previous is not None and len(previous.nodes) == brokers else None
+            if port is not None:
+                p = port + i
+                if not _port_free(p):
+                    which = "" if i == 0 else f" (broker {i + 1}'s: --port + {i})"
+                    raise KafkaLocalError(
+                        f"port {p}{which} on 127.0.0.1 is taken by another process; pick another with --port, "
+                        "or omit --port to get a free one"
+                    )
+            elif prev is not None and prev.port not in taken and _port_free(prev.port):
+                p = prev.port
+            else:
+                p = fresh()
+            taken.add(p)
+            controller = prev.controller_port if prev else None
+            if controller is None or controller in taken or not _port_free(controller):
+                controller = fresh()
+            taken.add(controller)
+            ports.append((p, controller))
+        return ports
+
+    def _check_size(self, previous: ClusterState | None, brokers: int, alive: dict[int, int]) -> None:
+        """A home's data belongs to a cluster of one size: its controller quorum is fixed when it is formatted."""
+        if previous is None or len(previous.nodes) == brokers:
             return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            java,
-            "-Xmx256m",
-            f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
-            "-cp",
-            f"{lib}/*",
-            "kafka.tools.StorageTool",
-            "format",
-            "-t",
-            cluster_id,
-            "-c",
-            str(self.properties_file),
-            "--ignore-formatted",
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise KafkaLocalError(f"formatting KRaft storage failed:\n{(proc.stdout + proc.stderr).strip()[-2000:]}")
+        had = len(previous.nodes)
+        if alive:
+            raise KafkaLocalError(
+                f"a local cluster of {had} broker(s) already runs in {self.home}; run `clawstream kafka down` "
+                f"first, then `up --brokers {brokers}` with another --home (its data belongs to {had} broker(s))"
+            )
+        if any(node.formatted for node in self.nodes(had)):
+            raise KafkaLocalError(
+                f"{self.home} holds the data of a {had}-broker cluster, which a {brokers}-broker one cannot reuse; "
+                f"pass another --home, or `--brokers {had}`, or delete {self.home} to start afresh"
+            )
 
-    def up(self, port: int | None = None, *, timeout: float = 90.0, quiet: bool = False) -> BrokerState:
-        """Start the broker (or reuse the running one) and wait until it answers a metadata request."""
+    def up(
+        self, port: int | None = None, *, brokers: int | None = None, timeout: float = 90.0, quiet: bool = False
+    ) -> ClusterState:
+        """Start the cluster (``brokers`` nodes; default: the home's recorded size, else 1), reusing running nodes
+        and restarting dead ones on their data dirs and ports; wait until every node answers a metadata request
+        that lists all of them."""
+        if brokers is not None and brokers < 1:
+            raise KafkaLocalError(f"--brokers must be 1 or more, got {brokers}")
         with self._lock(self.home / ".lock"):
             previous = self._read_state()
-            if self._our_pid(previous):
-                assert previous is not None
+            n = brokers or (len(previous.nodes) if previous else 1)
+            alive = self._alive(previous)
+            self._check_size(previous, n, alive)
+            if previous is not None and alive:
                 if port is not None and port != previous.port:
                     raise KafkaLocalError(
-                        f"a local broker already runs on port {previous.port} (pid {previous.pid}); "
+                        f"a local broker already runs on port {previous.port} (pid {alive.get(1, previous.pid)}); "
                         "run `clawstream kafka down` first to move it"
                     )
-                self.wait_ready(previous, timeout=timeout)
-                return previous
+                if len(alive) == n:
+                    self.wait_ready(previous, timeout=timeout)
+                    return previous
+                # Some nodes died: restart them on the ports the others already know them by.
+                state, start = previous, [s for s in previous.nodes if s.node_id not in alive]
+                for s in start:
+                    if not _port_free(s.port) or not _port_free(s.controller_port):
+                        raise KafkaLocalError(
+                            f"broker {s.node_id}'s port {s.port} or {s.controller_port} is taken by another process, "
+                            "and the running nodes know it by these; run `clawstream kafka down`, then `up` again"
+                        )
+            else:
+                ports = self._pick_ports(port, previous, n)
+                cluster_id = previous.cluster_id if previous else _new_cluster_id()
+                state = ClusterState(cluster_id, [NodeState(i + 1, p, c) for i, (p, c) in enumerate(ports)])
+                start = list(state.nodes)
             java = self.java()
             lib = self.provision(quiet=quiet)
-            port, controller = self._pick_ports(port, previous)
-            state = BrokerState(
-                port=port, controller_port=controller, cluster_id=previous.cluster_id if previous else _new_cluster_id()
-            )
-            self.home.mkdir(parents=True, exist_ok=True)
-            self._write_properties(state)
-            self._format_storage(java, lib, state.cluster_id)
-            heap = os.environ.get("CLAWSTREAM_KAFKA_HEAP", "512m")
-            cmd = [
-                java,
-                f"-Xms{heap}",
-                f"-Xmx{heap}",
-                "-server",
-                "-XX:+UseG1GC",
-                "-XX:MaxGCPauseMillis=20",
-                "-XX:+ExplicitGCInvokesConcurrent",
-                "-Djava.awt.headless=true",
-                f"-Dkafka.logs.dir={self.home / 'logs'}",
-                f"-Dlog4j2.configurationFile={RECIPE_DIR / 'log4j2.properties'}",
-                "-cp",
-                f"{lib}/*",
-                "kafka.Kafka",
-                str(self.properties_file),
-            ]
-            log = open(self.log_file, "ab")  # noqa: SIM115 - handed to the child, closed below
-            try:
-                proc = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-                )
-            finally:
-                log.close()
-            state.pid, state.started_at = proc.pid, time.time()
+            voters = ",".join(f"{s.node_id}@127.0.0.1:{s.controller_port}" for s in state.nodes)
+            nodes = {node.node_id: node for node in self.nodes(n)}
+            for s in start:
+                nodes[s.node_id].write_properties(s, voters, n)
+            self._format([nodes[s.node_id] for s in start], java, lib, state.cluster_id)
+            for s in start:
+                nodes[s.node_id].start(java, lib, s)
             self._write_state(state)
             if not quiet:
-                print(f"starting Kafka (pid {proc.pid}) on {state.bootstrap} ...", file=sys.stderr, flush=True)
+                pids = ", ".join(str(s.pid) for s in start)
+                where = state.bootstrap if len(start) == n else ", ".join(s.bootstrap for s in start)
+                print(f"starting Kafka (pid {pids}) on {where} ...", file=sys.stderr, flush=True)
             try:
                 self.wait_ready(state, timeout=timeout)
             except KafkaLocalError:
-                self._stop_pid(proc.pid, grace=5.0)
+                _stop_pids([s.pid for s in start if s.pid is not None], grace=5.0)
                 raise
             return state
 
-    def wait_ready(self, state: BrokerState, *, timeout: float) -> None:
-        """Poll a metadata request until the broker answers; fail early (with the log's reason) if it died."""
+    def _format(self, nodes: list[KafkaNode], java: str, lib: Path, cluster_id: str) -> None:
+        procs = [(node, node.start_format(java, lib, cluster_id)) for node in nodes]
+        for node, proc in procs:
+            if proc is None:
+                continue
+            out, _ = proc.communicate()
+            if proc.returncode != 0:
+                who = "" if len(nodes) == 1 else f" of broker {node.node_id}"
+                raise KafkaLocalError(f"formatting KRaft storage{who} failed:\n{out.strip()[-2000:]}")
+
+    def wait_ready(self, state: ClusterState, *, timeout: float) -> None:
+        """Poll each node with a metadata request until it answers listing every node of the cluster; fail early
+        (with the log's reason) if a node died."""
+        deadline = time.monotonic() + timeout
+        nodes = self.nodes(len(state.nodes))
+        for node, s in zip(nodes, state.nodes, strict=True):
+            self._wait_node(node, s, len(state.nodes), deadline, timeout)
+
+    def _wait_node(self, node: KafkaNode, s: NodeState, brokers: int, deadline: float, timeout: float) -> None:
         from confluent_kafka.admin import AdminClient
 
-        deadline = time.monotonic() + timeout
         last_error = "no answer yet"
         admin = None
         while time.monotonic() < deadline:
-            if state.pid is not None and not _pid_alive(state.pid):
-                raise KafkaLocalError(self._death_reason(state))
+            if s.pid is not None and not _pid_alive(s.pid):
+                raise KafkaLocalError(node.death_reason(s, brokers))
             # A TCP probe first: the acceptor opens only when the broker is up, and an admin client created
             # earlier would log every refused connection.
             if admin is None:
                 try:
-                    socket.create_connection(("127.0.0.1", state.port), timeout=1.0).close()
+                    socket.create_connection(("127.0.0.1", s.port), timeout=1.0).close()
                 except OSError as exc:
                     last_error = str(exc)
                     time.sleep(0.3)
                     continue
-                admin = AdminClient({"bootstrap.servers": state.bootstrap, "socket.connection.setup.timeout.ms": 2000})
+                admin = AdminClient({"bootstrap.servers": s.bootstrap, "socket.connection.setup.timeout.ms": 2000})
             try:
                 meta = admin.list_topics(timeout=2.0)
-                if meta.brokers:
+                if len(meta.brokers) >= brokers:
                     return
+                last_error = f"{len(meta.brokers)} of {brokers} brokers registered"
             except Exception as exc:  # noqa: BLE001 - librdkafka raises KafkaException with varied codes
                 last_error = str(exc)
             time.sleep(0.3)
+        who = "the broker" if brokers == 1 else f"broker {s.node_id}"
         raise KafkaLocalError(
-            f"the broker on {state.bootstrap} did not answer metadata within {timeout:.0f}s ({last_error}); "
-            f"see {self.log_file}"
+            f"{who} on {s.bootstrap} did not answer metadata within {timeout:.0f}s ({last_error}); see {node.log_file}"
         )
 
-    def _death_reason(self, state: BrokerState) -> str:
-        tail = self.tail(60)
-        if "Address already in use" in tail or "failed to bind" in tail.lower():
-            return (
-                f"the broker could not bind 127.0.0.1:{state.port} or :{state.controller_port} (port taken); "
-                "pick another with --port"
-            )
-        errors = [line for line in tail.splitlines() if "ERROR" in line or "Exception" in line][-5:]
-        return "the broker process exited during start-up:\n  " + "\n  ".join(errors or tail.splitlines()[-8:])
-
-    def _stop_pid(self, pid: int, *, grace: float) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGTERM)  # the broker leads its own session/group; its shutdown hook runs
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _pid_alive(pid):
-            time.sleep(0.2)
-        if _pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and _pid_alive(pid):
-                time.sleep(0.1)
-
     def down(self, *, grace: float = 30.0) -> bool:
-        """Stop this home's broker by its recorded pid. Returns False when none was running."""
+        """Stop this home's nodes by their recorded pids. Returns False when none was running."""
         with self._lock(self.home / ".lock"):
             state = self._read_state()
-            pid = self._our_pid(state)
-            if state is None or pid is None:
+            alive = self._alive(state)
+            if state is None or not alive:
                 return False
-            self._stop_pid(pid, grace=grace)
-            if _pid_alive(pid):
-                raise KafkaLocalError(f"broker pid {pid} survived SIGKILL; check `ps -p {pid}`")
-            state.pid = None
+            _stop_pids(list(alive.values()), grace=grace)
+            survivors = [pid for pid in alive.values() if _pid_alive(pid)]
+            if survivors:
+                raise KafkaLocalError(f"broker pid(s) {survivors} survived SIGKILL; check `ps -p {survivors[0]}`")
+            for s in state.nodes:
+                s.pid = None
             self._write_state(state)
             return True
 
     def status(self) -> dict[str, object]:
+        """One broker: running, pid, bootstrap, home, data_dir, formatted, jars, log. A cluster: running (every
+        node), brokers, bootstrap, the active controller's node id, home, formatted, jars, and per node its id,
+        running, pid, address, data and log."""
         state = self._read_state()
-        pid = self._our_pid(state)
+        n = len(state.nodes) if state else 1
+        nodes = self.nodes(n)
+        alive = self._alive(state)
+        if n == 1:
+            return {
+                "running": 1 in alive,
+                "pid": alive.get(1),
+                "bootstrap": state.bootstrap if state else None,
+                "home": str(self.home),
+                "data_dir": str(nodes[0].data_dir),
+                "formatted": nodes[0].formatted,
+                "jars": str(self.lib_dir()),
+                "log": str(nodes[0].log_file),
+            }
         return {
-            "running": pid is not None,
-            "pid": pid,
+            "running": len(alive) == n,
+            "brokers": n,
             "bootstrap": state.bootstrap if state else None,
+            "controller": self.active_controller(),
             "home": str(self.home),
-            "data_dir": str(self.data_dir),
-            "formatted": (self.data_dir / "meta.properties").exists(),
+            "formatted": all(node.formatted for node in nodes),
             "jars": str(self.lib_dir()),
-            "log": str(self.log_file),
+            "nodes": [
+                {
+                    "node_id": node.node_id,
+                    "running": node.node_id in alive,
+                    "pid": alive.get(node.node_id),
+                    "bootstrap": s.bootstrap,
+                    "data_dir": str(node.data_dir),
+                    "log": str(node.log_file),
+                }
+                for node, s in zip(nodes, state.nodes if state else [], strict=False)
+            ],
         }
 
-    def tail(self, lines: int = 50) -> str:
-        try:
-            with open(self.log_file, "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                size = handle.tell()
-                handle.seek(max(0, size - 200 * lines))
-                text = handle.read().decode(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+    def tail(self, lines: int = 50, node_id: int = 1) -> str:
+        """The end of a node's log (node 1: the single broker's)."""
+        return self.node(node_id, self.brokers()).tail(lines)

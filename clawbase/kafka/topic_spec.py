@@ -1,5 +1,7 @@
-"""What a topic is, independent of which topics exist: a spec (name, key, partitions, configs, co-partition group)
-and the largest record any topic carries. The catalog of clawstream's own topics is ``schemas.topics``.
+"""What a topic is, independent of which topics exist: a spec (name, key, partitions, configs, co-partition group),
+the largest record any topic carries, and how many replicas a cluster of N brokers gives each topic
+(:func:`replication_for`: the one rule the topic creation, the local cluster recipe and the Faust app share).
+The catalog of clawstream's own topics is ``schemas.topics``.
 """
 
 from __future__ import annotations
@@ -7,8 +9,31 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from clawbase.errors import ConfigError
+
 # The largest record any clawstream topic carries (a big prefix tree with logprobs); matches the broker recipe.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# More replicas than 3 buy no safety a development or CI cluster needs, and cost a copy of every write each.
+MAX_REPLICATION = 3
+
+
+@dataclass(frozen=True)
+class Replication:
+    """How a topic is replicated: ``factor`` copies; an ``acks=all`` write needs ``min_insync`` of them."""
+
+    factor: int
+    min_insync: int
+
+
+def replication_for(brokers: int, factor: int | None = None) -> Replication:
+    """The replication of every topic on a cluster of ``brokers`` brokers: ``factor`` copies if given, else
+    min(3, brokers); from 3 copies on a write needs all but one in sync — one broker may die without stopping writes
+    or losing an acknowledged record. Below 3 copies min ISR is 1: with 2 of 2 required, losing either broker would
+    stop every write."""
+    if brokers < 1:
+        raise ConfigError(f"a Kafka cluster has at least one broker, got brokers={brokers}; pass 1 or more")
+    factor = min(MAX_REPLICATION, brokers) if factor is None else factor
+    return Replication(factor, factor - 1 if factor >= 3 else 1)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from clawstream.cli.base import Group, sigterm_interrupts
 # ---- kafka -------------------------------------------------------------------------------------------------------
 @click.group(cls=Group)
 def kafka() -> None:
-    """Run a local single-node Apache Kafka 4.x (KRaft) for development, tests and the demo."""
+    """Run a local Apache Kafka 4.x (KRaft) for development, tests and the demo: one node or a cluster (--brokers)."""
 
 
 def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
@@ -36,21 +36,36 @@ _home_option = click.option(
 
 
 @kafka.command("up")
-@click.option("--port", type=int, default=None, help="Broker port on 127.0.0.1 (default: previous or a free one).")
+@click.option(
+    "--port",
+    type=int,
+    default=None,
+    help="Broker port on 127.0.0.1 (default: previous or a free one); node N of a cluster gets PORT + N - 1.",
+)
+@click.option(
+    "--brokers",
+    type=click.IntRange(min=1, max=9),
+    default=None,
+    help="Nodes (each broker + controller, one JVM): 1, or 3 for a replicated cluster (3 replicas, 2 in sync). "
+    "Default: the home's previous size, else 1.",
+)
 @click.option("--timeout", type=float, default=90.0, show_default=True, help="Seconds to wait for readiness.")
 @_home_option
-def kafka_up(port: int | None, timeout: float, home: Path | None) -> None:
-    """Provision the jars (once), format storage (once), start the broker; print its bootstrap address."""
+def kafka_up(port: int | None, brokers: int | None, timeout: float, home: Path | None) -> None:
+    """Provision the jars (once), format storage (once), start the broker(s); print the bootstrap address(es).
+
+    On a cluster some of whose nodes died, start those again on their data dirs and ports."""
     started = time.monotonic()
-    state = _local(home).up(port, timeout=timeout)
+    state = _local(home).up(port, brokers=brokers, timeout=timeout)
     click.echo(state.bootstrap)
-    click.echo(f"ready in {time.monotonic() - started:.1f}s (pid {state.pid})", err=True)
+    pids = ", ".join(str(pid) for pid in state.pids)
+    click.echo(f"ready in {time.monotonic() - started:.1f}s (pid {pids})", err=True)
 
 
 @kafka.command("down")
 @_home_option
 def kafka_down(home: Path | None) -> None:
-    """Stop the local broker (SIGTERM, then SIGKILL after 30 s). Data is kept."""
+    """Stop the local broker(s) (SIGTERM, then SIGKILL after 30 s). Data is kept."""
     click.echo("stopped" if _local(home).down() else "not running")
 
 
@@ -58,27 +73,39 @@ def kafka_down(home: Path | None) -> None:
 @_home_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def kafka_status(home: Path | None, as_json: bool) -> None:
-    """Whether the local broker runs, where, and where its data and logs are."""
+    """Whether the local broker (every node of a cluster) runs, where, and where its data and logs are."""
     status = _local(home).status()
     if as_json:
         click.echo(json.dumps(status, indent=2))
         return
     for key, value in status.items():
-        click.echo(f"{key:10} {value}")
+        if key == "nodes":
+            for node in value:
+                state = f"running (pid {node['pid']})" if node["running"] else "down"
+                click.echo(
+                    f"node {node['node_id']:<5} {node['bootstrap']} {state}  data {node['data_dir']}  log {node['log']}"
+                )
+        else:
+            click.echo(f"{key:10} {value}")
     if not status["running"]:
         sys.exit(3)
 
 
 @kafka.command("logs")
 @_home_option
+@click.option("--node", "node_id", type=int, default=1, show_default=True, help="Which node's log (a cluster).")
 @click.option("-n", "--lines", type=int, default=50, show_default=True, help="How many lines from the end.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines (Ctrl-C to stop).")
-def kafka_logs(home: Path | None, lines: int, follow: bool) -> None:
-    """Print the broker's log."""
+def kafka_logs(home: Path | None, node_id: int, lines: int, follow: bool) -> None:
+    """Print the broker's log (a cluster: one node's)."""
     local = _local(home)
-    click.echo(local.tail(lines))
+    if not 1 <= node_id <= local.brokers():
+        raise click.BadParameter(
+            f"this home holds {local.brokers()} node(s): pick 1 to {local.brokers()}", param_hint="--node"
+        )
+    click.echo(local.tail(lines, node_id))
     if follow:
-        with open(local.log_file, "rb") as handle:
+        with open(local.node(node_id, local.brokers()).log_file, "rb") as handle:
             handle.seek(0, 2)
             try:
                 while True:
