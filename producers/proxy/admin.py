@@ -1,10 +1,16 @@
 """The proxy's rollouts and its admin API (``Authorization: Bearer <admin token>``).
 
 ``POST /admin/rollouts`` registers a rollout ({rollout_id?, ttl_s?, temperature?, top_p?, top_k?, max_tokens?,
-seed?, attempt_id?} → {rollout_id, secret, base_url, expires_at_ms}); ``GET /admin/rollouts/{id}`` shows its
-state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits for calls in flight and returns
-{calls_served, status: ok | infra_failure, infra_failure, messages}; ``DELETE`` forgets it. The sandbox worker is
-the client (``producers.sandbox.rollout.ProxyAdmin``); details: docs/method.md#the-proxys-http-interface.
+seed?, attempt_id?, attempt?, lease_s?} → {rollout_id, secret, base_url, expires_at_ms}); ``GET /admin/rollouts/{id}``
+shows its state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits for calls in flight and returns
+{calls_served, status: ok | infra_failure, infra_failure, messages}; ``POST .../renew`` extends the lease;
+``DELETE`` forgets it (``?finished=1``: the attempt's terminal events are out, so the same request attempt is not
+registered again). The sandbox worker is the client (``producers.sandbox.rollout.ProxyAdmin``).
+
+One registration per rollout id, held by one attempt. A registration with ``lease_s`` is *live* while its holder
+renews it; a second registration of the id gets 409 naming the holder and whether it is live (or finished), and the
+client waits for a live one or revokes a dead one. ``?attempt_id=A`` scopes seal, renew and forget to attempt A:
+another attempt's registration of the id is left alone (409). Details: docs/method.md#the-proxys-http-interface.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class Rollout:
     seed: int | None
     renderer: RolloutRenderer
     attempt_id: str | None = None  # the sandbox worker's attempt: every call event carries it
+    attempt: int | None = None  # the request's attempt number (a re-issue after an infra failure has a higher one)
+    lease_s: float | None = None  # None: no lease (an older client): a conflicting registration may revoke it
+    lease_expires_at_ms: int | None = None
     main_fingerprint: str | None = None
     next_seq: int = 0
     calls_served: int = 0
@@ -49,9 +58,22 @@ class Rollout:
     # The last main-agent call's conversation and the answer it got: the run's transcript, reported at seal.
     last_main: tuple[Conversation, Message] | None = None
 
+    def live(self, now: int) -> bool:
+        """Its holder renewed the lease in time (a registration without a lease is never presumed alive)."""
+        return self.lease_expires_at_ms is not None and now < self.lease_expires_at_ms
+
+    def holder(self) -> dict[str, Any]:
+        return {
+            "attempt_id": self.attempt_id,
+            "attempt": self.attempt,
+            "live": self.live(now_ms()),
+            "lease_expires_at_ms": self.lease_expires_at_ms,
+        }
+
     def status(self) -> dict[str, Any]:
         return {
             "rollout_id": self.rollout_id,
+            **self.holder(),
             "calls_served": self.calls_served,
             "in_flight": self.in_flight,
             "sealed": self.sealed,
@@ -60,6 +82,29 @@ class Rollout:
             "infra_failure": self.infra_failure,
             "errors": {str(k): v for k, v in self.errors.items()},
         }
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A forgotten registration whose attempt finished (its terminal events are out): that request attempt and any
+    earlier one are done, a redelivery of them is not registered again (409 with ``finished``) until
+    ``expires_at_ms``."""
+
+    attempt_id: str | None
+    attempt: int
+    expires_at_ms: int
+
+
+def _json_error(status: int, message: str, **fields: Any) -> web.HTTPException:
+    cls = {404: web.HTTPNotFound, 409: web.HTTPConflict}[status]
+    return cls(text=json.dumps({"error": message, **fields}), content_type="application/json")
+
+
+def _optional_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def sampling_settings(body: dict[str, Any]) -> tuple[float, float, int]:
@@ -92,15 +137,19 @@ class Admin:
         default_ttl_s: float,
         default_max_tokens: int,
         seal_wait_s: float,
+        finished_retention_s: float = 7200.0,
     ) -> None:
         self.template, self.metrics, self.token, self.public_url = template, metrics, token, public_url
         self.default_ttl_s, self.default_max_tokens, self.seal_wait_s = default_ttl_s, default_max_tokens, seal_wait_s
+        self.finished_retention_s = finished_retention_s
         self.rollouts: dict[str, Rollout] = {}
+        self.finished: dict[str, Finished] = {}  # rollout id → its last finished attempt (forgotten with finished=1)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/admin/rollouts", self._register)
         router.add_get("/admin/rollouts/{rid}", self._status)
         router.add_post("/admin/rollouts/{rid}/seal", self._seal)
+        router.add_post("/admin/rollouts/{rid}/renew", self._renew)
         router.add_delete("/admin/rollouts/{rid}", self._forget)
 
     def _check_admin(self, request: web.Request) -> None:
@@ -112,7 +161,19 @@ class Admin:
         self._check_admin(request)
         rollout = self.rollouts.get(request.match_info["rid"])
         if rollout is None:
-            raise web.HTTPNotFound(text=json.dumps({"error": "unknown rollout"}), content_type="application/json")
+            raise _json_error(404, "unknown rollout")
+        return rollout
+
+    def _held_rollout(self, request: web.Request) -> Rollout:
+        """The rollout, if the attempt the call names (``?attempt_id=``; none named: any) holds it; else 409."""
+        rollout = self._rollout_or_404(request)
+        wanted = request.query.get("attempt_id")
+        if wanted is not None and wanted != rollout.attempt_id:
+            raise _json_error(
+                409,
+                f"rollout {rollout.rollout_id} is held by attempt {rollout.attempt_id}, not {wanted}",
+                **rollout.holder(),
+            )
         return rollout
 
     async def _register(self, request: web.Request) -> web.Response:
@@ -125,6 +186,10 @@ class Admin:
             attempt_id = body.get("attempt_id")
             if attempt_id is not None and not isinstance(attempt_id, str):
                 raise TypeError(f"attempt_id must be a string, got {type(attempt_id).__name__}")
+            attempt = _optional_int(body, "attempt")
+            lease_s = None if body.get("lease_s") is None else float(body["lease_s"])
+            if lease_s is not None and not (math.isfinite(lease_s) and lease_s > 0):
+                raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
             temperature, top_p, top_k = sampling_settings(body)
             rollout = Rollout(
                 rollout_id=rid,
@@ -137,14 +202,34 @@ class Admin:
                 seed=None if seed is None else int(seed),
                 renderer=RolloutRenderer(self.template),
                 attempt_id=attempt_id or None,
+                attempt=attempt,
+                lease_s=lease_s,
+                lease_expires_at_ms=None if lease_s is None else now_ms() + int(lease_s * 1000),
             )
         except (ValueError, TypeError, AttributeError) as exc:
             return web.json_response({"error": f"bad registration: {exc}"}, status=400)
         if not all(c.isalnum() or c in "-_." for c in rid):
             return web.json_response({"error": "rollout_id allows letters, digits, '-', '_', '.'"}, status=400)
-        if rid in self.rollouts:
-            return web.json_response({"error": f"rollout {rid} is already registered"}, status=409)
         self._sweep()
+        held = self.rollouts.get(rid)
+        if held is not None:  # the client waits for a live holder, revokes a dead one (scoped to its attempt id)
+            live = "live" if held.live(now_ms()) else "not renewed"
+            return web.json_response(
+                {"error": f"rollout {rid} is already registered (attempt {held.attempt_id}, {live})", **held.holder()},
+                status=409,
+            )
+        done = self.finished.get(rid)
+        if done is not None and attempt is not None and done.attempt >= attempt:  # this request attempt is done
+            return web.json_response(
+                {
+                    "error": f"rollout {rid} attempt {done.attempt} already finished (attempt id {done.attempt_id})",
+                    "attempt_id": done.attempt_id,
+                    "attempt": done.attempt,
+                    "live": False,
+                    "finished": True,
+                },
+                status=409,
+            )
         self.rollouts[rid] = rollout
         self.metrics.rollouts.set(len(self.rollouts))
         return web.json_response(
@@ -161,7 +246,7 @@ class Admin:
         return web.json_response(self._rollout_or_404(request).status())
 
     async def _seal(self, request: web.Request) -> web.Response:
-        rollout = self._rollout_or_404(request)
+        rollout = self._held_rollout(request)
         rollout.sealed = True
         deadline = time.monotonic() + self.seal_wait_s
         while rollout.in_flight and time.monotonic() < deadline:
@@ -174,13 +259,31 @@ class Admin:
             body["messages"] = transcript_messages(*rollout.last_main)
         return web.json_response(body)
 
+    async def _renew(self, request: web.Request) -> web.Response:
+        """Extend the lease by its length (or by ``lease_s`` of the body, which becomes its length)."""
+        rollout = self._held_rollout(request)
+        try:
+            body = await request.json() if request.can_read_body else {}
+            lease_s = float(body.get("lease_s") or rollout.lease_s or self.default_ttl_s)
+            if not (math.isfinite(lease_s) and lease_s > 0):
+                raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
+        except (ValueError, TypeError, AttributeError) as exc:
+            return web.json_response({"error": f"bad renewal: {exc}"}, status=400)
+        rollout.lease_s, rollout.lease_expires_at_ms = lease_s, now_ms() + int(lease_s * 1000)
+        return web.json_response(rollout.status())
+
     async def _forget(self, request: web.Request) -> web.Response:
-        rollout = self._rollout_or_404(request)
+        rollout = self._held_rollout(request)
         self.rollouts.pop(rollout.rollout_id, None)
         self.metrics.rollouts.set(len(self.rollouts))
+        if request.query.get("finished") in ("1", "true") and rollout.attempt is not None:
+            expires = now_ms() + int(self.finished_retention_s * 1000)
+            self.finished[rollout.rollout_id] = Finished(rollout.attempt_id, rollout.attempt, expires)
         return web.json_response(rollout.status())
 
     def _sweep(self) -> None:
         now = now_ms()
         for rid in [r for r, ro in self.rollouts.items() if ro.expires_at_ms < now and not ro.in_flight]:
             del self.rollouts[rid]
+        for rid in [r for r, f in self.finished.items() if f.expires_at_ms < now]:
+            del self.finished[rid]

@@ -44,6 +44,15 @@ class SandboxSettings(BaseSettings):
     proxy_url: str = Field(default="http://127.0.0.1:8100", description="Serving proxy admin base URL.")
     proxy_admin_token: str = Field(default="", description="Bearer token of the proxy's admin API.")
     proxy_timeout_s: float = Field(default=90.0, description="Deadline of one admin call (seal waits for calls).")
+    proxy_lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Lease of an attempt's proxy registration, renewed while it runs; a lapsed one marks a dead "
+        "worker's attempt, which a re-run may revoke (keep it below the session timeout).",
+    )
+    held_retry_s: float = Field(
+        default=2.0, gt=0, description="Period of asking the proxy again about a request another attempt holds."
+    )
     suites: dict[str, str] = Field(
         default_factory=lambda: {"cpu_builtin": "builtin:cpu"},
         description="Suite name → spec (builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR); JSON in env.",

@@ -5,7 +5,9 @@ lowest offset still in flight (everything below it is done), or one past the hig
 in flight. A request's offset is marked done only after its terminal events were acknowledged by Kafka, so a
 worker that dies mid-rollout leaves that request (and everything after it on its partition) uncommitted: the
 group re-delivers it to another worker, which runs it under a new attempt id. Finished requests above an
-unfinished one may then run twice — each run is its own attempt with exactly one reward. Pure: no Kafka import.
+unfinished one are then read again too; the proxy remembers them as finished, so the worker commits them without
+running them again (docs/faults.md#sandbox-worker-rebalances). A revoked partition is forgotten; when it comes back,
+the worker starts its offsets again as it reads them. Pure: no Kafka import.
 """
 
 from __future__ import annotations

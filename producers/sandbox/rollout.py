@@ -12,10 +12,17 @@ Statuses (docs/method.md#infrastructure-failures; every state change goes throug
 
 Exactly one RewardEvent per attempt; the attempt id (``{rollout_id}.a{attempt}.{random}``) is new on every
 execution, so a request re-run after a worker died is a different attempt. The sandbox is destroyed in every case.
+
+The proxy registration is the attempt's claim on the rollout id: made before the sandbox, kept alive by a lease the
+attempt renews while it runs, sealed and forgotten only under its own attempt id (``finished`` once its reward is
+acknowledged). If another attempt holds the id and is live, or this request attempt already finished,
+:func:`execute` returns with ``Outcome.held`` set and publishes nothing (the caller waits or skips); a holder that
+stopped renewing (its worker died) is revoked, scoped to its attempt id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -44,6 +51,15 @@ class ProxyError(ClawstreamError):
     """The serving proxy's admin API failed (registration or seal)."""
 
 
+class RolloutHeld(ClawstreamError):
+    """Another attempt holds the rollout id at the proxy and is live, or this request attempt already finished."""
+
+    def __init__(self, rollout_id: str, attempt_id: str | None, *, finished: bool) -> None:
+        self.rollout_id, self.attempt_id, self.finished = rollout_id, attempt_id, finished
+        what = "already finished" if finished else "is running (its lease is live)"
+        super().__init__(f"rollout {rollout_id}: attempt {attempt_id} {what}")
+
+
 class EventSink(Protocol):
     async def event(self, event: RolloutEvent) -> None: ...
 
@@ -56,35 +72,81 @@ class ProxyAdmin:
     def __init__(self, url: str, token: str, timeout_s: float = 90.0) -> None:
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, dict]:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        query: dict[str, str] | None = None,
+    ) -> tuple[int, dict]:
         headers = {"Authorization": f"Bearer {self.token}"}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:
-                async with http.request(method, self.url + path, json=body, headers=headers) as resp:
+                async with http.request(method, self.url + path, json=body, params=query, headers=headers) as resp:
                     data = await resp.json(content_type=None) if resp.content_length != 0 else {}
                     return resp.status, data or {}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise ProxyError(f"proxy admin {method} {path} at {self.url}: {exc!r}") from exc
 
+    @staticmethod
+    def _scope(attempt_id: str | None, **flags: str) -> dict[str, str]:
+        return {**({"attempt_id": attempt_id} if attempt_id else {}), **flags}
+
     async def register(self, rollout_id: str, **params: Any) -> dict[str, Any]:
+        """Register ``rollout_id`` for ``params["attempt_id"]``. Raises :class:`RolloutHeld` when another attempt
+        holds it and is live, or its request attempt already finished. A holder that stopped renewing its lease (its
+        worker died), or holds it without one, is revoked — sealed and forgotten under *its* attempt id only."""
         body = {"rollout_id": rollout_id, **params}
-        status, data = await self._call("POST", "/admin/rollouts", body)
-        if status == 409:  # an earlier attempt (its worker died) is still registered: revoke it, forget it
-            await self.seal(rollout_id)
-            await self.forget(rollout_id)
+        own = params.get("attempt_id")
+        for _ in range(4):  # a revoked holder may be replaced by another newcomer meanwhile: ask again
             status, data = await self._call("POST", "/admin/rollouts", body)
+            if status != 409:
+                break
+            holder = data.get("attempt_id")
+            if data.get("finished"):
+                raise RolloutHeld(rollout_id, holder, finished=True)
+            if data.get("live") and (holder is None or holder != own):
+                raise RolloutHeld(rollout_id, holder, finished=False)
+            log.warning("rollout %s: revoking attempt %s, its lease not renewed (its worker died)", rollout_id, holder)
+            await self._revoke(rollout_id, holder)
         if status != 201:
             raise ProxyError(f"proxy refused to register {rollout_id}: {status} {data}")
         return data
 
-    async def seal(self, rollout_id: str) -> dict[str, Any]:
-        status, data = await self._call("POST", f"/admin/rollouts/{rollout_id}/seal")
+    async def _revoke(self, rollout_id: str, attempt_id: str | None) -> None:
+        path = f"/admin/rollouts/{rollout_id}"
+        for method, url in (("POST", f"{path}/seal"), ("DELETE", path)):
+            status, data = await self._call(method, url, query=self._scope(attempt_id))
+            if status in (404, 409):  # gone, or another attempt holds it now: registering again tells
+                return
+            if status != 200:
+                raise ProxyError(f"proxy could not revoke attempt {attempt_id} of {rollout_id}: {status} {data}")
+
+    async def seal(self, rollout_id: str, attempt_id: str | None = None) -> dict[str, Any]:
+        """Seal the registration (only if ``attempt_id`` holds it, when given); ProxyError otherwise."""
+        status, data = await self._call("POST", f"/admin/rollouts/{rollout_id}/seal", query=self._scope(attempt_id))
         if status != 200:
-            raise ProxyError(f"proxy could not seal {rollout_id}: {status} {data}")
+            raise ProxyError(f"proxy could not seal {rollout_id} (attempt {attempt_id}): {status} {data}")
         return data
 
-    async def forget(self, rollout_id: str) -> None:
-        await self._call("DELETE", f"/admin/rollouts/{rollout_id}")
+    async def renew(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+        """Extend ``attempt_id``'s lease; False when it no longer holds the registration (revoked or forgotten)."""
+        status, data = await self._call(
+            "POST", f"/admin/rollouts/{rollout_id}/renew", {"lease_s": lease_s}, self._scope(attempt_id)
+        )
+        if status in (404, 409):
+            return False
+        if status != 200:
+            raise ProxyError(f"proxy could not renew {rollout_id} (attempt {attempt_id}): {status} {data}")
+        return True
+
+    async def forget(self, rollout_id: str, attempt_id: str | None = None, *, finished: bool = False) -> None:
+        """Forget the registration (only if ``attempt_id`` holds it, when given); ``finished``: the attempt's
+        terminal events are acknowledged, so the proxy refuses to register this request attempt again."""
+        query = self._scope(attempt_id, **({"finished": "1"} if finished else {}))
+        status, data = await self._call("DELETE", f"/admin/rollouts/{rollout_id}", query=query)
+        if status not in (200, 404):
+            log.warning("rollout %s: forgetting attempt %s: %s %s", rollout_id, attempt_id, status, data)
 
 
 ExeResolver = Callable[[HarnessAdapter], Awaitable[tuple[str, str]]]  # adapter → (executable, extra PATH dirs)
@@ -109,6 +171,7 @@ class Outcome:
     reward: RewardEvent | None
     timings: dict[str, float] = field(default_factory=dict)
     cleanup: CleanupReport | None = None
+    held: RolloutHeld | None = None  # not run: another attempt holds the rollout id (nothing was published)
 
 
 def new_attempt_id(request: RolloutRequest) -> str:
@@ -177,8 +240,36 @@ class _Attempt:
         await self.give_reward(RewardStatus.INFRA_FAILURE, "none", reason=reason[:2000])
 
 
+async def _keep_lease(ctx: RolloutContext, rollout_id: str, attempt_id: str) -> None:
+    """Renew the attempt's lease at the proxy every third of its length until cancelled or lost."""
+    lease_s = ctx.settings.proxy_lease_s
+    while True:
+        await asyncio.sleep(lease_s / 3)
+        try:
+            if not await ctx.proxy.renew(rollout_id, attempt_id, lease_s):
+                log.warning("rollout %s: attempt %s no longer holds its proxy registration", rollout_id, attempt_id)
+                return
+        except ProxyError as exc:
+            log.warning("rollout %s: lease renewal failed (retrying): %s", rollout_id, exc)
+
+
+async def _release(ctx: RolloutContext, req: RolloutRequest, a: _Attempt) -> None:
+    """Seal (if the harness was not sealed yet) and forget this attempt's registration — never another attempt's of
+    the same rollout id; ``finished`` once its reward is acknowledged (the request attempt is then done)."""
+    try:
+        if a.state == RolloutState.STARTED or a.state is None:
+            await ctx.proxy.seal(req.rollout_id, a.attempt_id)
+    except ProxyError as exc:
+        log.warning("rollout %s: could not seal attempt %s: %s", req.rollout_id, a.attempt_id, exc)
+    try:
+        await ctx.proxy.forget(req.rollout_id, a.attempt_id, finished=a.reward is not None)
+    except ProxyError as exc:
+        log.warning("rollout %s: could not release attempt %s: %s", req.rollout_id, a.attempt_id, exc)
+
+
 async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
-    """Run one attempt of ``req``; returns once its terminal events and reward are acknowledged by the sink.
+    """Run one attempt of ``req``; returns once its terminal events and reward are acknowledged by the sink, or at
+    once with ``held`` set (nothing published) when another attempt holds the rollout id (see the module doc).
 
     Raises only when the sink itself fails (Kafka down): the request must then not be committed.
     """
@@ -187,6 +278,7 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
     out = Outcome(a.attempt_id, None, None, t)
     box: Sandbox | None = None
     registered = False
+    lease: asyncio.Task[None] | None = None
     try:
         try:
             task = ctx.catalog.task(req.suite, req.task_id)
@@ -194,21 +286,28 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             if adapter is None:
                 raise TaskError(f"unknown harness {req.harness!r}; known: {', '.join(ctx.adapters)}")
             exe, extra_path = await ctx.resolve_exe(adapter)
-            box = await ctx.backend.create(sandbox_id(a.attempt_id), task)
-            t["created"] = time.monotonic()
             timeout = min(req.timeout_s or task.timeout_s, task.timeout_s, ctx.settings.max_timeout_s)
             if req.deadline_ms:
                 timeout = max(1.0, min(timeout, (req.deadline_ms - now_ms()) / 1000))
-            reg = await ctx.proxy.register(
-                req.rollout_id,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                max_tokens=req.max_tokens,
-                ttl_s=timeout + 600,
-                attempt_id=a.attempt_id,
-            )
+            try:
+                reg = await ctx.proxy.register(
+                    req.rollout_id,
+                    temperature=req.temperature,
+                    top_p=req.top_p,
+                    top_k=req.top_k,
+                    max_tokens=req.max_tokens,
+                    ttl_s=timeout + 600,
+                    attempt_id=a.attempt_id,
+                    attempt=req.attempt,
+                    lease_s=ctx.settings.proxy_lease_s,
+                )
+            except RolloutHeld as held:
+                out.held = held
+                return out
             registered = True
+            lease = asyncio.create_task(_keep_lease(ctx, req.rollout_id, a.attempt_id))
+            box = await ctx.backend.create(sandbox_id(a.attempt_id), task)
+            t["created"] = time.monotonic()
             # Prompts may name the task's mount dir (ClawGym-Bench): point them at this sandbox's workspace.
             prompt = task.prompt.replace(task.mount_dir, box.workspace)
             spec = launch_spec(
@@ -240,7 +339,7 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             return out
         t["harness_end"] = time.monotonic()
         try:
-            sealed = await ctx.proxy.seal(req.rollout_id)
+            sealed = await ctx.proxy.seal(req.rollout_id, a.attempt_id)
         except ProxyError as exc:
             await a.fail(f"seal: {exc}")
             return out
@@ -275,21 +374,22 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
         await a.give_reward(graded.status, graded.grader, graded.reward, graded.sub_scores, graded.reason)
         return out
     finally:
-        if box is not None:
-            out.cleanup = cleanup = await box.destroy()
-            t["destroyed"] = time.monotonic()
-            if not cleanup.clean:
-                log.error(
-                    "sandbox %s not clean after destroy: pids %s, paths %s",
-                    box.sandbox_id,
-                    cleanup.leftover_pids,
-                    cleanup.leftover_paths,
-                )
-        if registered:
+        try:
+            if box is not None:
+                out.cleanup = cleanup = await box.destroy()
+                t["destroyed"] = time.monotonic()
+                if not cleanup.clean:
+                    log.error(
+                        "sandbox %s not clean after destroy: pids %s, paths %s",
+                        box.sandbox_id,
+                        cleanup.leftover_pids,
+                        cleanup.leftover_paths,
+                    )
+        finally:
+            out.state, out.reward = a.state, a.reward
             try:
-                if a.state == RolloutState.STARTED or a.state is None:
-                    await ctx.proxy.seal(req.rollout_id)
-                await ctx.proxy.forget(req.rollout_id)
-            except ProxyError as exc:
-                log.warning("rollout %s: could not release it at the proxy: %s", req.rollout_id, exc)
-        out.state, out.reward = a.state, a.reward
+                if registered:
+                    await _release(ctx, req, a)
+            finally:  # renewed until forgotten: a lapsed lease lets another worker take the rollout over
+                if lease is not None:
+                    lease.cancel()

@@ -1,18 +1,21 @@
 """Sandbox worker: runs rollout requests in sandboxes through real harnesses, publishing lifecycle events and rewards.
 
-Topics: in ``clawstream.rollout.requests`` (consumer group ``CLAWSTREAM_SANDBOX_GROUP_ID``, manual commits);
-out ``clawstream.rollout.events`` (STARTED, HARNESS_EXITED / TIMED_OUT / FAILED) and ``clawstream.rewards``
-(exactly one per attempt), both keyed by rollout id and acknowledged (acks=all) before the request counts as done;
-undecodable requests go to ``clawstream.deadletter``. One attempt = ``producers.sandbox.rollout.execute``.
-
-Concurrency: up to ``concurrency`` rollouts at once on one asyncio loop (harnesses and graders are subprocesses).
-When full, the assigned partitions are paused but ``poll`` keeps running, so the group never sees a stalled member.
+Topics: in ``clawstream.rollout.requests`` (consumer group ``CLAWSTREAM_SANDBOX_GROUP_ID``, cooperative-sticky
+assignment, manual commits); out ``clawstream.rollout.events`` and ``clawstream.rewards`` (exactly one per attempt),
+keyed by rollout id and acknowledged (acks=all) before the request counts as done; undecodable requests go to
+``clawstream.deadletter``. One attempt = ``producers.sandbox.rollout.execute``. Up to ``concurrency`` rollouts run at
+once on one asyncio loop; when full, the partitions are paused but ``poll`` keeps running (the group sees no stall).
 Commits: per partition, the lowest offset still in flight (``producers.sandbox.offsets``), after the request's terminal
-events were acknowledged. A worker that dies mid-rollout leaves its request uncommitted; after the session timeout
-the group hands it to another worker, which runs a new attempt (new attempt id); the dead worker's harness died with
-it (``PR_SET_PDEATHSIG``), its proxy registration is revoked by the re-run (409 → seal → re-register), and its
-sandbox directory is removed by the periodic sweep of any worker on the host. If Kafka refuses a terminal event,
-the worker stops without committing that request (exit code 1), so it is re-run elsewhere — never lost.
+events were acknowledged. If Kafka refuses a terminal event, the worker stops without committing it (exit code 1).
+Rebalances (docs/faults.md#sandbox-worker-rebalances): a partition kept across one keeps its fetch position and its
+in-flight offsets. A record redelivered while its attempt still runs here (same topic, partition, offset: the
+partition went and came back) starts nothing; its offset is committed once that attempt finishes. A partition that
+really moves away: its running attempts finish and publish their terminal events, but commit nothing. Its new owner
+gets the request again and asks the proxy (``execute`` returns ``held``): while the attempt holding the rollout id
+renews its lease, it waits (taking no concurrency slot); once that attempt finished, it commits the offset without
+running it; a lease that lapsed (the holder's worker died) is revoked, scoped to that attempt id, and the request
+re-run under a new attempt id.
+A dead worker's harness died with it (``PR_SET_PDEATHSIG``) and its sandbox is removed by any worker's sweep.
 
 Run: ``python -m producers.sandbox.worker [--concurrency N] [--proxy-url URL --proxy-admin-token T]``
 (env ``CLAWSTREAM_SANDBOX_*``, Kafka from ``CLAWSTREAM_KAFKA_*``); SIGTERM finishes running rollouts, then exits.
@@ -39,7 +42,7 @@ from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.offsets import OffsetTracker
+from producers.sandbox.offsets import OffsetTracker, Partition
 from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute
 from producers.tasks.catalog import SuiteCatalog
 from schemas.dead_letter import dead_letter_of
@@ -127,22 +130,39 @@ class SandboxWorker:
             self.ctx.worker_id = settings.worker_id
         self.tracker = OffsetTracker()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.running: dict[tuple[Partition, int], asyncio.Task[None]] = {}  # (partition, offset) → its attempt
+        self.owned: set[Partition] = set()  # the current assignment
+        self.waiting = 0  # requests waiting for another attempt of theirs to end: they hold no sandbox
         self.outcomes: list[Outcome] = []
         self.fatal: BaseException | None = None
         self._consumer = None
         self._paused = False
+        self._stopping = False
 
     # --- consumer callbacks (run inside poll, on the loop's thread) ---------------------------------------------
+    # Cooperative-sticky: each callback gets only the partitions that change; Consumer_rebalance_cb then calls
+    # incremental_assign / incremental_unassign itself (the callbacks assign nothing).
 
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
+        self.owned.update((p.topic, p.partition) for p in partitions)
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
-        self._paused = False  # new assignment: re-evaluate pausing on the next loop turn
+        self._paused = False  # new partitions start unpaused: re-evaluate pausing on the next loop turn
 
     def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
         tps = [(p.topic, p.partition) for p in partitions]
         self._commit(only=set(tps))
-        self.tracker.forget(tps)  # rollouts still running there finish, but are no longer ours to commit
+        self._release(tps)
         log.info("revoked %s", [f"{t}[{p}]" for t, p in tps])
+
+    def _on_lost(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
+        tps = [(p.topic, p.partition) for p in partitions]
+        self._release(tps)  # no commit: the group already gave them to another member
+        log.warning("lost %s", [f"{t}[{p}]" for t, p in tps])
+
+    def _release(self, tps: list[Partition]) -> None:
+        # Rollouts still running there finish and publish their terminal events, but are no longer ours to commit.
+        self.tracker.forget(tps)
+        self.owned.difference_update(tps)
 
     def _commit(self, only: set[tuple[str, int]] | None = None) -> None:
         points = {tp: off for tp, off in self.tracker.commit_points().items() if only is None or tp in only}
@@ -161,14 +181,34 @@ class SandboxWorker:
 
     # --- main loop ----------------------------------------------------------------------------------------------
 
-    async def _run_one(self, req: RolloutRequest, tp: tuple[str, int], offset: int) -> None:
+    async def _run_one(self, req: RolloutRequest, tp: Partition, offset: int) -> None:
+        waiting = False
         try:
-            outcome = await execute(req, self.ctx)
-        except Exception as exc:  # noqa: BLE001 - PublishError above all; anything else is a bug: same handling
-            # The terminal events may not have reached Kafka: do not commit, stop, let the group re-run it.
-            log.error("rollout %s at %s[%d]@%d: events not acknowledged: %s", req.rollout_id, *tp, offset, exc)
-            self.fatal = exc
-            return
+            while True:
+                try:
+                    outcome = await execute(req, self.ctx)
+                except Exception as exc:  # noqa: BLE001 - PublishError above all; anything else is a bug: same handling
+                    # The terminal events may not have reached Kafka: do not commit, stop, let the group re-run it.
+                    log.error("rollout %s at %s[%d]@%d: events not acknowledged: %s", req.rollout_id, *tp, offset, exc)
+                    self.fatal = exc
+                    return
+                held = outcome.held
+                if held is None:
+                    break
+                if held.finished:  # its terminal events are out (published by whichever worker ran it)
+                    log.info("%s[%d]@%d: %s; committed without running", *tp, offset, held)
+                    self.tracker.done(tp, offset)
+                    return
+                if tp not in self.owned or self._stopping:  # moved on meanwhile: its new owner asks the proxy
+                    log.info("%s[%d]@%d: %s; no longer ours to wait for", *tp, offset, held)
+                    return
+                if not waiting:
+                    log.info("%s[%d]@%d: %s; waiting for it to end", *tp, offset, held)
+                    waiting, self.waiting = True, self.waiting + 1
+                await asyncio.sleep(self.s.held_retry_s)
+        finally:
+            if waiting:
+                self.waiting -= 1
         self.outcomes.append(outcome)
         self.tracker.done(tp, offset)
         log.info(
@@ -201,17 +241,23 @@ class SandboxWorker:
             self.kafka,
             self.s.group_id,
             **{
+                "partition.assignment.strategy": "cooperative-sticky",
                 "session.timeout.ms": self.s.session_timeout_ms,
                 "heartbeat.interval.ms": max(500, min(3000, self.s.session_timeout_ms // 3)),
                 "client.id": f"sandbox-worker-{self.ctx.worker_id}",
             },
         )
         self._consumer = consumer
-        consumer.subscribe([self.kafka.topic(ROLLOUT_REQUESTS)], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        consumer.subscribe(
+            [self.kafka.topic(ROLLOUT_REQUESTS)],
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
         sweeper = asyncio.create_task(self._sweep_loop())
         try:
             while not stop.is_set() and self.fatal is None:
-                full = len(self.tasks) >= self.s.concurrency
+                full = len(self.tasks) - self.waiting >= self.s.concurrency
                 if full != self._paused and consumer.assignment():
                     (consumer.pause if full else consumer.resume)(consumer.assignment())
                     self._paused = full
@@ -223,14 +269,14 @@ class SandboxWorker:
                 if msg.error():
                     log.warning("consumer error: %s", msg.error())
                     continue
-                tp = (msg.topic(), msg.partition())
+                tp, offset = (msg.topic(), msg.partition()), msg.offset()
                 try:
                     req = RolloutRequest.from_bytes(msg.value())
                 except CodecError as exc:
                     log.error("%s: undecodable request: %s", where(msg), exc)
                     await self._dead_letter(msg, str(exc))
-                    self.tracker.start(tp, msg.offset())
-                    self.tracker.done(tp, msg.offset())
+                    self.tracker.start(tp, offset)
+                    self.tracker.done(tp, offset)
                     continue
                 log.info(
                     "%s: rollout %s (%s/%s, %s, attempt %d)",
@@ -241,10 +287,17 @@ class SandboxWorker:
                     req.harness,
                     req.attempt,
                 )
-                self.tracker.start(tp, msg.offset())
-                task = asyncio.create_task(self._run_one(req, tp, msg.offset()))
+                self.tracker.start(tp, offset)  # (again, for a redelivered one: committed when its attempt finishes)
+                mine = self.running.get((tp, offset))
+                if mine is not None and not mine.done():  # redelivered (the partition went and came back)
+                    log.info("%s: its attempt still runs here: not started again", where(msg))
+                    continue
+                task = asyncio.create_task(self._run_one(req, tp, offset))
                 self.tasks.add(task)
+                self.running[(tp, offset)] = task
                 task.add_done_callback(self.tasks.discard)
+                task.add_done_callback(lambda _t, key=(tp, offset): self.running.pop(key, None))
+            self._stopping = True
             if self.tasks:  # graceful stop: finish what runs (each rollout has its own timeout)
                 log.info("stopping: waiting for %d rollout(s)", len(self.tasks))
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)

@@ -2,22 +2,16 @@
 
 Worker A (a real ``python -m producers.sandbox.worker`` subprocess) starts the rollout (STARTED is on the broker, the
 policy is slow), then is SIGKILLed. Worker B (same consumer group) gets the partition after A's session times out,
-re-registers the rollout at the proxy (revoking A's secret) and completes it. Asserts: A's attempt has no reward,
-B's attempt exactly one (reward 1), no attempt has two; A's harness died with A (PDEATHSIG), and B's periodic sweep
-removed A's sandbox directory.
+re-registers the rollout at the proxy once A's lease lapsed (revoking A's registration, scoped to A's attempt id) and
+completes it. Asserts: A's attempt has no reward, B's attempt exactly one (reward 1), no attempt has two; A's harness
+died with A (PDEATHSIG), and B's periodic sweep removed A's sandbox directory.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -25,38 +19,11 @@ from schemas.events import RewardStatus, RolloutState
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
 from tests.support.proxy_server import running_proxy
+from tests.support.sandbox_stack import wait_for
+from tests.support.sandbox_stack import worker_process as start_worker
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def start_worker(kafka, proxy_url: str, group_id: str, sandboxes: Path, log: Path) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
-        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix,
-        "CLAWSTREAM_SANDBOX_PROXY_URL": proxy_url,
-        "CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": "admin",
-        "CLAWSTREAM_SANDBOX_GROUP_ID": group_id,
-        "CLAWSTREAM_SANDBOX_SUITES": json.dumps({"native": str(S.NATIVE_SUITE)}),
-        "CLAWSTREAM_SANDBOX_ROOT": str(sandboxes),
-        "CLAWSTREAM_SANDBOX_SESSION_TIMEOUT_MS": "6000",
-        "CLAWSTREAM_SANDBOX_SWEEP_INTERVAL_S": "1",
-        "CLAWSTREAM_SANDBOX_PUBLISH_TIMEOUT_S": "15",
-    }
-    out = open(log, "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(
-        [sys.executable, "-m", "producers.sandbox.worker"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-    )
-
-
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
 
 
 @pytest.mark.timeout(240)

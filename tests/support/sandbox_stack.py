@@ -3,13 +3,19 @@
 Besides the catalog's harnesses the worker knows two fake ones: ``hang`` (ignores SIGTERM, leaves a background child
 whose pid it writes to the stack's ``pidfile``) and ``crash`` (writes the answer, then exits 3). ``run_requests``
 publishes rollout requests and collects their lifecycle events and rewards; ``assert_clean`` checks that no sandbox
-directory or process survived.
+directory or process survived. ``worker_process`` starts a real ``python -m producers.sandbox.worker`` process (the
+fault tests kill one, or add one to the group), ``wait_for`` polls a condition.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,8 @@ from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
 from tests.support.proxy_server import running_proxy
 from tests.support.scripted_engine import ScriptedEngine
+
+ROOT = Path(__file__).resolve().parents[2]
 
 HANG = """
 import os, signal, subprocess, sys, time
@@ -93,3 +101,35 @@ def assert_solved_by_harness(events, rewards, rollout_id: str) -> None:
     assert exited.exit_code == 0 and exited.calls_served >= 2, exited
     (reward,) = rw[rollout_id]
     assert reward.status == RewardStatus.OK and reward.reward == 1.0, reward
+
+
+def worker_process(kafka, proxy_url: str, group_id: str, sandboxes: Path, log: Path, **env: str) -> subprocess.Popen:
+    """A sandbox worker process on the native test suite (6 s session timeout, 3 s proxy lease, 1 s sweeps); ``env``:
+    more ``CLAWSTREAM_SANDBOX_*`` settings, by name without the prefix (``CONCURRENCY="8"``)."""
+    environ = {
+        **os.environ,
+        "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+        "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix,
+        "CLAWSTREAM_SANDBOX_PROXY_URL": proxy_url,
+        "CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": "admin",
+        "CLAWSTREAM_SANDBOX_GROUP_ID": group_id,
+        "CLAWSTREAM_SANDBOX_SUITES": json.dumps({"native": str(S.NATIVE_SUITE)}),
+        "CLAWSTREAM_SANDBOX_ROOT": str(sandboxes),
+        "CLAWSTREAM_SANDBOX_SESSION_TIMEOUT_MS": "6000",
+        "CLAWSTREAM_SANDBOX_PROXY_LEASE_S": "3",
+        "CLAWSTREAM_SANDBOX_SWEEP_INTERVAL_S": "1",
+        "CLAWSTREAM_SANDBOX_PUBLISH_TIMEOUT_S": "15",
+        **{f"CLAWSTREAM_SANDBOX_{k}": v for k, v in env.items()},
+    }
+    out = open(log, "wb")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(
+        [sys.executable, "-m", "producers.sandbox.worker"], cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)

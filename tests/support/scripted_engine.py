@@ -4,7 +4,8 @@ It answers each request with text chosen by the test (a list consumed in order, 
 prompt), encoded through the real tokenizer, followed by ``<|im_end|>`` (``finish_reason="stop"``) unless
 ``max_tokens`` cuts it (``"length"``). Logprobs are fake but valid (negative, one per token). It records every
 request, reports ``policy_version`` in the body and the ``X-Policy-Version`` header, and can be slowed down
-(``delay_s``) to exercise keep-alives. With ``prefix_cache=True`` it reports ``usage.prompt_tokens_details.
+(``delay_s``) to exercise keep-alives, or held (``hold``: an ``asyncio.Event`` every answer waits for, set by the test
+at a moment of its choosing). With ``prefix_cache=True`` it reports ``usage.prompt_tokens_details.
 cached_tokens`` as a prefix cache would (the longest common prefix with an earlier prompt + its answer), and with
 ``engine_telemetry`` it adds that top-level object (the CPU engine's GPU readings). Shared by the proxy tests, the
 real-harness tests and ``bench/proxy.py``.
@@ -59,6 +60,7 @@ class ScriptedEngine:
         self.script = script if script is not None else []
         self.policy_version = policy_version
         self.delay_s = delay_s
+        self.hold: asyncio.Event | None = None  # when set to an Event, every answer waits until it is set
         self.host, self.port = host, port
         self.requests: list[EngineRequest] = []
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -92,6 +94,8 @@ class ScriptedEngine:
         self.requests.append(EngineRequest(prompt, self.tok.decode(prompt, skip_special_tokens=False), body))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if self.hold is not None:
+            await self.hold.wait()
         ids, finish = self.generate(prompt, body)
         logprobs = [-0.05 - 0.01 * (i % 7) for i in range(len(ids))]
         choice = {

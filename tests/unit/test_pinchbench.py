@@ -296,11 +296,14 @@ class SealingProxy(ProxyAdmin):
     async def register(self, rollout_id: str, **params) -> dict:  # noqa: ANN003
         return {"rollout_id": rollout_id, "secret": "s", "base_url": "http://127.0.0.1:9/r/" + rollout_id}
 
-    async def seal(self, rollout_id: str) -> dict:
+    async def seal(self, rollout_id: str, attempt_id: str | None = None) -> dict:
         body = {"calls_served": 1, "status": "ok", "infra_failure": None}
         return body | ({"messages": self.messages} if self.messages is not None else {})
 
-    async def forget(self, rollout_id: str) -> None:
+    async def renew(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+        return True
+
+    async def forget(self, rollout_id: str, attempt_id: str | None = None, *, finished: bool = False) -> None:
         return None
 
 

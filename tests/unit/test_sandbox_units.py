@@ -217,11 +217,15 @@ class FakeProxy(ProxyAdmin):
             raise ProxyError("proxy down")
         return {"rollout_id": rollout_id, "secret": "s", "base_url": "http://127.0.0.1:9/r/" + rollout_id}
 
-    async def seal(self, rollout_id: str) -> dict[str, Any]:
+    async def seal(self, rollout_id: str, attempt_id: str | None = None) -> dict[str, Any]:
         self.log.append("seal")
         return self.seal_result
 
-    async def forget(self, rollout_id: str) -> None:
+    async def renew(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
+        self.log.append("renew")
+        return True
+
+    async def forget(self, rollout_id: str, attempt_id: str | None = None, *, finished: bool = False) -> None:
         self.log.append("forget")
 
 
