@@ -93,7 +93,7 @@ def render(rows: list[dict], failed: list[str], took: float, code: int, source: 
         f"{r['longest_stall_s']:.1f} | {r['recover_s']:.1f} | {r.get('note', '')} |"
         for r in rows
     ]
-    tail = ["", "Failed tests: " + (", ".join(failed) if failed else "none"), ""]
+    tail = ["", "Failed tests: " + (", ".join(failed) if failed else "none"), ""] if not source else [""]
     return "\n".join(head + body + tail)
 
 
