@@ -4,7 +4,7 @@ raw-byte bodies (truncated, invalid UTF-8, random), wrong content types, huge an
 For every example the proxy answers below 500 and, when it refuses, in the dialect's error format; no call event
 is published for a refused request (the calls topic holds exactly one event per 200, read back at the end); and
 another rollout keeps being served meanwhile (its calls' latency is measured and bounded). A client that hangs up
-in the middle of a streamed answer leaves the proxy serving. ``CLAWSTREAM_FUZZ_EXAMPLES`` (default 1000) examples
+in the middle of a streamed answer leaves the proxy serving. ``CLAWSTREAM_FUZZ_EXAMPLES`` (default 2000) examples
 per dialect; the seed is printed by Hypothesis on a failure.
 """
 
@@ -33,7 +33,7 @@ from tests.support.proxy_server import consume_calls, register, running_proxy
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.integration
-EXAMPLES = int(os.environ.get("CLAWSTREAM_FUZZ_EXAMPLES", "1000"))  # CI time: 2,000 per dialect cost ~7 min
+EXAMPLES = int(os.environ.get("CLAWSTREAM_FUZZ_EXAMPLES", "2000"))
 BODY_LIMIT = 200_000
 
 
