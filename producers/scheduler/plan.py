@@ -7,7 +7,10 @@
   ``metadata["group_size"]``.
 * Policy lag: step ``s`` may be issued once the newest published weight version is ≥ ``s − max_policy_lag``.
 * Re-issue: a rollout whose reward says INFRA_FAILURE is re-published with the same rollout id and ``attempt + 1``
-  (streams reopen a rollout for a newer attempt) until ``max_attempts`` attempts were made.
+  (streams reopen a rollout for a newer attempt) until ``max_attempts`` attempts were made. A reward counts only for
+  the latest attempt issued (its number is in the attempt id, :func:`reward_attempt`); an older attempt's is ignored.
+* Resume (:func:`rebuild`): from a run's issued requests and rewards, the step to go on at, what is outstanding and
+  which re-issues are owed; :func:`missing_requests` completes a step whose publishing was cut short.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from producers.tasks.model import Task
@@ -122,9 +126,15 @@ class Outstanding:
             self.pending[r.rollout_id] = r
 
     def on_reward(self, reward: RewardEvent) -> RolloutRequest | None:
-        """Record a reward; returns the request to re-publish when it was an infra failure with attempts left."""
+        """Record a reward; returns the request to re-publish when it was an infra failure with attempts left.
+
+        A reward of another attempt than the latest issued (a late one of an attempt already re-issued) settles and
+        re-issues nothing; one whose attempt id names no number counts for the latest."""
         req = self.pending.get(reward.rollout_id)
         if req is None:
+            return None
+        attempt = reward_attempt(reward)
+        if attempt is not None and attempt != req.attempt:
             return None
         if reward.status != RewardStatus.INFRA_FAILURE:
             self.final[req.rollout_id] = reward
@@ -137,6 +147,71 @@ class Outstanding:
         again = dataclasses.replace(req, attempt=req.attempt + 1, timestamp_ms=now_ms())
         self.pending[req.rollout_id] = again
         return again
+
+
+def reward_attempt(reward: RewardEvent) -> int | None:
+    """The attempt number a reward is for, read from its attempt id (``{rollout_id}.a{attempt}.{random}``, as the
+    sandbox worker makes it); None when the id names none (hand-made or older events)."""
+    prefix = f"{reward.rollout_id}.a"
+    if not reward.attempt_id.startswith(prefix):
+        return None
+    number, dot, _ = reward.attempt_id[len(prefix) :].partition(".")
+    return int(number) if dot and number.isdigit() else None
+
+
+@dataclass
+class Rebuilt:
+    """A train-mode scheduler's state, rebuilt from its run's log (:func:`rebuild`)."""
+
+    next_step: int  # the step to issue next
+    issued: dict[str, RolloutRequest]  # train rollout id → its latest issued attempt
+    outstanding: Outstanding  # every issued rollout without a final reward (an owed re-issue as its new attempt)
+    reissue: list[RolloutRequest]  # owed re-issues: an INFRA_FAILURE of the latest attempt, attempts left
+    steps: dict[int, list[RolloutRequest]]  # issued step → its rollouts (latest attempts, log order)
+
+
+def rebuild(
+    requests: Iterable[RolloutRequest], rewards: Iterable[RewardEvent], max_attempts: int, start_step: int = 0
+) -> Rebuilt:
+    """Replay a run's requests and rewards (each in log order; eval requests are ignored) into the state the scheduler
+    had: per rollout id the latest attempt issued, settled by the rewards as :meth:`Outstanding.on_reward` would have
+    (a stale attempt's reward ignored). Goes on at the highest step issued + 1, never before ``start_step``."""
+    latest: dict[str, RolloutRequest] = {}
+    for r in requests:
+        if not r.eval and (r.rollout_id not in latest or r.attempt > latest[r.rollout_id].attempt):
+            latest[r.rollout_id] = r
+    out = Outstanding(max_attempts)
+    out.add(list(latest.values()))
+    for reward in rewards:
+        out.on_reward(reward)
+    reissue = [req for rid, req in out.pending.items() if req.attempt > latest[rid].attempt]
+    steps: dict[int, list[RolloutRequest]] = {}
+    for r in latest.values():
+        steps.setdefault(r.step, []).append(r)
+    next_step = max([start_step, *(s + 1 for s in steps)])
+    return Rebuilt(next_step, latest, out, reissue, steps)
+
+
+def missing_requests(
+    planned: Sequence[RolloutRequest], issued: Sequence[RolloutRequest]
+) -> list[RolloutRequest] | None:
+    """The requests of a re-planned step (``planned``, :func:`plan_step` with the run's RNG) that the log lacks
+    (``issued``: the step's rollouts found there), stamped with the policy version the step was issued at: a step
+    whose publishing a kill cut short. ``[]`` when complete or never issued; None when the log's step is not this
+    plan's (a group the plan lacks, or more rollouts than it asks for: another seed, suite or size)."""
+    if not issued:
+        return []
+    have = Counter(r.group_id for r in issued)
+    if have - Counter(r.group_id for r in planned):
+        return None
+    version = issued[0].policy_version
+    out = []
+    for r in planned:
+        if have[r.group_id] > 0:
+            have[r.group_id] -= 1
+        else:
+            out.append(dataclasses.replace(r, policy_version=version, min_policy_version=max(0, version)))
+    return out
 
 
 def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str:

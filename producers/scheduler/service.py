@@ -1,16 +1,21 @@
 """Rollout scheduler: publishes each training step's rollout requests, gated by policy lag; eval runs.
 
 Topics: out ``clawstream.rollout.requests`` (key rollout id); in ``clawstream.weights`` (newest policy version, read
-from the beginning) and ``clawstream.rewards`` (from the moment the scheduler starts: re-issues INFRA_FAILURE
-rollouts with ``attempt + 1``, up to ``max_attempts``; eval mode also collects the scores).
-Pure planning lives in ``producers.scheduler.plan``.
+from the beginning) and ``clawstream.rewards`` (re-issues INFRA_FAILURE rollouts with ``attempt + 1``, up to
+``max_attempts``; eval mode also collects the scores). Pure planning lives in ``producers.scheduler.plan``.
 
-Train mode: for step = start_step … steps−1, wait until the newest weight version ≥ step − max_policy_lag, then
-publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Eval mode (``--eval``): every task
-of ``eval_split`` (optionally the first ``eval_limit``) × each of ``eval_harnesses`` × each of ``eval_modes``
-(``greedy``: temperature 0; ``sampled``: ``temperature``/``top_p``/``top_k``), ``eval=True``, step −1; waits for the
-rewards (or ``eval_timeout_s``) and prints a table per mode: per harness the mean reward, its standard error and the
-solved fraction. ``clawstream eval --model DIR`` starts the services for a model and runs this.
+Train mode resumes from the log, so a scheduler killed and restarted on the same run issues nothing twice and skips
+nothing: it first reads its run's requests and rewards (read_committed, to ends taken before reading), rebuilds
+what was issued and what is outstanding, publishes the re-issues owed (and the rest of a step a kill cut short),
+re-plans the issued steps without publishing so task sampling goes on as if uninterrupted, and follows the rewards
+from those ends. Then for step = max(start_step, last issued + 1) … steps−1: wait until the newest weight version
+≥ step − max_policy_lag, publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``).
+
+Eval mode (``--eval``): every task of ``eval_split`` (optionally the first ``eval_limit``) × each of
+``eval_harnesses`` × each of ``eval_modes`` (``greedy``: temperature 0; ``sampled``: ``temperature``/``top_p``/
+``top_k``), ``eval=True``, step −1; waits for the rewards (or ``eval_timeout_s``) and prints a table per mode: per
+harness the mean reward, its standard error and the solved fraction. ``clawstream eval --model DIR`` starts the
+services for a model and runs this.
 
 Run: ``python -m producers.scheduler.service [--eval] [--steps N]`` (env ``CLAWSTREAM_SCHEDULER_*``, Kafka from
 ``CLAWSTREAM_KAFKA_*``).
@@ -26,14 +31,15 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
-from confluent_kafka import OFFSET_END, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawbase.errors import CodecError
-from clawbase.kafka.clients import check_broker, make_consumer, where
+from clawbase.errors import ClawstreamError, CodecError
+from clawbase.faults import fault_point
+from clawbase.kafka.clients import check_broker, make_consumer, read_to_end, where
 from clawbase.kafka.publisher import KafkaPublisher
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.scheduler.plan import (
@@ -45,13 +51,17 @@ from producers.scheduler.plan import (
     eval_table,
     instance_requests,
     may_issue,
+    missing_requests,
     plan_step,
+    rebuild,
 )
 from producers.tasks.catalog import SuiteCatalog
-from schemas.events import RewardEvent, RolloutRequest, WeightVersion
+from producers.tasks.model import Task
+from schemas.events import Event, RewardEvent, RolloutRequest, WeightVersion
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
 
 log = logging.getLogger("clawstream.scheduler")
+E = TypeVar("E", bound=Event)
 
 
 class SchedulerSettings(BaseSettings):
@@ -119,27 +129,70 @@ class Scheduler:
 
     # --- Kafka edges --------------------------------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self, *, read_log: bool = False) -> tuple[list[RolloutRequest], list[RewardEvent]]:
+        """Connect. The rewards consumer starts at the ends of ``clawstream.rewards`` taken now: with ``read_log``
+        (train mode) after reading this run's requests and rewards up to ends taken before any read, returned in
+        log order (undecodable records logged and skipped)."""
         self.publisher = KafkaPublisher(self.kafka, self.s.publish_timeout_s)
         tag = uuid.uuid4().hex[:8]
         self.weights = make_consumer(self.kafka, f"scheduler-weights-{tag}")
         self.weights.subscribe([self.kafka.topic(WEIGHTS)])
-        # Rewards from now on only (requests published later are answered later): assign at the high watermarks.
         self.rewards = make_consumer(self.kafka, f"scheduler-rewards-{tag}")
         topic = self.kafka.topic(REWARDS)
-        parts = self.rewards.list_topics(topic, timeout=30).topics[topic].partitions
-        self.rewards.assign([TopicPartition(topic, p, self._end_offset(topic, p)) for p in sorted(parts)])
-
-    def _end_offset(self, topic: str, partition: int) -> int:
-        """The partition's current end, retried while leadership settles (a fresh topic answers NOT_LEADER)."""
-        assert self.rewards is not None
-        for _ in range(50):
+        found: tuple[list[RolloutRequest], list[RewardEvent]] = ([], [])
+        if not read_log:
+            marks = self._watermarks(self.rewards, topic, strict=False)
+        else:
+            reader = make_consumer(self.kafka, f"scheduler-resume-{tag}")
             try:
-                return self.rewards.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
-            except KafkaException as exc:
-                log.debug("end offset of %s[%d]: %s (retrying)", topic, partition, exc)
-                time.sleep(0.2)
-        return OFFSET_END  # resolved lazily when fetching starts: good enough when the broker is this slow
+                requests_topic = self.kafka.topic(ROLLOUT_REQUESTS)
+                request_marks = self._watermarks(reader, requests_topic, strict=True)  # both ends before any read
+                marks = self._watermarks(self.rewards, topic, strict=True)
+                found = (
+                    self._read(reader, requests_topic, request_marks, RolloutRequest),
+                    self._read(reader, topic, marks, RewardEvent),
+                )
+            finally:
+                reader.close()
+        # Rewards from the ends taken before the log was read: none missed, none applied twice.
+        self.rewards.assign([TopicPartition(topic, p, high) for p, (_, high) in sorted(marks.items())])
+        return found
+
+    def _watermarks(self, consumer: Consumer, topic: str, *, strict: bool) -> dict[int, tuple[int, int]]:
+        """(low, high) per partition, retried while leadership settles (a fresh topic answers NOT_LEADER). Without
+        ``strict`` a partition still unanswered gets OFFSET_END (resolved when fetching starts); with it, an error."""
+        parts = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        marks = {}
+        for p in sorted(parts):
+            for _ in range(50):
+                try:
+                    marks[p] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+                    break
+                except KafkaException as exc:
+                    log.debug("watermarks of %s[%d]: %s (retrying)", topic, p, exc)
+                    time.sleep(0.2)
+            else:
+                if strict:
+                    raise ClawstreamError(f"cannot read the end of {topic}[{p}] to resume from the log")
+                marks[p] = (OFFSET_END, OFFSET_END)
+        return marks
+
+    @staticmethod
+    def _read(reader: Consumer, topic: str, marks: dict[int, tuple[int, int]], kind: type[E]) -> list[E]:
+        """The records of ``topic`` from the beginning to the high watermarks ``marks`` took, decoded as ``kind``, in
+        log order per partition (``read_to_end``: the partitions are assigned by hand, nothing is committed)."""
+        ends = {p: high for p, (low, high) in marks.items() if high > low}
+        reader.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in sorted(ends)])
+        out = []
+        for msg in read_to_end(reader, topic, ends, timeout=120):
+            offset, partition = msg.offset(), msg.partition()
+            if offset is None or partition is None or offset >= ends.get(partition, 0):
+                continue  # past the end taken (read_to_end may hand over a finished partition's next records)
+            try:
+                out.append(kind.from_bytes(msg.value() or b""))
+            except CodecError as exc:
+                log.warning("%s: undecodable %s: %s", where(msg), kind.__name__, exc)
+        return out
 
     def _close(self) -> None:
         for c in (self.weights, self.rewards):
@@ -196,14 +249,15 @@ class Scheduler:
     async def train(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
         tasks = self.catalog.suite(self.s.suite).split(self.s.split)
-        await asyncio.to_thread(self._open)
+        requests, rewards = await asyncio.to_thread(self._open, read_log=True)
         try:
-            step = self.s.start_step
+            step = await self._resume(tasks, requests, rewards)
             while step < self.s.steps and not stop.is_set():
                 await self._drain()
                 if may_issue(step, self.version, self.s.max_policy_lag):
                     requests = plan_step(step, tasks, self.plan, self.rng, self.version)
                     await self.publish(requests)
+                    fault_point("scheduler.after_publish")  # the step is on the log, the next one not (docs/faults.md)
                     log.info("step %d: %d requests (policy version %d)", step, len(requests), self.version)
                     step += 1
                 else:
@@ -215,6 +269,34 @@ class Scheduler:
         finally:
             self._close()
         return step
+
+    async def _resume(self, tasks: list[Task], requests: list[RolloutRequest], rewards: list[RewardEvent]) -> int:
+        """Take over the state the run's log holds (``plan.rebuild``); publish what is owed; the step to go on at."""
+        found = rebuild(requests, rewards, self.s.max_attempts, self.s.start_step)
+        self.outstanding, self.issued = found.outstanding, dict(found.issued)
+        cut_short: list[RolloutRequest] = []
+        for step in range(self.s.start_step, found.next_step):
+            planned = plan_step(step, tasks, self.plan, self.rng, self.version)  # the RNG moves as when it was issued
+            missing = missing_requests(planned, found.steps.get(step, []))
+            if missing is None:
+                log.warning("step %d on the log is not what this seed plans (seed, suite or sizes changed?)", step)
+            elif missing:
+                log.warning("step %d: %d of its requests never reached the log: issuing them now", step, len(missing))
+                cut_short += missing
+        for again in found.reissue:
+            log.info("rollout %s: infra failure while down: re-issuing attempt %d", again.rollout_id, again.attempt)
+        if found.reissue or cut_short:
+            await self.publish(found.reissue + cut_short)
+        if found.issued:
+            log.info(
+                "resuming at step %d: %d requests outstanding, %d re-issued",
+                found.next_step,
+                len(self.outstanding.pending),
+                len(found.reissue),
+            )
+        else:
+            log.info("starting at step %d (no earlier request of this run on the log)", found.next_step)
+        return found.next_step
 
     def eval_requests(self) -> list[RolloutRequest]:
         tasks = self.catalog.suite(self.s.suite).split(self.s.eval_split)
