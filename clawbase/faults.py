@@ -2,7 +2,8 @@
 
 Code marks a point with ``fault_point("learner.after_save")``. Nothing happens unless the environment variable
 ``CLAWSTREAM_FAULTS`` names it, as a comma-separated list of ``NAME=ACTION`` (``NAME`` may end in ``@N``: act on the
-N-th time the point is reached, counted per process; default the first):
+N-th time the point is reached, counted per process, default the first; or in ``@armed``: act on the first arrival
+after a test armed the point, :func:`arm`, when the system reached the state it wants):
 
 - ``crash``: exit at once with status 86 (``os._exit``: no ``finally``, no flush, no commit — as a kill -9 would);
 - ``kill``: SIGKILL itself (the exit a supervisor sees after an OOM kill);
@@ -11,8 +12,8 @@ N-th time the point is reached, counted per process; default the first):
   there; meanwhile the test acts on the held process (kill -9, SIGSTOP, stopping a broker) at a moment chosen by the
   system's state, never by a sleep.
 
-Helpers for tests: :func:`fault_env`, :func:`wait_held`, :func:`release`. Imports nothing of the project (the bottom
-of the layers), so any module may mark a point. docs/faults.md lists the points.
+Helpers for tests: :func:`fault_env`, :func:`arm`, :func:`wait_held`, :func:`release`. Imports nothing of the
+project (the bottom of the layers), so any module may mark a point. docs/faults.md lists the points.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class InjectedFault(RuntimeError):
 class Fault:
     point: str
     action: str
-    nth: int = 1
+    nth: int = 1  # 0: armed (acts on the first arrival after the test armed it)
 
 
 def parse(spec: str) -> dict[str, Fault]:
@@ -50,9 +51,12 @@ def parse(spec: str) -> dict[str, Fault]:
     for item in filter(None, (part.strip() for part in spec.split(","))):
         name, sep, action = item.partition("=")
         point, _, nth = name.partition("@")
-        if not sep or action not in ACTIONS or not point or (nth and not nth.isdigit()) or nth == "0":
-            raise FaultSpecError(f"{ENV}: {item!r} is not NAME[@N]=ACTION with ACTION one of {', '.join(ACTIONS)}")
-        faults[point] = Fault(point, action, int(nth or 1))
+        armed = nth == "armed"
+        if not sep or action not in ACTIONS or not point or (nth and not nth.isdigit() and not armed) or nth == "0":
+            raise FaultSpecError(
+                f"{ENV}: {item!r} is not NAME[@N|@armed]=ACTION with ACTION one of {', '.join(ACTIONS)}"
+            )
+        faults[point] = Fault(point, action, 0 if armed else int(nth or 1))
     return faults
 
 
@@ -68,20 +72,30 @@ def fault_point(name: str) -> None:
     if fault is None:
         return
     _seen[name] = _seen.get(name, 0) + 1
-    if _seen[name] != fault.nth:
+    if fault.nth == 0:  # armed: one stat per arrival, and the arming is used up
+        armed = _folder() / f"{name}.arm"
+        try:
+            armed.unlink()
+        except FileNotFoundError:
+            return
+    elif _seen[name] != fault.nth:
         return
-    print(f"fault injection: {fault.action} at {name} (arrival {fault.nth}, pid {os.getpid()})", flush=True)
+    print(f"fault injection: {fault.action} at {name} (arrival {_seen[name]}, pid {os.getpid()})", flush=True)
     if fault.action == "crash":
         os._exit(CRASH_STATUS)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.action == "raise":
-        raise InjectedFault(f"fault injection: raise at {name} (arrival {fault.nth})")
+        raise InjectedFault(f"fault injection: raise at {name} (arrival {_seen[name]})")
     _hold(name)
 
 
+def _folder() -> Path:
+    return Path(os.environ.get(DIR_ENV) or ".")
+
+
 def _hold(name: str) -> None:
-    folder = Path(os.environ.get(DIR_ENV) or ".")
+    folder = _folder()
     folder.mkdir(parents=True, exist_ok=True)
     release_file = folder / f"{name}.release"
     (folder / f"{name}.held").write_text(str(os.getpid()))
@@ -92,6 +106,12 @@ def _hold(name: str) -> None:
 def fault_env(folder: Path, **points: str) -> dict[str, str]:
     """Environment entries for a child process: ``fault_env(tmp, **{"learner.after_save": "hold"})``."""
     return {ENV: ",".join(f"{point}={action}" for point, action in points.items()), DIR_ENV: str(folder)}
+
+
+def arm(folder: Path, name: str) -> None:
+    """Make point ``name`` (configured ``NAME@armed=ACTION``) act at its next arrival in the process of ``folder``."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{name}.arm").touch()
 
 
 def wait_held(folder: Path, name: str, timeout: float = 120.0, alive: object = None) -> int:

@@ -18,11 +18,12 @@ def test_parse_names_points_actions_and_arrivals() -> None:
         "streams.commit": faults.Fault("streams.commit", "hold", 1),
         "x": faults.Fault("x", "kill", 1),
     }
+    assert faults.parse("engine.in_call@armed=hold") == {"engine.in_call": faults.Fault("engine.in_call", "hold", 0)}
 
 
 @pytest.mark.parametrize("bad", ["learner.after_save", "a=explode", "=crash", "a@x=crash", "a@0=hold"])
 def test_malformed_spec_names_the_entry_and_the_fix(bad: str) -> None:
-    with pytest.raises(faults.FaultSpecError, match="NAME\\[@N\\]=ACTION"):
+    with pytest.raises(faults.FaultSpecError, match="NAME\\[@N\\|@armed\\]=ACTION"):
         faults.parse(bad)
 
 
@@ -71,3 +72,18 @@ def test_raise_raises_on_the_nth_arrival_only(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(faults.InjectedFault, match="raise at unit.raise \\(arrival 2\\)"):
         faults.fault_point("unit.raise")
     faults.fault_point("unit.raise")  # and the third
+
+
+def test_an_armed_point_acts_once_on_the_first_arrival_after_arming(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(faults.ENV, "unit.armed@armed=raise")
+    monkeypatch.setenv(faults.DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(faults, "_seen", {})
+    for _ in range(3):
+        faults.fault_point("unit.armed")  # not armed yet: passes however often it is reached
+    faults.arm(tmp_path, "unit.armed")
+    with pytest.raises(faults.InjectedFault, match="arrival 4"):
+        faults.fault_point("unit.armed")
+    faults.fault_point("unit.armed")  # the arming is used up
+    assert not (tmp_path / "unit.armed.arm").exists()
