@@ -81,7 +81,30 @@ class Stack:
         finally:
             handle.close()
 
-    def _wait_ready(self, service: Service, timeout: float) -> None:
+    def restart(self, service: Service, *, timeout: float = 120.0, env: dict[str, str] | None = None) -> Service:
+        """Start ``service`` again (after it died or was killed), its log appended; ``env`` replaces its own extra
+        environment (e.g. without the fault a test injected). Ready as at the first start; the same arguments, so a
+        server comes back on the port it had (start servers on fixed ports when they may be restarted)."""
+        if service.proc is not None and service.proc.poll() is None:
+            raise StackError(f"{service.name} (pid {service.proc.pid}) is still running: stop it before a restart")
+        if env is not None:
+            service.env = env
+        assert service.log is not None
+        since = service.log.stat().st_size if service.log.exists() else 0
+        service.restarts += 1
+        self._spawn(service, "ab")
+        self._wait_ready(service, timeout, since=since)
+        return service
+
+    def kill(self, service: Service) -> int:
+        """SIGKILL the service's whole process group (a kill -9 of its container, harness children included); returns
+        the main process's exit status."""
+        assert service.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(service.proc.pid, signal.SIGKILL)
+        return service.proc.wait(30)
+
+    def _wait_ready(self, service: Service, timeout: float, *, since: int = 0) -> None:
         assert service.proc is not None and service.log is not None
         pattern = re.compile(service.ready_line) if service.ready_line else None
         deadline = time.monotonic() + timeout
@@ -91,7 +114,10 @@ class Stack:
                     f"{service.name} exited with {service.proc.returncode} during start-up:\n{self.tail(service)}"
                 )
             if pattern is not None:
-                match = pattern.search(service.log.read_text(errors="replace"))
+                with open(service.log, "rb") as handle:  # only what this start wrote: a restart appends
+                    handle.seek(since)
+                    text = handle.read().decode(errors="replace")
+                match = pattern.search(text)
                 if match:
                     service.found = match.group(1) if match.groups() else match.group(0)
                     return

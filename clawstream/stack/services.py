@@ -74,7 +74,7 @@ def start_engine(
                     "--model",
                     str(model),
                     "--port",
-                    "0",
+                    str(free_port()),  # fixed: a restarted engine answers where the proxy calls it
                     "--max-batch-size",
                     str(max_batch_size),
                 ],
@@ -92,7 +92,8 @@ def start_engine(
     vllm = stack.start(
         Service(
             "vllm",
-            ["clawstream", "vllm", "serve", "--model", str(model), "--port", "0", "--max-model-len", "16384"],
+            ["clawstream", "vllm", "serve", "--model", str(model), "--port", str(free_port())]
+            + ["--max-model-len", "16384"],
             ready_line=r"vLLM ready at (http://\S+:\d+)/v1",
         ),
         timeout=900,
@@ -187,6 +188,7 @@ def start_streams(
     ``harness_mix``: the batcher fills each batch toward these shares (it waits for a missing harness's group unless
     a backlog builds up); without it a batch takes whichever groups closed first."""
     prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
+    (run_dir / "streams").mkdir(parents=True, exist_ok=True)  # Faust creates its data dir, not the parents
     mix = {"CLAWSTREAM_STREAMS_HARNESS_MIX": json.dumps(harness_mix)} if harness_mix else {}
     return stack.start(
         Service(

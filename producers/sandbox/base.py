@@ -44,6 +44,12 @@ class SandboxSettings(BaseSettings):
     proxy_url: str = Field(default="http://127.0.0.1:8100", description="Serving proxy admin base URL.")
     proxy_admin_token: str = Field(default="", description="Bearer token of the proxy's admin API.")
     proxy_timeout_s: float = Field(default=90.0, description="Deadline of one admin call (seal waits for calls).")
+    proxy_connect_retries: int = Field(
+        default=60,
+        ge=0,
+        description="Admin calls refused at connect (the proxy restarting) are tried again this many times, 0.2 s "
+        "apart doubling to 2 s (60: about 2 min), before the attempt fails as an infrastructure failure.",
+    )
     proxy_lease_s: float = Field(
         default=30.0,
         gt=0,

@@ -69,8 +69,9 @@ class EventSink(Protocol):
 class ProxyAdmin:
     """Client of the proxy's admin API (``producers.proxy.admin``)."""
 
-    def __init__(self, url: str, token: str, timeout_s: float = 90.0) -> None:
+    def __init__(self, url: str, token: str, timeout_s: float = 90.0, connect_retries: int = 60) -> None:
         self.url, self.token, self.timeout_s = url.rstrip("/"), token, timeout_s
+        self.connect_retries = connect_retries
 
     async def _call(
         self,
@@ -79,14 +80,26 @@ class ProxyAdmin:
         body: dict[str, Any] | None = None,
         query: dict[str, str] | None = None,
     ) -> tuple[int, dict]:
+        """One admin call. Refused at connect (the proxy is restarting; nothing was sent) it is tried again, with
+        capped backoff, ``connect_retries`` times: a proxy restart must not burn a request's attempts in seconds."""
         headers = {"Authorization": f"Bearer {self.token}"}
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:
-                async with http.request(method, self.url + path, json=body, params=query, headers=headers) as resp:
-                    data = await resp.json(content_type=None) if resp.content_length != 0 else {}
-                    return resp.status, data or {}
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            raise ProxyError(f"proxy admin {method} {path} at {self.url}: {exc!r}") from exc
+        pause = 0.2
+        for retry in range(self.connect_retries + 1):
+            try:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:
+                    async with http.request(method, self.url + path, json=body, params=query, headers=headers) as r:
+                        data = await r.json(content_type=None) if r.content_length != 0 else {}
+                        return r.status, data or {}
+            except aiohttp.ClientConnectorError as exc:
+                if retry == self.connect_retries:
+                    raise ProxyError(f"proxy admin {method} {path} at {self.url}: {exc!r}") from exc
+                if retry % 10 == 0:
+                    log.warning("proxy admin %s %s at %s unreachable (%s): retrying", method, path, self.url, exc)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raise ProxyError(f"proxy admin {method} {path} at {self.url}: {exc!r}") from exc
+            await asyncio.sleep(pause)
+            pause = min(2.0, pause * 2)
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     @staticmethod
     def _scope(attempt_id: str | None, **flags: str) -> dict[str, str]:

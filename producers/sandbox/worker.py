@@ -116,7 +116,9 @@ class SandboxWorker:
     ) -> None:
         self.s, self.kafka = settings, kafka
         self.publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
-        proxy = ProxyAdmin(settings.proxy_url, settings.proxy_admin_token, settings.proxy_timeout_s)
+        proxy = ProxyAdmin(
+            settings.proxy_url, settings.proxy_admin_token, settings.proxy_timeout_s, settings.proxy_connect_retries
+        )
         self.ctx = RolloutContext(
             backend=backend or make_backend(settings),
             proxy=proxy,

@@ -122,3 +122,33 @@ async def test_a_live_lease_holds_the_rollout_and_a_lapsed_one_is_revoked_by_att
         for body_ in ({"rollout_id": "z", "lease_s": -1}, {"rollout_id": "z", "attempt": "first"}):
             async with http.post(f"{url}/admin/rollouts", json=body_, headers=ADMIN) as r:
                 assert r.status == 400 and "bad registration" in (await r.json())["error"], body_
+
+
+async def test_admin_calls_wait_for_a_restarting_proxy_instead_of_failing_the_attempt(
+    kafka_settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A proxy restarting (refusing connections) must not burn a request's attempts in seconds: the registration
+    waits for it, bounded by ``connect_retries``."""
+    from clawstream.stack.services import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ProxyError, match="ClientConnectorError"):  # the bound: no retries, fails at once
+        await ProxyAdmin(url, "admin", 15, connect_retries=0).register("r", attempt_id="r.a0.A", attempt=0)
+    caplog.set_level("WARNING", logger="clawstream.rollout")
+    caplog.clear()
+    task = asyncio.ensure_future(
+        ProxyAdmin(url, "admin", 15, connect_retries=100).register("r", attempt_id="r.a0.A", attempt=0, lease_s=30)
+    )
+    deadline = time.monotonic() + 10
+    while "unreachable" not in caplog.text:  # refused at least once: the proxy is down, the call waits
+        assert not task.done() and time.monotonic() < deadline, task
+        await asyncio.sleep(0.05)
+    async with (
+        ScriptedEngine(H.tiny_tokenizer(), ["one"]) as engine,
+        running_proxy(kafka_settings, engine.url, port=port),
+        aiohttp.ClientSession() as http,
+    ):
+        registered = await asyncio.wait_for(task, 30)
+        assert registered["secret"]
+        assert await chat(http, url, "r", registered["secret"]) == 200

@@ -27,10 +27,10 @@ from tests.support import proxy_helpers as H
 
 @asynccontextmanager
 async def running_proxy(
-    kafka: KafkaSettings, engine_url: str, *, host: str = "127.0.0.1", **overrides: Any
+    kafka: KafkaSettings, engine_url: str, *, host: str = "127.0.0.1", port: int = 0, **overrides: Any
 ) -> AsyncIterator[tuple[Proxy, str]]:
-    """A proxy on a free port of ``host`` (a docker test passes the docker bridge's address, where containers reach
-    it through the sandbox worker's relay); yields it and its URL."""
+    """A proxy on ``port`` (default a free one) of ``host`` (a docker test passes the docker bridge's address, where
+    containers reach it through the sandbox worker's relay); yields it and its URL."""
     settings = ProxySettings(
         model=H.tiny_model_dir(),
         engine_url=engine_url,
@@ -42,7 +42,7 @@ async def running_proxy(
     proxy = Proxy(settings, publisher, kafka.topic(CALLS), tokenizer=H.tiny_tokenizer())
     runner = web.AppRunner(proxy.app())
     await runner.setup()
-    await web.TCPSite(runner, host, 0).start()
+    await web.TCPSite(runner, host, port).start()
     url = f"http://{host}:{runner.addresses[0][1]}"
     proxy.public_url = url
     try:
