@@ -9,7 +9,10 @@ Two engines: ``cpu`` (default; a Hugging Face causal LM in this process behind t
 ``consumers.inference.weight_follower``) and ``vllm`` (no completions here: each version is applied to the vLLM
 server at ``--engine-url`` by ``consumers.inference.vllm_adapter``; ``GET /health`` only). Every HTTP response
 carries the ``X-Policy-Version`` header. The served model name is ``policy`` unless ``--served-model-name`` says
-otherwise (the CPU engine also answers to its model directory's name). Details: docs/inference.md#the-inference-worker.
+otherwise (the CPU engine also answers to its model directory's name). Following weights, the port opens once the
+newest published version is applied (at most ``catch_up_timeout_s``): a restarted engine never answers with version 0
+mid-run. Fault point ``engine.in_call``: a completion request read, not yet generated. Details:
+docs/inference.md#the-inference-worker.
 
 Run (the ``clawstream infer`` command calls :func:`main`)::
 
@@ -42,6 +45,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.faults import fault_point
 from clawbase.kafka.clients import check_broker
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from consumers.inference.metrics import EngineMetrics, ServedCounters, stats_values
@@ -107,6 +111,13 @@ class InferenceWorkerSettings(BaseSettings):
     )
     policy_version: int = Field(default=0, ge=0, description="Version of the weights in `model` at startup.")
     follow_weights: bool = Field(default=True, description="Consume clawstream.weights and apply new versions.")
+    catch_up_timeout_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="Following weights, the port opens once the newest published version is applied (a restarted "
+        "engine never answers a running loop with version 0; meanwhile a proxy's calls find it away and retry), "
+        "or after this many seconds, serving what it has and still following. 0: open at once.",
+    )
     worker_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Names this instance in metrics (source 'inference-worker/<id>').",
@@ -188,6 +199,9 @@ class CompletionServer:
         def deliver(outcome: Any) -> None:  # scheduler thread → event loop
             loop.call_soon_threadsafe(lambda: None if future.done() else future.set_result(outcome))
 
+        # Fault point: the request is read and checked, nothing of it generated or answered. A hold here blocks the
+        # event loop (no other request is answered either) until released: meant for a kill -9 of a busy engine.
+        fault_point("engine.in_call")
         request_id = self.engine.submit(parsed.prompts, parsed.params, deliver)
         try:
             outcome = await future
@@ -275,6 +289,17 @@ async def _report_stats(reporter: Any, engine: Any, interval: float) -> None:
         await asyncio.to_thread(reporter.metric, "inference_stats", engine.policy_version, values)
 
 
+async def _caught_up(follower: Any, timeout_s: float, stop: asyncio.Event) -> bool:
+    """Wait until ``follower`` applied the newest version published before it started (or found none), at most
+    ``timeout_s``; returns whether it did. Ends early when ``stop`` is set."""
+    deadline = time.monotonic() + timeout_s
+    while not follower.caught_up.is_set():
+        if stop.is_set() or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
 async def serve(
     settings: InferenceWorkerSettings, kafka: KafkaSettings | None, stop: asyncio.Event | None = None
 ) -> None:
@@ -328,16 +353,25 @@ async def serve(
             stats_task = asyncio.create_task(_report_stats(reporter, engine, settings.metrics_interval_s))
 
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    address = runner.addresses[0] if runner.addresses else (settings.host, settings.port)
-    print(
-        f"[infer] {settings.engine} engine serving '{settings.name()}' (policy version {target.policy_version}) "
-        f"on http://{address[0]}:{address[1]}",
-        flush=True,
-    )
     try:
+        caught = follower is None or await _caught_up(follower, settings.catch_up_timeout_s, stop)
+        if not caught and not stop.is_set():
+            log.warning(
+                "weights not caught up within catch_up_timeout_s=%g: serving version %d, still following",
+                settings.catch_up_timeout_s,
+                target.policy_version,
+            )
+        if stop.is_set():
+            return
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        address = runner.addresses[0] if runner.addresses else (settings.host, settings.port)
+        print(
+            f"[infer] {settings.engine} engine serving '{settings.name()}' (policy version {target.policy_version}) "
+            f"on http://{address[0]}:{address[1]}",
+            flush=True,
+        )
         await stop.wait()
     finally:
         if stats_task is not None:

@@ -226,7 +226,8 @@ class WeightsFollower:
     def _catch_up(self, consumer: Any, ends: dict[int, int]) -> None:
         """Read what the topic held at startup; apply the newest version for our model (older ones as fallback)."""
         candidates: list[tuple[Message, WeightVersion]] = []
-        # No deadline: the engine keeps serving the version it has while this catches up, however long it takes.
+        # No deadline: past the server's catch_up_timeout_s (its port stays closed until then) the engine serves the
+        # version it has while this catches up, however long it takes.
         for msg in read_to_end(
             consumer, self.topic, ends, timeout=None, poll_timeout=self.poll_timeout, stop=self._stop.is_set
         ):

@@ -7,7 +7,8 @@ with the rollout's secret as API key (``x-api-key`` or ``Authorization: Bearer``
 Out: engine calls (``producers.proxy.engine_client``) and one ``CallEvent`` per served call to
 ``clawstream.calls`` (``producers.proxy.call_event``), published *before* the answer is released.
 Errors come in the caller's dialect: 400 bad JSON/schema, 401 auth (also after the seal), 413 too large, 502
-engine, 503 Kafka (the rollout is flagged infrastructure failure). Details: docs/method.md#the-proxys-http-interface.
+engine (after ``engine_retries`` while it is away), 503 Kafka; a 502 or 503 flags the rollout infrastructure failure.
+Details: docs/method.md#the-proxys-http-interface.
 
 Run: ``python -m producers.proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` (env
 ``CLAWSTREAM_PROXY_*``, Kafka from ``CLAWSTREAM_KAFKA_*``).
@@ -93,7 +94,16 @@ class ProxySettings(BaseSettings):
     )
     default_ttl_s: float = Field(default=6 * 3600, description="Lifetime of a rollout's secret unless registered.")
     default_max_tokens: int = Field(default=4096, description="Generation cap when the rollout sets none.")
-    engine_timeout_s: float = Field(default=900.0, description="Longest wait for one engine answer (then 502).")
+    engine_timeout_s: float = Field(
+        default=900.0, gt=0, description="Longest wait for one engine answer, retries included (then 502)."
+    )
+    engine_retries: int = Field(
+        default=90,
+        ge=0,
+        description="Times one call is sent again while the engine is away (refused, reset, disconnected mid-call, "
+        "503 while loading), after a backoff doubling from 0.2 s to 2 s: 90 wait ~3 min, an engine restart with "
+        "room to spare; within engine_timeout_s. Then 502 and the rollout is flagged infra_failure. 0: no retry.",
+    )
     keepalive_s: float = Field(default=5.0, description="SSE keep-alive period while the engine works.")
     publish_timeout_s: float = Field(default=30.0, description="Kafka delivery deadline per call (then 503).")
     seal_wait_s: float = Field(default=60.0, description="How long a seal waits for calls still in flight.")
@@ -126,7 +136,11 @@ class Proxy:
         )
         self.metrics = ProxyMetrics()
         self.engine = EngineClient(
-            settings.engine_url, settings.engine_model, settings.engine_timeout_s, self.template.im_end_id
+            settings.engine_url,
+            settings.engine_model,
+            settings.engine_timeout_s,
+            self.template.im_end_id,
+            retries=settings.engine_retries,
         )
         self.admin = Admin(
             self.template,
@@ -296,14 +310,21 @@ class Proxy:
         async def work() -> emit.Answer:
             max_tokens = min(parsed.max_tokens or rollout.max_tokens, rollout.max_tokens)
             t_engine = time.perf_counter()
-            reply = await self.engine.complete(
-                rendered.prompt_ids,
-                max_tokens,
-                temperature=rollout.temperature,
-                top_p=rollout.top_p,
-                top_k=rollout.top_k,
-                seed=None if rollout.seed is None else rollout.seed + rollout.next_seq,
-            )
+            try:  # the client asks again, the same payload, while the engine is away (engine_retries)
+                reply = await self.engine.complete(
+                    rendered.prompt_ids,
+                    max_tokens,
+                    temperature=rollout.temperature,
+                    top_p=rollout.top_p,
+                    top_k=rollout.top_k,
+                    seed=None if rollout.seed is None else rollout.seed + rollout.next_seq,
+                    rollout_id=rollout.rollout_id,
+                )
+            except ApiError as exc:
+                if exc.status >= 500:  # the engine failed, not the harness: never graded as the policy's zero
+                    rollout.infra_failure = f"engine call: {exc.message}"
+                    log.error("rollout %s: %s", rollout.rollout_id, exc.message)
+                raise
             gen = reply.token_ids
             times["engine_ms"] = (time.perf_counter() - t_engine) * 1000
             turn = parse_turn(self.template.decode(gen))

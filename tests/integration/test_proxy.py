@@ -276,7 +276,11 @@ async def test_bad_inputs_answer_in_dialect_and_publish_nothing(kafka_settings, 
 @pytest.mark.parametrize("dialect", ["anthropic", "chat", "responses"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_engine_down_is_502_in_dialect(kafka_settings, dialect, stream) -> None:
-    async with running_proxy(kafka_settings, "http://127.0.0.1:9") as (_proxy, url), aiohttp.ClientSession() as http:
+    # engine_retries=0: the engine is gone for good (tests/integration/test_proxy_engine_restart.py waits for one)
+    async with (
+        running_proxy(kafka_settings, "http://127.0.0.1:9", engine_retries=0) as (_proxy, url),
+        aiohttp.ClientSession() as http,
+    ):
         a = await register(http, url, rollout_id=f"d-{dialect}-{stream}")
         status, out = await call(http, url, a["rollout_id"], a["secret"], dialect, request_body(dialect, [], stream))
         assert status == 502
@@ -285,6 +289,8 @@ async def test_engine_down_is_502_in_dialect(kafka_settings, dialect, stream) ->
             assert err["error"]["type"] == "api_error"
         else:
             assert err["error"]["code"] == "engine_unavailable"
+        sealed = await seal(http, url, a["rollout_id"])  # an infrastructure failure: re-issued, never a zero reward
+        assert sealed["status"] == "infra_failure" and "engine" in sealed["infra_failure"], sealed
     assert consume_calls(kafka_settings, {a["rollout_id"]}, 1, timeout=5) == []
 
 
