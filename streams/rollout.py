@@ -13,12 +13,13 @@ Kafka, so no rollout is given up before the worker itself waited the full interv
 Records. Duplicates (same call id, same lifecycle state, same reward) are ignored. A record of a settled rollout is
 *late* (dead-lettered with the reason) — except the STARTED event of a re-issued attempt after an infrastructure
 failure, which reopens the rollout (a STARTED of a newer attempt also supersedes an unsettled attempt, which then
-settles as INFRA_FAILURE first). Calls carry their attempt id: a call of another attempt than the one being assembled
-is held apart (a re-issue's or re-run's calls that arrive before its STARTED event) and joins when its attempt becomes
-the assembled one, so a superseded attempt's trajectory holds exactly its own calls. Held calls of an attempt that
-never starts are forgotten with the rollout. Calls without an attempt id (older records) count for whichever attempt
-is assembled. Lifecycle moves that ``schemas.lifecycle`` forbids are rejected (a terminal event without STARTED is
-accepted: STARTED may be lost). Pure: no Kafka, no Faust; used by ``streams.assemble``.
+settles as INFRA_FAILURE first). Calls and rewards carry their attempt id: one of another attempt than the one being
+assembled is held apart (a re-issue's or re-run's records that arrive before its STARTED event: topics are not ordered
+with each other) and joins when its attempt becomes the assembled one, so a superseded attempt's trajectory holds
+exactly its own calls. Held records of an attempt that never starts are forgotten with the rollout. Calls without an
+attempt id (older records) count for whichever attempt is assembled. Lifecycle moves that ``schemas.lifecycle``
+forbids are rejected (a terminal event without STARTED is accepted: STARTED may be lost). Pure: no Kafka, no Faust;
+used by ``streams.assemble``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class RolloutAccumulator:
     settled: dict[str, Any] | None = None  # status, at_ms, attempt_id once the trajectory went out
     call_attempts: dict[str, str] = field(default_factory=dict)  # call id → attempt id, taken before it was known
     held: dict[str, list[str]] = field(default_factory=dict)  # attempt id → its calls, while another is assembled
+    held_rewards: dict[str, dict[str, Any]] = field(default_factory=dict)  # attempt id → its reward, the same way
 
     # ---- serialisation ----------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -178,6 +180,8 @@ class RolloutAccumulator:
             self.held.setdefault(self.call_attempts[cid], []).append(cid)
         self.call_attempts = {}
         self.call_ids += [c for c in self.held.pop(attempt_id, []) if c not in self.call_ids]
+        if attempt_id in self.held_rewards and self.reward is None:
+            self.reward = self.held_rewards.pop(attempt_id)
 
     def held_call_ids(self) -> list[str]:
         return [c for calls in self.held.values() for c in calls]
@@ -260,6 +264,9 @@ class RolloutAccumulator:
 
     def on_reward(self, rew: RewardEvent, now_ms: int) -> Outcome:
         if self.settled:
+            reissue = rew.attempt_id != self.settled["attempt_id"]
+            if reissue and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE:
+                return self._hold_reward(rew, now_ms)  # a re-issue's reward before its STARTED reopens the rollout
             return self._late(f"reward of attempt {rew.attempt_id}", now_ms)
         if self.reward is not None:
             same = (self.reward["attempt_id"], self.reward["status"], self.reward["reward"])
@@ -272,26 +279,45 @@ class RolloutAccumulator:
                 f"{self.reward['reward']})",
             )
         if self.attempt_id is not None and rew.attempt_id != self.attempt_id:
-            return Outcome(
-                Verdict.REJECTED,
-                f"reward of attempt {rew.attempt_id}, but rollout {self.rollout_id} "
-                f"is assembling attempt {self.attempt_id}",
-            )
+            # Topics are not ordered with each other: a re-run's or re-issue's reward may come before the STARTED
+            # that makes its attempt the assembled one (seen after a streams restart caught up on a backlog). Held
+            # like its calls; it joins if that attempt is assembled, and is forgotten with the rollout otherwise.
+            return self._hold_reward(rew, now_ms)
         if rew.attempt_id != self.attempt_id:
             self._assemble_attempt(rew.attempt_id)
-        self.reward = {
+        self.reward = self._reward_fields(rew)
+        return self._touch(now_ms)
+
+    @staticmethod
+    def _reward_fields(rew: RewardEvent) -> dict[str, Any]:
+        return {
             "attempt_id": rew.attempt_id,
             "status": rew.status.value,
             "reward": rew.reward,
             "reason": rew.reason,
             "grader": rew.grader,
         }
-        return self._touch(now_ms)
+
+    def _hold_reward(self, rew: RewardEvent, now_ms: int) -> Outcome:
+        fields = self._reward_fields(rew)
+        known = self.held_rewards.get(rew.attempt_id)
+        if known is not None:
+            if known == fields:
+                return self._duplicate()
+            return Outcome(
+                Verdict.REJECTED,
+                f"second, different reward for attempt {rew.attempt_id} of rollout {self.rollout_id} (first: "
+                f"{known['status']} {known['reward']})",
+            )
+        self.held_rewards[rew.attempt_id] = fields
+        return Outcome(Verdict.ACCEPTED) if self.settled else self._touch(now_ms)
 
     def _reopen(self, now_ms: int) -> None:
         """A re-issued attempt starts after an infrastructure failure: forget the failed attempt (not the request)."""
         log.info("rollout %s reopened for a new attempt after %s", self.rollout_id, self.settled)
-        fresh = RolloutAccumulator(self.rollout_id, now_ms, now_ms, request=self.request, held=self.held)
+        fresh = RolloutAccumulator(
+            self.rollout_id, now_ms, now_ms, request=self.request, held=self.held, held_rewards=self.held_rewards
+        )
         self.__dict__.update(fresh.__dict__)
 
     # ---- settling ---------------------------------------------------------------------------------------------

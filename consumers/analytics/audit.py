@@ -133,6 +133,11 @@ def format_report(report: AuditReport, prefix: str) -> str:
         f"  lost {tally['lost']}, duplicated {tally['duplicated']}, trained twice {tally['trained twice']}, "
         f"inconsistent {tally['inconsistent']}, undecodable {len(report.undecodable)}",
     ]
+    if report.reruns_set_aside:
+        lines.append(
+            f"  {report.reruns_set_aside} second run(s) of a request whose first run was trained, set aside (a worker "
+            "died between a reward and releasing its rollout; docs/faults.md)"
+        )
     if report.violations:
         lines += ["", "violations:"] + [f"  [{v.kind}] {v.rule}: {v.detail}" for v in report.violations[:50]]
         if len(report.violations) > 50:

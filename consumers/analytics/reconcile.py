@@ -6,7 +6,9 @@ topic, and every violation with the record it is about. The rules, each a guaran
 
 1. every started attempt has exactly one terminal status — its reward event, or, for an attempt whose worker died
    before grading, the trajectory the streams settled it into — and its lifecycle moves are allowed ones;
-2. every settled attempt is in exactly one trajectory, and a trajectory's reward is that attempt's own reward;
+2. every settled attempt is in exactly one trajectory, and a trajectory's reward is that attempt's own reward — but
+   of two runs of one request (same rollout id and request attempt: a worker died after the first one's reward and
+   before releasing it, docs/faults.md) exactly one is trained, the other counted as a re-run set aside;
 3. every trajectory is in at most one batch; every sealed batch has exactly the records its seal announces;
 4. every batch is trained at most once, and only a sealed batch; weight versions are contiguous from 1;
 5. dead letters are listed with their reasons (not a violation: the system's way to set bad input aside).
@@ -16,6 +18,7 @@ Idempotent and order-free: the same records give the same report however often a
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,13 @@ from schemas.events import RolloutState
 from schemas.lifecycle import can_transition
 
 LOST, DUPLICATED, TRAINED_TWICE, INCONSISTENT = "lost", "duplicated", "trained twice", "inconsistent"
+_REQUEST_ATTEMPT = re.compile(r"\.a(\d+)\.[^.]*$")  # attempt ids are {rollout_id}.a{attempt}.{random}
+
+
+def request_of(rollout_id: str, attempt_id: str) -> tuple[str, str]:
+    """(rollout id, request attempt number) of an attempt id; the id itself when it does not have that form."""
+    match = _REQUEST_ATTEMPT.search(attempt_id)
+    return (rollout_id, match.group(1) if match else attempt_id)
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,7 @@ class AuditReport:
     violations: list[Violation]
     dead_letters: dict[str, int]  # "source: reason" → count
     undecodable: list[str]
+    reruns_set_aside: int = 0  # second runs of a request whose first run was trained (rule 2)
 
     @property
     def clean(self) -> bool:
@@ -136,6 +147,7 @@ class AuditReport:
             "violations": [vars(v) for v in self.violations],
             "dead_letters": self.dead_letters,
             "undecodable": self.undecodable,
+            "reruns_set_aside": self.reruns_set_aside,
         }
 
 
@@ -143,7 +155,7 @@ def reconcile(log: RunLog) -> AuditReport:
     """Check every rule over ``log``; see the module docstring."""
     out: list[Violation] = []
     attempts = _check_attempts(log, out)
-    settled = _check_trajectories(log, attempts, out)
+    settled, reruns = _check_trajectories(log, attempts, out)
     batched, sealed = _check_batches(log, out)
     trained = _check_versions(log, sealed, out)
     dead = Counter(
@@ -160,6 +172,7 @@ def reconcile(log: RunLog) -> AuditReport:
         violations=out,
         dead_letters=dict(dead.most_common()),
         undecodable=[f"{where}: {error}" for error, where in log.undecodable],
+        reruns_set_aside=reruns,
     )
 
 
@@ -203,8 +216,8 @@ def _check_attempts(log: RunLog, out: list[Violation]) -> dict[str, list[Reward]
     return {a: rewards.get(a, []) for a in set(moves) | set(rewards)}
 
 
-def _check_trajectories(log: RunLog, attempts: dict[str, list[Reward]], out: list[Violation]) -> int:
-    """Rule 2. Returns the number of attempts settled into a trajectory."""
+def _check_trajectories(log: RunLog, attempts: dict[str, list[Reward]], out: list[Violation]) -> tuple[int, int]:
+    """Rule 2. Returns the number of attempts settled into a trajectory, and of re-runs set aside."""
     by_attempt: dict[str, list[Settled]] = defaultdict(list)
     for t in log.trajectories:
         by_attempt[t.attempt_id].append(t)
@@ -230,14 +243,19 @@ def _check_trajectories(log: RunLog, attempts: dict[str, list[Reward]], out: lis
                     f"{[r.reward for r in own]}",
                 )
             )
+    trained_requests = {request_of(t.rollout_id, t.attempt_id) for t in log.trajectories if t.status != "INFRA_FAILURE"}
+    reruns = 0
     for attempt_id, own in sorted(attempts.items()):
         if own and attempt_id not in by_attempt:  # (started, never graded: rule 1 reports it)
+            if request_of(own[0].rollout_id, attempt_id) in trained_requests:
+                reruns += 1
+                continue
             out.append(
                 Violation(
                     LOST, "one trajectory", f"attempt {attempt_id} of {own[0].rollout_id} settled in no trajectory"
                 )
             )
-    return len(by_attempt)
+    return len(by_attempt), reruns
 
 
 def _check_batches(log: RunLog, out: list[Violation]) -> tuple[int, set[str]]:

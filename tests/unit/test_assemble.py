@@ -417,6 +417,46 @@ def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> Non
     assert acc.on_event(started("r.a0.second"), 10).verdict is Verdict.SUPERSEDES
 
 
+def test_a_reruns_reward_read_before_its_started_event_joins_it() -> None:
+    """The re-run's reward (rewards topic) is read before its STARTED (rollout events topic): the topics are not
+    ordered with each other. It is held, not rejected, and joins when the re-run supersedes the unfinished attempt,
+    also through the assembler's settle-and-reopen, and also from a restarted worker's state."""
+    rig = Rig()
+
+    def started(attempt_id: str) -> RolloutEvent:
+        return RolloutEvent(
+            rollout_id="r",
+            policy_version=0,
+            timestamp_ms=0,
+            attempt_id=attempt_id,
+            state=RolloutState.STARTED,
+            group_id="t|h|0",
+            harness="h",
+            attempt=0,
+        )
+
+    reward = RewardEvent(
+        rollout_id="r",
+        policy_version=0,
+        timestamp_ms=0,
+        attempt_id="r.a0.second",
+        status=RewardStatus.OK,
+        grader="g",
+        reward=0.5,
+    )
+    core = rig.core()
+    assert core.on_record(started("r.a0.first"), b"", 0, 0).rejected is None
+    assert core.on_record(reward, b"", 0, 5).rejected is None  # held: its attempt is not the assembled one yet
+    assert core.on_record(reward, b"", 0, 6).rejected is None  # the same reward again: a duplicate
+    result = rig.core().on_record(started("r.a0.second"), b"", 0, 10)  # a restarted worker reads the rest
+    assert result.rejected is None
+    [superseded] = result.trajectories
+    assert superseded.attempt_id == "r.a0.first" and superseded.status is TrajectoryStatus.INFRA_FAILURE
+    acc = rig.core()._load("r", 10)
+    assert acc.attempt_id == "r.a0.second" and acc.reward is not None and acc.reward["reward"] == 0.5
+    assert acc.held_rewards == {}
+
+
 def test_trainable_segments_carry_their_calls_sampling_settings() -> None:
     """Each generated segment gets its own call's (temperature, top_p, top_k); context segments none."""
     r, rig = rollout(), Rig()

@@ -146,3 +146,28 @@ def test_dead_letters_are_listed_not_violations() -> None:
     log.dead_letters.append(("streams", "undecodable value: bad magic", at("dead")))
     report = reconcile(log)
     assert report.clean and report.dead_letters == {"streams: undecodable value: bad magic": 1}
+
+
+def test_a_second_run_of_a_trained_request_is_set_aside_but_a_lost_reissue_is_not() -> None:
+    """A worker died after a run's reward and before releasing it: the request ran again (same request attempt, new
+    attempt id) and only the first run was trained — a re-run set aside, not a loss. A re-issue after an
+    infrastructure failure (a higher request attempt) that reached no trajectory is still lost."""
+    log = clean_run(rollouts=2, batches=1)
+    rerun = "r0-0.a0.second"
+    log.lifecycle += [
+        Lifecycle("r0-0", rerun, RolloutState.STARTED, at("events")),
+        Lifecycle("r0-0", rerun, RolloutState.HARNESS_EXITED, at("events")),
+    ]
+    log.rewards.append(Reward("r0-0", rerun, "OK", 0.5, at("rewards")))
+    for t in log.trajectories:  # attempt ids of the real form: {rollout_id}.a{attempt}.{random}
+        object.__setattr__(t, "attempt_id", t.attempt_id.replace("#0", ".a0.first"))
+    for rec in (*log.lifecycle, *log.rewards):
+        object.__setattr__(rec, "attempt_id", rec.attempt_id.replace("#0", ".a0.first"))
+    for entry in log.batches:
+        if entry.trajectory is not None:
+            object.__setattr__(entry.trajectory, "attempt_id", entry.trajectory.attempt_id.replace("#0", ".a0.first"))
+    report = reconcile(log)
+    assert report.clean and report.reruns_set_aside == 1, report.violations
+    reissue = "r0-1.a1.again"  # attempt 1 of r0-1: nothing trained it
+    log.rewards.append(Reward("r0-1", reissue, "OK", 1.0, at("rewards")))
+    assert kinds(log) == [(LOST, "one trajectory")]
