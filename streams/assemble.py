@@ -79,6 +79,12 @@ class Assembler:
         if outcome.verdict is Verdict.SUPERSEDES:  # settle the old attempt as an infra failure, then start the new
             result.trajectories.append(self._settle(acc, now_ms, forced=None, superseded=outcome.reason))
             outcome = self._apply(acc, event, now_ms)
+        elif outcome.verdict is Verdict.OLDER_RUN:  # the older run ended: settled apart, the newer one goes on
+            assert isinstance(event, RolloutEvent)
+            older = acc.older_run(event)
+            result.trajectories.append(self._settle(older, now_ms, forced=None, superseded=outcome.reason))
+            self._save(acc, partition)
+            return result
         if outcome.verdict is Verdict.ACCEPTED:
             if isinstance(event, CallEvent):
                 self.calls[call_key(acc.rollout_id, event.call_id)] = raw

@@ -16,7 +16,8 @@ failure, which reopens the rollout (a STARTED of a newer attempt also supersedes
 settles as INFRA_FAILURE first). Calls and rewards carry their attempt id: one of another attempt than the one being
 assembled is held apart (a re-issue's or re-run's records that arrive before its STARTED event: topics are not ordered
 with each other) and joins when its attempt becomes the assembled one, so a superseded attempt's trajectory holds
-exactly its own calls. Held records of an attempt that never starts are forgotten with the rollout. Calls without an
+exactly its own calls (an older run's STARTED read after the newer run's records settles apart, superseded). Held
+records of an attempt that never starts are forgotten with the rollout. Calls without an
 attempt id (older records) count for whichever attempt is assembled. Lifecycle moves that ``schemas.lifecycle``
 forbids are rejected (a terminal event without STARTED is accepted: STARTED may be lost). Pure: no Kafka, no Faust;
 used by ``streams.assemble``.
@@ -65,6 +66,9 @@ class RolloutAccumulator:
     call_attempts: dict[str, str] = field(default_factory=dict)  # call id → attempt id, taken before it was known
     held: dict[str, list[str]] = field(default_factory=dict)  # attempt id → its calls, while another is assembled
     held_rewards: dict[str, dict[str, Any]] = field(default_factory=dict)  # attempt id → its reward, the same way
+    held_reward_ms: dict[str, int] = field(default_factory=dict)  # attempt id → its held reward's timestamp_ms
+    attempt_first_ms: int | None = None  # earliest event time (timestamp_ms) of the assembled attempt's records
+    older_runs: list[str] = field(default_factory=list)  # older runs of the request settled apart (OLDER_RUN)
 
     # ---- serialisation ----------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -180,8 +184,14 @@ class RolloutAccumulator:
             self.held.setdefault(self.call_attempts[cid], []).append(cid)
         self.call_attempts = {}
         self.call_ids += [c for c in self.held.pop(attempt_id, []) if c not in self.call_ids]
+        self.attempt_first_ms = None
         if attempt_id in self.held_rewards and self.reward is None:
             self.reward = self.held_rewards.pop(attempt_id)
+            self._saw(self.held_reward_ms.pop(attempt_id, None))
+
+    def _saw(self, timestamp_ms: int | None) -> None:
+        if timestamp_ms is not None and (self.attempt_first_ms is None or timestamp_ms < self.attempt_first_ms):
+            self.attempt_first_ms = timestamp_ms
 
     def held_call_ids(self) -> list[str]:
         return [c for calls in self.held.values() for c in calls]
@@ -217,6 +227,12 @@ class RolloutAccumulator:
             else:
                 return self._late(f"lifecycle {ev.state.value} of attempt {ev.attempt_id}", now_ms)
         if self.attempt_id is not None and ev.attempt_id != self.attempt_id:
+            if ev.attempt_id in self.older_runs:
+                return self._duplicate()
+            if ev.state is RolloutState.STARTED and ev.attempt == self.attempt and self.attempt_first_ms is not None:
+                if ev.timestamp_ms < self.attempt_first_ms:  # the assembled run began after this one (topics are
+                    # not ordered with each other: its reward was read first): this older run ended, settled apart
+                    return Outcome(Verdict.OLDER_RUN, f"attempt {self.attempt_id} of the same request ran after it")
             # A re-issue (higher attempt number), or a re-run of the same request after its worker died mid-rollout
             # (same number, new attempt id: Kafka cannot count redeliveries) while the current attempt never ended.
             rerun = ev.attempt == self.attempt and self.terminal is None
@@ -240,6 +256,7 @@ class RolloutAccumulator:
         self.attempt = ev.attempt
         if ev.attempt_id != self.attempt_id:
             self._assemble_attempt(ev.attempt_id)
+        self._saw(ev.timestamp_ms)
         info = {
             "attempt_id": ev.attempt_id,
             "harness": ev.harness,
@@ -286,7 +303,24 @@ class RolloutAccumulator:
         if rew.attempt_id != self.attempt_id:
             self._assemble_attempt(rew.attempt_id)
         self.reward = self._reward_fields(rew)
+        self._saw(rew.timestamp_ms)
         return self._touch(now_ms)
+
+    def older_run(self, ev: RolloutEvent) -> RolloutAccumulator:
+        """The accumulator of ``ev``'s run, older than the assembled one (verdict OLDER_RUN): its STARTED and its
+        held calls, to be settled apart as superseded; remembered, so a replay of ``ev`` is a duplicate."""
+        self.older_runs.append(ev.attempt_id)
+        info = {"attempt_id": ev.attempt_id, "harness": ev.harness, "group_id": ev.group_id}
+        return RolloutAccumulator(
+            self.rollout_id,
+            self.first_ms,
+            self.last_ms,
+            call_ids=self.held.pop(ev.attempt_id, []),
+            attempt=ev.attempt,
+            attempt_id=ev.attempt_id,
+            started={**info, "policy_version": ev.policy_version},
+            request=self.request,
+        )
 
     @staticmethod
     def _reward_fields(rew: RewardEvent) -> dict[str, Any]:
@@ -310,13 +344,21 @@ class RolloutAccumulator:
                 f"{known['status']} {known['reward']})",
             )
         self.held_rewards[rew.attempt_id] = fields
+        self.held_reward_ms[rew.attempt_id] = rew.timestamp_ms
         return Outcome(Verdict.ACCEPTED) if self.settled else self._touch(now_ms)
 
     def _reopen(self, now_ms: int) -> None:
         """A re-issued attempt starts after an infrastructure failure: forget the failed attempt (not the request)."""
         log.info("rollout %s reopened for a new attempt after %s", self.rollout_id, self.settled)
         fresh = RolloutAccumulator(
-            self.rollout_id, now_ms, now_ms, request=self.request, held=self.held, held_rewards=self.held_rewards
+            self.rollout_id,
+            now_ms,
+            now_ms,
+            request=self.request,
+            held=self.held,
+            held_rewards=self.held_rewards,
+            held_reward_ms=self.held_reward_ms,
+            older_runs=self.older_runs,
         )
         self.__dict__.update(fresh.__dict__)
 

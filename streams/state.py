@@ -31,6 +31,7 @@ class Verdict(StrEnum):
     LATE = "late"  # the entity already settled / closed → dead letter
     REJECTED = "rejected"  # contradicts what is known → dead letter
     SUPERSEDES = "supersedes"  # a newer attempt started: settle the current one first, then apply again
+    OLDER_RUN = "older run"  # an older run's STARTED read after the newer run's records: settle that run apart
 
 
 @dataclass(frozen=True)

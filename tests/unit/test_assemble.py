@@ -509,3 +509,45 @@ def test_earliest_due_tells_the_timer_whether_a_tick_would_visit_anything() -> N
     assert core.on_tick(P, due - 1).trajectories == []
     assert [t.rollout_id for t in core.on_tick(P, last + 1000).trajectories] == ["r-1"]
     assert core.deadlines.earliest(P) == last + 1000 + 50_000  # now only the forget time of the settled rollout
+
+
+def test_an_older_runs_started_read_after_the_newer_runs_reward_is_settled_apart() -> None:
+    """Two runs of one request (the first one's worker died): the newer run's reward is read before the older run's
+    STARTED (topics are not ordered with each other). The older run is settled apart as superseded, the newer one
+    goes on and completes with its reward; replaying the older STARTED changes nothing."""
+    rig = Rig()
+
+    def event(attempt_id: str, state: RolloutState, ts: int) -> RolloutEvent:
+        return RolloutEvent(
+            rollout_id="r",
+            policy_version=0,
+            timestamp_ms=ts,
+            attempt_id=attempt_id,
+            state=state,
+            group_id="t|h|0",
+            harness="h",
+            attempt=0,
+            calls_served=0 if state is RolloutState.HARNESS_EXITED else None,
+        )
+
+    newer = RewardEvent(
+        rollout_id="r",
+        policy_version=0,
+        timestamp_ms=300,
+        attempt_id="r.a0.newer",
+        status=RewardStatus.OK,
+        grader="g",
+        reward=0.5,
+    )
+    assert rig.core().on_record(newer, b"", P, 0).rejected is None
+    result = rig.core().on_record(event("r.a0.older", RolloutState.STARTED, 100), b"", P, 10)
+    assert result.rejected is None
+    [older] = result.trajectories
+    assert older.attempt_id == "r.a0.older" and older.status is TrajectoryStatus.INFRA_FAILURE
+    again = rig.core().on_record(event("r.a0.older", RolloutState.STARTED, 100), b"", P, 15)  # a replay
+    assert again.rejected is None and again.trajectories == []
+    for state, ts in ((RolloutState.STARTED, 200), (RolloutState.HARNESS_EXITED, 250)):
+        assert rig.core().on_record(event("r.a0.newer", state, ts), b"", P, 20).rejected is None
+    [done] = rig.tick(10_000_000)
+    assert done.attempt_id == "r.a0.newer" and done.reward == 0.5  # (DROPPED here: a run without calls)
+    assert done.status is not TrajectoryStatus.INFRA_FAILURE
