@@ -34,6 +34,9 @@ FAULT_TESTS = (
     "tests/integration/test_sandbox_worker_kill.py",
     "tests/integration/test_sandbox_rebalance.py",
     "tests/integration/test_kafka_cluster.py",
+    "tests/integration/test_proxy_engine_restart.py",
+    "tests/integration/test_scheduler_restart.py",
+    "tests/e2e/test_stack_kills.py",
 )
 
 

@@ -46,6 +46,7 @@ from clawbase.kafka.clients import (
     where,
 )
 from clawbase.settings import KafkaSettings
+from clawbase.watchdog import deadline
 from learner.attempts import FILE_NAME, StepAttempts
 from learner.config import LearnerConfig, LearnerSettings
 from learner.logit_scale import LogitScale
@@ -67,6 +68,7 @@ from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, Wei
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
 log = logging.getLogger("clawstream.learner")
+TXN_DEADLINE_S = 90.0  # transactional calls time out at 60 s; past this one they hung (clawbase.watchdog)
 
 
 @dataclass
@@ -164,7 +166,8 @@ class Learner:
 
     # ---- the top loop: poll batch → logprobs → loss → step → publish -----------------------------------------------
     def run(self) -> int:
-        self.producer.init_transactions(60)
+        with deadline("init_transactions", TXN_DEADLINE_S):
+            self.producer.init_transactions(60)
         self._resume()
         self.consumer.subscribe([self.kafka.topic(BATCHES)])
         steps = 0
@@ -177,8 +180,9 @@ class Learner:
                 self._dead_letter(batch, problem)
             else:
                 self._publish_version(batch, metrics)
-            self._commit_offsets(batch)
-            self.producer.commit_transaction(60)
+            with deadline("commit of a step", TXN_DEADLINE_S):  # a broker restart mid-transaction hung here
+                self._commit_offsets(batch)
+                self.producer.commit_transaction(60)
             self.attempts.forget(self._key(batch))  # a batch dead-lettered for its kills: done with
             steps += 1
             if self.settings.max_steps is not None and steps >= self.settings.max_steps:
@@ -381,7 +385,8 @@ class Learner:
         letter = dead_letter_of(msg, "learner", str(exc), type(exc).__name__)
         self.producer.begin_transaction()
         produce_reliably(self.producer, self.kafka.topic(DEADLETTER), msg.key(), letter.to_bytes())
-        self.producer.commit_transaction(60)
+        with deadline("commit of a dead letter", TXN_DEADLINE_S):
+            self.producer.commit_transaction(60)
 
     def _resume(self) -> None:
         """Load the newest published version of this model (read_committed), if any."""

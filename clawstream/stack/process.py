@@ -3,8 +3,9 @@
 Each service is the same ``python -m …`` entry point an operator would run by hand, started in its own process
 group with its output in ``<log_dir>/<name>.log``; readiness is a line it prints (a regex) or an HTTP endpoint
 answering. ``Stack.stop`` sends SIGTERM to every group in reverse start order, then SIGKILL after a grace period.
-A service that exits with ``RESTART_EXIT`` (a streams worker evicted from its group: ``streams.eos.close_dirty``)
-is restarted by ``Stack.check``, up to ``MAX_RESTARTS`` times. Pure process plumbing: no Kafka.
+``Stack.check`` is the supervisor: a service that exits with ``RESTART_EXIT`` (a streams worker evicted from its group:
+``streams.eos.close_dirty``), or one marked ``restart`` that dies (a broker outage it did not ride out), is started
+again, up to ``MAX_RESTARTS`` times; any other death stops the run. Pure process plumbing: no Kafka.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Service:
     ready_line: str | None = None  # regex on an output line; group 1 (if any) is captured as `found`
     ready_url: str | None = None  # GET answering < 500
     may_finish: bool = False  # a job (not a server): exiting 0 is success, not a death
+    restart: bool = False  # started again when it dies (every service resumes from the log), as compose's on-failure
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     found: str | None = None
@@ -132,14 +134,21 @@ class Stack:
         raise StackError(f"{service.name} was not ready within {timeout:.0f}s:\n{self.tail(service)}")
 
     def check(self) -> None:
-        """Restart a service that asked for it (``RESTART_EXIT``); raise if any other died."""
+        """Restart a service that asked for it (``RESTART_EXIT``) or is marked ``restart``; raise if any other died."""
         for service in self.services:
             code = service.proc.poll() if service.proc is not None else None
-            if code == RESTART_EXIT and service.restarts < MAX_RESTARTS:
+            if code is None or (service.may_finish and code == 0):
+                continue
+            if (code == RESTART_EXIT or service.restart) and service.restarts < MAX_RESTARTS:
                 service.restarts += 1
-                print(f"{service.name} exited with {code} (restart me): restart {service.restarts}", file=sys.stderr)
+                why = "restart me" if code == RESTART_EXIT else "died"
+                print(
+                    f"{service.name} exited with {code} ({why}): restart {service.restarts} of {MAX_RESTARTS}; its "
+                    f"log ended:\n{self.tail(service, 8)}",
+                    file=sys.stderr,
+                )
                 self._spawn(service, "ab")
-            elif code is not None and not (service.may_finish and code == 0):
+            else:
                 raise StackError(f"{service.name} died with {code}:\n{self.tail(service)}")
 
     def tail(self, service: Service, lines: int = 25) -> str:

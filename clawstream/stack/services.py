@@ -80,6 +80,7 @@ def start_engine(
                 ],
                 env=threads,
                 ready_line=r"on (http://\S+:\d+)",
+                restart=True,
             )
         )
         return str(found.found)
@@ -95,6 +96,7 @@ def start_engine(
             ["clawstream", "vllm", "serve", "--model", str(model), "--port", str(free_port())]
             + ["--max-model-len", "16384"],
             ready_line=r"vLLM ready at (http://\S+:\d+)/v1",
+            restart=True,
         ),
         timeout=900,
     )
@@ -103,6 +105,7 @@ def start_engine(
             "engine",
             ["consumers.inference.server", "--engine", "vllm", "--engine-url", str(vllm.found), "--port", "0"],
             ready_line=r"on (http://\S+:\d+)",
+            restart=True,
         )
     )
     return str(vllm.found)
@@ -148,6 +151,7 @@ def start_rollout_side(
                 token,
             ],
             ready_url=f"{proxy_url}/metrics",
+            restart=True,
         )
     )
     env = {"CLAWSTREAM_SANDBOX_SUITES": json.dumps(suites)} if suites else {}
@@ -167,6 +171,7 @@ def start_rollout_side(
                 f"{prefix}sandbox-workers",
             ],
             env=env,
+            restart=True,
         )
     )
     return RolloutSide(engine_url, proxy_url, token)
@@ -204,6 +209,7 @@ def start_streams(
                 "CLAWSTREAM_STREAMS_GROUP_TIMEOUT_S": str(group_timeout_s),
                 "CLAWSTREAM_STREAMS_SETTLE_INTERVAL_S": str(settle_interval_s),
             },
+            restart=True,
         )
     )
 
@@ -230,6 +236,7 @@ def start_learner(
                 *hp,
             ],
             env=threads,
+            restart=True,
         )
     )
 
@@ -238,7 +245,13 @@ def start_scheduler(stack: Stack, steps: int, settings: dict[str, object]) -> Se
     """The scheduler in train mode for ``steps`` steps; ``settings`` are ``SchedulerSettings`` fields."""
     env = {f"CLAWSTREAM_SCHEDULER_{k.upper()}": v if isinstance(v, str) else json.dumps(v) for k, v in settings.items()}
     return stack.start(
-        Service("scheduler", ["producers.scheduler.service", "--steps", str(steps)], env=env, may_finish=True)
+        Service(
+            "scheduler",
+            ["producers.scheduler.service", "--steps", str(steps)],
+            env=env,
+            may_finish=True,
+            restart=True,  # train mode resumes from the log (nothing issued twice)
+        )
     )
 
 
