@@ -17,7 +17,8 @@ running it; a lease that lapsed (the holder's worker died) is revoked, scoped to
 re-run under a new attempt id.
 A dead worker's harness died with it (``PR_SET_PDEATHSIG``) and its sandbox is removed by any worker's sweep.
 
-Run: ``python -m producers.sandbox.worker [--concurrency N] [--proxy-url URL --proxy-admin-token T]``
+Run: ``python -m producers.sandbox.worker [--concurrency N] [--proxy-url URL]`` (admin token in
+``CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN``)
 (env ``CLAWSTREAM_SANDBOX_*``, Kafka from ``CLAWSTREAM_KAFKA_*``); SIGTERM finishes running rollouts, then exits.
 """
 
@@ -139,6 +140,7 @@ class SandboxWorker:
         self.fatal: BaseException | None = None
         self._consumer = None
         self._paused = False
+        self._reassigned = False  # an assignment came in: set its pause state again (see _on_assign)
         self._stopping = False
 
     # --- consumer callbacks (run inside poll, on the loop's thread) ---------------------------------------------
@@ -148,7 +150,10 @@ class SandboxWorker:
     def _on_assign(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
         self.owned.update((p.topic, p.partition) for p in partitions)
         log.info("assigned %s", [f"{p.topic}[{p.partition}]" for p in partitions])
-        self._paused = False  # new partitions start unpaused: re-evaluate pausing on the next loop turn
+        # librdkafka keeps a partition's pause flag across its loss and re-assignment (a broker restart: the worker
+        # paused while full, its partitions lost, then assigned again — it fetched nothing for good): the loop sets
+        # the pause state of the whole assignment again on its next turn.
+        self._reassigned = True
 
     def _on_revoke(self, consumer, partitions: list[TopicPartition]) -> None:  # noqa: ANN001
         tps = [(p.topic, p.partition) for p in partitions]
@@ -260,9 +265,9 @@ class SandboxWorker:
         try:
             while not stop.is_set() and self.fatal is None:
                 full = len(self.tasks) - self.waiting >= self.s.concurrency
-                if full != self._paused and consumer.assignment():
+                if (full != self._paused or self._reassigned) and consumer.assignment():
                     (consumer.pause if full else consumer.resume)(consumer.assignment())
-                    self._paused = full
+                    self._paused, self._reassigned = full, False
                 msg = consumer.poll(0)
                 self._commit()
                 if msg is None:
@@ -326,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int)
     parser.add_argument("--backend", choices=("local", "docker"))
     parser.add_argument("--proxy-url")
-    parser.add_argument("--proxy-admin-token")
+    parser.add_argument(
+        "--proxy-admin-token",
+        help="the proxy's admin token; prefer CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN: a flag is readable by every local "
+        "process in /proc/PID/cmdline",
+    )
     parser.add_argument("--group-id")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
