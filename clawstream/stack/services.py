@@ -147,14 +147,15 @@ def start_rollout_side(
                 engine_url,
                 "--port",
                 str(port),
-                "--admin-token",
-                token,
             ],
+            env={"CLAWSTREAM_PROXY_ADMIN_TOKEN": token},  # never on a command line: /proc/*/cmdline is world-readable
             ready_url=f"{proxy_url}/metrics",
             restart=True,
         )
     )
-    env = {"CLAWSTREAM_SANDBOX_SUITES": json.dumps(suites)} if suites else {}
+    env = {"CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": token}
+    if suites:
+        env["CLAWSTREAM_SANDBOX_SUITES"] = json.dumps(suites)
     prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
     stack.start(
         Service(
@@ -165,8 +166,6 @@ def start_rollout_side(
                 str(concurrency),
                 "--proxy-url",
                 proxy_url,
-                "--proxy-admin-token",
-                token,
                 "--group-id",
                 f"{prefix}sandbox-workers",
             ],

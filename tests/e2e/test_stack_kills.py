@@ -106,6 +106,13 @@ def _short_sessions(stack: Stack) -> None:
     )
 
 
+def _no_token_on_a_command_line(stack: Stack) -> None:
+    """The proxy's admin token reaches proxy and worker by environment: /proc/PID/cmdline is world-readable."""
+    token = next(s for s in stack.services if s.name == "proxy").env["CLAWSTREAM_PROXY_ADMIN_TOKEN"]
+    cmdlines = {p.name: p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()}
+    assert not [pid for pid, line in cmdlines.items() if token.encode() in line], "the admin token is on a command line"
+
+
 def _kill_and_restart(stack: Stack, watch: RunWatch, kill: Kill, fault_dir: Path) -> float:
     """Wait for the kill's state, SIGKILL the service's process group, start it again; returns the kill's time."""
     service = _service(stack, kill.service)
@@ -139,6 +146,7 @@ def test_every_service_killed_and_restarted_in_one_stack(kafka_settings: KafkaSe
     killed_at: dict[str, float] = {}
     try:
         _start(stack, model, tmp_path / "run")
+        _no_token_on_a_command_line(stack)
         for kill in KILLS:
             killed_at[kill.service] = _kill_and_restart(stack, watch, kill, fault_dir)
         watch.wait_for(f"version {STEPS} out", lambda w: w.version >= STEPS, WAIT_S * 2, stack.check)
