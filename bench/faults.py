@@ -35,6 +35,7 @@ FAULT_TESTS = (
     "tests/integration/test_sandbox_rebalance.py",
     "tests/integration/test_kafka_cluster.py",
     "tests/integration/test_proxy_engine_restart.py",
+    "tests/integration/test_proxy_restart.py",
     "tests/integration/test_scheduler_restart.py",
     "tests/e2e/test_stack_kills.py",
 )

@@ -206,6 +206,9 @@ class CallEvent(Event):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # 0 = off
+    # The conversation a follow-up extends (request messages + this answer): its length and digest chain (hex).
+    conversation_messages: int | None = None
+    conversation_digest: str | None = None
 
 
 @dataclass
@@ -340,6 +343,34 @@ class DeadLetter(Event):
     original_value: bytes | None = None
 
 
+@dataclass
+class ProxyRegistration(Event):
+    """The latest state of a rollout's registration with a proxy (compacted topic; never the secret, its sha256)."""
+
+    SCHEMA: ClassVar[str] = "ProxyRegistration"
+
+    rollout_id: str
+    timestamp_ms: int
+    proxy: str
+    expires_at_ms: int
+    policy_version: int | None = None
+    attempt_id: str | None = None
+    attempt: int | None = None
+    finished: bool = False
+    secret_sha256: str = ""
+    registered_at_ms: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 0
+    seed: int | None = None
+    lease_s: float | None = None
+    sealed: bool = False
+    calls_served: int = 0
+    infra_failure: str | None = None
+    calls_offsets: dict[str, int] = field(default_factory=dict)  # partition (decimal) -> offset of clawstream.calls
+
+
 ALL_EVENTS: tuple[type[Event], ...] = (
     RolloutRequest,
     RolloutEvent,
@@ -350,4 +381,5 @@ ALL_EVENTS: tuple[type[Event], ...] = (
     WeightVersion,
     Metric,
     DeadLetter,
+    ProxyRegistration,
 )

@@ -1,7 +1,8 @@
 """The topic catalog: every clawstream topic, its key, value schema, partition count and configs.
 
 ``calls``, ``rollout.events`` and ``rewards`` are co-partitioned (same partition count, all keyed by rollout id)
-so the Faust assembler can join them per partition. Pure: creation lives in
+so the Faust assembler can join them per partition. ``proxy.registrations`` is compacted (the latest record per
+rollout id; a tombstone forgets one). Pure: creation lives in
 ``clawbase.kafka.clients``; what a topic spec is, in ``clawbase.kafka.topic_spec``.
 """
 
@@ -29,6 +30,7 @@ BATCHES = "clawstream.batches"
 WEIGHTS = "clawstream.weights"
 METRICS = "clawstream.metrics"
 DEADLETTER = "clawstream.deadletter"
+PROXY_REGISTRATIONS = "clawstream.proxy.registrations"
 
 CATALOG: tuple[TopicSpec, ...] = (
     TopicSpec(
@@ -94,6 +96,15 @@ CATALOG: tuple[TopicSpec, ...] = (
         1,
         {**_BIG, "retention.ms": "-1"},
         description="any → operators (rejected records + reason)",
+    ),
+    # Compacted: the latest state of each rollout's proxy registration; a restarted proxy reads it whole at start.
+    TopicSpec(
+        PROXY_REGISTRATIONS,
+        "rollout_id",
+        "ProxyRegistration",
+        1,
+        {"cleanup.policy": "compact"},
+        description="proxy → proxy (its registrations, restored after a restart)",
     ),
 )
 

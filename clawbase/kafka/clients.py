@@ -169,7 +169,7 @@ def produce_reliably(
     producer: Producer,
     topic: str,
     key: bytes | None,
-    value: bytes,
+    value: bytes | None,
     *,
     on_delivery: Callable[..., None] | None = None,
     timeout: float = 60.0,

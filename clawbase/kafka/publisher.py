@@ -1,13 +1,14 @@
 """Publish records to Kafka from asyncio, waiting for each delivery (never dropping a record).
 
-Used by every asyncio service: the proxy (call events), the sandbox worker (lifecycle, rewards, dead letters) and
-the scheduler (rollout requests).
+Used by every asyncio service: the proxy (call events, registrations), the sandbox worker (lifecycle, rewards,
+dead letters) and the scheduler (rollout requests).
 
 ``KafkaPublisher.publish`` produces one record (idempotent producer, ``acks=all``, zstd: see
-``clawbase.kafka.clients``) and awaits its delivery report. A full local queue (``BufferError``) makes the caller
-wait and retry while the poll thread drains it; if the delivery is not confirmed within ``timeout`` seconds (broker
-unreachable, topic missing...) :class:`PublishError` is raised (the proxy then answers 503). librdkafka's own
-``message.timeout.ms`` is set to the same deadline so a record the proxy gave up on is not delivered much later.
+``clawbase.kafka.clients``; a None value is a tombstone) and awaits its delivery report. A full local queue
+(``BufferError``) makes the caller wait and retry while the poll thread drains it; if the delivery is not confirmed
+within ``timeout`` seconds (broker unreachable, topic missing...) :class:`PublishError` is raised (the proxy then
+answers 503). librdkafka's own ``message.timeout.ms`` is set to the same deadline so a record the proxy gave up on
+is not delivered much later.
 A daemon thread calls ``producer.poll`` so delivery callbacks run while the event loop serves requests.
 """
 
@@ -28,7 +29,7 @@ class PublishError(ClawstreamError):
 
 
 class Publisher(Protocol):
-    async def publish(self, topic: str, key: str, value: bytes, timeout: float) -> None: ...
+    async def publish(self, topic: str, key: str, value: bytes | None, timeout: float) -> None: ...
 
     def close(self) -> None: ...
 
@@ -45,7 +46,7 @@ class KafkaPublisher:
         while not self._stop.is_set():
             self._producer.poll(0.05)
 
-    async def publish(self, topic: str, key: str, value: bytes, timeout: float) -> None:
+    async def publish(self, topic: str, key: str, value: bytes | None, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 

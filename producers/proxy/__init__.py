@@ -5,9 +5,11 @@ each request to prompt token ids token-in-token-out (``render``), call the engin
 protocol, parse the finished turn (``tool_parse``) and answer in the caller's dialect (``emit``), and record every
 call as a call event (``call_event``). Modules: ``app`` (aiohttp app, model-call routes), ``admin`` (rollouts, admin
 API), ``engine_client``, ``dialects`` (request side: ``PARSERS``), ``emit`` (response side: ``EMITTERS``),
-``conversation``, ``render``, ``tool_parse``, ``call_event``, ``metrics``.
+``conversation``, ``render``, ``tool_parse``, ``call_event``, ``metrics``, ``registry`` (registrations on Kafka)
+and ``restore`` (rebuilding them after a restart).
 
-Topics: HTTP from harnesses in → ``clawstream.calls`` out.
+Topics: HTTP from harnesses in → ``clawstream.calls`` out; ``clawstream.proxy.registrations`` out, read back at
+start.
 Run: ``clawstream proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` or
 ``python -m producers.proxy`` (the engine model defaults to ``policy``, the name ``clawstream infer`` serves).
 """

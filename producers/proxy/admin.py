@@ -11,6 +11,11 @@ One registration per rollout id, held by one attempt. A registration with ``leas
 renews it; a second registration of the id gets 409 naming the holder and whether it is live (or finished), and the
 client waits for a live one or revokes a dead one. ``?attempt_id=A`` scopes seal, renew and forget to attempt A:
 another attempt's registration of the id is left alone (409). Details: docs/method.md#the-proxys-http-interface.
+
+With a :class:`RegistrationStore` (``producers.proxy.registry``) each change of a rollout id's registration —
+register, seal, forget, an infrastructure failure — writes its current state to the compacted registrations topic
+(a tombstone once nothing is left to remember; renewals are not written), and :meth:`Admin.restore` puts back what a
+restarted proxy read there (``producers.proxy.restore``): the secret's sha256 only, checked in constant time.
 """
 
 from __future__ import annotations
@@ -18,25 +23,30 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from clawbase.kafka.publisher import PublishError
 from producers.proxy.conversation import Conversation, Message, transcript_messages
 from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.render import RolloutRenderer, TemplateRenderer
-from schemas.events import now_ms
+from producers.proxy.restore import Replayed, secret_matches, secret_sha256
+from schemas.events import ProxyRegistration, now_ms
+
+log = logging.getLogger("clawstream.proxy")
 
 
 @dataclass
 class Rollout:
     rollout_id: str
-    secret: str
+    secret: str | None  # None: restored after a restart, known by ``secret_sha256`` only
     expires_at_ms: int
     temperature: float
     top_p: float
@@ -57,6 +67,19 @@ class Rollout:
     errors: dict[int, int] = field(default_factory=dict)
     # The last main-agent call's conversation and the answer it got: the run's transcript, reported at seal.
     last_main: tuple[Conversation, Message] | None = None
+    secret_sha256: str = ""
+    registered_at_ms: int = 0
+    calls_offsets: dict[str, int] = field(default_factory=dict)  # where its call events start (registrations topic)
+    restored: bool = False  # put back after a proxy restart
+    refused: str | None = None  # its state could not be restored: calls get 401 with this reason
+
+    def accepts(self, key: str) -> bool:
+        """Whether ``key`` is this rollout's secret (constant-time; a restored rollout compares sha256 digests)."""
+        if not key:
+            return False
+        if self.secret is not None:
+            return hmac.compare_digest(key.encode(), self.secret.encode())
+        return secret_matches(key, self.secret_sha256)
 
     def live(self, now: int) -> bool:
         """Its holder renewed the lease in time (a registration without a lease is never presumed alive)."""
@@ -81,6 +104,7 @@ class Rollout:
             "status": "infra_failure" if self.infra_failure else "ok",
             "infra_failure": self.infra_failure,
             "errors": {str(k): v for k, v in self.errors.items()},
+            "restored": self.restored,
         }
 
 
@@ -93,6 +117,24 @@ class Finished:
     attempt_id: str | None
     attempt: int
     expires_at_ms: int
+
+
+class RegistrationStore(Protocol):
+    """Where the registrations are written (``producers.proxy.registry.RegistrationLog``)."""
+
+    def calls_offsets(self) -> dict[str, int]:
+        """Offsets of the calls topic per partition, taken before now: a new rollout's call events lie after them."""
+        ...
+
+    async def write(self, rollout_id: str, record: ProxyRegistration | None) -> None:
+        """Publish (acks=all, awaited) the rollout id's record, or a tombstone; ``PublishError`` when it failed."""
+        ...
+
+
+@dataclass
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 def _json_error(status: int, message: str, **fields: Any) -> web.HTTPException:
@@ -138,12 +180,16 @@ class Admin:
         default_max_tokens: int,
         seal_wait_s: float,
         finished_retention_s: float = 7200.0,
+        store: RegistrationStore | None = None,
     ) -> None:
         self.template, self.metrics, self.token, self.public_url = template, metrics, token, public_url
         self.default_ttl_s, self.default_max_tokens, self.seal_wait_s = default_ttl_s, default_max_tokens, seal_wait_s
         self.finished_retention_s = finished_retention_s
         self.rollouts: dict[str, Rollout] = {}
         self.finished: dict[str, Finished] = {}  # rollout id → its last finished attempt (forgotten with finished=1)
+        self.store = store
+        self._locks: dict[str, _KeyLock] = {}  # one writer of a rollout id's record at a time
+        self._background: set[asyncio.Task[None]] = set()
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/admin/rollouts", self._register)
@@ -191,9 +237,12 @@ class Admin:
             if lease_s is not None and not (math.isfinite(lease_s) and lease_s > 0):
                 raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
             temperature, top_p, top_k = sampling_settings(body)
+            secret = secrets.token_urlsafe(32)
             rollout = Rollout(
                 rollout_id=rid,
-                secret=secrets.token_urlsafe(32),
+                secret=secret,
+                secret_sha256=secret_sha256(secret),
+                registered_at_ms=now_ms(),
                 expires_at_ms=now_ms() + int(ttl * 1000),
                 temperature=temperature,
                 top_p=top_p,
@@ -210,7 +259,8 @@ class Admin:
             return web.json_response({"error": f"bad registration: {exc}"}, status=400)
         if not all(c.isalnum() or c in "-_." for c in rid):
             return web.json_response({"error": "rollout_id allows letters, digits, '-', '_', '.'"}, status=400)
-        self._sweep()
+        for swept in self._sweep():
+            self.sync_later(swept)
         held = self.rollouts.get(rid)
         if held is not None:  # the client waits for a live holder, revokes a dead one (scoped to its attempt id)
             live = "live" if held.live(now_ms()) else "not renewed"
@@ -232,6 +282,20 @@ class Admin:
             )
         self.rollouts[rid] = rollout
         self.metrics.rollouts.set(len(self.rollouts))
+        if self.store is not None:  # recorded before the secret is handed out, or not registered at all
+            rollout.calls_offsets = self.store.calls_offsets()
+            try:
+                await self._sync(rid)
+            except PublishError as exc:
+                if self.rollouts.get(rid) is rollout:
+                    del self.rollouts[rid]
+                    self.metrics.rollouts.set(len(self.rollouts))
+                self.sync_later(rid)
+                log.error("rollout %s: registration not recorded: %s", rid, exc)
+                return web.json_response(
+                    {"error": f"the registration could not be recorded (Kafka unavailable); retry later: {exc}"},
+                    status=503,
+                )
         return web.json_response(
             {
                 "rollout_id": rid,
@@ -254,6 +318,7 @@ class Admin:
         if rollout.in_flight and not rollout.infra_failure:
             rollout.infra_failure = f"{rollout.in_flight} call(s) still in flight at seal"
         rollout.renderer = RolloutRenderer(self.template)  # free the token state; the rollout is over
+        await self._sync_quietly(rollout.rollout_id)
         body = rollout.status()
         if rollout.last_main is not None:  # what the grader's transcript is built from (producers.tasks.transcript)
             body["messages"] = transcript_messages(*rollout.last_main)
@@ -279,11 +344,123 @@ class Admin:
         if request.query.get("finished") in ("1", "true") and rollout.attempt is not None:
             expires = now_ms() + int(self.finished_retention_s * 1000)
             self.finished[rollout.rollout_id] = Finished(rollout.attempt_id, rollout.attempt, expires)
+        await self._sync_quietly(rollout.rollout_id)
         return web.json_response(rollout.status())
 
-    def _sweep(self) -> None:
+    def _sweep(self) -> list[str]:
+        """Drop expired registrations and finished attempts; their rollout ids."""
         now = now_ms()
-        for rid in [r for r, ro in self.rollouts.items() if ro.expires_at_ms < now and not ro.in_flight]:
+        swept = [r for r, ro in self.rollouts.items() if ro.expires_at_ms < now and not ro.in_flight]
+        for rid in swept:
             del self.rollouts[rid]
-        for rid in [r for r, f in self.finished.items() if f.expires_at_ms < now]:
+        done = [r for r, f in self.finished.items() if f.expires_at_ms < now]
+        for rid in done:
             del self.finished[rid]
+        return swept + done
+
+    # --- the registrations topic ---------------------------------------------------------------------------------
+
+    def record_of(self, rid: str) -> ProxyRegistration | None:
+        """The current state of ``rid`` as a registrations-topic record (None: nothing to remember, a tombstone)."""
+        now = now_ms()
+        ro = self.rollouts.get(rid)
+        if ro is not None:
+            return ProxyRegistration(
+                rollout_id=rid,
+                timestamp_ms=now,
+                proxy=self.public_url,
+                expires_at_ms=ro.expires_at_ms,
+                attempt_id=ro.attempt_id,
+                attempt=ro.attempt,
+                secret_sha256=ro.secret_sha256,
+                registered_at_ms=ro.registered_at_ms,
+                temperature=ro.temperature,
+                top_p=ro.top_p,
+                top_k=ro.top_k,
+                max_tokens=ro.max_tokens,
+                seed=ro.seed,
+                lease_s=ro.lease_s,
+                sealed=ro.sealed,
+                calls_served=ro.calls_served,
+                infra_failure=ro.infra_failure,
+                calls_offsets=dict(ro.calls_offsets),
+            )
+        done = self.finished.get(rid)
+        if done is not None and done.expires_at_ms >= now:
+            return ProxyRegistration(
+                rollout_id=rid,
+                timestamp_ms=now,
+                proxy=self.public_url,
+                expires_at_ms=done.expires_at_ms,
+                attempt_id=done.attempt_id,
+                attempt=done.attempt,
+                finished=True,
+            )
+        return None
+
+    async def _sync(self, rid: str) -> None:
+        """Write ``rid``'s current state (one writer per id at a time, so the last write holds the last state)."""
+        if self.store is None:
+            return
+        entry = self._locks.setdefault(rid, _KeyLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                await self.store.write(rid, self.record_of(rid))
+        finally:
+            entry.users -= 1
+            if not entry.users:
+                self._locks.pop(rid, None)
+
+    async def _sync_quietly(self, rid: str) -> None:
+        """:meth:`_sync`, a failure logged: the change holds in memory; a restart would bring back the state before."""
+        try:
+            await self._sync(rid)
+        except PublishError as exc:
+            log.error("rollout %s: registration change not recorded: %s", rid, exc)
+
+    def sync_later(self, rid: str) -> None:
+        """Write ``rid``'s state in the background (a call's infrastructure failure, expired entries)."""
+        if self.store is None:
+            return
+        task = asyncio.ensure_future(self._sync_quietly(rid))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def restore(self, reg: ProxyRegistration, replayed: Replayed | None) -> Rollout:
+        """Put back a registration read after a restart (``replayed``: its calls; None for a sealed one), with a
+        fresh lease of its length."""
+        now = now_ms()
+        state = replayed or Replayed(RolloutRenderer(self.template), reg.calls_served, reg.calls_served)
+        rollout = Rollout(
+            rollout_id=reg.rollout_id,
+            secret=None,
+            secret_sha256=reg.secret_sha256,
+            expires_at_ms=reg.expires_at_ms,
+            temperature=reg.temperature,
+            top_p=reg.top_p,
+            top_k=reg.top_k,
+            max_tokens=reg.max_tokens,
+            seed=reg.seed,
+            renderer=state.renderer,
+            attempt_id=reg.attempt_id,
+            attempt=reg.attempt,
+            lease_s=reg.lease_s,
+            lease_expires_at_ms=None if reg.lease_s is None else now + int(reg.lease_s * 1000),
+            main_fingerprint=state.main_fingerprint,
+            next_seq=state.next_seq,
+            calls_served=state.calls_served,
+            sealed=reg.sealed,
+            infra_failure=reg.infra_failure or state.infra_failure,
+            registered_at_ms=reg.registered_at_ms,
+            calls_offsets=dict(reg.calls_offsets),
+            restored=True,
+            refused=state.infra_failure,
+        )
+        self.rollouts[reg.rollout_id] = rollout
+        self.metrics.rollouts.set(len(self.rollouts))
+        return rollout
+
+    def restore_finished(self, reg: ProxyRegistration) -> None:
+        if reg.attempt is not None:
+            self.finished[reg.rollout_id] = Finished(reg.attempt_id, reg.attempt, reg.expires_at_ms)

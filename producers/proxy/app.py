@@ -10,6 +10,8 @@ Errors come in the caller's dialect: 400 bad JSON/schema, 401 auth (also after t
 engine (after ``engine_retries`` while it is away), 503 Kafka; a 502 or 503 flags the rollout infrastructure failure.
 Details: docs/method.md#the-proxys-http-interface.
 
+Registrations (``persist_registrations``, on by default) are written to ``clawstream.proxy.registrations``; a
+restarted proxy restores them before it opens its port (``producers.proxy.registry``).
 Run: ``python -m producers.proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` (env
 ``CLAWSTREAM_PROXY_*``, Kafka from ``CLAWSTREAM_KAFKA_*``).
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import re
@@ -31,26 +32,28 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from confluent_kafka import KafkaException
 from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawbase.errors import ConfigError
-from clawbase.kafka.clients import check_broker
+from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.kafka.clients import check_broker, require_topics
 from clawbase.kafka.publisher import KafkaPublisher, Publisher, PublishError
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
-from producers.proxy.admin import Admin, Rollout
+from producers.proxy.admin import Admin, RegistrationStore, Rollout
 from producers.proxy.call_event import call_event
 from producers.proxy.conversation import CallKindRules, Message, ToolCall, classify_call
 from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custom_tool_names
 from producers.proxy.emit import EMITTERS, ApiError
 from producers.proxy.engine_client import EngineClient
 from producers.proxy.metrics import ProxyMetrics
+from producers.proxy.registry import RegistrationLog, restore_registrations
 from producers.proxy.render import RenderError, TemplateRenderer
 from producers.proxy.tool_parse import parse_turn
 from schemas.events import CallKind, Dialect, now_ms
-from schemas.topics import CALLS
+from schemas.topics import CALLS, PROXY_REGISTRATIONS
 
 log = logging.getLogger("clawstream.proxy")
 
@@ -110,12 +113,26 @@ class ProxySettings(BaseSettings):
     side_model_pattern: str = Field(default=CallKindRules.side_model_pattern, description="Regex: SIDE models.")
     compaction_pattern: str = Field(default=CallKindRules.compaction_pattern, description="Regex: COMPACTION.")
     short_system_chars: int = Field(default=4000, description="Tool-less calls with a shorter system prompt: SIDE.")
+    persist_registrations: bool = Field(
+        default=True,
+        description="Write every rollout registration (the secret's sha256, never the secret) to the compacted "
+        "topic clawstream.proxy.registrations, and restore them before the port opens, so a proxy restarted on the "
+        "same address serves the rest of its in-flight rollouts. Off: a restart forgets them (the sandbox worker "
+        "re-runs them as infrastructure failures).",
+    )
 
 
 class Proxy:
     """One proxy process: rollouts, renderer, engine client, publisher, metrics."""
 
-    def __init__(self, settings: ProxySettings, publisher: Publisher, topic: str, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        publisher: Publisher,
+        topic: str,
+        tokenizer: Any = None,
+        store: RegistrationStore | None = None,
+    ) -> None:
         self.s = settings
         self.publisher = publisher
         self.topic = topic
@@ -150,6 +167,7 @@ class Proxy:
             default_ttl_s=settings.default_ttl_s,
             default_max_tokens=settings.default_max_tokens,
             seal_wait_s=settings.seal_wait_s,
+            store=store,
         )
         self.rollouts = self.admin.rollouts
         # Parsing, rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
@@ -223,10 +241,12 @@ class Proxy:
         given = request.headers.get("x-api-key") or request.headers.get("Authorization", "").removeprefix("Bearer ")
         given = given.strip()
         # One message for every failure: a caller learns nothing about which rollouts exist.
-        if rollout is None or not given or not hmac.compare_digest(given.encode(), rollout.secret.encode()):
+        if rollout is None or not rollout.accepts(given):
             raise ApiError(401, "invalid API key for this rollout")
         if rollout.sealed:
             raise ApiError(401, "this rollout is sealed; its API key is revoked")
+        if rollout.refused:
+            raise ApiError(401, f"this rollout could not be restored after a proxy restart: {rollout.refused}")
         if rollout.expires_at_ms < now_ms():
             raise ApiError(401, "this rollout's API key has expired")
         return rollout
@@ -324,6 +344,7 @@ class Proxy:
                 if exc.status >= 500:  # the engine failed, not the harness: never graded as the policy's zero
                     rollout.infra_failure = f"engine call: {exc.message}"
                     log.error("rollout %s: %s", rollout.rollout_id, exc.message)
+                    self.admin.sync_later(rollout.rollout_id)  # a restart must not forget it
                 raise
             gen = reply.token_ids
             times["engine_ms"] = (time.perf_counter() - t_engine) * 1000
@@ -331,6 +352,7 @@ class Proxy:
             ids = [f"{emitter.tool_call_prefix}{uuid.uuid4().hex[:24]}" for _ in turn.tool_calls]
             calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
             answer_msg = Message("assistant", turn.text, turn.reasoning, calls)
+            conversation = rendered.answered(answer_msg.key())  # what a follow-up extends (recorded on the event)
             seq = rollout.next_seq
             rollout.next_seq += 1
             times["total_ms"] = (time.perf_counter() - t0) * 1000
@@ -345,12 +367,14 @@ class Proxy:
                 kind=kind,
                 timestamp_ms=received_ms,
                 times_ms=times,
+                conversation=conversation,
             )
             try:
                 await self.publisher.publish(self.topic, rollout.rollout_id, event.to_bytes(), self.s.publish_timeout_s)
             except PublishError as exc:
                 rollout.infra_failure = f"call {seq}: {exc}"
                 log.error("rollout %s: %s", rollout.rollout_id, exc)
+                self.admin.sync_later(rollout.rollout_id)
                 raise ApiError(503, "the call could not be recorded (Kafka unavailable); retry later") from exc
             await self._off_loop(rollout.renderer.record, call_id, seq, rendered, gen, answer_msg)
             if kind == CallKind.MAIN:
@@ -413,17 +437,42 @@ class Proxy:
 
 async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
     publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
-    proxy = Proxy(settings, publisher, kafka.topic(CALLS))
-    runner = web.AppRunner(proxy.app())
-    await runner.setup()
-    await web.TCPSite(runner, settings.host, settings.port).start()
-    log.info("proxy on http://%s:%s (engine %s)", settings.host, settings.port, settings.engine_url)
-    if settings.admin_token is None:
-        print(f"admin token: {proxy.admin.token}", flush=True)
+    store = RegistrationLog(kafka, publisher, settings.publish_timeout_s) if settings.persist_registrations else None
+    proxy = Proxy(settings, publisher, kafka.topic(CALLS), store=store)
+    refresh: asyncio.Task[None] | None = None
     try:
-        await asyncio.Event().wait()
+        if store is not None:  # before the port opens: no call reaches a rollout that is not back yet
+            t0 = time.perf_counter()
+            try:
+                live, finished, calls = await restore_registrations(store, proxy.admin)
+            except (ClawstreamError, KafkaException) as exc:
+                raise ConfigError(
+                    f"cannot restore the proxy's registrations from {store.topic}: {exc} (persist_registrations, "
+                    "CLAWSTREAM_PROXY_PERSIST_REGISTRATIONS=false: start without them)"
+                ) from exc
+            log.info(
+                "restored %d registrations (%d calls replayed) in %.2f s; %d finished attempts remembered",
+                live,
+                calls,
+                time.perf_counter() - t0,
+                finished,
+            )
+            refresh = asyncio.ensure_future(store.refresh_offsets())
+        runner = web.AppRunner(proxy.app())
+        await runner.setup()
+        await web.TCPSite(runner, settings.host, settings.port).start()
+        log.info("proxy on http://%s:%s (engine %s)", settings.host, settings.port, settings.engine_url)
+        if settings.admin_token is None:
+            print(f"admin token: {proxy.admin.token}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
+        if refresh is not None:
+            refresh.cancel()
+        if store is not None:
+            store.close()
         publisher.close()
 
 
@@ -443,6 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(ProxySettings, **overrides)
         kafka = kafka_settings(args)
         log.info("Kafka at %s", check_broker(kafka))  # fail now, naming the address tried
+        if settings.persist_registrations:
+            try:
+                require_topics(kafka, [PROXY_REGISTRATIONS])
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{exc} (persist_registrations, CLAWSTREAM_PROXY_PERSIST_REGISTRATIONS=false: run without "
+                    "restoring registrations after a restart)"
+                ) from exc
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -450,6 +507,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(settings, kafka))
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -29,8 +29,10 @@ def call_event(
     kind: CallKind,
     timestamp_ms: int,
     times_ms: dict[str, float],
+    conversation: tuple[int, bytes] | None = None,
 ) -> CallEvent:
-    """``times_ms``: the call's ``received_ms``, ``render_ms``, ``engine_ms`` and ``total_ms`` durations."""
+    """``times_ms``: the call's ``received_ms``, ``render_ms``, ``engine_ms`` and ``total_ms`` durations;
+    ``conversation``: (messages, digest chain) of the conversation a follow-up extends (``RenderResult.answered``)."""
     return CallEvent(
         rollout_id=rollout.rollout_id,
         policy_version=reply.policy_version,
@@ -61,4 +63,6 @@ def call_event(
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         top_k=rollout.top_k,
+        conversation_messages=None if conversation is None else conversation[0],
+        conversation_digest=None if conversation is None else conversation[1].hex(),
     )

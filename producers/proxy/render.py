@@ -7,6 +7,8 @@ An assistant segment equal to an answer the proxy returned earlier in the rollou
 that extends an earlier call renders only its new messages; otherwise the whole conversation is laid out again from
 a per-rollout segment cache and delta-encoded against the longest common prefix. Pure: no Kafka, no aiohttp.
 The rules in full (piecewise rendering, TITO, repeated answers, cost): docs/method.md#rendering-piece-by-piece.
+Each call's conversation (tools, message keys, its answer) also gets a digest chain (:func:`digest_extend`), recorded
+on its call event, so a restarted proxy matches follow-ups to calls it restored from events (:meth:`restore`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +35,34 @@ def _digest(prev: bytes, item: Any) -> bytes:
     h = hashlib.blake2b(prev, digest_size=16)
     h.update(json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
     return h.digest()
+
+
+def digest_start(tools_key: str) -> bytes:
+    """The digest chain of a conversation before its first message: its tool schemas (``Conversation.tools_key``)."""
+    return _digest(b"conversation", tools_key)
+
+
+def digest_extend(digest: bytes, keys: Iterable[Any]) -> bytes:
+    """The chain extended by message keys (``Message.key``), one link each: equal chains, equal key sequences."""
+    for key in keys:
+        digest = _digest(digest, key)
+    return digest
+
+
+class _PrefixDigests:
+    """Digest chains of a request's conversation prefixes, computed as far as asked (restored calls only)."""
+
+    def __init__(self, keys: tuple[str, tuple[Any, ...]]) -> None:
+        self.tools_key, self.messages = keys
+        self.chain: list[bytes] = []
+
+    def at(self, n: int) -> bytes:
+        """The chain over the tools and the first ``n`` message keys."""
+        if not self.chain:
+            self.chain.append(digest_start(self.tools_key))
+        while len(self.chain) <= n:
+            self.chain.append(_digest(self.chain[-1], self.messages[len(self.chain) - 1]))
+        return self.chain[n]
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -133,6 +164,10 @@ class CallRecord:
     # (tools key, message keys + answer key): the conversation a follow-up request extends. Kept for the last
     # ``match_window`` calls only (None for older ones), which bounds the memory to a few contexts per rollout.
     conversation: tuple[str, tuple[Any, ...]] | None = None
+    # That conversation's length and digest chain (:func:`digest_extend`): what a call restored from its call event
+    # (``conversation`` None) is matched by.
+    messages: int = 0
+    digest: bytes = b""
 
 
 @dataclass
@@ -143,10 +178,16 @@ class RenderResult:
     flags: list[str] = field(default_factory=list)
     rendered_tokens: int = 0  # ids produced by the template + tokenizer for this call (the CPU-cost driver)
     conversation: tuple[str, tuple[Any, ...]] | None = None  # (tools key, message keys) of the request
+    digest: bytes = b""  # the request's digest chain (tools + message keys)
 
     @property
     def new_tokens(self) -> list[int]:
         return self.prompt_ids[self.shared_prefix_len :]
+
+    def answered(self, answer_key: tuple[Any, ...]) -> tuple[int, bytes]:
+        """(messages, digest) of the conversation a follow-up extends: this request's plus the answer it got."""
+        messages = len(self.conversation[1]) if self.conversation is not None else 0
+        return messages + 1, digest_extend(self.digest, [answer_key])
 
 
 class RolloutRenderer:
@@ -216,8 +257,14 @@ class RolloutRenderer:
         keys = (conv.tools_key(), tuple(m.key() for m in conv.messages))
         counter = [0]
         best_j, parent = 0, None
+        prefixes = _PrefixDigests(keys)
         for rec in reversed(self.records[-self._match_window :]):
-            if rec.conversation is None or rec.conversation[0] != keys[0]:
+            if rec.conversation is None:  # restored from its call event: matched by its digest chain instead
+                j = rec.messages
+                if rec.digest and best_j < j <= len(keys[1]) and prefixes.at(j) == rec.digest:
+                    best_j, parent = j, rec
+                continue
+            if rec.conversation[0] != keys[0]:
                 continue
             j = len(rec.conversation[1])
             if best_j < j <= len(keys[1]) and keys[1][:j] == rec.conversation[1]:  # memcmp of the strings
@@ -226,7 +273,8 @@ class RolloutRenderer:
             shared = parent.prompt_ids + parent.generated_ids
             new = self._render_from(conv, keys[1], best_j, counter)
             prompt = shared + self.r.turn_suffix(parent.generated_ids) + new
-            return RenderResult(prompt, parent.call_id, len(shared), [], counter[0], keys)
+            digest = digest_extend(parent.digest, keys[1][best_j:])  # hashes the new messages only
+            return RenderResult(prompt, parent.call_id, len(shared), [], counter[0], keys, digest)
         # No earlier call is a prefix of this conversation: lay it out again, with TITO for known answers.
         start = 1 if _starts_with_system(conv) else 0
         header = self.r.header_ids(conv)
@@ -239,7 +287,8 @@ class RolloutRenderer:
             n = common_prefix_len(full, prompt)
             if n > best_len or (n == best_len and n > 0):  # ties: the later call
                 best, best_len = rec, n
-        return RenderResult(prompt, best.call_id if best else None, best_len, flags, counter[0], keys)
+        digest = prefixes.at(len(keys[1]))
+        return RenderResult(prompt, best.call_id if best else None, best_len, flags, counter[0], keys, digest)
 
     def record(
         self,
@@ -259,8 +308,28 @@ class RolloutRenderer:
         )
         if result.conversation is not None:
             rec.conversation = (result.conversation[0], (*result.conversation[1], rec.answer_key))
+        rec.messages, rec.digest = result.answered(rec.answer_key)
+        return self._append(rec)
+
+    def restore(
+        self,
+        call_id: str,
+        seq: int,
+        prompt_ids: list[int],
+        generated_ids: list[int],
+        answer_key: tuple[Any, ...],
+        messages: int,
+        digest: bytes,
+    ) -> CallRecord:
+        """Remember a call served before a restart, from its call event: as :meth:`record` did, except that its
+        conversation is known by its length and digest chain only (the event does not carry the messages)."""
+        rec = CallRecord(call_id, seq, list(prompt_ids), list(generated_ids), answer_key, None, messages, digest)
+        return self._append(rec)
+
+    def _append(self, rec: CallRecord) -> CallRecord:
         self.records.append(rec)
         if len(self.records) > self._match_window:
             self.records[-self._match_window - 1].conversation = None
+            self.records[-self._match_window - 1].digest = b""
         self._answers.setdefault(rec.answer_key, []).append(rec)
         return rec

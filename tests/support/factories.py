@@ -15,6 +15,7 @@ from schemas.events import (
     Dialect,
     Event,
     Metric,
+    ProxyRegistration,
     RewardEvent,
     RewardStatus,
     RolloutEvent,
@@ -86,7 +87,7 @@ def sample_trajectory(rollout_id: str = "r-1") -> Trajectory:
 
 
 def sample_events(rollout_id: str = "r-1") -> list[Event]:
-    """One event of each of the nine types, with non-default values in most fields."""
+    """One event of each of the ten types, with non-default values in most fields."""
     return [
         RolloutRequest(
             rollout_id=rollout_id,
@@ -143,6 +144,8 @@ def sample_events(rollout_id: str = "r-1") -> list[Event]:
             temperature=0.75,
             top_p=0.875,
             top_k=40,
+            conversation_messages=4,
+            conversation_digest="0f" * 16,
         ),
         RewardEvent(
             rollout_id=rollout_id,
@@ -200,5 +203,23 @@ def sample_events(rollout_id: str = "r-1") -> list[Event]:
             rollout_id=rollout_id,
             original_key=b"r-1",
             original_value=b"\x00garbage",
+        ),
+        ProxyRegistration(
+            rollout_id=rollout_id,
+            timestamp_ms=T0 + 8,
+            proxy="http://127.0.0.1:8100",
+            expires_at_ms=T0 + 3_600_000,
+            attempt_id="a-1",
+            attempt=1,
+            secret_sha256="ab" * 32,
+            registered_at_ms=T0 + 8,
+            temperature=0.75,
+            top_p=0.875,
+            top_k=40,
+            max_tokens=256,
+            seed=11,
+            lease_s=30.0,
+            calls_served=2,
+            calls_offsets={"0": 17, "3": 4},
         ),
     ]

@@ -39,7 +39,7 @@ def test_forbidden(current, new) -> None:
 
 def test_catalog_is_consistent() -> None:
     names = [s.name for s in CATALOG]
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 10
     for spec in CATALOG:
         default_codec().entry(spec.value_schema)  # every topic's value schema exists
         assert spec.partitions >= 1

@@ -133,6 +133,8 @@ async def test_the_overall_timeout_bounds_the_retries() -> None:
 
 async def test_retries_are_logged_on_the_first_and_every_tenth(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="clawstream.proxy.engine")
+    # another test's logging.config.dictConfig (Faust's worker set-up) may have disabled loggers that existed then
+    logging.getLogger("clawstream.proxy.engine").disabled = False
     async with raw_engine(["drop"] * 20) as (_engine, url), client(url, backoff_s=0.001, max_backoff_s=0.001) as c:
         await _complete(c)
     lines = [r.getMessage() for r in caplog.records if r.name == "clawstream.proxy.engine"]
