@@ -396,25 +396,28 @@ def test_silence_counts_only_while_the_worker_listens() -> None:
     assert len(rig2.core().on_tick(P, last + 5500, last + 4500).trajectories) == 1
 
 
+def event(attempt_id: str, state: RolloutState = RolloutState.STARTED, ts: int = 0) -> RolloutEvent:
+    """A lifecycle event of request attempt 0 of rollout ``r`` (runs of one request differ by attempt id)."""
+    return RolloutEvent(
+        rollout_id="r",
+        policy_version=0,
+        timestamp_ms=ts,
+        attempt_id=attempt_id,
+        state=state,
+        group_id="t|h|0",
+        harness="h",
+        attempt=0,
+        calls_served=0 if state is RolloutState.HARNESS_EXITED else None,
+    )
+
+
 def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> None:
     """Same request attempt number, new attempt id (the request was redelivered after the worker died mid-rollout):
     the unfinished attempt is settled as an infrastructure failure and the re-run is assembled."""
 
-    def started(attempt_id: str) -> RolloutEvent:
-        return RolloutEvent(
-            rollout_id="r",
-            policy_version=0,
-            timestamp_ms=0,
-            attempt_id=attempt_id,
-            state=RolloutState.STARTED,
-            group_id="t|h|0",
-            harness="h",
-            attempt=0,
-        )
-
     acc = RolloutAccumulator("r", 0, 0)
-    assert acc.on_event(started("r.a0.first"), 0).verdict is not Verdict.SUPERSEDES
-    assert acc.on_event(started("r.a0.second"), 10).verdict is Verdict.SUPERSEDES
+    assert acc.on_event(event("r.a0.first"), 0).verdict is not Verdict.SUPERSEDES
+    assert acc.on_event(event("r.a0.second"), 10).verdict is Verdict.SUPERSEDES
 
 
 def test_a_reruns_reward_read_before_its_started_event_joins_it() -> None:
@@ -422,18 +425,6 @@ def test_a_reruns_reward_read_before_its_started_event_joins_it() -> None:
     ordered with each other. It is held, not rejected, and joins when the re-run supersedes the unfinished attempt,
     also through the assembler's settle-and-reopen, and also from a restarted worker's state."""
     rig = Rig()
-
-    def started(attempt_id: str) -> RolloutEvent:
-        return RolloutEvent(
-            rollout_id="r",
-            policy_version=0,
-            timestamp_ms=0,
-            attempt_id=attempt_id,
-            state=RolloutState.STARTED,
-            group_id="t|h|0",
-            harness="h",
-            attempt=0,
-        )
 
     reward = RewardEvent(
         rollout_id="r",
@@ -445,10 +436,10 @@ def test_a_reruns_reward_read_before_its_started_event_joins_it() -> None:
         reward=0.5,
     )
     core = rig.core()
-    assert core.on_record(started("r.a0.first"), b"", 0, 0).rejected is None
+    assert core.on_record(event("r.a0.first"), b"", 0, 0).rejected is None
     assert core.on_record(reward, b"", 0, 5).rejected is None  # held: its attempt is not the assembled one yet
     assert core.on_record(reward, b"", 0, 6).rejected is None  # the same reward again: a duplicate
-    result = rig.core().on_record(started("r.a0.second"), b"", 0, 10)  # a restarted worker reads the rest
+    result = rig.core().on_record(event("r.a0.second"), b"", 0, 10)  # a restarted worker reads the rest
     assert result.rejected is None
     [superseded] = result.trajectories
     assert superseded.attempt_id == "r.a0.first" and superseded.status is TrajectoryStatus.INFRA_FAILURE
@@ -516,19 +507,6 @@ def test_an_older_runs_started_read_after_the_newer_runs_reward_is_settled_apart
     STARTED (topics are not ordered with each other). The older run is settled apart as superseded, the newer one
     goes on and completes with its reward; replaying the older STARTED changes nothing."""
     rig = Rig()
-
-    def event(attempt_id: str, state: RolloutState, ts: int) -> RolloutEvent:
-        return RolloutEvent(
-            rollout_id="r",
-            policy_version=0,
-            timestamp_ms=ts,
-            attempt_id=attempt_id,
-            state=state,
-            group_id="t|h|0",
-            harness="h",
-            attempt=0,
-            calls_served=0 if state is RolloutState.HARNESS_EXITED else None,
-        )
 
     newer = RewardEvent(
         rollout_id="r",
