@@ -35,7 +35,7 @@ from clawstream.demo.run import HARNESS_MIX
 from clawstream.stack.process import Service, Stack
 from clawstream.stack.services import stack_for, start_learner, start_rollout_side, start_scheduler, start_streams
 from consumers.analytics.audit import format_report, read_run
-from consumers.analytics.reconcile import reconcile
+from consumers.analytics.reconcile import AuditReport, reconcile
 from schemas.topics import CATALOG
 from tests.support.fault_report import FaultRow, record, stall_after
 from tests.support.run_watch import RunWatch
@@ -109,8 +109,14 @@ def _short_sessions(stack: Stack) -> None:
 def _no_token_on_a_command_line(stack: Stack) -> None:
     """The proxy's admin token reaches proxy and worker by environment: /proc/PID/cmdline is world-readable."""
     token = next(s for s in stack.services if s.name == "proxy").env["CLAWSTREAM_PROXY_ADMIN_TOKEN"]
-    cmdlines = {p.name: p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()}
-    assert not [pid for pid, line in cmdlines.items() if token.encode() in line], "the admin token is on a command line"
+    holders = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if token.encode() in path.read_bytes():
+                holders.append(path.parent.name)
+        except OSError:  # the process ended meanwhile
+            continue
+    assert not holders, f"the admin token is on the command line of pid(s) {holders}"
 
 
 def _kill_and_restart(stack: Stack, watch: RunWatch, kill: Kill, fault_dir: Path) -> float:
@@ -161,21 +167,21 @@ def test_every_service_killed_and_restarted_in_one_stack(kafka_settings: KafkaSe
     assert report.clean, text
     assert report.versions == STEPS and report.batches_trained == STEPS, text
     assert sorted(watch.versions) == list(range(1, STEPS + 1)), watch.versions  # each version published once
-    tally = report.tally()
     for kill in KILLS:
-        gap, recover = stall_after(killed_at[kill.service], watch.reward_times)
-        record(
-            FaultRow(
-                f"{kill.service} killed -9 in a running stack",
-                report.attempts,
-                len(watch.rewarded),
-                tally["lost"],
-                tally["duplicated"] + tally["trained twice"],
-                round(gap, 1),
-                round(recover, 1),
-                note=f"after v{kill.after_version}, " + (f"held at {kill.point}" if kill.point else "attempts running"),
-            )
+        how = f"held at {kill.point}" if kill.point else "attempts running"
+        _record(f"{kill.service} killed -9 in a running stack", killed_at[kill.service], report, watch, how)
+
+
+def _record(fault: str, at: float, report: AuditReport, watch: RunWatch, note: str) -> None:
+    """A row of the fault matrix: attempts started, rewards read, lost and doubled by the audit, reward stall."""
+    tally = report.tally()
+    gap, recover = stall_after(at, watch.reward_times)
+    dup = tally["duplicated"] + tally["trained twice"]
+    record(
+        FaultRow(
+            fault, report.attempts, len(watch.rewarded), tally["lost"], dup, round(gap, 1), round(recover, 1), note
         )
+    )
 
 
 BROKER_STEPS = 6
@@ -225,17 +231,5 @@ def test_the_single_broker_stopped_and_restarted_mid_run(tmp_path: Path) -> None
     print(text, f"\nrestarted by the supervisor: {restarts or 'none'}")
     assert report.clean, text
     assert report.versions == BROKER_STEPS and report.batches_trained == BROKER_STEPS, text
-    tally = report.tally()
-    gap, recover = stall_after(at, watch.reward_times)
-    record(
-        FaultRow(
-            "the single broker stopped and restarted in a running stack",
-            report.attempts,
-            len(watch.rewarded),
-            tally["lost"],
-            tally["duplicated"] + tally["trained twice"],
-            round(gap, 1),
-            round(recover, 1),
-            note=f"after v2, {running} attempts running; restarted by the supervisor: {restarts or 'none'}",
-        )
-    )
+    note = f"after v2, {running} attempts running; restarted by the supervisor: {restarts or 'none'}"
+    _record("the single broker stopped and restarted in a running stack", at, report, watch, note)
