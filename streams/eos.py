@@ -15,7 +15,9 @@ here. This module patches them:
 6. a partition's offset commits one past its highest acknowledged record (``EosConsumer._new_offset``);
 7. recovery asks the broker where each changelog ends (:class:`EosConsumerThread`);
 8. a rebalance commits every transaction before Faust drops the acknowledged offsets
-   (``EosConsumer.on_partitions_revoked``); a worker evicted meanwhile exits at once (``close_dirty``).
+   (``EosConsumer.on_partitions_revoked``); a worker evicted meanwhile exits at once (``close_dirty``);
+9. (both guarantees) a stream partition never committed is read from its start after a rebalance
+   (:func:`seek_uncommitted_to_start`).
 
 Use: :func:`install` on an exactly-once app; every agent calls :func:`start_agent`, then processes each record
 inside :func:`processing`.
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn, cast
 
 import faust
+from aiokafka import TopicPartition as AioTopicPartition
 from faust.streams import current_event
 from faust.tables.recovery import Recovery
 from faust.transport.consumer import TransactionManager
@@ -401,11 +404,33 @@ async def _seek_then_resume(recovery: Recovery) -> None:
     if assignment:
         recovery.log.info("Seek stream partitions to committed offsets.")
         await recovery._wait(consumer.perform_seek(), timeout=app.conf.broker_request_timeout)
+        streams = {tp for tp in assignment if not recovery._is_changelog_tp(tp)}
+        await recovery._wait(seek_uncommitted_to_start(consumer, streams), timeout=app.conf.broker_request_timeout)
     recovery.completed.set()
     app.flow_control.resume()  # clears the agents' queues: they hold nothing from the stream partitions yet
     consumer.resume_flow()
     consumer.resume_partitions({tp for tp in assignment if not recovery._is_changelog_tp(tp)})
     await cast(Any, app)._fetcher.maybe_start()
+
+
+async def seek_uncommitted_to_start(consumer: Any, partitions: set[Any]) -> list[Any]:
+    """Seek each stream partition with no committed offset to its first offset (module docstring, point 9).
+
+    aiokafka's ``seek_to_committed`` seeks only partitions whose committed offset is above 0 and leaves the others
+    where the fetcher got to. A partition kept through a rebalance before its first commit had records fetched and
+    then cleared from the agents' queues; without this seek they were skipped, and the next commit went past them
+    (seen in the zombie test: the first trajectories of a partition never reached ``by-group``, groups closed by
+    their timeout one member short). Returns the partitions sought.
+    """
+    committed = await consumer.seek_to_committed()
+    fresh = sorted(tp for tp in partitions if not committed.get(tp))
+    if fresh:
+        log.info("eos: %d stream partition(s) never committed: reading them from their start: %s", len(fresh), fresh)
+        # aiokafka wants its own TopicPartition; the delegating consumer does not expose the call.
+        await consumer._thread.seek_to_beginning(*(AioTopicPartition(tp.topic, tp.partition) for tp in fresh))
+        for tp in fresh:
+            consumer._read_offset.pop(tp, None)
+    return fresh
 
 
 async def _on_recovery_completed(self: Recovery, generation_id: int = 0) -> None:

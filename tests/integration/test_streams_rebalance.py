@@ -14,9 +14,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
 from clawbase.settings import KafkaSettings
 from consumers.analytics.audit import read_run
 from consumers.analytics.reconcile import reconcile
@@ -55,6 +57,34 @@ def _report(fault: str, published: int, counts: Counter[str], collector: Collect
             fault, published, sum(counts.values()), published - unique, sum(counts.values()) - unique, stall, recover
         )
     )
+
+
+def _every_group_closed_complete(
+    kafka: KafkaSettings, app_id: str, collector: Collector, groups: list[list[Any]], dead: list[tuple[str, str]]
+) -> None:
+    """No fault reaches the rollouts here, so every group closes with all its members; a group closed by its timeout
+    lost a member between the trajectories topic and the grouper: say where its missing members are."""
+    closed = [Metric.from_bytes(o.value) for o in collector.got[METRICS]]
+    short = {m.labels["group_id"]: m for m in closed if m.labels.get("closed_by") != "complete"}
+    if not short:
+        return
+    consumer = make_consumer(kafka, f"diagnose-{app_id}")
+    by_group = kafka.topic_prefix + app_id + "-by-group"
+    try:
+        ends = assign_from_beginning(consumer, by_group)
+        seen = Counter(
+            (msg.key() or b"").decode() + "/" + Trajectory.from_bytes(msg.value()).rollout_id
+            for msg in read_to_end(consumer, by_group, ends)
+        )
+    finally:
+        consumer.close()
+    lines = []
+    for members in groups:
+        gid = members[0].group_id
+        if gid in short:
+            where = {r.rollout_id: seen.get(f"{gid}/{r.rollout_id}", 0) for r in members}
+            lines.append(f"{gid}: {short[gid].labels} {short[gid].values}; in by-group: {where}")
+    raise AssertionError("groups closed short:\n" + "\n".join(lines) + f"\ndead letters: {dead}")
 
 
 def _until(what: str, done: object, workers: list[Worker], collector: Collector, timeout: float) -> None:
@@ -168,6 +198,7 @@ def test_a_worker_joining_and_leaving_mid_stream_changes_no_output(
     assert all(late_duplicate(d, want) or late_after_infra_failure(d, want) for d in dead), [
         (d.rollout_id, d.reason) for d in dead
     ]
+    _every_group_closed_complete(kafka_settings, app_id, collector, groups, [(d.rollout_id, d.reason) for d in dead])
     _audit(kafka_settings)
 
 
@@ -268,5 +299,6 @@ def test_a_zombie_worker_is_fenced(kafka_settings: KafkaSettings, group_id: str,
     assert not wrong, (wrong, dead)
     metrics = Counter(Metric.from_bytes(o.value).labels["group_id"] for o in collector.got[METRICS])
     assert set(metrics) == {m[0].group_id for m in groups} and max(metrics.values()) == 1, metrics
+    _every_group_closed_complete(kafka_settings, app_id, collector, groups, dead)
     check_batches([BatchRecord.from_bytes(o.value) for o in collector.got[BATCHES]], exp)
     _audit(kafka_settings)
