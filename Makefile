@@ -8,7 +8,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults
+.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults soak
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ vllm: $(STAMP)  # once; a second run is a no-op (docs/vllm_cpu.md)
 	$(VENV)/bin/clawstream vllm install
 
 demo: $(STAMP)
+	@[ "$$CLAWSTREAM_SANDBOX_ISOLATION" = none ] || command -v bwrap >/dev/null || { echo "the demo's sandboxes need bubblewrap: apt-get install bubblewrap (docs/security.md)"; exit 1; }
 	$(VENV)/bin/clawstream demo
 
 test: $(STAMP)
@@ -34,8 +35,8 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/integration
 
-test-faults: $(STAMP)  # the fault matrix (bench/faults.py FAULT_TESTS); CI runs these too, inside `make test`
-	$(PY) -c 'from bench.faults import FAULT_TESTS; print(" ".join(FAULT_TESTS))' | xargs $(PY) -m pytest -q -rs -p no:cacheprovider
+test-faults: $(STAMP)  # the full fault matrix (bench/faults.py FAULT_TESTS); `make test` runs one of each kind
+	$(PY) -c 'from bench.faults import FAULT_TESTS; print(" ".join(FAULT_TESTS))' | CLAWSTREAM_FAULT_MATRIX=1 xargs $(PY) -m pytest -q -rs -p no:cacheprovider
 
 bench-faults: $(STAMP)  # the same, tabulated into bench/results/faults.md
 	$(PY) -m bench.faults
@@ -53,6 +54,9 @@ bench: $(STAMP)
 	$(PY) -m bench.streams
 	$(PY) -m bench.rollouts
 	$(PY) -m bench.learner
+
+soak: $(STAMP)  # 64 concurrent rollouts for 10 min through the real services: RSS growth, latency, audit (bench/results/soak.md)
+	$(PY) -m bench.soak
 
 docker:  # Docker Engine + Compose v2 + the offline base image (compose/engine-setup.sh; docs/containers.md)
 	compose/engine-setup.sh

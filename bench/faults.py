@@ -60,7 +60,8 @@ def main() -> int:
             cmd += ["-k", args.k]
         print("running:", " ".join(cmd[3:]), flush=True)
         t0 = time.monotonic()
-        code = subprocess.call(cmd, cwd=ROOT, env={**os.environ, "CLAWSTREAM_FAULT_RESULTS": str(rows_path)})
+        env = {**os.environ, "CLAWSTREAM_FAULT_RESULTS": str(rows_path), "CLAWSTREAM_FAULT_MATRIX": "1"}
+        code = subprocess.call(cmd, cwd=ROOT, env=env)
         took = time.monotonic() - t0
         rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
         failed = _failed(junit)
