@@ -186,18 +186,33 @@ class LiteLLM:
 
 
 async def start_proxy(engine_url: str, pub: MemoryPublisher) -> tuple[web.AppRunner, Proxy, str]:
-    settings = ProxySettings(model=H.tiny_model_dir(), engine_url=engine_url, port=0, admin_token="a")
+    settings = ProxySettings(
+        model=H.tiny_model_dir(),
+        engine_url=engine_url,
+        port=0,
+        admin_token="a",
+        max_calls_per_rollout=0,  # a benchmark's rollouts make as many calls as it measures
+        max_prompt_tokens_per_rollout=0,
+    )
     proxy = Proxy(settings, pub, "calls", tokenizer=H.tiny_tokenizer())
-    runner = web.AppRunner(proxy.app(), access_log=None)
+    runner, admin = web.AppRunner(proxy.app(), access_log=None), web.AppRunner(proxy.admin_app(), access_log=None)
     await runner.setup()
+    await admin.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
+    await web.TCPSite(admin, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     proxy.public_url = url
+    ADMIN_URLS[url] = f"http://127.0.0.1:{admin.addresses[0][1]}"
+    runner.app.on_cleanup.append(lambda _app: admin.cleanup())  # the admin listener goes with the proxy
     return runner, proxy, url
 
 
+ADMIN_URLS: dict[str, str] = {}  # a proxy's harness-facing URL → its admin listener
+
+
 async def register(http: aiohttp.ClientSession, url: str, rid: str) -> str:
-    async with http.post(f"{url}/admin/rollouts", json={"rollout_id": rid}, headers={"Authorization": "Bearer a"}) as r:
+    admin, body = ADMIN_URLS[url], {"rollout_id": rid}
+    async with http.post(f"{admin}/admin/rollouts", json=body, headers={"Authorization": "Bearer a"}) as r:
         return (await r.json())["secret"]
 
 

@@ -35,7 +35,7 @@ from producers.tasks.cpu import cpu_suite  # noqa: E402
 from schemas.topics import CATALOG
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support import sandbox_helpers as S  # noqa: E402
-from tests.support.proxy_server import running_proxy  # noqa: E402
+from tests.support.proxy_server import admin_url, running_proxy  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "rollouts.md"
@@ -57,7 +57,7 @@ async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -
         running_proxy(kafka, engine.url, keepalive_s=5.0) as (_proxy, url),
     ):
         settings = SandboxSettings(
-            proxy_url=url,
+            proxy_url=admin_url(url),
             proxy_admin_token="admin",
             group_id=group,
             root=tmp / group,

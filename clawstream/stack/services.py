@@ -116,8 +116,9 @@ class RolloutSide:
     """Where the rollout side of a running stack answers: the engine, and the proxy harnesses talk to."""
 
     engine_url: str
-    proxy_url: str
+    proxy_url: str  # the harness-facing listener
     admin_token: str
+    admin_url: str = ""  # the proxy's admin listener (admin API, /metrics)
 
 
 def start_rollout_side(
@@ -129,13 +130,16 @@ def start_rollout_side(
     suites: dict[str, str] | None = None,
     max_batch_size: int = 16,
     torch_threads: int | None = None,
+    engine_url: str | None = None,
 ) -> RolloutSide:
     """Engine, serving proxy and sandbox worker: everything a rollout request needs to become a reward.
 
-    ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``)."""
-    engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size, torch_threads=torch_threads)
-    token, port = secrets.token_hex(16), free_port()  # hex: a token starting with "-" would read as a flag
-    proxy_url = f"http://127.0.0.1:{port}"
+    ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``).
+    ``engine_url``: an engine already answering there (``bench.soak``'s instant engine): none is started."""
+    if engine_url is None:
+        engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size, torch_threads=torch_threads)
+    token, port, admin_port = secrets.token_hex(16), free_port(), free_port()  # hex: never read as a flag
+    proxy_url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     stack.start(
         Service(
             "proxy",
@@ -147,9 +151,11 @@ def start_rollout_side(
                 engine_url,
                 "--port",
                 str(port),
+                "--admin-port",  # the admin API on its own listener, which rollouts are not given
+                str(admin_port),
             ],
             env={"CLAWSTREAM_PROXY_ADMIN_TOKEN": token},  # never on a command line: /proc/*/cmdline is world-readable
-            ready_url=f"{proxy_url}/metrics",
+            ready_url=f"{admin_url}/metrics",  # the admin listener opens after the harness-facing one
             restart=True,
         )
     )
@@ -165,7 +171,7 @@ def start_rollout_side(
                 "--concurrency",
                 str(concurrency),
                 "--proxy-url",
-                proxy_url,
+                admin_url,
                 "--group-id",
                 f"{prefix}sandbox-workers",
             ],
@@ -173,7 +179,7 @@ def start_rollout_side(
             restart=True,
         )
     )
-    return RolloutSide(engine_url, proxy_url, token)
+    return RolloutSide(engine_url, proxy_url, token, admin_url)
 
 
 def start_streams(

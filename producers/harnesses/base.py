@@ -47,8 +47,8 @@ class HarnessAdapter:
     # ".openclaw/agents", i.e. <agent>/sessions/<id>.jsonl); None: it writes none, so graders that read such a
     # transcript get one built from the conversation the proxy saw (producers.tasks.transcript).
     session_dir: str | None = None
-    # Command-line words replaced when the sandbox is a container, which is then the isolation: a harness's own
-    # sandbox may need privileges a container withholds (Codex's bubblewrap cannot create namespaces there).
+    # Command-line words replaced when the sandbox isolates by itself (a container, the local backend's bubblewrap):
+    # a harness's own sandbox may need privileges it withholds (Codex's bubblewrap cannot create namespaces there).
     in_container: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -61,7 +61,7 @@ class LaunchContext:
     prompt: str
     timeout_s: float
     python: str = "python3"
-    contained: bool = False  # the sandbox is a container (``HarnessAdapter.in_container`` applies)
+    contained: bool = False  # the sandbox isolates by itself (``HarnessAdapter.in_container`` applies)
     exe: str = ""
     clawstream_root: str = ""
     model: str = "policy"

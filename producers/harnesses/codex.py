@@ -4,7 +4,9 @@ Facts (docs/harnesses.md#codex-cli):
 provider config in ``$CODEX_HOME/config.toml``; ``features.plugins=false`` stops its
 GitHub/plugin fetches; the default read-only sandbox makes writes fail, so ``workspace-write``; stdin must be closed.
 In a container (the docker backend) Codex's own sandbox cannot start (bubblewrap: "No permissions to create a new
-namespace"; every command fails), so there the container is the sandbox: ``danger-full-access``.
+namespace"; every command fails), and inside the isolated local backend (bubblewrap already) it is not needed, so
+there the sandbox is ours: ``danger-full-access``. Unsandboxed on a host with a system ``bwrap``, Codex's own
+sandbox needs CODEX_HOME outside ``$TMPDIR`` (it will not put its ``codex-linux-sandbox`` helper there).
 """
 
 from producers.harnesses.base import ConfigFile, HarnessAdapter

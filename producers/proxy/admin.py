@@ -3,9 +3,10 @@
 ``POST /admin/rollouts`` registers a rollout ({rollout_id?, ttl_s?, temperature?, top_p?, top_k?, max_tokens?,
 seed?, attempt_id?, attempt?, lease_s?} → {rollout_id, secret, base_url, expires_at_ms}); ``GET /admin/rollouts/{id}``
 shows its state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits for calls in flight and returns
-{calls_served, status: ok | infra_failure, infra_failure, messages}; ``POST .../renew`` extends the lease;
-``DELETE`` forgets it (``?finished=1``: the attempt's terminal events are out, so the same request attempt is not
-registered again). The sandbox worker is the client (``producers.sandbox.rollout.ProxyAdmin``).
+{calls_served, status: ok | infra_failure | quota_exceeded, infra_failure, quota_exceeded, usage, messages};
+``POST .../renew`` extends the lease; ``DELETE`` forgets it (``?finished=1``: the attempt's terminal events are
+out, so the same request attempt is not registered again). The sandbox worker is the client
+(``producers.sandbox.rollout.ProxyAdmin``); the routes are served only on the admin listener (``Proxy.admin_app``).
 
 One registration per rollout id, held by one attempt. A registration with ``lease_s`` is *live* while its holder
 renews it; a second registration of the id gets 409 naming the holder and whether it is live (or finished), and the
@@ -36,6 +37,7 @@ from aiohttp import web
 from clawbase.kafka.publisher import PublishError
 from producers.proxy.conversation import Conversation, Message, transcript_messages
 from producers.proxy.metrics import ProxyMetrics
+from producers.proxy.quota import QUOTA_STATUS_NAME, Usage
 from producers.proxy.render import RolloutRenderer, TemplateRenderer
 from producers.proxy.restore import Replayed, secret_matches, secret_sha256
 from schemas.events import ProxyRegistration, now_ms
@@ -72,6 +74,8 @@ class Rollout:
     calls_offsets: dict[str, int] = field(default_factory=dict)  # where its call events start (registrations topic)
     restored: bool = False  # put back after a proxy restart
     refused: str | None = None  # its state could not be restored: calls get 401 with this reason
+    usage: Usage = field(default_factory=Usage)  # what its quotas count (producers.proxy.quota)
+    quota_exceeded: str | None = None  # the first call a quota refused: the policy's doing, graded as usual
 
     def accepts(self, key: str) -> bool:
         """Whether ``key`` is this rollout's secret (constant-time; a restored rollout compares sha256 digests)."""
@@ -101,8 +105,10 @@ class Rollout:
             "in_flight": self.in_flight,
             "sealed": self.sealed,
             "expires_at_ms": self.expires_at_ms,
-            "status": "infra_failure" if self.infra_failure else "ok",
+            "status": "infra_failure" if self.infra_failure else QUOTA_STATUS_NAME if self.quota_exceeded else "ok",
             "infra_failure": self.infra_failure,
+            "quota_exceeded": self.quota_exceeded,
+            "usage": {"calls": self.usage.calls, "prompt_tokens": self.usage.prompt_tokens},
             "errors": {str(k): v for k, v in self.errors.items()},
             "restored": self.restored,
         }
@@ -456,6 +462,7 @@ class Admin:
             calls_offsets=dict(reg.calls_offsets),
             restored=True,
             refused=state.infra_failure,
+            usage=Usage(calls=state.calls_served),  # its prompt tokens are not on the record: counted from here
         )
         self.rollouts[reg.rollout_id] = rollout
         self.metrics.rollouts.set(len(self.rollouts))

@@ -3,7 +3,9 @@
 In: harness calls per rollout at ``{public_url}/r/{rollout_id}`` (or ``.../v1``) on the routes of each dialect's
 row in ``emit.EMITTERS`` (``POST .../messages``, ``.../chat/completions``, ``.../responses``), streaming or not,
 with the rollout's secret as API key (``x-api-key`` or ``Authorization: Bearer``); ``HEAD`` on the base answers
-200. Also the admin API (``producers.proxy.admin``), ``GET /metrics`` (Prometheus) and ``GET /healthz``.
+200; ``GET /healthz``. The admin API (``producers.proxy.admin``), ``GET /metrics`` (Prometheus) and ``GET /healthz``
+are on a second listener (``admin_host:admin_port``, default loopback), which rollouts must not reach: the harness
+listener answers 404 to an admin path. Per-rollout quotas on calls and prompt tokens (``producers.proxy.quota``).
 Out: engine calls (``producers.proxy.engine_client``) and one ``CallEvent`` per served call to
 ``clawstream.calls`` (``producers.proxy.call_event``), published *before* the answer is released.
 Errors come in the caller's dialect: 400 bad JSON/schema, 401 auth (also after the seal), 413 too large, 502
@@ -12,7 +14,7 @@ Details: docs/method.md#the-proxys-http-interface.
 
 Registrations (``persist_registrations``, on by default) are written to ``clawstream.proxy.registrations``; a
 restarted proxy restores them before it opens its port (``producers.proxy.registry``).
-Run: ``python -m producers.proxy --model DIR --engine-url URL --port N [--engine-model NAME]`` (env
+Run: ``python -m producers.proxy --model DIR --engine-url URL --port N --admin-port M`` (env
 ``CLAWSTREAM_PROXY_*``, Kafka from ``CLAWSTREAM_KAFKA_*``).
 """
 
@@ -33,8 +35,6 @@ from typing import Any
 
 from aiohttp import web
 from confluent_kafka import KafkaException
-from pydantic import AliasChoices, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawbase.errors import ClawstreamError, ConfigError
 from clawbase.kafka.clients import check_broker, require_topics
@@ -49,8 +49,10 @@ from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custo
 from producers.proxy.emit import EMITTERS, ApiError
 from producers.proxy.engine_client import EngineClient
 from producers.proxy.metrics import ProxyMetrics
+from producers.proxy.quota import QUOTA_STATUS, Quotas
 from producers.proxy.registry import RegistrationLog, restore_registrations
 from producers.proxy.render import RenderError, TemplateRenderer
+from producers.proxy.settings import ProxySettings
 from producers.proxy.tool_parse import parse_turn
 from schemas.events import CallKind, Dialect, now_ms
 from schemas.topics import CALLS, PROXY_REGISTRATIONS
@@ -62,64 +64,6 @@ log = logging.getLogger("clawstream.proxy")
 # json.loads decodes with "surrogatepass": a lone one is a string UTF-8 cannot encode (found by
 # tests/integration/test_proxy_fuzz.py: the call event's encoding failed after the engine had answered, a 500).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
-
-
-class ProxySettings(BaseSettings):
-    """Serving-proxy configuration (env prefix ``CLAWSTREAM_PROXY_``)."""
-
-    # validate_by_name: keyword arguments use the field names; the aliases only name the environment variables.
-    model_config = SettingsConfigDict(
-        env_prefix="CLAWSTREAM_PROXY_", frozen=True, extra="forbid", validate_by_name=True
-    )
-
-    model: Path = Field(description="Model directory whose tokenizer + chat template render prompts.")
-    engine_url: str = Field(default="http://127.0.0.1:8000", description="Inference engine base URL (vLLM API).")
-    engine_model: str = Field(
-        default=DEFAULT_MODEL_NAME,
-        # CLAWSTREAM_PROXY_SERVED_MODEL_NAME: the variable's earlier name, still read.
-        validation_alias=AliasChoices("CLAWSTREAM_PROXY_ENGINE_MODEL", "CLAWSTREAM_PROXY_SERVED_MODEL_NAME"),
-        description="'model' sent to the engine: its served model name (the engine's --served-model-name, "
-        "default the same).",
-    )
-    host: str = Field(default="127.0.0.1", description="Interface to listen on.")
-    port: int = Field(default=8100, description="Port to listen on (0: any free port).")
-    public_url: str | None = Field(default=None, description="Base URL harnesses reach; default http://host:port.")
-    admin_token: str | None = Field(default=None, description="Bearer token of the admin API; unset: random, logged.")
-    max_request_bytes: int = Field(
-        default=8 * 1024 * 1024,
-        description="Larger request bodies get 413. 8 MiB holds a 40k-token conversation with its tools many times "
-        "over (a 39k-token Claude Code call is ~0.3 MB); images are replaced by placeholders anyway.",
-    )
-    max_prompt_tokens: int | None = Field(
-        default=None,
-        description="Longest prompt sent to the engine (then 400 in the caller's dialect); default the tokenizer's "
-        "model_max_length (the model's context).",
-    )
-    default_ttl_s: float = Field(default=6 * 3600, description="Lifetime of a rollout's secret unless registered.")
-    default_max_tokens: int = Field(default=4096, description="Generation cap when the rollout sets none.")
-    engine_timeout_s: float = Field(
-        default=900.0, gt=0, description="Longest wait for one engine answer, retries included (then 502)."
-    )
-    engine_retries: int = Field(
-        default=90,
-        ge=0,
-        description="Times one call is sent again while the engine is away (refused, reset, disconnected mid-call, "
-        "503 while loading), after a backoff doubling from 0.2 s to 2 s: 90 wait ~3 min, an engine restart with "
-        "room to spare; within engine_timeout_s. Then 502 and the rollout is flagged infra_failure. 0: no retry.",
-    )
-    keepalive_s: float = Field(default=5.0, description="SSE keep-alive period while the engine works.")
-    publish_timeout_s: float = Field(default=30.0, description="Kafka delivery deadline per call (then 503).")
-    seal_wait_s: float = Field(default=60.0, description="How long a seal waits for calls still in flight.")
-    side_model_pattern: str = Field(default=CallKindRules.side_model_pattern, description="Regex: SIDE models.")
-    compaction_pattern: str = Field(default=CallKindRules.compaction_pattern, description="Regex: COMPACTION.")
-    short_system_chars: int = Field(default=4000, description="Tool-less calls with a shorter system prompt: SIDE.")
-    persist_registrations: bool = Field(
-        default=True,
-        description="Write every rollout registration (the secret's sha256, never the secret) to the compacted "
-        "topic clawstream.proxy.registrations, and restore them before the port opens, so a proxy restarted on the "
-        "same address serves the rest of its in-flight rollouts. Off: a restart forgets them (the sandbox worker "
-        "re-runs them as infrastructure failures).",
-    )
 
 
 class Proxy:
@@ -170,6 +114,8 @@ class Proxy:
             store=store,
         )
         self.rollouts = self.admin.rollouts
+        self.admin_url = f"http://{settings.admin_host}:{settings.admin_port}"  # set by whoever learns a port 0
+        self.quotas = Quotas(settings.max_calls_per_rollout, settings.max_prompt_tokens_per_rollout)
         # Parsing, rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
         # request held every other rollout's calls, keep-alives and seals for seconds (#29). One thread keeps the
         # renderers' state (per rollout, and the shared segment cache) touched by one thread only, as before.
@@ -186,6 +132,7 @@ class Proxy:
     # --- app --------------------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
+        """The harness-facing API (``host:port``); no admin route (404): that is :meth:`admin_app`."""
         app = web.Application(client_max_size=self.s.max_request_bytes)
         for prefix in ("/r/{rid}/v1", "/r/{rid}"):
             for dialect, emitter in EMITTERS.items():
@@ -193,11 +140,17 @@ class Proxy:
                     app.router.add_post(prefix + path, self._handler(dialect))
             app.router.add_route("HEAD", prefix, self._head)
             app.router.add_route("HEAD", prefix + "/", self._head)
-        self.admin.add_routes(app.router)
-        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._head)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
+        return app
+
+    def admin_app(self) -> web.Application:
+        """The admin listener (``admin_host:admin_port``): admin API, ``/metrics``, ``/healthz``."""
+        app = web.Application()
+        self.admin.add_routes(app.router)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._head)
         return app
 
     async def _startup(self, _app: web.Application) -> None:
@@ -300,9 +253,19 @@ class Proxy:
                 f"{self.max_prompt_tokens}",
             )
 
+    @staticmethod
+    def _over_quota(rollout: Rollout, refused: str | None) -> None:
+        """Refuse the call (no engine call, no call event) when a quota says so; the rollout is flagged."""
+        if refused is not None:
+            if rollout.quota_exceeded is None:
+                rollout.quota_exceeded = refused
+                log.warning("rollout %s: %s", rollout.rollout_id, refused)
+            raise ApiError(QUOTA_STATUS, refused)
+
     async def _call(self, request: web.Request, dialect: Dialect, t0: float) -> web.StreamResponse:
         received_ms = now_ms()
         rollout = self._authenticate(request)
+        self._over_quota(rollout, rollout.usage.calls_left(self.quotas))  # before the body is read
         parsed, body = await self._read(request, dialect)
         t_parsed = time.perf_counter()
         self._check_fits(parsed)
@@ -316,6 +279,7 @@ class Proxy:
                 400,
                 f"the prompt is {len(rendered.prompt_ids)} tokens; the model's context is {self.max_prompt_tokens}",
             )
+        self._over_quota(rollout, rollout.usage.admit(self.quotas, len(rendered.prompt_ids)))  # counted from here
         kind, rollout.main_fingerprint = classify_call(
             parsed.conversation, parsed.model, rollout.main_fingerprint, self.rules
         )
@@ -458,16 +422,24 @@ async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
                 finished,
             )
             refresh = asyncio.ensure_future(store.refresh_offsets())
-        runner = web.AppRunner(proxy.app())
-        await runner.setup()
-        await web.TCPSite(runner, settings.host, settings.port).start()
-        log.info("proxy on http://%s:%s (engine %s)", settings.host, settings.port, settings.engine_url)
-        if settings.admin_token is None:
-            print(f"admin token: {proxy.admin.token}", flush=True)
+        runners = [web.AppRunner(proxy.app()), web.AppRunner(proxy.admin_app())]
+        sites = ((settings.host, settings.port), (settings.admin_host, settings.admin_port))
         try:
+            for runner, (host, port) in zip(runners, sites, strict=True):
+                await runner.setup()
+                await web.TCPSite(runner, host, port).start()
+            log.info(
+                "proxy on http://%s:%s, admin on http://%s:%s (engine %s)",
+                *sites[0],
+                *sites[1],
+                settings.engine_url,
+            )
+            if settings.admin_token is None:
+                print(f"admin token: {proxy.admin.token}", flush=True)
             await asyncio.Event().wait()
         finally:
-            await runner.cleanup()
+            for runner in runners:
+                await runner.cleanup()
     finally:
         if refresh is not None:
             refresh.cancel()
@@ -483,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-model", help=f"model name sent to the engine (default {DEFAULT_MODEL_NAME!r})")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--admin-host")
+    parser.add_argument("--admin-port", type=int)
     parser.add_argument("--admin-token")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)

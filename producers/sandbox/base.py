@@ -5,9 +5,10 @@ grader directory (filled only after the harness ended, so the harness never sees
 runs. Paths handed to harnesses and graders are paths *inside* the sandbox (``workspace``, ``home``,
 ``grader_dir``); the backend maps them to the host (``host_path``) so the worker can lay out files.
 
-Backends: ``local`` (``producers.sandbox.local_backend``: temporary directory, own session/process group, scrubbed
-environment, rlimits, kill of the whole group at the timeout) and ``docker`` (``producers.sandbox.docker_backend``: one
-container per rollout); ``producers.sandbox.worker.make_backend(settings)`` picks one. Pure interface: no Kafka.
+Backends: ``local`` (``producers.sandbox.local_backend``: temporary directory, bubblewrap namespaces, own
+session/process group, scrubbed environment, rlimits, kill of the whole group at the timeout) and ``docker``
+(``producers.sandbox.docker_backend``: one container per rollout); ``producers.sandbox.worker.make_backend(settings)``
+picks one. Pure interface: no Kafka.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ class SandboxSettings(BaseSettings):
     concurrency: int = Field(default=4, ge=1, description="Rollouts one worker runs at once.")
     group_id: str = Field(default="clawstream-sandbox-workers", description="Consumer group of all sandbox workers.")
     worker_id: str | None = Field(default=None, description="Name in events; default host:pid.")
-    proxy_url: str = Field(default="http://127.0.0.1:8100", description="Serving proxy admin base URL.")
+    proxy_url: str = Field(
+        default="http://127.0.0.1:8101",
+        description="The serving proxy's admin listener (its admin_host:admin_port), not the harness-facing port: "
+        "rollouts get their base URL from the registration.",
+    )
     proxy_admin_token: str = Field(default="", description="Bearer token of the proxy's admin API.")
     proxy_timeout_s: float = Field(default=90.0, description="Deadline of one admin call (seal waits for calls).")
     proxy_connect_retries: int = Field(
@@ -71,6 +76,22 @@ class SandboxSettings(BaseSettings):
     grader_timeout_s: float = Field(default=120.0, description="Longest grader run (then the attempt FAILED).")
     max_timeout_s: float = Field(default=3600.0, description="Cap on any task's wall-clock timeout.")
     # --- local backend ---
+    isolation: Literal["bwrap", "none"] = Field(
+        default="bwrap",
+        description="Local backend: bwrap runs every command under bubblewrap (own mount/pid/net/user namespaces, "
+        "the rollout's dirs the only writable ones, network only to the proxy); none: the host as the worker's user "
+        "(trusted harnesses only; the worker's --unsafe-no-isolation). The worker refuses to start when bwrap fails.",
+    )
+    bwrap_path: str = Field(default="bwrap", description="The bubblewrap executable.")
+    bwrap_uid: int = Field(default=1000, ge=1, description="uid and gid inside an isolated sandbox (mapped outside).")
+    bwrap_proxy_port: int = Field(
+        default=8100, ge=1024, description="Port on 127.0.0.1 inside an isolated sandbox that leads to the proxy."
+    )
+    bwrap_read_only: list[str] = Field(
+        default_factory=list,
+        description="Extra host paths an isolated sandbox sees read-only (beyond /usr, /etc, /lib*, the Python, venv, "
+        "harness installs and clawstream's packages); JSON in env.",
+    )
     root: Path | None = Field(default=None, description="Parent of sandbox dirs; default $TMPDIR/clawstream-sandboxes")
     path: str | None = Field(default=None, description="PATH in local sandboxes; default python, node dirs + /usr/bin")
     limit_cpu_s: int = Field(default=3600, description="RLIMIT_CPU per process (seconds; the wall clock bounds runs).")
@@ -104,8 +125,13 @@ class SandboxSettings(BaseSettings):
     )
     docker_proxy_relay: bool = Field(
         default=True,
-        description="Start a relay container that forwards to proxy_url's port on the host (worker and proxy on the "
-        "host). Off when the proxy itself joins docker_network (compose): its public_url is then its name there.",
+        description="Start a relay container that forwards to the proxy's harness-facing port on the host (worker and "
+        "proxy on the host). Off when the proxy itself joins docker_network (compose): its public_url is then its "
+        "name there.",
+    )
+    docker_relay_target_port: int = Field(
+        default=8100,
+        description="The proxy's harness-facing port on the host, where the relay forwards (never its admin port).",
     )
     docker_relay_port: int = Field(default=8100, description="Port the relay listens on inside docker_network.")
     docker_host_address: str | None = Field(
@@ -163,7 +189,7 @@ class Sandbox(abc.ABC):
     grader_dir: str
     python: str
     clawstream_root: str
-    contained: bool = False  # a container (its own isolation), not a directory + process group on the host
+    contained: bool = False  # its own isolation (a container, bubblewrap), not a directory + process group on the host
 
     @abc.abstractmethod
     def host_path(self, inside: str) -> Path:

@@ -356,8 +356,8 @@ class DockerBackend(SandboxBackend):
         return self._proxy_origin
 
     def _start_relay(self) -> None:
-        proxy = urlsplit(self.s.proxy_url)
         host = self.s.docker_host_address or self._bridge_gateway()
+        port_to = self.s.docker_relay_target_port  # the harness-facing port: the admin listener is not relayed
         name = f"clawstream-relay-{socket.gethostname()}-{os.getpid()}"[:63]
         port = self.s.docker_relay_port
         for old in self.client.containers.list(all=True, filters={"name": f"^{name}$"}, ignore_removed=True):
@@ -371,7 +371,7 @@ class DockerBackend(SandboxBackend):
                 "--listen",
                 f"0.0.0.0:{port}",
                 "--target",
-                f"{host}:{proxy.port or 80}",
+                f"{host}:{port_to}",
             ],
             name=name,
             detach=True,
@@ -385,7 +385,7 @@ class DockerBackend(SandboxBackend):
         )
         self.client.networks.get(self.s.docker_network).connect(relay, aliases=[name])
         self._relay, self._proxy_origin = relay, f"http://{name}:{port}"
-        log.info("relay %s: %s → %s:%s", name, self._proxy_origin, host, proxy.port)
+        log.info("relay %s: %s → %s:%s", name, self._proxy_origin, host, port_to)
 
     def _bridge_gateway(self) -> str:
         return bridge_gateway(self.client)

@@ -1,8 +1,13 @@
-"""Local sandbox backend: a temporary directory, its own session/process group, scrubbed env, rlimits, cleanup.
+"""Local sandbox backend: bubblewrap isolation (default), its own session/process group, scrubbed env, rlimits, cleanup.
 
 Layout (under ``CLAWSTREAM_SANDBOX_ROOT``, default ``$TMPDIR/clawstream-sandboxes``)::
 
     <sandbox_id>-XXXX/  owner.json (worker pid)  workspace/  home/  tmp/  grader/  logs/
+
+Isolation ``bwrap`` (``SandboxSettings.isolation``): every command runs under bubblewrap (``producers.sandbox.bwrap``:
+own mount/pid/net/user namespaces, the rollout's dirs the only writable ones, at the same inside paths for every
+rollout — workspace at the task's mount dir, ``/home/sandbox``, ``/tmp``, ``/grader`` — and the proxy reached through
+a unix socket, ``producers.sandbox.relay``); ``none``: the host's paths, network and pid space (trusted harnesses).
 
 Processes: every command starts in a new session (``start_new_session``: its own process group), with an
 environment that holds only ``PATH``, ``HOME`` (the sandbox's), ``TMPDIR``, ``LANG``, the marker
@@ -31,8 +36,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit, urlunsplit
 
+from clawbase.settings import clawstream_home
+from producers.sandbox import bwrap
 from producers.sandbox.base import (
     MARKER,
     CleanupReport,
@@ -43,6 +51,7 @@ from producers.sandbox.base import (
     SandboxSettings,
     inside,
 )
+from producers.sandbox.relay import unix_server
 from producers.tasks.model import Task
 
 TAIL = 16_000
@@ -138,6 +147,17 @@ def kill_all(marker: str, pgids: set[int], sig: int = signal.SIGKILL) -> int:
     return n
 
 
+def terminate_inside(marker: str) -> None:
+    """SIGTERM to an isolated sandbox's processes other than bubblewrap's own (its SIGKILL ends the namespace)."""
+    for pid, state in sandbox_pids(marker, set()).items():
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            if state != "Z" and comm != "bwrap":
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, ProcessLookupError):
+            pass
+
+
 def _tail(path: Path) -> str:
     try:
         with open(path, "rb") as f:
@@ -149,34 +169,104 @@ def _tail(path: Path) -> str:
 
 
 class LocalSandbox(Sandbox):
-    def __init__(self, sandbox_id: str, root: Path, settings: SandboxSettings) -> None:
+    def __init__(self, sandbox_id: str, root: Path, settings: SandboxSettings, mount_dir: str = "/workspace") -> None:
         self.sandbox_id, self.root, self.s = sandbox_id, root, settings
-        self.workspace = str(root / "workspace")
-        self.home = str(root / "home")
-        self.grader_dir = str(root / "grader")
+        self.isolated = settings.isolation == "bwrap"
+        self.contained = self.isolated  # its own isolation: a harness's own sandbox (Codex's bwrap) is not needed
+        if self.isolated:
+            self.workspace, self.home, self.grader_dir, tmp = mount_dir, bwrap.HOME, bwrap.GRADER, bwrap.TMP
+        else:
+            self.workspace, self.home = str(root / "workspace"), str(root / "home")
+            self.grader_dir, tmp = str(root / "grader"), str(root / "tmp")
+        self.tmp = tmp
+        self._mounts = {
+            self.workspace: root / "workspace",
+            self.home: root / "home",
+            self.grader_dir: root / "grader",
+            tmp: root / "tmp",
+        }
         self.python = sys.executable
         self.clawstream_root = str(Path(__file__).resolve().parents[2])
         self.pgids: set[int] = set()
         self._runs = 0
+        self._proxy: tuple[str, int] | None = None  # the proxy's host and port, relayed into an isolated sandbox
+        self._server: asyncio.AbstractServer | None = None
+        self._socket_dir: Path | None = None
 
     def host_path(self, inside_path: str) -> Path:
-        path = Path(inside_path).resolve()
-        if path != self.root and self.root.resolve() not in path.parents:
-            raise SandboxError(f"{inside_path} is outside sandbox {self.sandbox_id}")
-        return path
+        if not self.isolated:
+            path = Path(inside_path).resolve()
+            if path != self.root and self.root.resolve() not in path.parents:
+                raise SandboxError(f"{inside_path} is outside sandbox {self.sandbox_id}")
+            return path
+        p = PurePosixPath(inside_path)
+        for base, host in sorted(self._mounts.items(), key=lambda kv: -len(kv[0])):
+            if p == PurePosixPath(base) or PurePosixPath(base) in p.parents:
+                path = (host / p.relative_to(base)).resolve()
+                if path == self.root.resolve() or self.root.resolve() in path.parents:
+                    return path
+        raise SandboxError(f"{inside_path} is outside sandbox {self.sandbox_id}")
+
+    def proxy_base_url(self, base_url: str) -> str:
+        if not self.isolated:
+            return base_url
+        url = urlsplit(base_url)
+        self._proxy = (url.hostname or "127.0.0.1", url.port or (443 if url.scheme == "https" else 80))
+        netloc = f"127.0.0.1:{self.s.bwrap_proxy_port}"
+        return urlunsplit((url.scheme, netloc, url.path, url.query, url.fragment))
 
     def env(self, extra: Mapping[str, str], extra_path: str = "") -> dict[str, str]:
         path = self.s.path or default_path()
         env = {
             "PATH": f"{extra_path}:{path}" if extra_path else path,
             "HOME": self.home,
-            "TMPDIR": str(self.root / "tmp"),
+            "TMPDIR": self.tmp,
             "LANG": "C.UTF-8",
             "USER": "sandbox",
         }
         env.update(extra)
         env[MARKER] = self.sandbox_id  # the adapter cannot remove the cleanup marker
         return env
+
+    def _read_only(self, extra_path: str) -> list[str]:
+        """Host paths an isolated command sees read-only: Python, venv, harness installs, clawstream's packages."""
+        paths = [sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parents[1])]
+        paths.append(str(clawstream_home() / "harnesses"))
+        root = Path(self.clawstream_root)
+        paths += [str(d) for d in root.iterdir() if (d / "__init__.py").is_file()]
+        for d in f"{extra_path}:{self.s.path or default_path()}".split(":"):
+            if d:
+                paths.append(str(Path(d).resolve()))
+        return [p for p in paths + list(self.s.bwrap_read_only) if p != "/"]
+
+    async def _socket(self) -> Path | None:
+        """The unix socket relaying to the proxy (started on first use), or None (no proxy named)."""
+        if self._proxy is None:
+            return None
+        if self._server is None:
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="clawstream-px-"))  # short: a socket path is < 108 bytes
+            self._server = await unix_server(str(self._socket_dir / "proxy.sock"), *self._proxy)
+        assert self._socket_dir is not None
+        return self._socket_dir / "proxy.sock"
+
+    async def _argv(self, argv: list[str], cwd: str, extra_path: str) -> list[str]:
+        if not self.isolated:
+            return argv
+        sock = await self._socket()
+        if sock is not None:
+            relay = str(Path(self.clawstream_root) / "producers" / "sandbox" / "relay.py")
+            listen = f"127.0.0.1:{self.s.bwrap_proxy_port}"
+            argv = [self.python, "-I", relay, "--listen", listen, "--target-unix", bwrap.PROXY_SOCKET, "--then", *argv]
+        binds = {k: v for k, v in self._mounts.items() if k != self.grader_dir or any(v.iterdir())}
+        return bwrap.bwrap_argv(
+            argv,
+            binds=binds,
+            read_only=self._read_only(extra_path),
+            cwd=cwd,
+            uid=self.s.bwrap_uid,
+            bwrap=self.s.bwrap_path,
+            proxy_socket=sock,
+        )
 
     async def run(
         self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
@@ -185,13 +275,15 @@ class LocalSandbox(Sandbox):
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
         out_path, err_path = logs / f"{self._runs}.out", logs / f"{self._runs}.err"
+        host_cwd = self.host_path(cwd)
+        full = await self._argv(argv, cwd, extra_path)
         t0 = time.monotonic()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    cwd=str(self.host_path(cwd)),
-                    env=self.env(env, extra_path),
+                    *full,
+                    cwd=str(self.root if self.isolated else host_cwd),
+                    env=self.env(env, extra_path),  # bwrap passes its own environment on: no secret in its argv
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
@@ -199,7 +291,7 @@ class LocalSandbox(Sandbox):
                     preexec_fn=lambda: _preexec(_limits(self.s)),
                 )
             except OSError as exc:
-                raise SandboxError(f"cannot start {argv[0]}: {exc}") from exc
+                raise SandboxError(f"cannot start {full[0]}: {exc}") from exc
         self.pgids.add(proc.pid)  # new session: pgid == pid
         killed: list[str] = []
         timed_out = False
@@ -208,7 +300,10 @@ class LocalSandbox(Sandbox):
         except TimeoutError:
             timed_out = True
             killed.append("SIGTERM")
-            kill_all(self.sandbox_id, {proc.pid}, signal.SIGTERM)
+            if self.isolated:  # to the harness's processes, not bwrap (it would end the pid namespace at once)
+                terminate_inside(self.sandbox_id)
+            else:
+                kill_all(self.sandbox_id, {proc.pid}, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), self.s.kill_grace_s)
             except TimeoutError:
@@ -239,6 +334,11 @@ class LocalSandbox(Sandbox):
             kill_all(self.sandbox_id, self.pgids)
             alive = {p for p, st in sandbox_pids(self.sandbox_id, self.pgids).items() if st != "Z"}
         report.leftover_pids = sorted(alive)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, True)
         await asyncio.to_thread(shutil.rmtree, self.root, True)
         if self.root.exists():
             report.leftover_paths.append(str(self.root))
@@ -247,8 +347,15 @@ class LocalSandbox(Sandbox):
 
 class LocalBackend(SandboxBackend):
     def __init__(self, settings: SandboxSettings) -> None:
+        """Raises :class:`SandboxError` when isolation is on and bubblewrap cannot build a sandbox here."""
         self.s = settings
         self.root = settings.root or Path(tempfile.gettempdir()) / "clawstream-sandboxes"
+        if settings.isolation == "bwrap" and (why := bwrap.probe(settings.bwrap_path)):
+            raise SandboxError(
+                f"local sandboxes cannot be isolated: {why}. To run without isolation (trusted harnesses only: a "
+                "rollout can then read other rollouts' and the worker's secrets), pass --unsafe-no-isolation or set "
+                "CLAWSTREAM_SANDBOX_ISOLATION=none"
+            )
 
     async def create(self, sandbox_id: str, task: Task) -> LocalSandbox:
         try:
@@ -257,7 +364,7 @@ class LocalBackend(SandboxBackend):
             (root / "owner.json").write_text(json.dumps({"pid": os.getpid(), "sandbox_id": sandbox_id}))
             for sub in ("workspace", "home", "tmp", "grader", "logs"):
                 (root / sub).mkdir()
-            box = LocalSandbox(sandbox_id, root, self.s)
+            box = LocalSandbox(sandbox_id, root, self.s, task.mount_dir)
             box.write_files(box.workspace, task.files)
         except OSError as exc:
             raise SandboxError(f"cannot create sandbox {sandbox_id} under {self.root}: {exc}") from exc

@@ -5,7 +5,8 @@ The sandbox worker calls :func:`execute` per request; this module has no Kafka i
 
 Statuses (docs/method.md#infrastructure-failures; every state change goes through ``schemas.lifecycle.transition``):
 
-* harness exits by itself (any exit code) → HARNESS_EXITED(exit_code, calls_served), graded;
+* harness exits by itself (any exit code) → HARNESS_EXITED(exit_code, calls_served), graded (a call refused by a
+  proxy quota: graded too, its ``reason`` starts ``quota_exceeded:``);
 * harness killed at its wall-clock limit → TIMED_OUT(calls_served), graded;
 * sandbox creation, proxy (register/seal, or the proxy flags the rollout infra_failure), grader crash, unknown
   task/harness → FAILED(reason) and a RewardEvent with status INFRA_FAILURE and reward null (never a 0).
@@ -360,14 +361,14 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             await a.fail(f"proxy: {sealed['infra_failure']}")
             return out
         calls = int(sealed.get("calls_served", 0))
+        # A proxy quota refused a call: the policy's doing, graded as usual; the lifecycle event's reason says so.
+        quota = f"quota_exceeded: {sealed['quota_exceeded']}" if sealed.get("quota_exceeded") else None
         if result.timed_out:
-            await a.move(
-                RolloutState.TIMED_OUT,
-                calls_served=calls,
-                reason=f"killed after {timeout:.0f}s ({'+'.join(result.killed)})",
-            )
+            killed = f"killed after {timeout:.0f}s ({'+'.join(result.killed)})"
+            await a.move(RolloutState.TIMED_OUT, calls_served=calls, reason="; ".join(filter(None, (quota, killed))))
         else:
-            reason = None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr[-500:]}"
+            exited = None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr[-500:]}"
+            reason = "; ".join(filter(None, (quota, exited))) or None
             await a.move(RolloutState.HARNESS_EXITED, exit_code=result.exit_code, calls_served=calls, reason=reason)
         t["grade_start"] = time.monotonic()
         try:

@@ -337,12 +337,27 @@ def main(argv: list[str] | None = None) -> int:
         "process in /proc/PID/cmdline",
     )
     parser.add_argument("--group-id")
+    parser.add_argument(
+        "--unsafe-no-isolation",
+        action="store_true",
+        help="local backend without bubblewrap (CLAWSTREAM_SANDBOX_ISOLATION=none): a rollout can read other "
+        "rollouts' and this worker's secrets and write outside its workspace; trusted harnesses only",
+    )
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     own = ("concurrency", "backend", "proxy_url", "proxy_admin_token", "group_id")
     overrides = {k: v for k, v in vars(args).items() if k in own and v is not None}
+    if args.unsafe_no_isolation:
+        overrides["isolation"] = "none"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     settings = load_settings(SandboxSettings, **overrides)
+    try:
+        backend = make_backend(settings)  # refuses an unisolated local backend unless told (bubblewrap missing)
+    except SandboxError as exc:
+        log.error("%s", exc)
+        return 2
+    if settings.backend == "local" and settings.isolation == "none":
+        log.warning("local sandboxes are NOT isolated (--unsafe-no-isolation): run trusted harnesses only")
     kafka = kafka_settings(args)
     log.info("Kafka at %s", check_broker(kafka))
 
@@ -351,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await SandboxWorker(settings, kafka).run(stop)
+        return await SandboxWorker(settings, kafka, backend=backend).run(stop)
 
     return asyncio.run(serve())
 

@@ -9,6 +9,8 @@ bounded by events and an overall deadline (no fixed sleeps beyond the poll perio
   ``clawstream.metrics`` (read with ``clawstream tail`` inside the stack: the broker is not published to the host),
 - the engine itself answers with ``X-Policy-Version`` >= 1 (what it serves now),
 - every rollout of that step was graded by the sandbox worker (``clawstream.rewards``, not infra failures),
+- a container on the sandbox network (where rollouts run) reaches the proxy's harness port and not its admin
+  listener (neither by the proxy's name nor by the admin name), while the sandbox worker reaches the admin API,
 
 then ``docker compose down -v`` and checks nothing of the project is left: containers, networks, volumes (by the
 project's label) and the sandbox network (``down`` cannot remove it while a rollout container is still attached).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import time
@@ -110,6 +113,28 @@ def left_over(project: str) -> dict[str, list[str]]:
     return found
 
 
+PROBE = """
+import socket, sys
+out = []
+for host, port in [("proxy", 8100), ("proxy", 8101), ("proxy-admin", 8101)]:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        out.append("open")
+    except OSError as exc:
+        out.append(type(exc).__name__)
+print(" ".join(out))
+"""
+
+
+def sandbox_reach(project: Project) -> list[str]:
+    """What a container on the project's sandbox network (as a rollout container is) can connect to."""
+    argv = ["docker", "run", "--rm", "--network", f"{project.name}-sandbox"]
+    argv += [f"clawstream/harnesses:{os.environ.get('CLAWSTREAM_IMAGE_TAG', 'latest')}", "python3", "-c", PROBE]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split()
+
+
 def test_compose_stack_trains_and_serves_a_new_version() -> None:
     require_compose()
     ensure_images("runtime", "harnesses", "trainer", "kafka")
@@ -123,7 +148,8 @@ def test_compose_stack_trains_and_serves_a_new_version() -> None:
             "CLAWSTREAM_GROUP_SIZE": str(GROUP),
             "CLAWSTREAM_CONCURRENCY": "4",
             "CLAWSTREAM_DASHBOARD_PORT": str(free_port()),
-            "CLAWSTREAM_ADMIN_TOKEN": uuid.uuid4().hex,
+            # a fresh random one per deployment, by environment (compose has no default for it)
+            "CLAWSTREAM_ADMIN_TOKEN": secrets.token_urlsafe(32),
         },
     )
     t0 = time.monotonic()
@@ -132,6 +158,12 @@ def test_compose_stack_trains_and_serves_a_new_version() -> None:
         # `up -d` returns once every service is started and the health / completion conditions it depends on hold.
         project.run("up", "-d", "--quiet-pull", timeout=DEADLINE_S)
         print(f"stack up in {time.monotonic() - t0:.0f} s")
+        # A rollout's network: the harness port answers, the admin listener is not there (by either name).
+        harness, by_proxy_name, by_admin_name = sandbox_reach(project)
+        assert harness == "open", harness
+        assert by_proxy_name != "open" and by_admin_name != "open", (by_proxy_name, by_admin_name)
+        worker_reach = "import urllib.request as u; print(u.urlopen('http://proxy-admin:8101/healthz').status)"
+        assert project.exec_out("sandbox-worker", "python3", "-c", worker_reach).strip() == "200"
         trained: list[dict[str, Any]] = []
         applied: list[dict[str, Any]] = []
         version = None

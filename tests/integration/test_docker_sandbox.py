@@ -41,7 +41,7 @@ from schemas.topics import CATALOG
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
 from tests.support.docker_images import ensure_images, unavailable
-from tests.support.proxy_server import running_proxy
+from tests.support.proxy_server import admin_url, running_proxy
 from tests.support.sandbox_stack import assert_solved_by_harness, by_rollout, run_requests
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
 
@@ -77,8 +77,9 @@ def network(engine: Any, group_id: str) -> Any:
 def settings_for(url: str, network: str, tmp: Path, group_id: str, **kw: Any) -> SandboxSettings:
     return SandboxSettings(
         backend="docker",
-        proxy_url=url,
+        proxy_url=admin_url(url),  # the worker, on the host, reaches the admin listener on 127.0.0.1
         proxy_admin_token="admin",
+        docker_relay_target_port=int(url.rsplit(":", 1)[1]),  # the relay forwards to the harness-facing port
         group_id=group_id,
         root=tmp / "sandboxes",
         session_timeout_ms=6000,
@@ -303,6 +304,7 @@ async def test_a_sigkilled_workers_containers_are_swept_on_restart(
             "CLAWSTREAM_SANDBOX_SUITES": f'{{"native": "{S.NATIVE_SUITE}"}}',
             "CLAWSTREAM_SANDBOX_DOCKER_IMAGE": IMAGE,
             "CLAWSTREAM_SANDBOX_DOCKER_NETWORK": network,
+            "CLAWSTREAM_SANDBOX_DOCKER_RELAY_TARGET_PORT": url.rsplit(":", 1)[1],
             "CLAWSTREAM_SANDBOX_ROOT": str(tmp_path / "sandboxes-1"),
         }
         proc = subprocess.Popen(
@@ -313,7 +315,7 @@ async def test_a_sigkilled_workers_containers_are_swept_on_restart(
                 "--backend",
                 "docker",
                 "--proxy-url",
-                url,
+                admin_url(url),
                 "--proxy-admin-token",
                 "admin",
                 "--group-id",

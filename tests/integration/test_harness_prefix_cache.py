@@ -6,6 +6,10 @@ output-token-limit recovery (the rollout is registered with ``max_tokens=8``; Cl
 its cut answer up to 3 times, then exits 1). Asserted: ≥ 2 MAIN calls; call 2's cached fraction ≥ 0.95; Claude
 Code's own session transcript reports the same cached and prompt counts; exit 0, or 1 for exactly that reason.
 How and why, in full: docs/harnesses.md#claude-codes-output-limit-recovery-the-prefix-cache-test.
+
+Across rollouts: two Claude Code rollouts of one task, one after the other, each in its own isolated local sandbox
+(bubblewrap: the same workspace and HOME paths inside), into one CPU engine: the second rollout's first call is
+≥ 90 % cached (its system prompt names cwd and HOME early, so with per-rollout paths it was 0–2.5 %).
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ from consumers.inference import vllm_server
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
 from producers.harnesses.install import HarnessInstallError, install_harness
-from producers.sandbox.local_backend import default_path
+from producers.sandbox.base import SandboxSettings
+from producers.sandbox.local_backend import LocalBackend, default_path
+from producers.tasks.cpu import cpu_suite
 from schemas.events import CallEvent, CallKind
 from tests.support import proxy_helpers as H
+from tests.support import sandbox_helpers as S
 from tests.support.inference import Worker
-from tests.support.proxy_server import consume_calls, register, running_proxy
+from tests.support.proxy_server import admin_url, consume_calls, register, running_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -158,7 +165,8 @@ async def rollout(kafka, engine_url: str, exe: str, box: Path, harness_timeout_s
                     exe, reg["base_url"], reg["secret"], box, RESUME_PROMPT, harness_timeout_s, ("--resume", session)
                 )
             )
-        async with http.post(f"{url}/admin/rollouts/{rid}/seal", headers={"Authorization": "Bearer admin"}) as r:
+        seal_url = f"{admin_url(url)}/admin/rollouts/{rid}/seal"
+        async with http.post(seal_url, headers={"Authorization": "Bearer admin"}) as r:
             assert r.status == 200, await r.text()
             status = await r.json()
     calls = await asyncio.to_thread(consume_calls, kafka, {rid}, status["calls_served"], 60.0)
@@ -166,7 +174,7 @@ async def rollout(kafka, engine_url: str, exe: str, box: Path, harness_timeout_s
 
 
 async def _status(http: aiohttp.ClientSession, url: str, rid: str) -> dict[str, Any]:
-    async with http.get(f"{url}/admin/rollouts/{rid}", headers={"Authorization": "Bearer admin"}) as r:
+    async with http.get(f"{admin_url(url)}/admin/rollouts/{rid}", headers={"Authorization": "Bearer admin"}) as r:
         assert r.status == 200, await r.text()
         return await r.json()
 
@@ -271,3 +279,68 @@ async def test_claude_code_second_call_cached_cpu_engine(kafka_settings, cpu_eng
 async def test_claude_code_second_call_cached_vllm(kafka_settings, vllm_engine, claude_exe, tmp_path) -> None:
     outcome = await rollout(kafka_settings, vllm_engine, claude_exe, tmp_path / "box", harness_timeout_s=1500)
     check(outcome, "vllm")
+
+
+# ---- across rollouts: isolated local sandboxes share their paths, so the engine's prefix cache hits ----------------
+MIN_CACHED_ACROSS = 0.90
+
+
+async def sandboxed_rollout(
+    kafka, http: aiohttp.ClientSession, url: str, backend: LocalBackend, exe: str
+) -> list[CallEvent]:
+    """One Claude Code rollout in a fresh isolated local sandbox, as the sandbox worker launches it; its call events."""
+    task = cpu_suite().split("train")[2]
+    rid = f"cc-across-{uuid.uuid4().hex[:10]}"
+    reg = await register(http, url, rollout_id=rid, max_tokens=ROLLOUT_MAX_TOKENS)
+    box = await backend.create(rid, task)
+    try:
+        ctx = LaunchContext(
+            base_url=box.proxy_base_url(reg["base_url"]),
+            secret=reg["secret"],
+            workspace=box.workspace,
+            home=box.home,
+            prompt=task.prompt,
+            timeout_s=900,
+            python=box.python,
+            exe=exe,
+            clawstream_root=box.clawstream_root,
+            contained=box.contained,
+        )
+        spec = launch_spec(ADAPTERS["claude-code"], ctx)
+        for path, content in spec.files.items():
+            box.write_text(path, content)
+        result = await box.run(spec.argv, spec.env, box.workspace, 900)
+    finally:
+        report = await box.destroy()
+    assert report.clean, report
+    assert not result.timed_out, result
+    seal_url = f"{admin_url(url)}/admin/rollouts/{rid}/seal"
+    async with http.post(seal_url, headers={"Authorization": "Bearer admin"}) as r:
+        assert r.status == 200, await r.text()
+        status = await r.json()
+    assert status["calls_served"] >= 1, (status, result.stdout[-1500:], result.stderr[-1500:])
+    return await asyncio.to_thread(consume_calls, kafka, {rid}, status["calls_served"], 60.0)
+
+
+@pytest.mark.timeout(1800)
+async def test_claude_code_second_rollout_cached_isolated_local(
+    kafka_settings, cpu_engine, claude_exe, tmp_path
+) -> None:
+    S.require_bwrap()
+    backend = LocalBackend(SandboxSettings(root=tmp_path / "sbx", isolation="bwrap"))
+    async with (
+        running_proxy(kafka_settings, cpu_engine, keepalive_s=2.0) as (_proxy, url),
+        aiohttp.ClientSession() as http,
+    ):
+        first = await sandboxed_rollout(kafka_settings, http, url, backend, claude_exe)
+        second = await sandboxed_rollout(kafka_settings, http, url, backend, claude_exe)
+    for n, calls in ((1, first), (2, second)):
+        for c in sorted(calls, key=lambda c: c.seq):
+            print(
+                f"\n[across rollouts] rollout {n} call {c.seq} {c.call_kind.value}: prompt {c.prompt_len}, cached "
+                f"{c.cached_prompt_tokens} ({(c.cached_prompt_tokens or 0) / c.prompt_len:.2%})"
+            )
+    b = min(second, key=lambda c: c.seq)  # the second rollout's very first call, whatever its kind
+    fraction = (b.cached_prompt_tokens or 0) / b.prompt_len
+    assert b.cached_prompt_tokens is not None, "the engine reported no cached tokens"
+    assert fraction >= MIN_CACHED_ACROSS, f"rollout 2's first call: {b.cached_prompt_tokens}/{b.prompt_len} cached"

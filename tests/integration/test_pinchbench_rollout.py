@@ -52,10 +52,13 @@ async def test_seal_conversation_scores_transcript_checks(tmp_path: Path) -> Non
                 model=H.tiny_model_dir(), engine_url=engine.url, port=0, admin_token="admin", keepalive_s=0.2
             )
             proxy = Proxy(settings, MemoryPublisher(), "calls", tokenizer=H.tiny_tokenizer())
-            runner = web.AppRunner(proxy.app())
+            runner, admin = web.AppRunner(proxy.app()), web.AppRunner(proxy.admin_app())
             await runner.setup()
+            await admin.setup()
             await web.TCPSite(runner, "127.0.0.1", 0).start()
-            proxy.public_url = url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            await web.TCPSite(admin, "127.0.0.1", 0).start()
+            proxy.public_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            admin_url = f"http://127.0.0.1:{admin.addresses[0][1]}"
             try:
                 for harness in ("agentloop", "agentloop-anthropic"):
                     sink = ListSink()
@@ -63,10 +66,10 @@ async def test_seal_conversation_scores_transcript_checks(tmp_path: Path) -> Non
                     async def resolve(_adapter):  # noqa: ANN001, ANN202
                         return "", ""
 
-                    sandbox = SandboxSettings(root=tmp_path / "sbx", proxy_url=url, proxy_admin_token="admin")
+                    sandbox = SandboxSettings(root=tmp_path / "sbx", proxy_url=admin_url, proxy_admin_token="admin")
                     ctx = RolloutContext(
                         backend=LocalBackend(sandbox),
-                        proxy=ProxyAdmin(url, "admin"),
+                        proxy=ProxyAdmin(admin_url, "admin"),
                         catalog=SuiteCatalog({"pinch": str(PINCH)}),
                         adapters=ADAPTERS,
                         sink=sink,
@@ -80,3 +83,4 @@ async def test_seal_conversation_scores_transcript_checks(tmp_path: Path) -> Non
                     assert (harness, reward.reward) == (harness, want)
             finally:
                 await runner.cleanup()
+                await admin.cleanup()

@@ -23,7 +23,7 @@ from schemas.events import CallKind
 from streams.tree import TreeCall, rebuild_prompts
 from tests.support import proxy_helpers as H
 from tests.support.inference import Worker
-from tests.support.proxy_server import consume_calls, register, running_proxy, seal
+from tests.support.proxy_server import admin_url, consume_calls, register, running_proxy, seal
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
 
 pytestmark = pytest.mark.integration
@@ -212,10 +212,10 @@ async def test_bad_registrations_are_refused_with_the_reason(kafka_settings: Kaf
             ({"rollout_id": "p", "top_p": 0}, "top_p must be in (0, 1]"),
             ({"rollout_id": "k", "top_k": 2.5}, "top_k must be an integer"),
         ):
-            async with http.post(f"{url}/admin/rollouts", json=body, headers=headers) as r:
+            async with http.post(f"{admin_url(url)}/admin/rollouts", json=body, headers=headers) as r:
                 assert r.status == 400 and reason in (await r.json())["error"], body
         ok = await register(http, url, rollout_id="z", attempt_id="z.a0.1")
-        async with http.get(f"{url}/admin/rollouts/z", headers=headers) as r:
+        async with http.get(f"{admin_url(url)}/admin/rollouts/z", headers=headers) as r:
             assert r.status == 200 and ok["rollout_id"] == "z"
 
 
@@ -266,7 +266,7 @@ async def test_bad_inputs_answer_in_dialect_and_publish_nothing(kafka_settings, 
         # one good call, the marker: it must be the only event of these rollouts on the broker
         status, _ = await call(http, url, rid, sec, dialect, good)
         assert status == 200
-        metrics = await (await http.get(f"{url}/metrics")).text()
+        metrics = await (await http.get(f"{admin_url(url)}/metrics")).text()  # the admin listener
         assert "clawstream_proxy_calls_total" in metrics and 'status="401"' in metrics and 'status="413"' in metrics
     ids = {a["rollout_id"], b["rollout_id"], sealed["rollout_id"], expired["rollout_id"]}
     events = consume_calls(kafka_settings, ids, 2, timeout=8)

@@ -220,7 +220,8 @@ def test_fuzzed_requests_get_dialect_errors_and_publish_nothing(kafka_settings: 
     rid, other = f"fuzz-{dialect}", f"neighbour-{dialect}"
     ok = 0
     statuses: dict[int, int] = {}
-    with ProxyThread(kafka_settings) as proxy:
+    # thousands of calls on two rollouts: no quota (tests/integration/test_proxy_admin_quota.py tests those)
+    with ProxyThread(kafka_settings, max_calls_per_rollout=0, max_prompt_tokens_per_rollout=0) as proxy:
         secret, neighbour = proxy.register(rid), Neighbour(proxy.url, other, proxy.register(other))
         path = f"/r/{rid}{PATHS[dialect]}"
 

@@ -80,7 +80,10 @@ def _command(name: str, exe: Path, base: str, secret: str, home: Path, ws: Path,
             '[analytics]\nenabled = false\n[model_providers.clawstream]\nname = "clawstream"\n'
             f'base_url = "{base}/v1"\nwire_api = "responses"\nenv_key = "CLAWSTREAM_API_KEY"\n'
         )
-        env.update({"CODEX_HOME": str(codex_home), "CLAWSTREAM_API_KEY": secret})
+        # Its own TMPDIR: Codex refuses to put its sandbox helper (codex-linux-sandbox, which a system bubblewrap
+        # execs) under the temporary directory, and CODEX_HOME lies under /tmp here.
+        (home / "tmp").mkdir()
+        env.update({"CODEX_HOME": str(codex_home), "CLAWSTREAM_API_KEY": secret, "TMPDIR": str(home / "tmp")})
         cmd = [
             str(exe),
             "exec",
@@ -163,7 +166,7 @@ async def test_real_harness_episode(kafka_settings, tmp_path: Path, case: str) -
         status = await seal(http, url, reg["rollout_id"])
     log = f"rc={proc.returncode}\nstdout:\n{out.decode()[-2000:]}\nstderr:\n{err.decode()[-2000:]}"
     assert proc.returncode == 0, log
-    assert (ws / "hello.txt").read_text().strip() == "hi", log
+    assert (ws / "hello.txt").is_file() and (ws / "hello.txt").read_text().strip() == "hi", log
     assert status["status"] == "ok" and status["calls_served"] >= 2
     events = consume_calls(kafka_settings, {reg["rollout_id"]}, status["calls_served"])
     assert len(events) == status["calls_served"]

@@ -59,7 +59,8 @@ class ProxyProcess:
 
     def __init__(self, kafka: KafkaSettings, engine_url: str, port: int, log: Path) -> None:
         self.kafka, self.engine_url, self.port, self.log = kafka, engine_url, port, log
-        self.url = f"http://127.0.0.1:{port}"
+        self.admin_port = _free_port()
+        self.url, self.admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{self.admin_port}"
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -70,6 +71,7 @@ class ProxyProcess:
             "HF_HUB_OFFLINE": "1",
         }
         args = ["--model", str(H.tiny_model_dir()), "--engine-url", self.engine_url, "--port", str(self.port)]
+        args += ["--admin-port", str(self.admin_port)]
         with self.log.open("ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "producers.proxy", *args, "--admin-token", TOKEN],
@@ -85,7 +87,7 @@ class ProxyProcess:
         while time.monotonic() < deadline:
             assert proc.poll() is None, f"proxy exited {proc.returncode}:\n{self.log.read_text()[-3000:]}"
             try:
-                async with http.get(f"{self.url}/healthz") as r:
+                async with http.get(f"{self.admin}/healthz") as r:  # the admin listener opens last
                     if r.status == 200:
                         return
             except aiohttp.ClientError:
@@ -173,14 +175,14 @@ async def test_a_killed_proxy_serves_the_rest_of_its_rollouts_after_a_restart(
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
                 await killed.ready(http)
                 await ref.ready(http)
-                reg = await _register(http, killed.url, rid, **params)
+                reg = await _register(http, killed.admin, rid, **params)
                 secret = reg["secret"]
                 assert reg["base_url"] == f"{killed.url}/r/{rid}"
-                forgotten = await _register(http, killed.url, "r-forgotten")
-                assert (await _admin(http, "DELETE", f"{killed.url}/admin/rollouts/r-forgotten"))[0] == 200
-                await _register(http, killed.url, "r-finished", attempt_id="f.a0", attempt=0)
+                forgotten = await _register(http, killed.admin, "r-forgotten")
+                assert (await _admin(http, "DELETE", f"{killed.admin}/admin/rollouts/r-forgotten"))[0] == 200
+                await _register(http, killed.admin, "r-finished", attempt_id="f.a0", attempt=0)
                 query = {"attempt_id": "f.a0", "finished": "1"}
-                status, _ = await _admin(http, "DELETE", f"{killed.url}/admin/rollouts/r-finished", params=query)
+                status, _ = await _admin(http, "DELETE", f"{killed.admin}/admin/rollouts/r-finished", params=query)
                 assert status == 200
 
                 async def kill_and_restart() -> None:
@@ -197,18 +199,18 @@ async def test_a_killed_proxy_serves_the_rest_of_its_rollouts_after_a_restart(
                 assert status == 401, body
                 status, body = await _call(http, killed.url, "r-forgotten", forgotten["secret"], [])
                 assert status == 401, body
-                assert (await _admin(http, "GET", f"{killed.url}/admin/rollouts/r-forgotten"))[0] == 404
+                assert (await _admin(http, "GET", f"{killed.admin}/admin/rollouts/r-forgotten"))[0] == 404
                 status, body = await _admin(
-                    http, "POST", f"{killed.url}/admin/rollouts", json={"rollout_id": "r-finished", "attempt": 0}
+                    http, "POST", f"{killed.admin}/admin/rollouts", json={"rollout_id": "r-finished", "attempt": 0}
                 )
                 assert status == 409 and body.get("finished") is True, body
-                status, sealed = await _admin(http, "POST", f"{killed.url}/admin/rollouts/{rid}/seal")
+                status, sealed = await _admin(http, "POST", f"{killed.admin}/admin/rollouts/{rid}/seal")
                 assert status == 200 and sealed["restored"] is True
                 assert (sealed["calls_served"], sealed["status"], sealed["infra_failure"]) == (3, "ok", None)
 
-                ref_reg = await _register(http, ref.url, rid, **params)
+                ref_reg = await _register(http, ref.admin, rid, **params)
                 await _three_calls(http, ref, rid, ref_reg["secret"])
-                status, ref_sealed = await _admin(http, "POST", f"{ref.url}/admin/rollouts/{rid}/seal")
+                status, ref_sealed = await _admin(http, "POST", f"{ref.admin}/admin/rollouts/{rid}/seal")
                 assert (ref_sealed["calls_served"], ref_sealed["status"]) == (3, "ok")
         finally:
             killed.kill()

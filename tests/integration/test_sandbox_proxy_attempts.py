@@ -21,7 +21,7 @@ import pytest
 
 from producers.sandbox.rollout import ProxyAdmin, ProxyError, RolloutHeld
 from tests.support import proxy_helpers as H
-from tests.support.proxy_server import register, running_proxy
+from tests.support.proxy_server import admin_url, register, running_proxy
 from tests.support.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ async def admin_call(
 
 
 async def status_of(http: aiohttp.ClientSession, url: str, rid: str) -> tuple[int, dict[str, Any]]:
-    return await admin_call(http, "GET", f"{url}/admin/rollouts/{rid}")
+    return await admin_call(http, "GET", f"{admin_url(url)}/admin/rollouts/{rid}")
 
 
 async def test_another_attempts_seal_renew_and_forget_leave_the_registration_alone(kafka_settings) -> None:
@@ -57,12 +57,12 @@ async def test_another_attempts_seal_renew_and_forget_leave_the_registration_alo
     ):
         a = await register(http, url, rollout_id="r", attempt_id="r.a0.A")
         assert await chat(http, url, "r", a["secret"]) == 200
-        base = f"{url}/admin/rollouts/r"
+        base = f"{admin_url(url)}/admin/rollouts/r"
         for method, path in (("POST", f"{base}/seal"), ("POST", f"{base}/renew"), ("DELETE", base)):
             status, body = await admin_call(http, method, path, attempt_id="r.a0.B")
             assert status == 409, (method, path, status, body)
             assert body["attempt_id"] == "r.a0.A" and "held by attempt r.a0.A, not r.a0.B" in body["error"]
-        client = ProxyAdmin(url, "admin", 15)
+        client = ProxyAdmin(admin_url(url), "admin", 15)
         with pytest.raises(ProxyError, match="409"):
             await client.seal("r", "r.a0.B")
         await client.forget("r", "r.a0.B", finished=True)
@@ -78,8 +78,8 @@ async def test_another_attempts_seal_renew_and_forget_leave_the_registration_alo
         assert (await admin_call(http, "POST", f"{base}/seal", attempt_id="r.a0.A"))[0] == 404
         # an older client's calls, unscoped, still seal and forget whatever attempt holds the id
         await register(http, url, rollout_id="old", attempt_id="old.a0.X")
-        assert (await admin_call(http, "POST", f"{url}/admin/rollouts/old/seal"))[0] == 200
-        assert (await admin_call(http, "DELETE", f"{url}/admin/rollouts/old"))[0] == 200
+        assert (await admin_call(http, "POST", f"{admin_url(url)}/admin/rollouts/old/seal"))[0] == 200
+        assert (await admin_call(http, "DELETE", f"{admin_url(url)}/admin/rollouts/old"))[0] == 200
 
 
 async def test_a_live_lease_holds_the_rollout_and_a_lapsed_one_is_revoked_by_attempt(kafka_settings) -> None:
@@ -88,7 +88,7 @@ async def test_a_live_lease_holds_the_rollout_and_a_lapsed_one_is_revoked_by_att
         running_proxy(kafka_settings, engine.url) as (_proxy, url),
         aiohttp.ClientSession() as http,
     ):
-        client = ProxyAdmin(url, "admin", 15)
+        client = ProxyAdmin(admin_url(url), "admin", 15)
         a = await client.register("r", attempt_id="r.a0.A", attempt=0, lease_s=30)
         with pytest.raises(RolloutHeld) as held:  # A's worker renews its lease: B must not take the rollout over
             await client.register("r", attempt_id="r.a0.B", attempt=0, lease_s=30)
@@ -120,7 +120,7 @@ async def test_a_live_lease_holds_the_rollout_and_a_lapsed_one_is_revoked_by_att
         assert await chat(http, url, "r", again["secret"]) == 200
         # malformed leases are 400s
         for body_ in ({"rollout_id": "z", "lease_s": -1}, {"rollout_id": "z", "attempt": "first"}):
-            async with http.post(f"{url}/admin/rollouts", json=body_, headers=ADMIN) as r:
+            async with http.post(f"{admin_url(url)}/admin/rollouts", json=body_, headers=ADMIN) as r:
                 assert r.status == 400 and "bad registration" in (await r.json())["error"], body_
 
 
@@ -131,14 +131,14 @@ async def test_admin_calls_wait_for_a_restarting_proxy_instead_of_failing_the_at
     waits for it, bounded by ``connect_retries``."""
     from clawstream.stack.services import free_port
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    port, admin_port = free_port(), free_port()
+    url, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     with pytest.raises(ProxyError, match="ClientConnectorError"):  # the bound: no retries, fails at once
-        await ProxyAdmin(url, "admin", 15, connect_retries=0).register("r", attempt_id="r.a0.A", attempt=0)
+        await ProxyAdmin(admin, "admin", 15, connect_retries=0).register("r", attempt_id="r.a0.A", attempt=0)
     caplog.set_level("WARNING", logger="clawstream.rollout")
     caplog.clear()
     task = asyncio.ensure_future(
-        ProxyAdmin(url, "admin", 15, connect_retries=100).register("r", attempt_id="r.a0.A", attempt=0, lease_s=30)
+        ProxyAdmin(admin, "admin", 15, connect_retries=100).register("r", attempt_id="r.a0.A", attempt=0, lease_s=30)
     )
     deadline = time.monotonic() + 10
     while "unreachable" not in caplog.text:  # refused at least once: the proxy is down, the call waits
@@ -146,7 +146,7 @@ async def test_admin_calls_wait_for_a_restarting_proxy_instead_of_failing_the_at
         await asyncio.sleep(0.05)
     async with (
         ScriptedEngine(H.tiny_tokenizer(), ["one"]) as engine,
-        running_proxy(kafka_settings, engine.url, port=port),
+        running_proxy(kafka_settings, engine.url, port=port, admin_port=admin_port),
         aiohttp.ClientSession() as http,
     ):
         registered = await asyncio.wait_for(task, 30)

@@ -2,9 +2,10 @@
 serving proxy → scripted engine, graded by the task's grader inside the sandbox.
 
 The scripted policy finds the sandbox's workspace path in the harness's own prompt (both put the working directory
-there) and answers with the harness's write tool (Claude Code ``Write``, Codex ``exec_command``), then a final
-message. Asserts HARNESS_EXITED with exit code 0 and ≥ 2 calls served, reward 1, and a clean sandbox root.
-Skips with the reason when npm or the harness package is unavailable.
+there: the task's mount dir inside bubblewrap, a host path without isolation) and answers with the harness's write
+tool (Claude Code ``Write``, Codex ``exec_command``), then a final message. Asserts HARNESS_EXITED with exit code 0
+and ≥ 2 calls served, reward 1, and a clean sandbox root. Skips with the reason when npm or the harness package
+is unavailable.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from producers.harnesses.install import HarnessInstallError, install_harness
+from producers.tasks.model import DEFAULT_MOUNT_DIR
 from tests.support import sandbox_helpers as S
 from tests.support.sandbox_stack import assert_clean, assert_solved_by_harness, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
@@ -34,7 +36,10 @@ def installed(name: str) -> None:
 
 
 def responder(name: str, sandboxes: str):
-    ws_re = re.compile(re.escape(sandboxes) + r"/[^/\s\"'<>]+/workspace")
+    # Unisolated the workspace is a host path under the sandbox root; under bubblewrap the task's mount dir.
+    ws_re = re.compile(
+        re.escape(sandboxes) + r"/[^/\s\"'<>]+/workspace|(?<![\w/.-])" + re.escape(DEFAULT_MOUNT_DIR) + r"\b"
+    )
 
     def respond(prompt_text: str, _ids: list[int], _body: dict[str, Any]) -> str:
         if "<tools>" not in prompt_text:  # title / side call

@@ -18,6 +18,8 @@ import pytest
 
 from producers.harnesses.catalog import ADAPTERS
 from producers.harnesses.install import HarnessInstallError, install_harness, install_node24
+from producers.tasks.loaders import CLAWGYM_MOUNT_DIR
+from producers.tasks.model import DEFAULT_MOUNT_DIR
 from tests.support import sandbox_helpers as S
 
 HARNESSES = ["claude-code", "codex", "qwen-code", "openclaw", "opencode", "agentloop", "agentloop-anthropic"]
@@ -51,8 +53,11 @@ def solution_files() -> list[tuple[str, str]]:
 
 
 def workspace_pattern(sandboxes: str) -> re.Pattern[str]:
-    """A sandbox workspace path under the worker's sandbox root, as a harness prompt names it."""
-    return re.compile(re.escape(sandboxes) + r"/[^/\s\"'<>\\]+/workspace")
+    """A sandbox workspace path as a harness prompt names it: under the worker's sandbox root (no isolation), or a
+    task's mount dir (bubblewrap: the workspace is bound there)."""
+    host = re.escape(sandboxes) + r"/[^/\s\"'<>\\]+/workspace"
+    inside = "|".join(r"(?<![\w/.-])" + re.escape(d) + r"(?![\w.-])" for d in (CLAWGYM_MOUNT_DIR, DEFAULT_MOUNT_DIR))
+    return re.compile(f"{host}|{inside}")
 
 
 def installed(name: str) -> None:

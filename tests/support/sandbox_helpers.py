@@ -147,6 +147,31 @@ def leftover_processes(marker_prefix: str = "") -> list[int]:
     return found
 
 
+def processes_with_arg(arg: str) -> list[int]:
+    """Live (non-zombie) host processes with ``arg`` as one of their command-line arguments."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if arg.encode() in argv and pid_alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def require_bwrap() -> None:
+    """Skip (in CI: fail) when bubblewrap cannot build a sandbox here."""
+    from producers.sandbox import bwrap
+    from tests.support.docker_images import unavailable
+
+    why = bwrap.probe()
+    if why is not None:
+        unavailable(why)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

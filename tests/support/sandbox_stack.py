@@ -1,7 +1,7 @@
 """The in-process sandbox stack for integration tests: scripted engine + real proxy + one sandbox worker.
 
 Besides the catalog's harnesses the worker knows two fake ones: ``hang`` (ignores SIGTERM, leaves a background child
-whose pid it writes to the stack's ``pidfile``) and ``crash`` (writes the answer, then exits 3). ``run_requests``
+with the stack's ``hang_tag`` in its argv) and ``crash`` (writes the answer, then exits 3). ``run_requests``
 publishes rollout requests and collects their lifecycle events and rewards; ``assert_clean`` checks that no sandbox
 directory or process survived. ``worker_process`` starts a real ``python -m producers.sandbox.worker`` process (the
 fault tests kill one, or add one to the group), ``wait_for`` polls a condition.
@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ from producers.sandbox.base import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S
-from tests.support.proxy_server import running_proxy
+from tests.support.proxy_server import admin_url, running_proxy
 from tests.support.scripted_engine import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HANG = """
 import os, signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # ignore the polite kill: SIGKILL must follow
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-open(os.environ["PIDFILE"], "w").write(str(child.pid))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", os.environ["HANG_TAG"]])
 time.sleep(600)
 """
 CRASH = "open('hello.txt', 'w').write('hi'); raise SystemExit(3)"
@@ -42,18 +42,26 @@ CRASH = "open('hello.txt', 'w').write('hi'); raise SystemExit(3)"
 
 @asynccontextmanager
 async def stack(
-    kafka, group_id: str, tmp: Path, responder=None, *, policy_version: int = 7, **overrides: Any
+    kafka,
+    group_id: str,
+    tmp: Path,
+    responder=None,
+    *,
+    policy_version: int = 7,
+    proxy_overrides: dict[str, Any] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[dict]:
-    """Scripted engine (reporting ``policy_version``) + proxy + one in-process sandbox worker; yields handles."""
-    pidfile = tmp / "child.pid"
+    """Scripted engine (reporting ``policy_version``) + proxy (``proxy_overrides``: its settings) + one in-process
+    sandbox worker (``overrides``: its settings); yields handles."""
+    hang_tag = f"hang-child-{uuid.uuid4().hex}"  # the hung harness's child carries it in argv (pids differ inside)
     adapters = {**ADAPTERS, "hang": S.python_adapter("hang", HANG), "crash": S.python_adapter("crash", CRASH)}
-    adapters["hang"] = type(adapters["hang"])(**{**adapters["hang"].__dict__, "env": {"PIDFILE": str(pidfile)}})
+    adapters["hang"] = type(adapters["hang"])(**{**adapters["hang"].__dict__, "env": {"HANG_TAG": hang_tag}})
     async with (
         ScriptedEngine(H.tiny_tokenizer(), responder or S.agent_responder(), policy_version=policy_version) as engine,
-        running_proxy(kafka, engine.url, keepalive_s=1.0) as (_proxy, url),
+        running_proxy(kafka, engine.url, **{"keepalive_s": 1.0, **(proxy_overrides or {})}) as (_proxy, url),
     ):
         settings = SandboxSettings(
-            proxy_url=url,
+            proxy_url=admin_url(url),
             proxy_admin_token="admin",
             group_id=group_id,
             root=tmp / "sandboxes",
@@ -65,7 +73,7 @@ async def stack(
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         try:
-            yield {"worker": worker, "engine": engine, "root": tmp / "sandboxes", "pidfile": pidfile}
+            yield {"worker": worker, "engine": engine, "root": tmp / "sandboxes", "hang_tag": hang_tag}
         finally:
             stop.set()
             assert await asyncio.wait_for(task, 60) == 0
@@ -110,7 +118,7 @@ def worker_process(kafka, proxy_url: str, group_id: str, sandboxes: Path, log: P
         **os.environ,
         "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
         "CLAWSTREAM_KAFKA_TOPIC_PREFIX": kafka.topic_prefix,
-        "CLAWSTREAM_SANDBOX_PROXY_URL": proxy_url,
+        "CLAWSTREAM_SANDBOX_PROXY_URL": admin_url(proxy_url),  # its admin listener (either URL given)
         "CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": "admin",
         "CLAWSTREAM_SANDBOX_GROUP_ID": group_id,
         "CLAWSTREAM_SANDBOX_SUITES": json.dumps({"native": str(S.NATIVE_SUITE)}),

@@ -17,6 +17,7 @@ import pytest
 
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
+from producers.sandbox import bwrap
 from producers.sandbox.base import SandboxSettings
 from producers.sandbox.docker_backend import (
     DockerSandbox,
@@ -109,11 +110,16 @@ def test_builtin_adapters_render() -> None:
 # --- local sandbox --------------------------------------------------------------------------------------------------
 
 
-async def test_local_sandbox_env_limits_kill_cleanup(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+async def test_local_sandbox_env_limits_kill_cleanup(tmp_path: Path, monkeypatch, isolation: str) -> None:
+    if isolation == "bwrap":
+        S.require_bwrap()
     monkeypatch.setenv("CLAWSTREAM_KAFKA_SASL_PASSWORD", "leak-me")
-    backend = LocalBackend(SandboxSettings(root=tmp_path, limit_open_files=321, kill_grace_s=0.5))
+    backend = LocalBackend(
+        SandboxSettings(root=tmp_path, limit_open_files=321, kill_grace_s=0.5, isolation=isolation)  # type: ignore[arg-type]
+    )
     box = await backend.create("unit-box", cpu_suite().split("train")[2])
-    assert (Path(box.workspace) / next(iter(cpu_suite().split("train")[2].files))).is_file()
+    assert (box.host_path(box.workspace) / next(iter(cpu_suite().split("train")[2].files))).is_file()
     code = "import os, resource; print(resource.getrlimit(resource.RLIMIT_NOFILE)[0]); print(sorted(os.environ))"
     res = await box.run([box.python, "-c", code], {"EXTRA": "1"}, box.workspace, 20)
     nofile, names = res.stdout.splitlines()
@@ -122,15 +128,36 @@ async def test_local_sandbox_env_limits_kill_cleanup(tmp_path: Path, monkeypatch
     # a group that ignores SIGTERM, with a background child: everything dies at the timeout
     hang = (
         "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); print(p.pid, flush=True); "
-        "time.sleep(300)"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)', 'unit-box-child']); "
+        "print(p.pid, flush=True); time.sleep(300)"
     )
     res = await box.run([box.python, "-c", hang], {}, box.workspace, 1.0)
     assert res.timed_out and res.exit_code is None and res.killed == ["SIGTERM", "SIGKILL"] and res.duration_s < 5
-    assert not S.pid_alive(int(res.stdout.split()[0]))
+    assert S.leftover_processes("unit-box") == []
+    assert S.processes_with_arg("unit-box-child") == []
     report = await box.destroy()
     assert report.clean and not any(tmp_path.iterdir())
     assert S.leftover_processes("unit-box") == []
+
+
+def test_bwrap_argv_binds() -> None:
+    argv = bwrap.bwrap_argv(
+        ["harness", "--flag"],
+        binds={"/workspace": Path("/host/ws"), "/home/sandbox": Path("/host/home")},
+        read_only=["/venv", "/venv/lib", "/src/producers"],
+        cwd="/workspace",
+        uid=1000,
+        proxy_socket=Path("/tmp/px/proxy.sock"),
+    )
+    assert argv[0] == "bwrap" and argv[-3:] == ["--", "harness", "--flag"]
+    pairs = {(argv[i], argv[i + 1], argv[i + 2]) for i in range(len(argv) - 2)}
+    assert ("--bind", "/host/ws", "/workspace") in pairs and ("--bind", "/host/home", "/home/sandbox") in pairs
+    assert ("--ro-bind", "/tmp/px/proxy.sock", bwrap.PROXY_SOCKET) in pairs
+    for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"):
+        assert flag in argv
+    assert argv[argv.index("--proc") + 1] == "/proc" and argv[argv.index("--chdir") + 1] == "/workspace"
+    assert argv.index("--remount-ro") > max(i for i, a in enumerate(argv) if a == "--bind")  # root read-only last
+    assert "/" not in [argv[i + 1] for i, a in enumerate(argv) if a == "--bind"]  # no host path writable but these
 
 
 # --- docker backend, pure parts (the real engine: tests/integration/test_docker_sandbox.py) ------------------------

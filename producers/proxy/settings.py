@@ -1,0 +1,93 @@
+"""The serving proxy's settings (env prefix ``CLAWSTREAM_PROXY_``): its two listeners, the engine, limits, quotas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from policy import DEFAULT_MODEL_NAME
+from producers.proxy.conversation import CallKindRules
+
+
+class ProxySettings(BaseSettings):
+    """Serving-proxy configuration (env prefix ``CLAWSTREAM_PROXY_``)."""
+
+    # validate_by_name: keyword arguments use the field names; the aliases only name the environment variables.
+    model_config = SettingsConfigDict(
+        env_prefix="CLAWSTREAM_PROXY_", frozen=True, extra="forbid", validate_by_name=True
+    )
+
+    model: Path = Field(description="Model directory whose tokenizer + chat template render prompts.")
+    engine_url: str = Field(default="http://127.0.0.1:8000", description="Inference engine base URL (vLLM API).")
+    engine_model: str = Field(
+        default=DEFAULT_MODEL_NAME,
+        # CLAWSTREAM_PROXY_SERVED_MODEL_NAME: the variable's earlier name, still read.
+        validation_alias=AliasChoices("CLAWSTREAM_PROXY_ENGINE_MODEL", "CLAWSTREAM_PROXY_SERVED_MODEL_NAME"),
+        description="'model' sent to the engine: its served model name (the engine's --served-model-name, "
+        "default the same).",
+    )
+    host: str = Field(default="127.0.0.1", description="Interface to listen on.")
+    port: int = Field(default=8100, description="Port of the harness-facing API (0: any free port).")
+    admin_host: str = Field(
+        default="127.0.0.1",
+        description="Interface of the admin listener (admin API, /metrics, /healthz): one rollouts cannot reach "
+        "(compose: the proxy's name on the internal control network).",
+    )
+    admin_port: int = Field(default=8101, description="Port of the admin listener (0: any free port).")
+    public_url: str | None = Field(default=None, description="Base URL harnesses reach; default http://host:port.")
+    admin_token: str | None = Field(default=None, description="Bearer token of the admin API; unset: random, logged.")
+    max_request_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        description="Larger request bodies get 413. 8 MiB holds a 40k-token conversation with its tools many times "
+        "over (a 39k-token Claude Code call is ~0.3 MB); images are replaced by placeholders anyway.",
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None,
+        description="Longest prompt sent to the engine (then 400 in the caller's dialect); default the tokenizer's "
+        "model_max_length (the model's context).",
+    )
+    max_calls_per_rollout: int = Field(
+        default=256,
+        ge=0,
+        description="Model calls one rollout may make (0: unlimited); the next is refused with 400 in the caller's "
+        "dialect and the rollout seals with status quota_exceeded (graded as usual).",
+    )
+    max_prompt_tokens_per_rollout: int = Field(
+        default=20_000_000,
+        ge=0,
+        description="Prompt tokens one rollout may send, summed over its calls (0: unlimited); a call that would "
+        "pass it is refused like max_calls_per_rollout. 20M: hundreds of 40k-token Claude Code calls.",
+    )
+    default_ttl_s: float = Field(default=6 * 3600, description="Lifetime of a rollout's secret unless registered.")
+    default_max_tokens: int = Field(default=4096, description="Generation cap when the rollout sets none.")
+    engine_timeout_s: float = Field(
+        default=900.0, gt=0, description="Longest wait for one engine answer, retries included (then 502)."
+    )
+    engine_retries: int = Field(
+        default=90,
+        ge=0,
+        description="Times one call is sent again while the engine is away (refused, reset, disconnected mid-call, "
+        "503 while loading), after a backoff doubling from 0.2 s to 2 s: 90 wait ~3 min, an engine restart with "
+        "room to spare; within engine_timeout_s. Then 502 and the rollout is flagged infra_failure. 0: no retry.",
+    )
+    keepalive_s: float = Field(default=5.0, description="SSE keep-alive period while the engine works.")
+    publish_timeout_s: float = Field(default=30.0, description="Kafka delivery deadline per call (then 503).")
+    seal_wait_s: float = Field(default=60.0, description="How long a seal waits for calls still in flight.")
+    side_model_pattern: str = Field(default=CallKindRules.side_model_pattern, description="Regex: SIDE models.")
+    compaction_pattern: str = Field(default=CallKindRules.compaction_pattern, description="Regex: COMPACTION.")
+    short_system_chars: int = Field(default=4000, description="Tool-less calls with a shorter system prompt: SIDE.")
+    persist_registrations: bool = Field(
+        default=True,
+        description="Write every rollout registration (the secret's sha256, never the secret) to the compacted "
+        "topic clawstream.proxy.registrations, and restore them before the port opens, so a proxy restarted on the "
+        "same address serves the rest of its in-flight rollouts. Off: a restart forgets them (the sandbox worker "
+        "re-runs them as infrastructure failures).",
+    )
+
+    @model_validator(mode="after")
+    def _two_listeners(self) -> ProxySettings:
+        if self.admin_port and self.admin_port == self.port and self.admin_host == self.host:
+            raise ValueError(f"admin_port {self.admin_port} is the harness-facing port: the admin API needs its own")
+        return self
