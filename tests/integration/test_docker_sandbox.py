@@ -155,7 +155,7 @@ async def test_real_harness_runs_in_a_container_through_the_proxy(
 # --- only the proxy is reachable --------------------------------------------------------------------------------
 
 PROBE = """
-import json, socket, sys, urllib.request
+import json, socket, sys, urllib.error, urllib.request
 targets = json.loads(sys.argv[1])
 out = {}
 for name, (host, port) in targets.items():
@@ -166,8 +166,12 @@ for name, (host, port) in targets.items():
         out[name] = type(exc).__name__ + ": " + str(exc)
     finally:
         s.close()
-with urllib.request.urlopen(sys.argv[2] + "/metrics", timeout=10) as resp:
+with urllib.request.urlopen(sys.argv[2] + "/healthz", timeout=10) as resp:
     out["proxy_http"] = resp.status
+try:  # the admin API's /metrics is on the admin listener, not here
+    out["proxy_metrics"] = urllib.request.urlopen(sys.argv[2] + "/metrics", timeout=10).status
+except urllib.error.HTTPError as exc:
+    out["proxy_metrics"] = exc.code
 print(json.dumps(out))
 """
 
@@ -215,6 +219,7 @@ async def test_a_sandbox_reaches_the_proxy_and_nothing_else(
     assert result.exit_code == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen.pop("proxy_http") == 200, seen  # the proxy answered through the relay
+    assert seen.pop("proxy_metrics") == 404, seen  # its admin listener is not relayed
     assert all(v != "connected" for v in seen.values()), seen
     assert report.clean, report
 
