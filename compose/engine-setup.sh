@@ -40,25 +40,27 @@ if ! docker info >/dev/null 2>&1; then
 fi
 say "engine $(docker info --format '{{.ServerVersion}}') ready"
 
-# 3. Compose v2
-plugin="$HOME/.docker/cli-plugins/docker-compose"
-cached="$HOME_DIR/bin/docker-compose-$COMPOSE_VERSION"
-if ! docker compose version >/dev/null 2>&1; then
-  if [ ! -x "$cached" ]; then
-    command -v go >/dev/null 2>&1 || { echo "building Compose v2 needs Go (https://go.dev/dl)" >&2; exit 1; }
-    say "building Compose $COMPOSE_VERSION from the Go module proxy once (~13 min on 2 cores) → $cached"
-    work=$(mktemp -d)
-    ( cd "$work" && go mod init composebuild >/dev/null 2>&1 \
-      && go get "github.com/docker/compose/v2/cmd@$COMPOSE_VERSION" >/dev/null 2>&1 \
-      && go build -trimpath -ldflags "-s -w -X github.com/docker/compose/v2/internal.Version=$COMPOSE_VERSION" \
-           -o "$cached.partial" github.com/docker/compose/v2/cmd )
-    mv "$cached.partial" "$cached"
-    rm -rf "$work"
+# 3. Compose v2 (CLAWSTREAM_SETUP_COMPOSE=0 skips it: .ci/run builds it last, behind the first tests)
+if [ "${CLAWSTREAM_SETUP_COMPOSE:-1}" != 0 ]; then
+  plugin="$HOME/.docker/cli-plugins/docker-compose"
+  cached="$HOME_DIR/bin/docker-compose-$COMPOSE_VERSION"
+  if ! docker compose version >/dev/null 2>&1; then
+    if [ ! -x "$cached" ]; then
+      command -v go >/dev/null 2>&1 || { echo "building Compose v2 needs Go (https://go.dev/dl)" >&2; exit 1; }
+      say "building Compose $COMPOSE_VERSION from the Go module proxy once (~13 min on 2 cores) → $cached"
+      work=$(mktemp -d)
+      ( cd "$work" && go mod init composebuild >/dev/null 2>&1 \
+        && go get "github.com/docker/compose/v2/cmd@$COMPOSE_VERSION" >/dev/null 2>&1 \
+        && go build -trimpath -ldflags "-s -w -X github.com/docker/compose/v2/internal.Version=$COMPOSE_VERSION" \
+             -o "$cached.partial" github.com/docker/compose/v2/cmd )
+      mv "$cached.partial" "$cached"
+      rm -rf "$work"
+    fi
+    mkdir -p "$(dirname "$plugin")"
+    ln -sf "$cached" "$plugin"
   fi
-  mkdir -p "$(dirname "$plugin")"
-  ln -sf "$cached" "$plugin"
+  say "$(docker compose version)"
 fi
-say "$(docker compose version)"
 
 # 4. base image
 if ! docker image inspect "$PUBLIC_BASE" >/dev/null 2>&1 && ! docker image inspect "$LOCAL_BASE" >/dev/null 2>&1; then

@@ -31,6 +31,28 @@ if not _CI and "CLAWSTREAM_SANDBOX_ISOLATION" not in os.environ and bwrap.probe(
 
 # The shared helpers assert too (admin calls, leak checks): give them pytest's detailed failure messages.
 pytest.register_assert_rewrite("tests.support")
+from tests.support import provisioning  # noqa: E402 - after the rewrite is registered
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    provisioning.reorder(items)  # background-provisioned tests last (.ci/run; tests/support/provisioning.py)
+
+
+_not_provisioned: dict[str, str] = {}
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
+    # Outside pytest-timeout's timer (its own protocol wrapper runs inside this one): the wait is not the test's time.
+    why = provisioning.wait_for(item)
+    if why is not None:
+        _not_provisioned[item.nodeid] = why
+    yield
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid in _not_provisioned:
+        pytest.fail(_not_provisioned[item.nodeid], pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ STEPS, TASKS, GROUP = 1, 2, 2
 DEADLINE_S = 1800.0  # overall: start-up (model init, engine load) + one RL step + the weight swap, on 2 busy cores
 POLL_S = 5.0
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(DEADLINE_S + 900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(DEADLINE_S + 900), pytest.mark.provisioned("docker", "compose")]
 
 
 def free_port() -> int:

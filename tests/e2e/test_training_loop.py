@@ -102,7 +102,7 @@ def _mean_logprobs(model, trees: list) -> list[float | None]:  # noqa: ANN001
 
 
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("engine", ["cpu", "vllm"])
+@pytest.mark.parametrize("engine", ["cpu", pytest.param("vllm", marks=pytest.mark.provisioned("vllm"))])
 def test_two_steps_train_and_the_engine_serves_each_version(
     kafka_bootstrap: str,
     tmp_path: Path,

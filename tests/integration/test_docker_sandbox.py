@@ -45,7 +45,7 @@ from tests.support.proxy_server import admin_url, running_proxy
 from tests.support.sandbox_stack import assert_solved_by_harness, by_rollout, run_requests
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.provisioned("docker")]
 
 IMAGE = "clawstream/harnesses:latest"
 ROOT = Path(__file__).resolve().parents[2]

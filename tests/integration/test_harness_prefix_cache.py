@@ -276,6 +276,7 @@ async def test_claude_code_second_call_cached_cpu_engine(kafka_settings, cpu_eng
 
 
 @pytest.mark.timeout(2700)
+@pytest.mark.provisioned("vllm")
 async def test_claude_code_second_call_cached_vllm(kafka_settings, vllm_engine, claude_exe, tmp_path) -> None:
     outcome = await rollout(kafka_settings, vllm_engine, claude_exe, tmp_path / "box", harness_timeout_s=1500)
     check(outcome, "vllm")

@@ -43,7 +43,7 @@ from policy.tiny_model import init_tiny_model
 from policy.weight_store import save_weights
 from schemas.events import WeightVersion, now_ms
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.provisioned("vllm")]
 
 TOL = 1e-4  # nats; see the module docstring
 MIN_GAP = 0.1  # two versions' log-probs for the same answer differ by at least this much (asserted, not assumed)
