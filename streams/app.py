@@ -25,16 +25,16 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import faust
-from faust.types import EventT
+from faust.types import TP, EventT
 
 from clawbase.kafka.clients import bootstrap_servers, create_topics, replication
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
-from schemas.events import BatchRecord, Event, Trajectory, WeightVersion
+from schemas.events import BatchRecord, Event, RolloutEvent, Trajectory, WeightVersion
 from schemas.topics import (
     BATCHES,
     CALLS,
@@ -49,7 +49,7 @@ from schemas.topics import (
     WEIGHTS,
     TopicSpec,
 )
-from streams import eos
+from streams import eos, store
 from streams.agent import Action, Emit, Forward, Reject, Stage, add_agent, decode, now_ms
 from streams.assemble import Assembler
 from streams.batch import Batcher, BatchOutput
@@ -192,20 +192,45 @@ class Channels:
         )
 
 
+@dataclass
+class CallsProgress:
+    """How far this worker has read each calls partition (``read[p]``: the next offset) and where it ends now."""
+
+    app: faust.App
+    topic: str
+    read: dict[int, int] = field(default_factory=dict)
+
+    def end(self, partition: int) -> int | None:
+        """The partition's high watermark from the last fetch (None before the first: unknown)."""
+        try:
+            return self.app.consumer.highwater(TP(self.topic, partition))
+        except Exception:  # noqa: BLE001 - no consumer yet, or the partition not assigned here: unknown
+            return None
+
+
 def stages(
-    io: Channels, assembler: Assembler, grouper: Grouper, batcher: Batcher, since_ms: Callable[[], int]
+    io: Channels,
+    assembler: Assembler,
+    grouper: Grouper,
+    batcher: Batcher,
+    since_ms: Callable[[], int],
+    calls: CallsProgress,
 ) -> list[Stage[Any]]:
-    """The agents as data: assemble, rekey, group, batch. ``since_ms()``: when this worker started listening."""
+    """The agents as data: assemble, rekey, group, batch. ``since_ms()``: when this worker started listening;
+    ``calls``: how far it has read each calls partition, and where each ends."""
 
     def assembled(record: Event, event: EventT, now: int) -> list[Action]:
         msg = event.message
-        result = assembler.on_record(record, msg.value, msg.partition, now)
+        if msg.topic == calls.topic:
+            calls.read[msg.partition] = msg.offset + 1
+        end = calls.end(msg.partition) if isinstance(record, RolloutEvent) else None
+        result = assembler.on_record(record, msg.value, msg.partition, now, end)
         bad = result.rejected
         dead = [Reject(bad.reason, bad.verdict.value, getattr(record, "rollout_id", None))] if bad else []
         return [*dead, Emit(io.trajectories, result.trajectories, "rollout_id", msg.partition)]
 
     def assemble_tick(partition: int, now: int) -> list[Action]:
-        result = assembler.on_tick(partition, now, since_ms())
+        result = assembler.on_tick(partition, now, since_ms(), calls.read.get(partition))
         return [Emit(io.trajectories, result.trajectories, "rollout_id", partition)]
 
     def group_outputs(out: Emission) -> list[Action]:
@@ -308,21 +333,31 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         name: app.Table(name, default=None, partitions=n, help=help, **TABLE_TYPES)
         for name, (n, help) in TABLES.items()
     }
+    memory = store.bound(tables.values(), cfg.rocksdb_memory_mb)
     assembler = Assembler(cfg, tables["assembler-state"], tables["assembler-calls"], tables["assembler-index"])
     grouper = Grouper(cfg, tables["grouper-groups"], tables["grouper-members"], tables["grouper-index"])
     batcher = Batcher(cfg, tables["batcher-state"], tables["batcher-members"], app_id)
 
     # Deadlines count silence only while this worker listens: from its last completed rebalance (tables recovered).
     listening = {"since_ms": now_ms()}
+    calls = CallsProgress(app, kafka.topic(CALLS))
 
     @app.on_rebalance_complete.connect
     async def _listening(sender: Any, **_: Any) -> None:
         listening["since_ms"] = now_ms()
+        calls.read.clear()  # a partition may have been read by another worker meanwhile: unknown until read again
 
     agents = [
-        add_agent(app, io.deadletter, s) for s in stages(io, assembler, grouper, batcher, lambda: listening["since_ms"])
+        add_agent(app, io.deadletter, s)
+        for s in stages(io, assembler, grouper, batcher, lambda: listening["since_ms"], calls)
     ]
     tick = add_ticks(app, cfg.tick_interval_s, ((io.a_ticks, assembler.deadlines), (io.g_ticks, grouper.deadlines)))
+    if memory is not None:
+
+        @app.timer(interval=cfg.memory_report_interval_s)
+        async def _report_memory() -> None:
+            log.info("%s", memory.report())
+
     app.clawstream_agents = (*agents, tick)  # type: ignore[attr-defined]
     return app
 
@@ -374,9 +409,9 @@ def usage() -> str:
         "Settings (environment):",
     ]
     prefix = str(StreamsSettings.model_config.get("env_prefix", ""))
-    for name, field in StreamsSettings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        lines.append(f"  {prefix}{name.upper():<34} {field.description or ''} (default: {default!r})")
+    for name, spec in StreamsSettings.model_fields.items():
+        default = spec.get_default(call_default_factory=True)
+        lines.append(f"  {prefix}{name.upper():<34} {spec.description or ''} (default: {default!r})")
     lines.append("\nFaust's own options: python -m streams.app worker --help (needs a reachable broker).")
     return "\n".join(lines)
 

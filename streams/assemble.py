@@ -29,6 +29,7 @@ from streams.state import Deadlines, Outcome, Verdict
 from streams.trajectory import build_trajectory
 
 log = logging.getLogger(__name__)
+CALLS_HOLD_TIMEOUTS = 4  # a rollout short of calls waits for its unread calls partition at most this many more timeouts
 
 Assembled = CallEvent | RolloutEvent | RewardEvent | RolloutRequest  # the records the assembler takes
 ASSEMBLED = (CallEvent, RolloutEvent, RewardEvent, RolloutRequest)
@@ -67,8 +68,12 @@ class Assembler:
         self.state[acc.rollout_id] = acc.to_bytes()
         self.deadlines.schedule(partition, acc.rollout_id, acc.deadline_ms(self.cfg))
 
-    def on_record(self, event: Event, raw: bytes, partition: int, now_ms: int) -> Result:
-        """Apply one decoded record (call, lifecycle event, reward or request) of ``partition``."""
+    def on_record(self, event: Event, raw: bytes, partition: int, now_ms: int, calls_end: int | None = None) -> Result:
+        """Apply one decoded record (call, lifecycle event, reward or request) of ``partition``.
+
+        ``calls_end``: for a lifecycle event, the end offset of the calls partition ``partition`` as the worker knows it
+        now (None: unknown); kept with a terminal event, it tells :meth:`on_tick` whether the run's calls may still be
+        unread."""
         if not isinstance(event, ASSEMBLED):
             return Result(
                 rejected=Outcome(Verdict.REJECTED, f"the assembler does not take {type(event).__name__} records")
@@ -88,6 +93,8 @@ class Assembler:
         if outcome.verdict is Verdict.ACCEPTED:
             if isinstance(event, CallEvent):
                 self.calls[call_key(acc.rollout_id, event.call_id)] = raw
+            elif isinstance(event, RolloutEvent) and acc.terminal is not None:
+                acc.calls_end = calls_end
             self._save(acc, partition)
         elif outcome.verdict is Verdict.DUPLICATE:
             log.debug("rollout %s: duplicate %s ignored", acc.rollout_id, type(event).__name__)
@@ -126,10 +133,14 @@ class Assembler:
         acc.mark_settled(trajectory.status, now_ms)
         return trajectory
 
-    def on_tick(self, partition: int, now_ms: int, since_ms: int = 0) -> Result:
+    def on_tick(self, partition: int, now_ms: int, since_ms: int = 0, calls_read: int | None = None) -> Result:
         """Settle the partition's due rollouts and forget settled ones past ``late_retention_s``.
 
         ``since_ms``: when this worker started listening to the partition (see :meth:`RolloutAccumulator.deadline_ms`).
+        ``calls_read``: the next offset of the calls partition this worker will read (None: unknown). A rollout short
+        of calls is not given up while its calls may still be unread (a worker catching up on a backlog after a
+        rebalance reads the small lifecycle records long before the calls): the settle timeout bounds silence, not
+        a backlog. Held at most ``CALLS_HOLD_TIMEOUTS`` more settle timeouts, in case the partition never advances.
         """
         result = Result()
 
@@ -140,7 +151,13 @@ class Assembler:
                     self.calls.pop(call_key(rollout_id, cid), None)
                 return None  # settled long enough ago that no late record is expected: forget it
             if acc.due(now_ms, self.cfg, since_ms):
-                forced = None if acc.ready() else f"settle timeout: {acc.missing()}"
+                unread = 0 if acc.ready() else acc.calls_unread(calls_read)
+                hold_ms = CALLS_HOLD_TIMEOUTS * self.cfg.settle_timeout_s * 1000
+                hold_until = acc.deadline_ms(self.cfg, since_ms) + hold_ms
+                if unread and now_ms < hold_until:
+                    return now_ms + int(self.cfg.tick_interval_s * 1000)  # look again next tick
+                behind = f" (its calls partition still {unread} offsets behind)" if unread else ""
+                forced = None if acc.ready() else f"settle timeout: {acc.missing()}{behind}"
                 result.trajectories.append(self._settle(acc, now_ms, forced=forced))
                 self.state[rollout_id] = acc.to_bytes()
             return acc.deadline_ms(self.cfg, since_ms)

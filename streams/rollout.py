@@ -69,6 +69,9 @@ class RolloutAccumulator:
     held_reward_ms: dict[str, int] = field(default_factory=dict)  # attempt id → its held reward's timestamp_ms
     attempt_first_ms: int | None = None  # earliest event time (timestamp_ms) of the assembled attempt's records
     older_runs: list[str] = field(default_factory=list)  # older runs of the request settled apart (OLDER_RUN)
+    # The calls partition's end offset when the terminal event was read: every call of the run is below it (the proxy
+    # publishes a call before it answers, the worker its terminal event after the harness ended).
+    calls_end: int | None = None
 
     # ---- serialisation ----------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -363,6 +366,13 @@ class RolloutAccumulator:
         self.__dict__.update(fresh.__dict__)
 
     # ---- settling ---------------------------------------------------------------------------------------------
+    def calls_unread(self, calls_read: int | None) -> int:
+        """How many offsets of its calls partition the worker has yet to read before all of this run's calls are in
+        (0 when unknown: ``calls_read`` is None after a rebalance until the partition's next call is read)."""
+        if self.calls_end is None or calls_read is None or self.sealed:
+            return 0
+        return max(0, self.calls_end - calls_read)
+
     def due(self, now_ms: int, cfg: StreamsSettings, since_ms: int = 0) -> bool:
         """True when the rollout should settle now (ready and quiet, or given up)."""
         return self.settled is None and now_ms >= self.deadline_ms(cfg, since_ms)

@@ -32,6 +32,16 @@ class StreamsSettings(BaseSettings):
         description="Faust table store URL: 'rocksdb://' (rocksdict driver, survives restarts) or 'memory://' "
         "(tests; state is rebuilt from the changelog topics at every start).",
     )
+    rocksdb_memory_mb: float = Field(
+        default=64.0,
+        ge=8,
+        description="RocksDB memory of the worker's tables, all partitions together: one block cache with the "
+        "memtables charged to it (Faust's default gives each of ~50 table partitions 64 MiB × 3 memtables and a "
+        "2 GiB cache, and resident memory grew for hours). Raise it for big tables that are read often.",
+    )
+    memory_report_interval_s: float = Field(
+        default=60.0, gt=0, description="How often the worker logs its RocksDB memory use (INFO)."
+    )
     data_dir: Path = Field(
         default_factory=lambda: clawstream_home() / "streams",
         description="Faust data directory (RocksDB tables live under it).",

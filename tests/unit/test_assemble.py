@@ -529,3 +529,48 @@ def test_an_older_runs_started_read_after_the_newer_runs_reward_is_settled_apart
     [done] = rig.tick(10_000_000)
     assert done.attempt_id == "r.a0.newer" and done.reward == 0.5  # (DROPPED here: a run without calls)
     assert done.status is not TrajectoryStatus.INFRA_FAILURE
+
+
+def _feed_without_calls(rig: Rig, r: SynthRollout, calls_end: int | None) -> tuple[int, list[Event]]:
+    """Feed ``r``'s lifecycle events and reward (the worker reads them first); return the last time and its calls."""
+    t, calls = 0, []
+    for _, ev in r.records:
+        if isinstance(ev, CallEvent):
+            calls.append(ev)
+            continue
+        rig.out += rig.core().on_record(ev, ev.to_bytes(), P, t, calls_end).trajectories
+        t += 10
+    return t, calls
+
+
+def test_a_rollout_short_of_calls_waits_while_its_calls_partition_is_unread() -> None:
+    # A worker catching up after a rebalance reads the small lifecycle records long before a backlog of calls: the
+    # settle timeout must not give the rollout up while its calls are still in Kafka, unread (#28).
+    r, rig = rollout(rollout_id="r-b"), Rig()
+    last, calls = _feed_without_calls(rig, r, calls_end=100)
+    late = last + 30_000  # far past the settle timeout (10 s), within the hold (4 more timeouts)
+    assert rig.core().on_tick(P, late, 0, calls_read=40).trajectories == []  # 60 offsets still unread: held
+    for ev in calls:  # the backlog arrives
+        rig.core().on_record(ev, ev.to_bytes(), P, late + 10)
+    [t] = rig.core().on_tick(P, late + 2_000, 0, calls_read=100).trajectories
+    assert t.status is TrajectoryStatus.COMPLETE and len(t.segments) > 0
+
+
+def test_without_a_known_read_position_the_settle_timeout_still_applies() -> None:
+    r, rig = rollout(rollout_id="r-u"), Rig()
+    last, _ = _feed_without_calls(rig, r, calls_end=100)
+    [t] = rig.core().on_tick(P, last + 60_000, 0, calls_read=None).trajectories
+    assert t.status is TrajectoryStatus.INCOMPLETE and "calls received" in t.drop_reason
+    r2, rig2 = rollout(rollout_id="r-r"), Rig()  # read past the end: the calls really are missing
+    last, _ = _feed_without_calls(rig2, r2, calls_end=100)
+    [t2] = rig2.core().on_tick(P, last + 60_000, 0, calls_read=100).trajectories
+    assert t2.status is TrajectoryStatus.INCOMPLETE and "behind" not in t2.drop_reason
+
+
+def test_a_calls_partition_that_never_advances_is_waited_for_a_bounded_time() -> None:
+    r, rig = rollout(rollout_id="r-s"), Rig()
+    last, _ = _feed_without_calls(rig, r, calls_end=100)
+    cap = RolloutAccumulator.from_bytes(rig.state["r-s"]).deadline_ms(CFG) + 4 * 10_000
+    assert rig.core().on_tick(P, cap - 1, 0, calls_read=40).trajectories == []
+    [t] = rig.core().on_tick(P, cap + int(CFG.tick_interval_s * 1000), 0, calls_read=40).trajectories  # next tick
+    assert t.status is TrajectoryStatus.INCOMPLETE and "60 offsets behind" in t.drop_reason

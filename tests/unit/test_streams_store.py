@@ -1,0 +1,79 @@
+"""streams.store: every table partition's RocksDB shares one memory budget (real rocksdict databases, no broker)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("rocksdict")
+from faust.stores.rocksdb import RocksDBOptions  # noqa: E402
+
+from streams import store  # noqa: E402
+
+DATABASES = 24
+WRITES = 40 * store.MIB  # spread over every database: more than the budget, less than Faust's per-database memtables
+
+
+def _tables(n: int) -> list[SimpleNamespace]:
+    """Stand-ins for Faust tables: ``.data`` is the store, which carries Faust's own options object."""
+    return [
+        SimpleNamespace(data=SimpleNamespace(rocksdb_options=RocksDBOptions(use_rocksdict=True), use_rocksdict=True))
+        for _ in range(n)
+    ]
+
+
+def _fill(dbs: list, total: int) -> None:
+    value = b"v" * 1000
+    for i in range(total // len(value)):
+        dbs[i % len(dbs)][b"key-%08d" % i] = value
+
+
+FLUSHING = ("rocksdb.mem-table-flush-pending", "rocksdb.num-running-flushes")
+
+
+def _memtables(dbs: list) -> int:
+    """Bytes in every database's memtables once no flush is pending or running (flushes run in the background)."""
+    for _ in range(500):  # bounded by polls, not a clock
+        busy = sum(
+            db.property_int_value("rocksdb.mem-table-flush-pending")
+            + db.property_int_value("rocksdb.num-running-flushes")
+            for db in dbs
+        )
+        if not busy:
+            break
+        time.sleep(0.01)
+    return sum(db.property_int_value("rocksdb.cur-size-all-mem-tables") for db in dbs)
+
+
+# The budget's memtable share, plus what an empty active memtable holds in each database (its first arena blocks).
+BOUND = 16 * store.MIB * store.MEMTABLE_SHARE + DATABASES * store.MIB // 2
+
+
+def test_memtables_of_every_partition_stay_within_one_budget(tmp_path: Path) -> None:
+    tables = _tables(DATABASES)
+    shared = store.bound(tables, 16)
+    assert shared is not None
+    assert all(t.data.rocksdb_options.shared is shared for t in tables)
+    dbs = [t.data.rocksdb_options.open(tmp_path / f"db{i}") for i, t in enumerate(tables)]
+    _fill(dbs, WRITES)
+    # The manager flushes when the memtables pass their share (a soft limit: a burst overshoots while flushes run).
+    assert _memtables(dbs) <= BOUND
+    assert "of 16.0" in shared.report()
+    for db in dbs:
+        db.close()
+
+
+def test_faust_defaults_would_hold_every_write_in_memtables(tmp_path: Path) -> None:
+    """The failure the budget prevents: with Faust's options nothing flushes, memory grows with every write."""
+    dbs = [t.data.rocksdb_options.open(tmp_path / f"db{i}") for i, t in enumerate(_tables(DATABASES))]
+    _fill(dbs, WRITES)
+    assert _memtables(dbs) > 1.5 * BOUND
+    for db in dbs:
+        db.close()
+
+
+def test_no_budget_without_rocksdb() -> None:
+    assert store.bound([SimpleNamespace(data=SimpleNamespace())], 16) is None
