@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
-from clawbase.errors import ClawstreamError
+from clawbase.errors import ClawstreamError, CodecError
 from clawbase.settings import KafkaSettings, load_settings
 from consumers.analytics.reader import open_reader, read_range, watermarks
 from consumers.analytics.reconcile import (
@@ -60,7 +60,7 @@ def _batch_entry(rec: dict[str, Any], where: Where) -> BatchEntry:
     return BatchEntry(rec["batch_id"], rec["kind"], rec["index"], inner, where)
 
 
-# topic → (schema, what to keep, the RunLog list it goes to); calls and requests are only counted.
+# topic → (schema, what to keep, the RunLog list it goes to); calls and requests are only decoded and counted.
 KEEP: dict[str, tuple[str, Callable[[dict[str, Any], Where], Any] | None, str | None]] = {
     ROLLOUT_REQUESTS: ("RolloutRequest", None, None),
     CALLS: ("CallEvent", None, None),
@@ -97,12 +97,13 @@ def read_run(settings: KafkaSettings, *, progress: TextIO | None = None) -> RunL
             for msg in _records(consumer, ref.name, marks):
                 n += 1
                 where = Where(ref.name, msg.partition(), msg.offset())
-                if keep is None:
-                    continue
-                try:
+                try:  # every record is decoded (calls and requests too): one that is not is listed
+                    if msg.value() is None:
+                        raise CodecError(f"a tombstone (no value), not a {schema}")
                     _, rec = default_codec().decode(msg.value(), expected=schema)
-                    getattr(log, target).append(keep(rec, where))  # type: ignore[arg-type]
-                except (ClawstreamError, KeyError, ValueError) as exc:
+                    if keep is not None:
+                        getattr(log, target).append(keep(rec, where))  # type: ignore[arg-type]
+                except (ClawstreamError, KeyError, ValueError, TypeError) as exc:
                     log.undecodable.append((f"{type(exc).__name__}: {exc}", where))
             log.counts[ref.name] = n
             if progress is not None:
@@ -143,7 +144,9 @@ def format_report(report: AuditReport, prefix: str) -> str:
         if len(report.violations) > 50:
             lines.append(f"  … and {len(report.violations) - 50} more (--json lists all)")
     if report.undecodable:
-        lines += ["", "undecodable records:"] + [f"  {u}" for u in report.undecodable[:20]]
+        lines += ["", "undecodable records:"] + [f"  {u}" for u in report.undecodable[:50]]
+        if len(report.undecodable) > 50:
+            lines.append(f"  … and {len(report.undecodable) - 50} more (--json lists all)")
     if report.dead_letters:
         lines += ["", "dead letters (set aside with their reason; not violations):"]
         lines += [f"  {n:>6} × {reason}" for reason, n in report.dead_letters.items()]

@@ -119,10 +119,11 @@ class _Jsonl:
         self.handle: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self.decode = decode
 
-    def add(self, msg: Any) -> bool:
+    def add(self, msg: Any) -> str | None:
+        """Write one record; its error when it did not decode."""
         record = decode_message(msg, self.decode, keep_raw=True)
         self.handle.write(json_line(record) + "\n")
-        return not is_error(record)
+        return record["error"] if is_error(record) else None
 
     def close(self) -> None:
         self.handle.close()
@@ -139,14 +140,14 @@ class _Parquet:
         self.rows: list[dict[str, Any]] = []
         self.row_group, self.buffered = row_group, 0
 
-    def add(self, msg: Any) -> bool:
+    def add(self, msg: Any) -> str | None:
         value = msg.value()
         row = self.layout.row(msg.topic(), msg.partition(), msg.offset(), message_timestamp(msg), msg.key(), value)
         self.rows.append(row)
         self.buffered += len(value or b"")
         if len(self.rows) >= self.row_group or self.buffered >= _ROW_GROUP_BYTES:
             self.flush()
-        return row.get("error") is None
+        return row.get("error")
 
     def flush(self) -> None:
         if self.rows:
@@ -176,8 +177,10 @@ def export(
     *,
     progress: Callable[[ExportSummary], None] | None = None,
     stop: Callable[[], bool] = lambda: False,
+    on_undecodable: Callable[[str], None] | None = None,
 ) -> ExportSummary:
-    """Write the request's records to ``request.out`` atomically; return what was written."""
+    """Write the request's records to ``request.out`` atomically; return what was written. Each record that does
+    not decode goes to ``on_undecodable`` as ``topic[partition]@offset: reason`` (and into the file)."""
     started = time.monotonic()
     out = request.out
     if out.exists() and not request.force:
@@ -208,9 +211,12 @@ def export(
                     continue
                 if filt and filt.by_key(msg.key()) is None and not filt.matches(decode_message(msg)):
                     continue
-                ok = writer.add(msg)
+                error = writer.add(msg)
                 summary.records += 1
-                summary.undecodable += not ok
+                if error is not None:  # kept in the file with its bytes, and reported
+                    summary.undecodable += 1
+                    if on_undecodable is not None:
+                        on_undecodable(f"{ref.name}[{msg.partition()}]@{msg.offset()}: {error}")
                 if progress is not None and time.monotonic() - last_report >= 1.0:
                     summary.offsets_done = sum(done[p] - starts[p] for p in starts)
                     progress(summary)
@@ -347,7 +353,11 @@ def main(argv: list[str] | None = None, prog: str = "clawstream export") -> int:
         stopping, restore = install_stop_signals()
         try:
             summary = export(
-                settings, request, stop=stopping.is_set, progress=None if args.quiet else _progress_printer(sys.stderr)
+                settings,
+                request,
+                stop=stopping.is_set,
+                progress=None if args.quiet else _progress_printer(sys.stderr),
+                on_undecodable=lambda line: print(f"export: undecodable {line}", file=sys.stderr, flush=True),
             )
         finally:
             restore()

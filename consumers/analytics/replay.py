@@ -34,8 +34,8 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from clawbase.errors import ClawstreamError, ConfigError, TopicError
-from clawbase.kafka.clients import create_topics, make_admin, make_producer
+from clawbase.errors import ClawstreamError, CodecError, ConfigError, TopicError
+from clawbase.kafka.clients import create_topics, make_admin, make_producer, where
 from clawbase.settings import KafkaSettings, clawstream_home, load_settings
 from consumers.analytics.reader import READ_BATCH, offsets_at, open_reader, read_range, watermarks
 from consumers.analytics.records import parse_offsets, parse_time_ms
@@ -191,7 +191,7 @@ class Replayer:
         rng = part.range
         plan: BatchPlan | None = None
         if source.spec.name == BATCHES:
-            entries = [_entry(msg) for msg in self._read(source.name, rng, "planning")]
+            entries = [_entry(msg, self.progress) for msg in self._read(source.name, rng, "planning")]
             plan = plan_batches(entries, rng)
             copy.batches.extend(plan.batches)
             copy.skipped.extend(plan.skipped)
@@ -318,10 +318,13 @@ def _time(value: str, flag: str) -> int:
         raise ConfigError(f"{flag}: {exc}") from exc
 
 
-def _entry(msg: Message) -> Entry:
+def _entry(msg: Message, report: Callable[[str], None]) -> Entry:
     try:
+        if msg.value() is None:
+            raise CodecError("a tombstone (no value)")
         rec = BatchRecord.from_bytes(msg.value())
-    except ClawstreamError:
+    except (ClawstreamError, KeyError, TypeError, ValueError) as exc:  # copied as it is (the learner dead-letters it)
+        report(f"replay: undecodable {where(msg)}: {type(exc).__name__}: {exc} (copied as it is)")
         return Entry(msg.offset())
     return Entry(msg.offset(), rec.batch_id, rec.kind is BatchRecordKind.SEAL, rec.index)
 

@@ -7,18 +7,19 @@ and ``clawstream.deadletter`` (``DeadLetter`` for a version that was rejected) o
 it does not share a consumer group: it assigns itself all partitions of the topic from the beginning (the topic
 keeps its full history), reads up to the end offsets present at startup, applies only the newest version for its
 model name (falling back to the next newest when that one is rejected), then applies each newer version as it
-arrives; versions at or below the one being served are skipped. Nothing is committed.
+arrives. Nothing is committed. Poison goes to the dead-letter topic and the follower goes on serving
+(docs/faults.md#poison): undecodable records (a tombstone too); after the catch-up, a version below the one served
+or the served one with another sha256. The served version again with its sha256 is skipped and logged.
 
 Applying a version (``WeightVersion.uri`` + ``sha256``): resolve the URI (``file://`` or an absolute path), check
 the file exists and its sha256, load the safetensors and check every tensor's name and shape against the served
 model (missing, unknown or mis-shaped tensors reject the file; tied weights may appear once) -- all before the
 served weights are touched -- then hand it to the target (:class:`EngineWeightsTarget` for the CPU engine, which
 swaps between decode steps, see ``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM
-server). A rejected
-version keeps the old weights, is logged with its reason and position (``topic[partition]@offset``) and goes to
-the dead-letter topic with the original key and value. An applied one publishes a "weights_applied" metric with
-the swap latency split into load (read + verify), drain wait (in-flight requests finishing on the old weights)
-and apply (copy) time, plus GPU readings when NVML is present.
+server). A rejected version keeps the old weights, is logged with its reason and position
+(``topic[partition]@offset``) and goes to the dead-letter topic with the original key and value. An applied one
+publishes a "weights_applied" metric with the swap latency split into load (read + verify), drain wait (in-flight
+requests finishing on the old weights) and apply (copy) time, plus GPU readings when NVML is present.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ class WeightsFollower:
         self._thread: threading.Thread | None = None
         self.applied: list[int] = []
         self.rejected: list[tuple[int, str]] = []
+        self.skipped: list[int] = []  # live duplicates of the served version
+        self.serving: WeightVersion | None = None  # the last version applied (None: the engine's own start weights)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="weights-follower", daemon=True)
@@ -208,17 +211,8 @@ class WeightsFollower:
                     log.warning("consumer error on %s: %s", self.topic, msg.error())
                     continue
                 event = self._decode(msg)
-                if event is None:
-                    continue
-                if event.policy_version <= self.target.policy_version:
-                    log.info(
-                        "skipping version %d at %s: already serving %d",
-                        event.policy_version,
-                        where(msg),
-                        self.target.policy_version,
-                    )
-                    continue
-                self._handle(msg, event)
+                if event is not None and self._in_order(msg, event):
+                    self._handle(msg, event)
         finally:
             consumer.close()
             self.reporter.flush()
@@ -241,10 +235,34 @@ class WeightsFollower:
             if self._handle(msg, event):
                 break
 
+    def _in_order(self, msg: Message, event: WeightVersion) -> bool:
+        """Whether a live version is newer than the one served; a duplicate is skipped, one going backwards or
+        claiming the served version with another file is dead-lettered."""
+        served = self.target.policy_version
+        if event.policy_version > served:
+            return True
+        known = self.serving.sha256 if self.serving is not None and self.serving.policy_version == served else None
+        if event.policy_version == served and known in (None, event.sha256):
+            log.warning("skipping version %d at %s: a duplicate of the version served", served, where(msg))
+            self.skipped.append(served)
+            return False
+        if event.policy_version == served:
+            reason = f"version {served} again with another sha256 ({event.sha256}, serving {known}): not applied"
+            kind = "conflicting_version"
+        else:
+            reason = f"version {event.policy_version} goes backwards: serving {served}"
+            kind = "version_backwards"
+        log.warning("rejected weights at %s (%s): %s", where(msg), kind, reason)
+        self.reporter.dead_letter(msg, reason, kind, event.policy_version)
+        self.rejected.append((event.policy_version, kind))
+        return False
+
     def _decode(self, msg: Message, *, quiet: bool = False) -> WeightVersion | None:
         try:
+            if msg.value() is None:
+                raise CodecError("a tombstone (no value), not a WeightVersion")
             event = WeightVersion.from_bytes(msg.value())
-        except CodecError as exc:
+        except (CodecError, TypeError, ValueError, KeyError) as exc:
             log.warning("undecodable record at %s: %s", where(msg), exc)
             self.reporter.dead_letter(msg, f"undecodable WeightVersion: {exc}", type(exc).__name__, None)
             return None
@@ -298,6 +316,7 @@ class WeightsFollower:
         )
         self.reporter.flush()
         self.applied.append(event.policy_version)
+        self.serving = event
         log.info(
             "now serving weights version %d (swap %.3fs: load %.3fs, drain %.3fs, apply %.3fs)",
             event.policy_version,

@@ -2,9 +2,11 @@
 
 Topics: in ``clawstream.rollout.requests`` (consumer group ``CLAWSTREAM_SANDBOX_GROUP_ID``, cooperative-sticky
 assignment, manual commits); out ``clawstream.rollout.events`` and ``clawstream.rewards`` (exactly one per attempt),
-keyed by rollout id and acknowledged (acks=all) before the request counts as done; undecodable requests go to
-``clawstream.deadletter``. One attempt = ``producers.sandbox.rollout.execute``. Up to ``concurrency`` rollouts run at
-once on one asyncio loop; when full, the partitions are paused but ``poll`` keeps running (the group sees no stall).
+keyed by rollout id and acknowledged (acks=all) before the request counts as done. Poison (undecodable, a request
+that makes no sense here, a duplicate: :meth:`SandboxWorker._take`) goes to ``clawstream.deadletter`` with the
+reason, its offset is committed, and the worker goes on (docs/faults.md#poison). One attempt =
+``producers.sandbox.rollout.execute``. Up to ``concurrency`` rollouts run at once on one asyncio loop; when full,
+the partitions are paused but ``poll`` keeps running (the group sees no stall).
 Commits: per partition, the lowest offset still in flight (``producers.sandbox.offsets``), after the request's terminal
 events were acknowledged. If Kafka refuses a terminal event, the worker stops without committing it (exit code 1).
 Rebalances (docs/faults.md#sandbox-worker-rebalances): a partition kept across one keeps its fetch position and its
@@ -27,8 +29,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -44,13 +48,34 @@ from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker, Partition
-from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute
+from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute, new_attempt_id
 from producers.tasks.catalog import SuiteCatalog
+from producers.tasks.model import TaskError
 from schemas.dead_letter import dead_letter_of
-from schemas.events import RewardEvent, RolloutEvent, RolloutRequest
+from schemas.events import RewardEvent, RewardStatus, RolloutEvent, RolloutRequest, RolloutState, now_ms
+from schemas.lifecycle import transition
 from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 
 log = logging.getLogger("clawstream.sandbox_worker")
+SEEN_MAX = 100_000  # (rollout id → attempt → offset) remembered for duplicate detection, oldest forgotten first
+
+
+def nonsense(req: RolloutRequest, ctx: RolloutContext) -> str | None:
+    """Why a decoded request cannot be run here, or None. Checked before anything is registered or created."""
+    rid = req.rollout_id
+    if not rid or not all(c.isalnum() or c in "-_." for c in rid):  # the proxy's rule for rollout ids
+        return f"rollout_id {rid[:200]!r}: letters, digits, '-', '_', '.' only, not empty"
+    if req.attempt < 0:
+        return f"attempt {req.attempt} < 0"
+    if math.isnan(req.timeout_s) or req.timeout_s < 0:
+        return f"timeout_s {req.timeout_s}: must be >= 0 (0: the task's)"
+    if req.harness not in ctx.adapters:
+        return f"unknown harness {req.harness!r}; known: {', '.join(sorted(ctx.adapters))}"
+    try:
+        ctx.catalog.task(req.suite, req.task_id)
+    except TaskError as exc:  # unknown suite or task (or a configured suite that does not load)
+        return str(exc)
+    return None
 
 
 def make_backend(settings: SandboxSettings) -> SandboxBackend:
@@ -137,6 +162,7 @@ class SandboxWorker:
         self.owned: set[Partition] = set()  # the current assignment
         self.waiting = 0  # requests waiting for another attempt of theirs to end: they hold no sandbox
         self.outcomes: list[Outcome] = []
+        self.seen: OrderedDict[str, dict[int, tuple[Partition, int]]] = OrderedDict()  # rollout id → attempt → where
         self.fatal: BaseException | None = None
         self._consumer = None
         self._paused = False
@@ -227,10 +253,87 @@ class SandboxWorker:
             outcome.reward.reward if outcome.reward else None,
         )
 
-    async def _dead_letter(self, msg, reason: str) -> None:  # noqa: ANN001
-        record = dead_letter_of(msg, "sandbox_worker", reason, "CodecError")
+    async def _dead_letter(self, msg, reason: str, error_type: str, rollout_id: str | None = None) -> None:  # noqa: ANN001
+        record = dead_letter_of(msg, "sandbox_worker", reason, error_type, rollout_id=rollout_id or None)
         key = (msg.key() or b"").decode(errors="replace")
         await self.publisher.publish(self.kafka.topic(DEADLETTER), key, record.to_bytes(), self.s.publish_timeout_s)
+
+    async def _settle_failed(self, req: RolloutRequest, reason: str) -> None:
+        """FAILED + an INFRA_FAILURE reward for a request that was never started (as a failed setup publishes)."""
+        attempt_id = new_attempt_id(req)
+        state = transition(None, RolloutState.FAILED)
+        common = {"rollout_id": req.rollout_id, "policy_version": req.policy_version, "attempt_id": attempt_id}
+        await self.ctx.sink.event(
+            RolloutEvent(
+                **common,
+                timestamp_ms=now_ms(),
+                state=state,
+                group_id=req.group_id,
+                harness=req.harness,
+                attempt=req.attempt,
+                worker_id=self.ctx.worker_id,
+                reason=reason[:2000],
+            )
+        )
+        await self.ctx.sink.reward(
+            RewardEvent(
+                **common, timestamp_ms=now_ms(), status=RewardStatus.INFRA_FAILURE, grader="none", reason=reason[:2000]
+            )
+        )
+
+    def _duplicate_of(self, req: RolloutRequest, tp: Partition, offset: int) -> str | None:
+        """Why ``req`` at ``tp@offset`` is a duplicate of a request seen here, or None (new, or the same record read
+        again: a redelivery). Remembers it otherwise."""
+        attempts = self.seen.get(req.rollout_id, {})
+        here = (tp, offset)
+        if attempts.get(req.attempt) == here:
+            return None
+        if req.attempt in attempts:
+            (t, p), o = attempts[req.attempt]
+            return f"duplicate: rollout {req.rollout_id} attempt {req.attempt} was already read at {t}[{p}]@{o}"
+        newer = max(attempts, default=-1)
+        if newer > req.attempt:
+            (t, p), o = attempts[newer]
+            return f"stale: rollout {req.rollout_id} attempt {req.attempt} after attempt {newer} (read at {t}[{p}]@{o})"
+        self.seen[req.rollout_id] = {**attempts, req.attempt: here}
+        self.seen.move_to_end(req.rollout_id)
+        if len(self.seen) > SEEN_MAX:
+            self.seen.popitem(last=False)
+        return None
+
+    async def _take(self, msg) -> RolloutRequest | None:  # noqa: ANN001
+        """The request to run, or None: ``msg`` was poison, dead-lettered with the reason and its offset done.
+
+        Poison: undecodable bytes, an unknown writer schema, a tombstone; a request that makes no sense here
+        (:func:`nonsense`), also settled by FAILED and an INFRA_FAILURE reward when its rollout id is usable, as a
+        failed setup is (the scheduler re-issues it at most ``max_attempts`` times); a duplicate of a request read
+        here (same rollout id and attempt at another offset, or an older attempt than one read here): nothing
+        published, the original's events stand. A duplicate of one run by another worker is not recognised here:
+        the proxy reports its attempt held or finished, and it is waited for or committed unrun, as a redelivery.
+        """
+        tp, offset = (msg.topic(), msg.partition()), msg.offset()
+        self.tracker.start(tp, offset)
+        try:
+            if msg.value() is None:
+                raise CodecError("a tombstone (no value), not a RolloutRequest")
+            req = RolloutRequest.from_bytes(msg.value())
+        except (CodecError, TypeError, ValueError, KeyError) as exc:
+            log.error("%s: undecodable request: %s", where(msg), exc)
+            await self._dead_letter(msg, f"undecodable RolloutRequest: {exc}", type(exc).__name__)
+        else:
+            why = nonsense(req, self.ctx)
+            if why is not None:
+                log.error("%s: invalid request %r: %s", where(msg), req.rollout_id, why)
+                await self._dead_letter(msg, f"invalid request: {why}", "InvalidRequest", req.rollout_id)
+                if req.rollout_id and not why.startswith("rollout_id "):
+                    await self._settle_failed(req, f"invalid request: {why}")
+            elif (dup := self._duplicate_of(req, tp, offset)) is not None:
+                log.error("%s: %s; not run", where(msg), dup)
+                await self._dead_letter(msg, dup, "DuplicateRequest", req.rollout_id)
+            else:
+                return req
+        self.tracker.done(tp, offset)
+        return None
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -277,13 +380,8 @@ class SandboxWorker:
                     log.warning("consumer error: %s", msg.error())
                     continue
                 tp, offset = (msg.topic(), msg.partition()), msg.offset()
-                try:
-                    req = RolloutRequest.from_bytes(msg.value())
-                except CodecError as exc:
-                    log.error("%s: undecodable request: %s", where(msg), exc)
-                    await self._dead_letter(msg, str(exc))
-                    self.tracker.start(tp, offset)
-                    self.tracker.done(tp, offset)
+                req = await self._take(msg)
+                if req is None:
                     continue
                 log.info(
                     "%s: rollout %s (%s/%s, %s, attempt %d)",
@@ -294,7 +392,7 @@ class SandboxWorker:
                     req.harness,
                     req.attempt,
                 )
-                self.tracker.start(tp, offset)  # (again, for a redelivered one: committed when its attempt finishes)
+                # _take started its offset (a redelivered one's is committed when its attempt here finishes)
                 mine = self.running.get((tp, offset))
                 if mine is not None and not mine.done():  # redelivered (the partition went and came back)
                     log.info("%s: its attempt still runs here: not started again", where(msg))

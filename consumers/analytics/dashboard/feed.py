@@ -24,13 +24,14 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from clawbase.errors import ClawstreamError
-from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end, where
 from clawbase.settings import KafkaSettings
 from consumers.analytics.dashboard.state import DashboardState
 from consumers.analytics.reader import read_range
 from schemas.codec import default_codec
 from schemas.events import ALL_EVENTS, DeadLetter, Event
 from schemas.topics import (
+    BY_NAME,
     CALLS,
     DEADLETTER,
     METRICS,
@@ -136,7 +137,7 @@ class LiveFeed:
         try:
             ends = assign_from_beginning(consumer, topic, missing_ok=True)
             for msg in read_to_end(consumer, topic, ends, timeout=60, stop=self._stop.is_set):
-                self._take([(WEIGHTS, msg.value())])
+                self._take([(WEIGHTS, msg.value(), where(msg))])
         except ClawstreamError as exc:
             log.warning("could not read %s ahead: %s", topic, exc)
         finally:
@@ -158,7 +159,7 @@ class LiveFeed:
                 if msg.error() is not None:
                     log.warning("consumer error: %s", msg.error())
                     continue
-                items.append((names.get(msg.topic(), msg.topic()), msg.value()))
+                items.append((names.get(msg.topic(), msg.topic()), msg.value(), where(msg)))
             if items:
                 self._take(items)
 
@@ -190,13 +191,19 @@ class LiveFeed:
             consumer.incremental_assign(new)
             log.info("dashboard reads %s", ", ".join(sorted({tp.topic for tp in new})))
 
-    def _take(self, items: list[tuple[str, bytes | None]]) -> None:
+    def _take(self, items: list[tuple[str, bytes | None, str]]) -> None:
+        """Decode and add ``(catalog topic, value, topic[partition]@offset)`` records; a record that does not decode,
+        or holds another schema than its catalog topic's, is counted as an error with its position and reason."""
         decoded: list[tuple[str, Event | None, str]] = []
-        for topic, value in items:  # decode outside the lock: the page's requests wait on it
+        for topic, value, at in items:  # decode outside the lock: the page's requests wait on it
             try:
-                decoded.append((topic, decode_event(value), ""))
+                event = decode_event(value)
+                spec = BY_NAME.get(topic)
+                if spec is not None and event.SCHEMA != spec.value_schema:
+                    raise ClawstreamError(f"a {event.SCHEMA} record, not a {spec.value_schema}")
+                decoded.append((topic, event, ""))
             except ClawstreamError as exc:
-                decoded.append((topic, None, str(exc)))
+                decoded.append((topic, None, f"{at}: {exc}"))
         with self.lock:
             for topic, event, error in decoded:
                 if event is None:
@@ -214,12 +221,18 @@ def read_events(
     ends: dict[int, int],
     *,
     on_error: Callable[[str], Any] | None = None,
+    expected: type[Event] | None = None,
 ) -> Iterator[Event]:
-    """Decoded events of ``topic`` from ``starts`` up to ``ends`` (exclusive); undecodable records go to
-    ``on_error`` with their position (``topic[partition]@offset``) and are skipped."""
+    """Decoded events of ``topic`` from ``starts`` up to ``ends`` (exclusive); undecodable records (and, given
+    ``expected``, records of another type) go to ``on_error`` with their position (``topic[partition]@offset``)
+    and are skipped."""
     for msg in read_range(consumer, topic, starts, ends):
         try:
-            yield decode_event(msg.value())
+            event = decode_event(msg.value())
+            if expected is not None and not isinstance(event, expected):
+                raise ClawstreamError(f"a {type(event).__name__} record, not a {expected.__name__}")
         except ClawstreamError as exc:
             if on_error is not None:
                 on_error(f"{topic}[{msg.partition()}]@{msg.offset()}: {exc}")
+            continue
+        yield event

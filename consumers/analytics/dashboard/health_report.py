@@ -80,7 +80,7 @@ def collect(kafka: KafkaSettings, scope: HealthRange, *, progress: Callable[[str
             ends = {p: min(e, at[p]) for p, e in ends.items()}
         report.ranges[ref.name] = {p: (starts[p], ends.get(p, starts[p])) for p in sorted(starts)}
         say(f"reading {ref.name}: " + ", ".join(f"[{p}] {s}-{e}" for p, (s, e) in report.ranges[ref.name].items()))
-        for event in read_events(consumer, ref.name, starts, ends, on_error=report.errors.append):
+        for event in read_events(consumer, ref.name, starts, ends, on_error=report.errors.append, expected=CallEvent):
             report.calls_read += 1
             if not isinstance(event, CallEvent):
                 report.errors.append(f"{ref.name}: a {type(event).__name__} record in the calls topic")
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report_json(report, per_rollout=args.per_rollout)))
         return 0
+    _print_errors(report.errors)
     if not report.aggregator.rollouts():
         print(f"no calls in the range ({report.calls_read} read)")
         return 0
@@ -213,10 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{report.calls_in_range} call(s) of {len(report.aggregator)} rollout(s), {report.label_records} label "
         f"record(s), in {time.monotonic() - started:.1f}s"
-        + (f"; {len(report.errors)} undecodable record(s), first: {report.errors[0]}" if report.errors else ""),
+        + (f"; {len(report.errors)} undecodable record(s), skipped" if report.errors else ""),
         file=sys.stderr,
     )
     return 0
+
+
+def _print_errors(errors: list[str], most: int = 50) -> None:
+    """Each undecodable record (``topic[partition]@offset: reason``) on stderr, up to ``most`` of them."""
+    for error in errors[:most]:
+        print(f"health: undecodable {error}", file=sys.stderr)
+    if len(errors) > most:
+        print(f"health: … and {len(errors) - most} more (--json lists all)", file=sys.stderr)
 
 
 if __name__ == "__main__":

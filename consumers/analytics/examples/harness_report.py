@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                 at_end.add(msg.partition())
                 continue
             at_end.discard(msg.partition())
-            try:
+            try:  # a bad record (a tombstone, bytes of no known schema, a broken body) is reported and skipped
+                if msg.value() is None:
+                    raise ClawstreamError("a tombstone (no value)")
                 t = Trajectory.from_bytes(msg.value())
-            except ClawstreamError as exc:  # a bad record is reported and skipped, never fatal
+            except (ClawstreamError, KeyError, TypeError, ValueError) as exc:
                 print(f"skipped {msg.topic()}[{msg.partition()}]@{msg.offset()}: {exc}", file=sys.stderr)
                 continue
             if t.status is TrajectoryStatus.INFRA_FAILURE:  # left out of statistics, as training does
