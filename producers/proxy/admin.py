@@ -462,7 +462,7 @@ class Admin:
             calls_offsets=dict(reg.calls_offsets),
             restored=True,
             refused=state.infra_failure,
-            usage=Usage(calls=state.calls_served),  # its prompt tokens are not on the record: counted from here
+            usage=Usage(calls=state.calls_served, prompt_tokens=state.prompt_tokens),  # the replayed calls' counts
         )
         self.rollouts[reg.rollout_id] = rollout
         self.metrics.rollouts.set(len(self.rollouts))

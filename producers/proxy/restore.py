@@ -7,8 +7,9 @@ received after its registration), in ``seq`` order: each call's prompt ids (``pa
 to ``shared_prefix_len``, then ``new_tokens``), generated ids, answer key (the generated ids decoded and parsed as
 the proxy parsed them) and conversation digest go back into a :class:`~producers.proxy.render.RolloutRenderer`,
 so the next call is rendered, delta-encoded and numbered (``seq``, ``calls_served``) as if the proxy had never
-died. A rollout whose events do not add up (a ``seq`` missing or doubled, an unknown parent, a prompt of the wrong
-length, an event without its conversation digest) is not served: :attr:`Replayed.infra_failure` names why.
+died, and its quotas count on from the calls and prompt tokens (each event's ``prompt_len``) it had admitted. A
+rollout whose events do not add up (a ``seq`` missing or doubled, an unknown parent, a prompt of the wrong length,
+an event without its conversation digest) is not served: :attr:`Replayed.infra_failure` names why.
 The secret is never stored: :func:`secret_sha256` and :func:`secret_matches` (constant-time) check a presented key.
 Pure: no Kafka, no aiohttp; reading and writing the topics is ``producers.proxy.registry``.
 """
@@ -74,6 +75,7 @@ class Replayed:
     renderer: RolloutRenderer
     next_seq: int = 0
     calls_served: int = 0
+    prompt_tokens: int = 0  # summed over the replayed calls: what the prompt-token quota had counted
     main_fingerprint: str | None = None
     infra_failure: str | None = None  # set: the state could not be rebuilt faithfully; the rollout is not served
 
@@ -89,7 +91,8 @@ def own_events(reg: ProxyRegistration, events: Iterable[CallEvent]) -> list[Call
 
 
 def replay_calls(template: TemplateRenderer, reg: ProxyRegistration, events: Iterable[CallEvent]) -> Replayed:
-    """Rebuild ``reg``'s renderer, next seq, calls served and main fingerprint from its call events (any order)."""
+    """Rebuild ``reg``'s renderer, next seq, calls served, prompt tokens (the quota's count) and main fingerprint from
+    its call events (any order)."""
     renderer = RolloutRenderer(template)
     out = Replayed(renderer)
     calls = own_events(reg, events)
@@ -118,6 +121,7 @@ def replay_calls(template: TemplateRenderer, reg: ProxyRegistration, events: Ite
         if out.main_fingerprint is None and e.call_kind == CallKind.MAIN:  # the first main call defines it
             out.main_fingerprint = e.system_fingerprint
     out.next_seq = out.calls_served = len(calls)
+    out.prompt_tokens = sum(e.prompt_len for e in calls)
     return out
 
 

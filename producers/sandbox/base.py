@@ -14,12 +14,15 @@ picks one. Pure interface: no Kafka.
 from __future__ import annotations
 
 import abc
+import asyncio
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawbase.errors import ClawstreamError
@@ -27,6 +30,7 @@ from producers.tasks.model import Task, write_tree
 
 # Environment variable every sandboxed process carries: how cleanup finds a dead worker's leftovers.
 MARKER = "CLAWSTREAM_SANDBOX_ID"
+MIN_WORKSPACE_BYTES = 1 << 20  # the smallest workspace disk quota: a harness's config files alone need some
 
 
 class SandboxError(ClawstreamError):
@@ -111,8 +115,35 @@ class SandboxSettings(BaseSettings):
         description="RLIMIT_NPROC (0: unlimited). Counts ALL processes of the user, not just the sandbox's, and is "
         "not enforced for root; use the docker backend's pids limit.",
     )
-    limit_file_size_mb: int = Field(default=1024, description="RLIMIT_FSIZE: largest file a sandbox may write.")
+    limit_file_size_mb: int = Field(
+        default=1024,
+        description="RLIMIT_FSIZE: largest file a sandbox may write (both backends; never above max_workspace_bytes).",
+    )
+    max_workspace_bytes: int = Field(
+        default=1 << 30,
+        description="Workspace disk quota of one rollout (0: none): what its sandbox holds on disk (local: its whole "
+        "directory, workspace, HOME, /tmp and the harness's output; docker: the container's writable layer). Measured "
+        "during the harness's run and at its end; over it, the harness is stopped and the rollout graded with a "
+        "reason starting `quota_exceeded:`. At least 1 MiB.",
+    )
+    disk_check_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Period of measuring a running harness's sandbox against max_workspace_bytes: a harness may "
+        "write past the quota for at most this long (and no single file past it: RLIMIT_FSIZE).",
+    )
     sweep_interval_s: float = Field(default=60.0, description="Period of removing stale sandboxes of dead workers.")
+
+    @field_validator("max_workspace_bytes")
+    @classmethod
+    def _workspace_quota(cls, value: int) -> int:
+        if value != 0 and value < MIN_WORKSPACE_BYTES:
+            raise ValueError(
+                f"max_workspace_bytes must be 0 (no quota) or at least {MIN_WORKSPACE_BYTES} bytes (1 MiB), got {value}"
+            )
+        return value
+
     # --- docker backend ---
     docker_image: str = Field(
         default="clawstream/harnesses:latest",
@@ -167,6 +198,7 @@ class RunResult:
     stdout: str = ""  # tail
     stderr: str = ""  # tail
     killed: list[str] = field(default_factory=list)  # signals sent, e.g. ["SIGTERM", "SIGKILL"]
+    quota_exceeded: str | None = None  # the sandbox held more than its disk quota (``max_bytes``): why; then stopped
 
 
 @dataclass
@@ -205,9 +237,22 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     async def run(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        timeout_s: float,
+        *,
+        extra_path: str = "",
+        max_bytes: int = 0,
     ) -> RunResult:
-        """Run a command to completion or kill it (and everything it started) at ``timeout_s``."""
+        """Run a command to completion or kill it (and everything it started) at ``timeout_s``. ``max_bytes`` > 0:
+        the sandbox's disk quota (:meth:`disk_bytes`), measured every ``disk_check_interval_s`` while it runs and once
+        at its end; over it, the command is killed at once and ``RunResult.quota_exceeded`` says why."""
+
+    @abc.abstractmethod
+    async def disk_bytes(self) -> int:
+        """What the sandbox holds on disk now (what ``max_workspace_bytes`` bounds)."""
 
     def proxy_base_url(self, base_url: str) -> str:
         """The rollout's proxy base URL as the harness inside this sandbox reaches it (default: unchanged)."""
@@ -234,3 +279,58 @@ class SandboxBackend(abc.ABC):
 
 def inside(base: str, *parts: str) -> str:
     return str(PurePosixPath(base, *parts))
+
+
+def file_size_limit(s: SandboxSettings) -> int:
+    """RLIMIT_FSIZE of a sandbox's processes (0: none): ``limit_file_size_mb``, never above ``max_workspace_bytes``,
+    so no single file outgrows the disk quota between two measurements."""
+    caps = [cap for cap in (s.limit_file_size_mb * 1024 * 1024, s.max_workspace_bytes) if cap > 0]
+    return min(caps) if caps else 0
+
+
+def over_quota(used: int, max_bytes: int) -> str | None:
+    """Why a sandbox holding ``used`` bytes is over its disk quota, or None."""
+    if max_bytes and used > max_bytes:
+        return f"rollout quota exceeded: max_workspace_bytes {max_bytes} (its sandbox holds {used} bytes on disk)"
+    return None
+
+
+async def watch_disk(box: Sandbox, max_bytes: int, every_s: float) -> str:
+    """Measure ``box`` every ``every_s`` until it holds more than ``max_bytes``; then return why (runs until then)."""
+    while True:
+        why = over_quota(await box.disk_bytes(), max_bytes)
+        if why is not None:
+            return why
+        await asyncio.sleep(every_s)
+
+
+def tree_bytes(root: Path) -> int:
+    """Bytes a directory tree holds on disk, links not followed, each inode once: a regular file at the larger of
+    its size and its allocated blocks (a sparse file at its size: a copy writes it whole), anything else at its
+    blocks. A directory its owner made unreadable or unsearchable (``chmod 0``) is made so again first: the
+    sandbox's files are the worker's, and a directory it cannot list would hide its bytes."""
+    total, todo = 0, [root]
+    seen: set[tuple[int, int]] = set()
+    while todo:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            blocks = st.st_blocks * 512
+            total += max(st.st_size, blocks) if stat.S_ISREG(st.st_mode) else blocks
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_mode & 0o700 != 0o700:
+                    try:
+                        os.chmod(entry.path, stat.S_IMODE(st.st_mode) | 0o700)
+                    except OSError:
+                        pass
+                todo.append(Path(entry.path))
+    return total

@@ -4,7 +4,8 @@
 limits, no capabilities, ``no-new-privileges``, a capped ``/tmp``). Files are copied in and out around every command,
 never bind-mounted (the worker may itself run in a container). The container joins only an ``internal`` network
 with no host address on its bridge; its one peer is the serving proxy (the proxy container in compose, else this
-worker's relay container, ``producers.sandbox.relay``). Commands run through ``docker exec`` under GNU ``timeout``;
+worker's relay container, ``producers.sandbox.relay``). Commands run through ``docker exec`` under GNU ``timeout``
+(a harness whose writable layer outgrows ``max_workspace_bytes``: the container restarted, every process killed);
 ``destroy`` force-removes the container and verifies it is gone; :meth:`DockerBackend.sweep` removes the containers
 of workers that are gone (labels ``clawstream.sandbox``, ``clawstream.worker``). The design, in full:
 docs/method.md#the-docker-backend. Requires the ``docker`` Python package (imported lazily).
@@ -36,6 +37,9 @@ from producers.sandbox.base import (
     SandboxBackend,
     SandboxError,
     SandboxSettings,
+    file_size_limit,
+    over_quota,
+    watch_disk,
 )
 from producers.tasks.model import Task
 
@@ -81,7 +85,10 @@ def owner_alive(identity: str) -> bool | None:
 
 def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, worker: str) -> dict[str, Any]:
     """The kwargs of ``client.containers.run`` for one rollout's container (pure)."""
-    mb = settings.docker_memory_mb
+    mb, fsize = settings.docker_memory_mb, file_size_limit(settings)
+    ulimits = [{"Name": "nofile", "Soft": settings.limit_open_files, "Hard": settings.limit_open_files}]
+    if fsize:  # RLIMIT_FSIZE in bytes (docker passes it to setrlimit as given); docker exec's processes inherit it
+        ulimits.append({"Name": "fsize", "Soft": fsize, "Hard": fsize})
     return {
         "image": settings.docker_image,
         "command": ["sleep", "infinity"],
@@ -96,7 +103,7 @@ def container_spec(settings: SandboxSettings, sandbox_id: str, task: Task, worke
         "mem_limit": f"{mb}m",
         "memswap_limit": f"{mb}m",
         "pids_limit": settings.docker_pids,
-        "ulimits": [{"Name": "nofile", "Soft": settings.limit_open_files, "Hard": settings.limit_open_files}],
+        "ulimits": ulimits,
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
         "tmpfs": {"/tmp": "rw,size=512m"},
@@ -237,8 +244,27 @@ class DockerSandbox(Sandbox):
                 )
         self._synced = _fingerprint(self._mounts)
 
+    async def disk_bytes(self) -> int:
+        """The container's writable layer as the engine measures it (``SizeRw``; ``/tmp`` is a tmpfs of its own)."""
+
+        def size() -> int:
+            found = self.client.api.containers(all=True, size=True, filters={"id": self.container.id})
+            return int((found[0].get("SizeRw") if found else 0) or 0)
+
+        try:
+            return await asyncio.to_thread(size)
+        except Exception as exc:  # docker.errors.APIError and friends
+            raise SandboxError(f"cannot measure the disk use of {self.sandbox_id}: {exc}") from exc
+
     async def run(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        timeout_s: float,
+        *,
+        extra_path: str = "",
+        max_bytes: int = 0,
     ) -> RunResult:
         full_env = {"HOME": HOME, MARKER: self.sandbox_id, **env}
         if extra_path:
@@ -263,23 +289,48 @@ class DockerSandbox(Sandbox):
         except Exception as exc:  # docker.errors.APIError and friends: the docker package is optional
             raise SandboxError(f"copying files into {self.sandbox_id} failed: {exc}") from exc
         t0 = time.monotonic()
+        job = asyncio.ensure_future(asyncio.wait_for(asyncio.to_thread(work), timeout_s + self.s.kill_grace_s + 30))
+        watch = asyncio.ensure_future(watch_disk(self, max_bytes, self.s.disk_check_interval_s)) if max_bytes else None
+        quota: str | None = None
         try:
-            code, out, err = await asyncio.wait_for(asyncio.to_thread(work), timeout_s + self.s.kill_grace_s + 30)
+            if watch is not None:
+                await asyncio.wait([job, watch], return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and not job.done():
+                    # Over its disk quota: every process in the container is stopped at once (the exec ends with it);
+                    # the filesystem stays, for the grader.
+                    quota = watch.result()
+                    await asyncio.to_thread(self.container.restart, timeout=0)
+            try:
+                code, out, err = await job
+            except Exception:
+                if quota is None:
+                    raise
+                code, out, err = None, b"", b""  # the exec ended with the restart: nothing more to learn from it
         except TimeoutError:
             # The backstop: `timeout` inside did not end it; kill the container's processes wholesale.
             await asyncio.to_thread(self.container.kill)
             return RunResult(None, True, time.monotonic() - t0, killed=["SIGKILL"])
+        except SandboxError:
+            raise
         except Exception as exc:
             raise SandboxError(f"docker exec in {self.sandbox_id} failed: {exc}") from exc
+        finally:
+            for task in (job, watch):
+                if task is not None and not task.done():
+                    task.cancel()
         duration = time.monotonic() - t0
+        stopped = quota is not None
+        if max_bytes and quota is None:  # it may have written past the quota since the last measurement, and exited
+            quota = over_quota(await self.disk_bytes(), max_bytes)
         try:
             await asyncio.to_thread(self.pull)
         except Exception as exc:
             raise SandboxError(f"copying files out of {self.sandbox_id} failed: {exc}") from exc
-        timed_out = code in (124, 137) and duration >= timeout_s
-        killed = (["SIGTERM"] + (["SIGKILL"] if code == 137 else [])) if timed_out else []
+        timed_out = code in (124, 137) and duration >= timeout_s and not stopped
+        killed = (["SIGTERM"] + (["SIGKILL"] if code == 137 else [])) if timed_out else ["SIGKILL"] if stopped else []
         stdout, stderr = out.decode(errors="replace")[-16000:], err.decode(errors="replace")[-16000:]
-        return RunResult(None if timed_out else code, timed_out, duration, stdout, stderr, killed)
+        exit_code = None if timed_out or stopped else code
+        return RunResult(exit_code, timed_out, duration, stdout, stderr, killed, quota)
 
     async def destroy(self) -> CleanupReport:
         report = CleanupReport()

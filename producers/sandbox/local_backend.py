@@ -15,7 +15,7 @@ environment that holds only ``PATH``, ``HOME`` (the sandbox's), ``TMPDIR``, ``LA
 rlimits (``SandboxSettings.limit_*``; defaults documented there: no address-space cap by default because Node
 reserves huge virtual ranges, RLIMIT_DATA 8 GiB as the memory cap) and ``PR_SET_PDEATHSIG`` (the harness dies with
 a SIGKILLed worker) are set in the child before exec. Output goes to files (a background child holding a pipe open
-cannot block the worker).
+cannot block the worker). A harness whose sandbox directory outgrows ``max_workspace_bytes`` gets SIGKILL at once.
 
 Kill: at the timeout SIGTERM to the group, ``kill_grace_s`` later SIGKILL to the group and to every process that
 carries the sandbox's marker in its environment (catches children that called ``setsid``). After every command
@@ -49,7 +49,11 @@ from producers.sandbox.base import (
     SandboxBackend,
     SandboxError,
     SandboxSettings,
+    file_size_limit,
     inside,
+    over_quota,
+    tree_bytes,
+    watch_disk,
 )
 from producers.sandbox.relay import unix_server
 from producers.tasks.model import Task
@@ -75,7 +79,7 @@ def _limits(s: SandboxSettings) -> list[tuple[int, int]]:
         (resource.RLIMIT_DATA, s.limit_data_mb * mb),
         (resource.RLIMIT_NOFILE, s.limit_open_files),
         (resource.RLIMIT_NPROC, s.limit_processes),
-        (resource.RLIMIT_FSIZE, s.limit_file_size_mb * mb),
+        (resource.RLIMIT_FSIZE, file_size_limit(s)),
         (resource.RLIMIT_CORE, 0),
     ]
     out = []
@@ -268,8 +272,18 @@ class LocalSandbox(Sandbox):
             proxy_socket=sock,
         )
 
+    async def disk_bytes(self) -> int:
+        return await asyncio.to_thread(tree_bytes, self.root)  # workspace, HOME, /tmp, grader and the output files
+
     async def run(
-        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        timeout_s: float,
+        *,
+        extra_path: str = "",
+        max_bytes: int = 0,
     ) -> RunResult:
         self._runs += 1
         logs = self.root / "logs"
@@ -295,33 +309,50 @@ class LocalSandbox(Sandbox):
         self.pgids.add(proc.pid)  # new session: pgid == pid
         killed: list[str] = []
         timed_out = False
+        exited = asyncio.ensure_future(proc.wait())
+        watch = asyncio.ensure_future(watch_disk(self, max_bytes, self.s.disk_check_interval_s)) if max_bytes else None
+        quota: str | None = None
         try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            timed_out = True
-            killed.append("SIGTERM")
-            if self.isolated:  # to the harness's processes, not bwrap (it would end the pid namespace at once)
-                terminate_inside(self.sandbox_id)
-            else:
-                kill_all(self.sandbox_id, {proc.pid}, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), self.s.kill_grace_s)
-            except TimeoutError:
+            done, _ = await asyncio.wait(
+                [exited] + ([watch] if watch else []), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if watch is not None and watch in done and exited not in done:
+                # Over its disk quota: killed at once, no grace (it would go on writing meanwhile).
+                quota = watch.result()
                 killed.append("SIGKILL")
+                kill_all(self.sandbox_id, {proc.pid})
+            elif not done:
+                timed_out = True
+                killed.append("SIGTERM")
+                if self.isolated:  # to the harness's processes, not bwrap (it would end the pid namespace at once)
+                    terminate_inside(self.sandbox_id)
+                else:
+                    kill_all(self.sandbox_id, {proc.pid}, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), self.s.kill_grace_s)
+                except TimeoutError:
+                    killed.append("SIGKILL")
         except asyncio.CancelledError:
             kill_all(self.sandbox_id, {proc.pid})
             raise
+        finally:
+            for task in (exited, watch):
+                if task is not None and not task.done():
+                    task.cancel()
         # Whatever the command left running in its group (or marked) dies with it.
         kill_all(self.sandbox_id, {proc.pid})
         if proc.returncode is None:
             await proc.wait()
+        if max_bytes and quota is None:  # it may have written past the quota since the last measurement, and exited
+            quota = over_quota(await self.disk_bytes(), max_bytes)
         return RunResult(
-            exit_code=None if timed_out else proc.returncode,
+            exit_code=None if timed_out or killed else proc.returncode,
             timed_out=timed_out,
             duration_s=time.monotonic() - t0,
             stdout=_tail(out_path),
             stderr=_tail(err_path),
             killed=killed,
+            quota_exceeded=quota,
         )
 
     async def destroy(self) -> CleanupReport:

@@ -6,7 +6,9 @@ The sandbox worker calls :func:`execute` per request; this module has no Kafka i
 Statuses (docs/method.md#infrastructure-failures; every state change goes through ``schemas.lifecycle.transition``):
 
 * harness exits by itself (any exit code) → HARNESS_EXITED(exit_code, calls_served), graded (a call refused by a
-  proxy quota: graded too, its ``reason`` starts ``quota_exceeded:``);
+  proxy quota: graded too, its ``reason`` starts ``quota_exceeded:``); a sandbox over its disk quota
+  (``max_workspace_bytes``) → the harness stopped at once, HARNESS_EXITED(exit_code -9), graded, its ``reason``
+  ``quota_exceeded: rollout quota exceeded: max_workspace_bytes …``;
 * harness killed at its wall-clock limit → TIMED_OUT(calls_served), graded;
 * sandbox creation, proxy (register/seal, or the proxy flags the rollout infra_failure), grader crash, unknown
   task/harness → FAILED(reason) and a RewardEvent with status INFRA_FAILURE and reward null (never a 0).
@@ -27,6 +29,7 @@ import asyncio
 import logging
 import os
 import re
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -347,7 +350,14 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
         await a.move(RolloutState.STARTED)
         t["harness_start"] = time.monotonic()
         try:
-            result = await box.run(spec.argv, spec.env, box.workspace, timeout, extra_path=extra_path)
+            result = await box.run(
+                spec.argv,
+                spec.env,
+                box.workspace,
+                timeout,
+                extra_path=extra_path,
+                max_bytes=ctx.settings.max_workspace_bytes,
+            )
         except SandboxError as exc:
             await a.fail(f"harness launch: {exc}")
             return out
@@ -361,15 +371,22 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             await a.fail(f"proxy: {sealed['infra_failure']}")
             return out
         calls = int(sealed.get("calls_served", 0))
-        # A proxy quota refused a call: the policy's doing, graded as usual; the lifecycle event's reason says so.
-        quota = f"quota_exceeded: {sealed['quota_exceeded']}" if sealed.get("quota_exceeded") else None
+        # A proxy quota refused a call, or the sandbox outgrew its disk quota (the harness then stopped): the policy's
+        # doing, graded as usual; the lifecycle event's reason says so.
+        over = [q for q in (sealed.get("quota_exceeded"), result.quota_exceeded) if q]
+        quota = f"quota_exceeded: {'; '.join(over)}" if over else None
         if result.timed_out:
             killed = f"killed after {timeout:.0f}s ({'+'.join(result.killed)})"
             await a.move(RolloutState.TIMED_OUT, calls_served=calls, reason="; ".join(filter(None, (quota, killed))))
         else:
-            exited = None if result.exit_code == 0 else f"exit {result.exit_code}: {result.stderr[-500:]}"
+            code = result.exit_code
+            if code is None:  # stopped for its disk quota: reported as a process killed by SIGKILL (Popen's -9)
+                code = -signal.SIGKILL
+                exited: str | None = f"stopped ({'+'.join(result.killed)}): {result.stderr[-500:]}"
+            else:
+                exited = None if code == 0 else f"exit {code}: {result.stderr[-500:]}"
             reason = "; ".join(filter(None, (quota, exited))) or None
-            await a.move(RolloutState.HARNESS_EXITED, exit_code=result.exit_code, calls_served=calls, reason=reason)
+            await a.move(RolloutState.HARNESS_EXITED, exit_code=code, calls_served=calls, reason=reason)
         t["grade_start"] = time.monotonic()
         try:
             messages = sealed.get("messages")  # the conversation the proxy saw, when it reports it

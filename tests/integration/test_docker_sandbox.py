@@ -6,6 +6,8 @@
   proxy's own address and a container on Docker's default bridge are all unreachable;
 * the wall-clock timeout, the memory limit and the pids limit end a rollout with the statuses the local backend gives
   (TIMED_OUT; HARNESS_EXITED with the kill's or the failure's exit code) within the timeout + 5 s;
+* a harness writing past the workspace disk quota (many files over the container's writable layer, or one file as
+  fast as it can) is stopped within seconds and the rollout graded, its reason ``quota_exceeded: …``;
 * a SIGKILLed worker's containers (its sandbox and its relay) are swept by the next worker that starts.
 
 Needs the engine and the image ``clawstream/harnesses:latest`` (built once by ``compose/build-images.sh``; see
@@ -278,6 +280,65 @@ async def test_timeout_and_limits_end_rollouts_with_their_status(
         else:  # fork: the 64 pids are exhausted, Popen fails, the file is never written
             assert end.state == RolloutState.HARNESS_EXITED and end.exit_code == 1, end
             assert "BlockingIOError" in (end.reason or "") or "Resource temporarily" in (end.reason or ""), end
+    assert containers_of(engine, me) == []
+
+
+# --- the workspace disk quota --------------------------------------------------------------------------------------
+
+# 256 KiB files over the workspace, HOME and /var/tmp (outside the copied dirs: the container's writable layer
+# counts), ~40 MiB/s, stopping by itself at 128 MiB; then a file of its own as large as it can (RLIMIT_FSIZE).
+DISK_HOG = """
+import os, time
+open("hello.txt", "w").write("hi")
+dirs = [os.getcwd(), os.environ["HOME"], "/var/tmp"]
+for i in range(512):
+    with open(os.path.join(dirs[i % 3], f"fill-{i}.bin"), "wb") as f:
+        f.write(b"x" * (256 * 1024))
+    time.sleep(0.005)
+time.sleep(600)
+"""
+ONE_FILE = """
+import time
+try:
+    with open("/var/tmp/big.bin", "wb") as f:
+        for _ in range(128):
+            f.write(b"x" * (1 << 20))
+except OSError as exc:
+    print("stopped writing:", exc, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+async def test_a_rollout_over_its_disk_quota_is_stopped_and_graded_with_the_quota(
+    engine, kafka_settings, group_id, tmp_path, network
+) -> None:
+    quota = 8 << 20
+    adapters = {"disk-hog": S.python_adapter("disk-hog", DISK_HOG), "one-file": S.python_adapter("one-file", ONE_FILE)}
+    async with docker_stack(
+        engine,
+        kafka_settings,
+        group_id,
+        tmp_path,
+        network,
+        S.agent_responder(),
+        {**ADAPTERS, **adapters},
+        max_workspace_bytes=quota,
+        disk_check_interval_s=0.2,
+    ) as st:
+        reqs = [S.request("hello", h, rollout_id=f"dq-{h}-{group_id}", timeout_s=60) for h in adapters]
+        events, rewards = await run_requests(kafka_settings, reqs, timeout=180)
+        me = st["worker"].ctx.backend.worker
+    ev, rw = by_rollout(events, rewards)
+    for req in reqs:
+        started, end = ev[req.rollout_id][0], ev[req.rollout_id][-1]
+        assert [e.state for e in ev[req.rollout_id]] == [RolloutState.STARTED, RolloutState.HARNESS_EXITED], end
+        assert end.reason is not None and end.reason.startswith("quota_exceeded: "), end
+        assert f"max_workspace_bytes {quota}" in end.reason and end.exit_code == -9, end
+        assert end.timestamp_ms - started.timestamp_ms < 30_000, end  # stopped by its bytes, not its 60 s
+        (reward,) = rw[req.rollout_id]
+        assert reward.status == RewardStatus.OK, reward  # graded as usual
+        assert reward.reward == (1.0 if req.harness == "disk-hog" else 0.0), reward
     assert containers_of(engine, me) == []
 
 

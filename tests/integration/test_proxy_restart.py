@@ -4,7 +4,9 @@ A real proxy process (``python -m producers.proxy``) on a fixed port in front of
 registered and makes two OpenAI Chat calls (the second extends the first); once the second call's event is on the
 calls topic the proxy is SIGKILLed by pid and started again on the same port. The third call with the same secret
 gets 200, its call event has seq 2, and its prompt ids (and delta encoding) equal those of a second proxy that was
-never killed, given the same three calls; the seal reports 3 calls served and status ok. The registrations topic
+never killed, given the same three calls; the seal reports 3 calls served and status ok, and the quotas' usage
+(calls, prompt tokens) right after the restart counts the two replayed calls and at the seal equals the other
+proxy's. The registrations topic
 holds no secret; a forgotten rollout is not restored, a finished attempt still is refused again, a wrong key still
 gets 401. Every process started here is SIGKILLed by pid at the end.
 """
@@ -187,12 +189,17 @@ async def test_a_killed_proxy_serves_the_rest_of_its_rollouts_after_a_restart(
 
                 async def kill_and_restart() -> None:
                     # The state chosen: the second call's event is on the calls topic.
-                    assert [e.seq for e in consume_calls(kafka_settings, {rid}, 2, timeout=60)] == [0, 1]
+                    before = consume_calls(kafka_settings, {rid}, 2, timeout=60)
+                    assert [e.seq for e in before] == [0, 1]
                     pid = killed.procs[-1].pid
                     os.kill(pid, signal.SIGKILL)
                     assert killed.procs[-1].wait(30) == -signal.SIGKILL
                     killed.start()
                     await killed.ready(http)
+                    # The quotas count on from the replayed calls: both calls and their prompt tokens.
+                    status, state = await _admin(http, "GET", f"{killed.admin}/admin/rollouts/{rid}")
+                    assert status == 200 and state["restored"] is True, state
+                    assert state["usage"] == {"calls": 2, "prompt_tokens": sum(e.prompt_len for e in before)}, state
 
                 await _three_calls(http, killed, rid, secret, between=kill_and_restart)
                 status, body = await _call(http, killed.url, rid, "not-the-secret", [])
@@ -212,6 +219,7 @@ async def test_a_killed_proxy_serves_the_rest_of_its_rollouts_after_a_restart(
                 await _three_calls(http, ref, rid, ref_reg["secret"])
                 status, ref_sealed = await _admin(http, "POST", f"{ref.admin}/admin/rollouts/{rid}/seal")
                 assert (ref_sealed["calls_served"], ref_sealed["status"]) == (3, "ok")
+                assert sealed["usage"] == ref_sealed["usage"]  # the quotas' counts, as if never killed
         finally:
             killed.kill()
             ref.kill()

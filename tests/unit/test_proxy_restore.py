@@ -15,6 +15,7 @@ from producers.proxy.conversation import CallKindRules, Conversation, Message, T
 from producers.proxy.dialects import ParsedRequest, parse_anthropic
 from producers.proxy.engine_client import EngineReply
 from producers.proxy.metrics import ProxyMetrics
+from producers.proxy.quota import Quotas, Usage
 from producers.proxy.render import FULL_RENDER, RenderResult, RolloutRenderer, TemplateRenderer
 from producers.proxy.restore import (
     Replayed,
@@ -326,3 +327,21 @@ def test_a_full_render_after_the_restart_is_flagged_as_before(tok, template) -> 
     [nxt] = _openclaw_reorders(tok, live)
     back = replay_calls(template, live.registration(), live.events)
     assert FULL_RENDER in back.renderer.render(nxt).flags
+
+
+def test_a_restored_rollouts_quota_usage_counts_the_replayed_calls_prompt_tokens(tok, template) -> None:
+    """The prompt-token quota goes on from what the live proxy had admitted (each call's prompt_len), not from 0."""
+    live = LiveProxy(template)
+    _claude_episode(tok, live)
+    reg = live.registration()
+    back = replay_calls(template, reg, live.events)
+    admitted = sum(len(rec.prompt_ids) for rec in live.rollout.renderer.records)
+    assert admitted > 0 and back.prompt_tokens == sum(e.prompt_len for e in live.events) == admitted
+    admin = Admin(
+        template, ProxyMetrics(), token="t", public_url="u", default_ttl_s=1, default_max_tokens=1, seal_wait_s=1
+    )
+    rollout = admin.restore(reg, back)
+    assert rollout.usage == Usage(calls=3, prompt_tokens=admitted)
+    assert rollout.status()["usage"] == {"calls": 3, "prompt_tokens": admitted}
+    # a quota the replayed calls already used up refuses the next call, as the live proxy would have
+    assert rollout.usage.admit(Quotas(max_calls=0, max_prompt_tokens=admitted + 1), 2) is not None
