@@ -22,6 +22,7 @@ Run: ``python -m streams.app worker`` (Faust's CLI; settings from ``CLAWSTREAM_S
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -356,7 +357,7 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
 
         @app.timer(interval=cfg.memory_report_interval_s)
         async def _report_memory() -> None:
-            log.info("%s", memory.report())
+            log.info("%s", await asyncio.to_thread(memory.report))  # malloc_trim walks the heap: off the loop
 
     app.clawstream_agents = (*agents, tick)  # type: ignore[attr-defined]
     return app

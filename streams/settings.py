@@ -33,14 +33,17 @@ class StreamsSettings(BaseSettings):
         "(tests; state is rebuilt from the changelog topics at every start).",
     )
     rocksdb_memory_mb: float = Field(
-        default=64.0,
+        default=32.0,
         ge=8,
         description="RocksDB memory of the worker's tables, all partitions together: one block cache with the "
         "memtables charged to it (Faust's default gives each of ~50 table partitions 64 MiB × 3 memtables and a "
         "2 GiB cache, and resident memory grew for hours). Raise it for big tables that are read often.",
     )
     memory_report_interval_s: float = Field(
-        default=60.0, gt=0, description="How often the worker logs its RocksDB memory use (INFO)."
+        default=60.0,
+        gt=0,
+        description="How often the worker logs its RocksDB memory use and resident memory (INFO) and returns freed "
+        "heap to the system (glibc malloc_trim).",
     )
     data_dir: Path = Field(
         default_factory=lambda: clawstream_home() / "streams",

@@ -192,6 +192,7 @@ def start_streams(
     harness_mix: dict[str, float] | None = None,
     group_timeout_s: float = 300.0,
     zero_variance: str = "keep",
+    loglevel: str = "warn",
 ) -> Service:
     """The Faust stream processors (assembler → grouper → batcher), RocksDB state under ``run_dir``.
 
@@ -203,7 +204,7 @@ def start_streams(
     return stack.start(
         Service(
             "streams",
-            ["streams.app", "--datadir", str(run_dir / "faust"), "worker", "--loglevel", "warn"],
+            ["streams.app", "--datadir", str(run_dir / "faust"), "worker", "--loglevel", loglevel],
             env={
                 **mix,
                 "CLAWSTREAM_STREAMS_APP_ID": f"{prefix}streams",
