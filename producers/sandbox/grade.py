@@ -6,8 +6,10 @@ expects them inside the workspace (ClawGym-Bench's ``reward/``) — into that fo
 whatever the agent left under that name, and removed again once graded. The command runs with the same backend
 and isolation as the harness, with ``grader_timeout_s``; a Python grader with ``-E -s``. The grading rules
 themselves (invocation, output parsing, judge) are ``producers.tasks.grading``; a grader that fails is a
-:class:`GraderFailure` (an infrastructure failure of the attempt, never a 0). :func:`grade_directory` grades a
-workspace directory the same way, in a fresh local sandbox (``clawstream tasks grade``).
+:class:`GraderFailure` (an infrastructure failure of the attempt, never a 0). What graders read about the
+conversation is built from the one the proxy recorded, never from what the harness wrote (:func:`run_transcript`).
+:func:`grade_directory` grades a workspace directory the same way, in a fresh local sandbox (``clawstream tasks
+grade``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import replace
@@ -41,8 +44,11 @@ from producers.tasks.transcript import (
     find_openclaw_session,
     parse_session_jsonl,
     session_transcript,
+    stream_transcript,
 )
 from schemas.events import RewardStatus, now_ms
+
+log = logging.getLogger(__name__)
 
 
 async def run_grader(task: Task, box: Sandbox, transcript: list[dict[str, Any]], timeout_s: float) -> GradeResult:
@@ -105,24 +111,44 @@ def run_transcript(
     messages: list[dict[str, Any]] | None = None,
     session_dir: str | None = None,
 ) -> list[dict[str, Any]]:
-    """The transcript the task's grader reads (``Grader.transcript``). ``stdout``: the harness's output;
-    ``messages``: the conversation the proxy saw (the last main-agent call's messages plus its answer, OpenAI Chat
-    shaped); ``session_dir``: where under HOME the harness writes its own OpenClaw session files (OpenClaw only).
+    """The transcript the task's grader reads (``Grader.transcript``); the judge prompt and ClawGym-Bench's payload
+    (``final_message``, ``transcript``) are built from it too. ``messages``: the conversation the proxy recorded
+    (the last main-agent call's messages plus the model's answer, OpenAI Chat shaped, as the seal reports them);
+    ``stdout``: the harness's output; ``session_dir``: where under HOME the harness writes its own OpenClaw session
+    files (OpenClaw only).
 
-    ``openclaw_session``: the harness's own session file when it writes one, else session records built from
-    ``messages``; with neither (a proxy that does not report the conversation, or no main-agent call recorded) the
-    prompt and the final answer the harness printed, if any (its ``result``: Claude Code's and Qwen Code's last
-    text; agentloop prints why it stopped there)."""
+    Whenever the proxy reported a conversation, the transcript is built from it alone: the harness's stdout and a
+    process it started can say anything (a forged answer written to /proc/<harness>/fd/1, a rewritten session file),
+    the proxy has what the model saw and answered (#29). ``openclaw_session``: OpenClaw session records of it
+    (:func:`session_transcript`); ``stdout``: the records a stream-json harness prints, closed by a ``result``
+    record holding the model's last answer (:func:`stream_transcript`), so graders that read a harness's ``result``
+    (and :func:`final_message`) read the model's. Only when the proxy reported none (an older proxy, no main-agent
+    call) is the transcript harness-written, with a warning: the stdout records; for ``openclaw_session`` the
+    harness's own session file when it writes one, else the prompt and the final answer it printed."""
+    recorded = [m for m in messages or () if isinstance(m, dict)]
+    if recorded:
+        if task.grader.transcript == "openclaw_session":
+            return session_transcript(recorded, cwd=box.workspace, start_ms=now_ms())
+        return stream_transcript(recorded)
     records = transcript_from_stdout(stdout)
-    if task.grader.transcript != "openclaw_session":
-        return records
-    if session_dir:
-        own = find_openclaw_session(box.host_path(box.home), session_dir)
+    source = "the harness's stdout"
+    transcript = records
+    if task.grader.transcript == "openclaw_session":
+        own = find_openclaw_session(box.host_path(box.home), session_dir) if session_dir else None
         if own is not None:
-            return parse_session_jsonl(own.read_text(encoding="utf-8", errors="replace"))
-    if not messages:
-        messages = final_answer_messages(task.prompt.replace(task.mount_dir, box.workspace), final_message(records))
-    return session_transcript(messages, cwd=box.workspace, start_ms=now_ms())
+            source = f"the harness's session file {own.name}"
+            transcript = parse_session_jsonl(own.read_text(encoding="utf-8", errors="replace"))
+        else:
+            source = "the final answer the harness printed"
+            answer = final_answer_messages(task.prompt.replace(task.mount_dir, box.workspace), final_message(records))
+            transcript = session_transcript(answer, cwd=box.workspace, start_ms=now_ms())
+    log.warning(
+        "%s in sandbox %s: the proxy reported no conversation; the grader's transcript is harness-written (%s)",
+        task.ref,
+        box.sandbox_id,
+        source,
+    )
+    return transcript
 
 
 async def grade(
@@ -166,7 +192,8 @@ async def grade_directory(
     """Grade a workspace directory exactly as a rollout's workspace is graded: a fresh sandbox of ``backend`` gets a
     copy of the directory as its workspace (the directory itself is left as it is), the task's grader runs in it,
     then the sandbox is destroyed. The transcript: ``stdout`` (the harness's output) for graders that read it, or
-    ``session`` (an OpenClaw session file's text, JSON lines) for graders that read OpenClaw's session format."""
+    ``session`` (an OpenClaw session file's text, JSON lines) for graders that read OpenClaw's session format; no
+    proxy recorded this run, so they are used as :func:`run_transcript` uses harness-written ones."""
     if not workspace.is_dir():
         raise TaskError(f"workspace {workspace} is not a directory")
     box = await backend.create(f"grade-{task.task_id[:24]}", replace(task, files={}))

@@ -110,7 +110,8 @@ def parse_reward_float(stdout: str) -> tuple[float, dict[str, float]]:
 
 
 def transcript_from_stdout(stdout: str) -> list[dict[str, Any]]:
-    """The harness's machine-readable output as a list of dicts (JSON lines, or one JSON document)."""
+    """The harness's machine-readable output as a list of dicts (JSON lines, or one JSON document). Harness-written:
+    graders get it only when the proxy reported no conversation (``producers.sandbox.grade.run_transcript``)."""
     try:
         whole = json.loads(stdout)
         return [x for x in whole if isinstance(x, dict)] if isinstance(whole, list) else [whole]
@@ -216,7 +217,8 @@ def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: st
 
 
 def final_message(transcript: list[dict[str, Any]]) -> str:
-    """The agent's last answer in a transcript: a ``result`` record (Claude Code, Qwen Code) or the last assistant
+    """The agent's last answer in a transcript: a ``result`` record (Claude Code, Qwen Code, and the stream records
+    built from the proxy's conversation, whose ``result`` is the model's last answer) or the last assistant
     message's text (OpenClaw session lines, OpenAI/Anthropic-shaped messages); "" when none is found."""
     for record in reversed(transcript):
         if isinstance(record.get("result"), str):
@@ -235,7 +237,8 @@ def final_message(transcript: list[dict[str, Any]]) -> str:
 
 
 def reward_payload(task: Task, transcript: list[dict[str, Any]]) -> bytes:
-    """The run payload ClawGym-Bench's harness hands ``reward.sh`` (``{final_message, metadata, transcript}``)."""
+    """The run payload ClawGym-Bench's harness hands ``reward.sh`` (``{final_message, metadata, transcript}``); both
+    read from ``transcript``, the one the proxy recorded whenever it reported one (``run_transcript``)."""
     try:
         metadata = json.loads(task.metadata.get("metadata", "{}"))
     except ValueError:

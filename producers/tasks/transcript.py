@@ -1,9 +1,13 @@
-"""Agent transcripts in OpenClaw's session format, the one PinchBench's automated checks and judge read.
+"""Agent transcripts for graders, built from the conversation the serving proxy recorded.
 
-For OpenClaw rollouts the grader gets OpenClaw's own session file (:func:`find_openclaw_session`); for every other
-harness :func:`session_transcript` writes the same records from the conversation the serving proxy saw (the last
-main-agent call's messages plus its answer; system messages left out, as OpenClaw leaves them out). The format,
-record by record: docs/task_suites.md#transcripts-openclaws-session-format.
+The proxy's seal reports the last main-agent call's messages plus the model's answer (OpenAI Chat shaped:
+``producers.proxy.conversation.transcript_messages``); graders read that, never what the harness or a process it
+started could write (``producers.sandbox.grade.run_transcript``, docs/security.md). Two shapes:
+:func:`session_transcript` writes OpenClaw's session records (what PinchBench's checks and judge and ClawGym-Bench's
+payload read; system messages left out, as OpenClaw leaves them out; format:
+docs/task_suites.md#transcripts-openclaws-session-format); :func:`stream_transcript` writes the records a harness's
+stream-json output holds, closed by a ``result`` record with the model's last answer (graders of a harness's
+stdout). OpenClaw's own session file (:func:`find_openclaw_session`) is read only when the proxy reported nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +60,18 @@ def _arguments(value: Any) -> Any:
     return value if isinstance(value, dict) else {"value": value}
 
 
+def _tool_calls(msg: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """An assistant message's tool calls as (id, name, arguments object), OpenAI Chat or flat shaped."""
+    out = []
+    for call in msg.get("tool_calls") or []:
+        if not isinstance(call, Mapping):
+            continue
+        fn = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+        name = str(fn.get("name", call.get("name", "")))
+        out.append((str(call.get("id", "")), name, _arguments(fn.get("arguments", call.get("arguments", {})))))
+    return out
+
+
 def session_transcript(
     messages: Iterable[Mapping[str, Any]],
     *,
@@ -103,20 +119,10 @@ def session_transcript(
             text = _text(msg.get("content"))
             if text:
                 content.append({"type": "text", "text": text})
-            calls = msg.get("tool_calls") or []
-            for call in calls:
-                fn = call.get("function") or {}
-                name = str(fn.get("name", call.get("name", "")))
-                call_id = str(call.get("id", ""))
+            calls = _tool_calls(msg)
+            for call_id, name, arguments in calls:
                 tool_names[call_id] = name
-                content.append(
-                    {
-                        "type": "toolCall",
-                        "id": call_id,
-                        "name": name,
-                        "arguments": _arguments(fn.get("arguments", call.get("arguments", {}))),
-                    }
-                )
+                content.append({"type": "toolCall", "id": call_id, "name": name, "arguments": arguments})
             add(
                 {
                     "type": "message",
@@ -147,6 +153,39 @@ def session_transcript(
                 }
             )
         # system / developer: not in an OpenClaw session file
+    return records
+
+
+def stream_transcript(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation as the records a harness's stream-json output holds (Claude Code's and Qwen Code's:
+    ``{"type": "user" | "assistant", "message": {"role", "content": [...]}}``, Anthropic-shaped content: ``text``,
+    ``thinking``, ``tool_use`` with its ``input``, tool results as ``tool_result`` items of a user record; system
+    messages left out), closed by ``{"type": "result", "result": <answer>}``: the text of the conversation's last
+    assistant message, i.e. the model's last answer ("" when it gave only tool calls or nothing), where Claude Code
+    and Qwen Code put their final text and where ``producers.tasks.grading.final_message`` looks first."""
+    records: list[dict[str, Any]] = []
+    answer = ""
+    for msg in messages:
+        role = msg.get("role")
+        if role == "user":
+            text = _text(msg.get("content"))
+            records.append({"type": "user", "message": {"role": "user", "content": [{"type": "text", "text": text}]}})
+        elif role == "assistant":
+            content: list[dict[str, Any]] = []
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning") or ""
+            if isinstance(reasoning, str) and reasoning:
+                content.append({"type": "thinking", "thinking": reasoning})
+            answer = _text(msg.get("content"))
+            if answer:
+                content.append({"type": "text", "text": answer})
+            for call_id, name, arguments in _tool_calls(msg):
+                content.append({"type": "tool_use", "id": call_id, "name": name, "input": arguments})
+            records.append({"type": "assistant", "message": {"role": "assistant", "content": content}})
+        elif role == "tool":
+            result = {"type": "tool_result", "tool_use_id": str(msg.get("tool_call_id", ""))}
+            result["content"] = _text(msg.get("content"))
+            records.append({"type": "user", "message": {"role": "user", "content": [result]}})
+    records.append({"type": "result", "result": answer})
     return records
 
 

@@ -12,9 +12,10 @@ PinchBench prompt it answers "Hello, I'm ready!" at once. Title-style calls (no 
 Asserts per rollout: STARTED → HARNESS_EXITED with exit code 0, a graded reward — 1.0 with every ``check.py``
 sub-score 1.0 for the solved ClawGym task (``reward.sh`` run as published), 1.0 for the sanity check (its check
 reads the OpenClaw session transcript) — and a clean sandbox root (no directory, no process); per harness: only the
-expected main-agent calls (no extra calls of the harness's own), and graders that read OpenClaw's own session
-(exported from its SQLite store, a Zstandard-compressed record included) for OpenClaw and, for every other
-harness, the one built from the conversation the proxy saw, with the harness's write calls in it.
+expected main-agent calls (no extra calls of the harness's own), and graders that read, for every harness, the
+session transcript built from the conversation the proxy saw, with the harness's write calls in it (never what the
+harness wrote, #29); for OpenClaw its own session export (from its SQLite store, a Zstandard-compressed record
+included) is still checked to decode, though graders no longer read it.
 
 A real harness is installed from the npm registry on first use (``producers.harnesses.install``, cached under
 ``$CLAWSTREAM_HOME``; OpenClaw with Node 24 from the registry too); when npm or the package is unavailable the test
@@ -35,6 +36,7 @@ import pytest
 
 from producers.sandbox import grade as grade_module
 from producers.sandbox.grade import run_transcript
+from producers.tasks.transcript import find_openclaw_session, parse_session_jsonl
 from schemas.events import RewardStatus, RolloutState
 from tests.support import sandbox_helpers as S
 from tests.support.harness_tasks import (
@@ -91,9 +93,14 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
     await asyncio.to_thread(installed, name)
     transcripts: dict[str, list[dict[str, Any]]] = {}  # task id → the transcript its grader read
     compressed: dict[str, int] = {}  # OpenClaw: task id → Zstandard-compressed records in its transcript store
+    exported: dict[str, list[dict[str, Any]]] = {}  # OpenClaw: task id → its own session export (not graded)
 
     def recording(task, box, stdout, **kw):  # noqa: ANN001, ANN202
         transcripts[task.task_id] = out = run_transcript(task, box, stdout, **kw)
+        if kw.get("session_dir"):
+            own = find_openclaw_session(box.host_path(box.home), kw["session_dir"])
+            if own is not None:
+                exported[task.task_id] = parse_session_jsonl(own.read_text(encoding="utf-8"))
         for db in box.host_path(box.home).glob(".openclaw/agents/*/agent/openclaw-agent.sqlite"):
             with contextlib.closing(sqlite3.connect(db)) as con:
                 compressed[task.task_id] = con.execute(
@@ -132,12 +139,12 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
     # harness makes calls of its own, e.g. Qwen Code's memory-extraction subagent, which its adapter turns off).
     assert sum(s != "side" for s in seen) == len(FILES) + 2, log
     assert rw[reqs[1].rollout_id][0].sub_scores == {"agent_responded": 1.0}, log
-    # Both graders read a transcript in OpenClaw's session format: OpenClaw's own (its session id), for the others
-    # the one built from the conversation the proxy saw (a fixed id), with the harness's tool calls in it.
+    # Both graders read a transcript in OpenClaw's session format built from the conversation the proxy saw (a fixed
+    # id), OpenClaw's included: what the harness wrote is not what it is graded on (#29).
     assert set(transcripts) == {"task_0085", "task_00_sanity"}, log
     built_id = str(uuid.UUID(int=0))
     for transcript in transcripts.values():
-        assert transcript[0]["type"] == "session" and (transcript[0]["id"] != built_id) == (name == "openclaw"), log
+        assert transcript[0]["type"] == "session" and transcript[0]["id"] == built_id, log
     calls = [
         c
         for r in transcripts["task_0085"]
@@ -146,8 +153,10 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
         if isinstance(c, dict) and c.get("type") == "toolCall"
     ]
     assert [c["name"] for c in calls] == [WRITE[name]("", "", "")[0]] * len(FILES), (calls, log)
-    if name == "openclaw":  # its long final answer was stored compressed, and the export decoded it
+    if name == "openclaw":  # its long final answer was stored compressed, and its own export decoded it
         assert compressed.get("task_0085", 0) >= 1, (compressed, log)
-        assert transcripts["task_0085"][-1]["message"]["content"][0]["text"] == LONG_FINAL.strip(), log
+        assert exported["task_0085"][0]["id"] != built_id, log
+        assert exported["task_0085"][-1]["message"]["content"][0]["text"] == LONG_FINAL.strip(), log
+        assert LONG_FINAL.strip() in transcripts["task_0085"][-1]["message"]["content"][0]["text"], log
     assert_clean(sandboxes)
     print(json.dumps({"harness": name, "wall_s": round(wall, 1), "engine_calls": served, "calls": seen}))

@@ -351,17 +351,19 @@ def openclaw_home(records: list[dict]):
     return write
 
 
-async def test_openclaw_own_session_file_is_read_for_openclaw_only(tmp_path: Path) -> None:
+async def test_openclaw_own_session_file_is_read_only_without_the_proxys_record(tmp_path: Path) -> None:
     task = suite().get("task_00_sanity")
     answered = session_transcript(
         [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": "Hello, I'm ready!"}]
     )
     silent = [{"role": "user", "content": task.prompt}]
-    # OpenClaw (session_dir set): its own file wins over the proxy's record
+    # the proxy recorded the conversation: graded on it, even for OpenClaw with its own session file (#29: the harness
+    # or a process it started can write that file)
     own = await graded(task, tmp_path, home=openclaw_home(answered), messages=silent, session_dir=".openclaw/agents")
-    assert own.reward == 1.0
-    # OpenClaw left no session file: the proxy's record is used
-    assert (await graded(task, tmp_path, messages=silent, session_dir=".openclaw/agents")).reward == 0.0
+    assert own.reward == 0.0
+    # no conversation reported (an older proxy): OpenClaw's own file is the fallback
+    fallback = await graded(task, tmp_path, home=openclaw_home(answered), session_dir=".openclaw/agents")
+    assert fallback.reward == 1.0
     # any other harness: a session file in HOME (the agent could plant one) is never read
     planted = await graded(task, tmp_path, home=openclaw_home(answered), messages=silent)
     assert planted.reward == 0.0
