@@ -334,7 +334,7 @@ def create_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         name: app.Table(name, default=None, partitions=n, help=help, **TABLE_TYPES)
         for name, (n, help) in TABLES.items()
     }
-    memory = store.bound(tables.values(), cfg.rocksdb_memory_mb)
+    memory = store.bound(tables.values(), cfg.rocksdb_memory_mb, cfg.memory_trace_top)
     assembler = Assembler(cfg, tables["assembler-state"], tables["assembler-calls"], tables["assembler-index"])
     grouper = Grouper(cfg, tables["grouper-groups"], tables["grouper-members"], tables["grouper-index"])
     batcher = Batcher(cfg, tables["batcher-state"], tables["batcher-members"], app_id)

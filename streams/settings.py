@@ -45,6 +45,12 @@ class StreamsSettings(BaseSettings):
         description="How often the worker logs its RocksDB memory use and resident memory (INFO) and returns freed "
         "heap to the system (glibc malloc_trim).",
     )
+    memory_trace_top: int = Field(
+        default=0,
+        ge=0,
+        description="Diagnosis of memory growth: N > 0 makes the memory report also log the N Python allocation sites "
+        "(tracemalloc) that grew most since the first report. Costs memory and CPU; 0 (off) in production.",
+    )
     data_dir: Path = Field(
         default_factory=lambda: clawstream_home() / "streams",
         description="Faust data directory (RocksDB tables live under it).",

@@ -17,8 +17,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import resource
+import tracemalloc
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from clawbase.errors import ConfigError
@@ -35,17 +36,43 @@ class Budget:
     cache: Any
     manager: Any
     limit_bytes: int
+    trace: PythonHeap | None = None
 
     def report(self) -> str:
         """RocksDB's use of the budget and the process's resident memory before and after trimming the heap."""
         mb = lambda n: f"{n / MIB:.1f}"  # noqa: E731
         before = rss_bytes()
         trimmed = trim_heap()
-        return (
+        line = (
             f"rocksdb memory {mb(self.cache.get_usage())} MiB of {mb(self.limit_bytes)} "
             f"(memtables {mb(self.manager.get_usage())}, pinned {mb(self.cache.get_pinned_usage())}); "
             f"RSS {mb(before)} MiB" + (f", {mb(rss_bytes())} after malloc_trim" if trimmed else "")
         )
+        return line if self.trace is None else f"{line}\n{self.trace.report()}"
+
+
+@dataclass
+class PythonHeap:
+    """Diagnosis: the Python allocation sites (tracemalloc, 4 frames) that grew most since the first report."""
+
+    top: int
+    baseline: tracemalloc.Snapshot | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(4)
+
+    def report(self) -> str:
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        if self.baseline is None:
+            self.baseline = snap
+            return f"python heap {sum(s.size for s in snap.statistics('filename')) / MIB:.1f} MiB traced (baseline)"
+        stats = snap.compare_to(self.baseline, "traceback")[: self.top]
+        lines = [f"python heap growth since the baseline, top {len(stats)}:"]
+        for st in stats:
+            where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in st.traceback)
+            lines.append(f"  {st.size_diff / 1024:+.0f} KiB in {st.count_diff:+d} blocks  {where}")
+        return "\n".join(lines)
 
 
 def rss_bytes() -> int:
@@ -108,12 +135,15 @@ def _options_class() -> type:
     return SharedOptions
 
 
-def bound(tables: Iterable[Any], memory_mb: float) -> Budget | None:
-    """Give every RocksDB-backed table's store the shared budget; None when no table is on RocksDB (memory://)."""
+def bound(tables: Iterable[Any], memory_mb: float, trace_top: int = 0) -> Budget | None:
+    """Give every RocksDB-backed table's store the shared budget; None when no table is on RocksDB (memory://).
+    ``trace_top`` > 0: the report also names that many Python allocation sites that grew (:class:`PythonHeap`)."""
     stores = [t.data for t in tables if hasattr(t.data, "rocksdb_options")]
     if not stores:
         return None
     shared = budget(memory_mb)
+    if trace_top:
+        shared = replace(shared, trace=PythonHeap(trace_top))
     cls = _options_class()
     for store in stores:
         if not store.use_rocksdict:

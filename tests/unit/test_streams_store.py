@@ -77,3 +77,20 @@ def test_faust_defaults_would_hold_every_write_in_memtables(tmp_path: Path) -> N
 
 def test_no_budget_without_rocksdb() -> None:
     assert store.bound([SimpleNamespace(data=SimpleNamespace())], 16) is None
+
+
+def test_python_heap_trace_names_the_site_that_grew() -> None:
+    import tracemalloc
+
+    was = tracemalloc.is_tracing()
+    heap = store.PythonHeap(3)
+    try:
+        assert "baseline" in heap.report()
+        kept = [bytearray(4096) for _ in range(512)]  # 2 MiB held from this line
+        report = heap.report()
+        first = report.splitlines()[1]
+        assert "test_streams_store.py" in first and "+2" in first, report
+        assert len(kept) == 512
+    finally:
+        if not was:
+            tracemalloc.stop()
