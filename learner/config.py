@@ -14,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawbase.errors import ConfigError
+from learner.forward import DEFAULT_LOGPROB_CHUNK
 from learner.losses import LossConfig
 from policy import DEFAULT_MODEL_NAME
 
@@ -50,6 +51,11 @@ class LearnerConfig:
         "prompt and tool schemas, a group's user prompt) once, when at least this many tokens; 0 = off (each keeps "
         "its own copy). Exact: same logprobs and gradients, fewer tokens.",
     )
+    logprob_chunk: int = _hp(
+        DEFAULT_LOGPROB_CHUNK,
+        "Positions projected through the LM head at once (checkpointed; no row's (T, V) logits are held). Extra "
+        "memory ≈ 5 x logprob_chunk x vocabulary x 4 bytes (9x with top-k/top-p); exact: same logprobs and gradients.",
+    )
     mini_batches: int = _hp(1, "Optimizer steps per training batch (the batch is split into this many parts).")
     eps_low: float = _hp(0.2, "Lower clip of the ratio (1 - eps_low) for negative advantages.")
     eps_high: float = _hp(0.28, "Upper clip of the ratio (1 + eps_high) for positive advantages (clip-higher).")
@@ -79,6 +85,8 @@ class LearnerConfig:
     seed: int = _hp(0, "Seed for torch.")
 
     def __post_init__(self) -> None:
+        if self.logprob_chunk < 1:
+            raise ConfigError(f"logprob_chunk must be >= 1 (positions per LM-head chunk), got {self.logprob_chunk}")
         if not 0.0 <= self.neg_adv_scale <= 1.0:
             raise ConfigError(f"neg_adv_scale must be in [0, 1] (1 = GRPO as in the paper), got {self.neg_adv_scale}")
         if self.logit_scale_lr < 0:

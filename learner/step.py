@@ -13,6 +13,9 @@ measurement: docs/method.md#the-training-step):
    and for GRPO ``update_adv_dot`` and ``update_sign_agreement``;
 5. with ``kl_coef > 0``, a frozen reference policy gives each row's logprobs for the k3 KL term (``ref_kl``);
 6. GRPO's π_old logits also give ``entropy`` at the trainable tokens.
+
+Every pass projects only the trainable positions through the LM head, ``logprob_chunk`` at a time (learner/forward.py:
+no row's (T, V) logits are ever held).
 """
 
 from __future__ import annotations
@@ -28,11 +31,10 @@ import torch
 from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
 from learner.config import LearnerConfig
-from learner.forward import gather_token_logprobs, packed_forward, packed_logprobs
+from learner.forward import packed_logprobs
 from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, pack_trees
 from learner.value import ValueHead, policy_and_values
-from policy.sampling import apply_temperature
 
 
 @dataclass
@@ -94,7 +96,7 @@ def train_step(
     ref: list[list[torch.Tensor | None]] = [[None] * len(rs) for rs in rows]
     if config.kl_coef > 0 and ref_model is not None:
         with torch.no_grad(), _autocast(device):
-            ref = [[packed_logprobs(ref_model, r, only_trainable=True) for r in rs] for rs in rows]  # (T,) each
+            ref = [[_logprobs(ref_model, r, config) for r in rs] for rs in rows]  # (T,) each
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -145,7 +147,7 @@ def train_step(
     trained_s = time.perf_counter() - started
     model.eval()  # what the step did: π_new's logprobs of the same tokens
     with torch.no_grad(), _autocast(device):
-        after = [[packed_logprobs(model, r, only_trainable=True) for r in rs] for rs in rows]
+        after = [[_logprobs(model, r, config) for r in rs] for rs in rows]
     metrics.update(update_stats(parts, rows, old, after, grpo=config.algorithm == "grpo"))
     if entropy[1]:
         metrics["entropy"] = entropy[0] / entropy[1]
@@ -215,9 +217,7 @@ def _old_forward(
     """π_old's (logprobs (T,), values (T,) or None) of a row; GRPO also adds its entropy sum/count to ``entropy``."""
     if config.algorithm == "ppo":
         return _forward(model, head, row, config)
-    logits = packed_forward(model, row).logits  # (1, T, V)
-    _entropy_of(logits, row, entropy)
-    return gather_token_logprobs(logits, row, only_trainable=True), None  # (T,)
+    return _logprobs(model, row, config, entropy), None  # (T,)
 
 
 def _forward(
@@ -226,8 +226,15 @@ def _forward(
     """(logprobs (T,), values (T,) or None) of a row under the current weights."""
     if config.algorithm == "ppo":
         assert head is not None
-        return policy_and_values(model, head, row)
-    return packed_logprobs(model, row, only_trainable=True), None  # each token under its call's sampling settings
+        return policy_and_values(model, head, row, chunk=config.logprob_chunk)
+    return _logprobs(model, row, config), None  # each token under its call's sampling settings
+
+
+def _logprobs(
+    model: torch.nn.Module, row: MicroBatch, config: LearnerConfig, entropy: list | None = None
+) -> torch.Tensor:
+    """Logprobs (T,) of a row's trainable tokens; ``entropy`` = [sum, count] gets their entropy added."""
+    return packed_logprobs(model, row, only_trainable=True, chunk=config.logprob_chunk, entropy=entropy)
 
 
 def max_path_tokens(model: torch.nn.Module, config: LearnerConfig) -> int | None:
@@ -252,20 +259,6 @@ def _fused_old(model: torch.nn.Module, config: LearnerConfig, n_parts: int) -> b
     return dropout == 0.0 and not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
-def _entropy_of(logits: torch.Tensor, row: MicroBatch, entropy: list) -> None:
-    """Add the entropy (nats) of the next-token distribution at each trainable token, at the token's sampling
-    temperature (before top-k/top-p), to ``entropy`` = [sum, count]."""
-    with torch.no_grad():
-        rows = (row.loss_mask & (row.predictor >= 0)).nonzero(as_tuple=True)[0].to(logits.device)  # (K,)
-        if rows.numel():
-            scaled = apply_temperature(
-                logits[0][row.predictor.to(logits.device)[rows]].detach(), row.temperature.to(logits.device)[rows]
-            )  # (K, V) fp32
-            logq = torch.log_softmax(scaled, dim=-1)
-            entropy[0] += float(-(logq.exp() * logq).sum())
-            entropy[1] += int(rows.numel())
-
-
 def _row_backward(
     model: torch.nn.Module,
     head: ValueHead | None,
@@ -283,9 +276,7 @@ def _row_backward(
     device = next(model.parameters()).device
     if old is None:  # fused (see _fused_old): π_old = this pass's policy
         with _autocast(device):
-            logits = packed_forward(model, row).logits  # (1, T, V)
-            logp_new = gather_token_logprobs(logits, row, only_trainable=True)  # (T,)
-        _entropy_of(logits, row, entropy)
+            logp_new = _logprobs(model, row, config, entropy)  # (T,)
         values: torch.Tensor | None = None
         old = (logp_new.detach(), None)
     else:

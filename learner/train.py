@@ -51,6 +51,7 @@ from learner.attempts import FILE_NAME, StepAttempts
 from learner.config import LearnerConfig, LearnerSettings
 from learner.logit_scale import LogitScale
 from learner.pack import PackError, pack_trees
+from learner.precision import load_policy
 from learner.segment_sampling import UnreproducibleSampling
 from learner.step import ScoredTree, max_path_tokens, train_step
 from learner.value import ValueHead
@@ -116,20 +117,18 @@ class Learner:
     """Owns the model, optimizer and Kafka clients; ``run`` is the top loop."""
 
     def __init__(self, settings: LearnerSettings, config: LearnerConfig, kafka: KafkaSettings) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.settings, self.config, self.kafka = settings, config, kafka
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(config.seed)
         want_cuda = settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda" if want_cuda else "cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(settings.model_dir, attn_implementation="sdpa")
+        self.model = load_policy(settings.model_dir)  # fp32 master weights whatever the checkpoint's dtype
         self.model.to(self.device)
         # The KL term's reference is the initial policy (model_dir), also after a resume from a published version.
         self.ref_model: torch.nn.Module | None = None
         if config.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(settings.model_dir, attn_implementation="sdpa")
+            self.ref_model = load_policy(settings.model_dir)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.value_head: ValueHead | None = None
         params = list(self.model.parameters())
@@ -407,9 +406,7 @@ class Learner:
         store, name = self.settings.weight_store, self.settings.model_name
         state: dict | None = self._initial_state
         if version is None:
-            from transformers import AutoModelForCausalLM
-
-            initial = AutoModelForCausalLM.from_pretrained(self.settings.model_dir, attn_implementation="sdpa")
+            initial = load_policy(self.settings.model_dir)
             self.model.load_state_dict(initial.state_dict())
         else:
             copy_into(self.model, load_checked(verify_file(version), self.model))

@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clawbase.errors import ClawstreamError
-from learner.forward import gather_token_logprobs, packed_forward
+from learner.forward import DEFAULT_LOGPROB_CHUNK, head_logprobs, packed_hidden
 from learner.pack import MicroBatch, pack_trees
+from learner.precision import load_policy
 
 log = logging.getLogger("clawstream.value")
 
@@ -57,14 +58,17 @@ class ValueHead(torch.nn.Module):
         return self
 
 
-def policy_and_values(model: torch.nn.Module, head: ValueHead, row: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass → (logprob of each token, V of the state each token was chosen in), both (T,).
+def policy_and_values(
+    model: torch.nn.Module, head: ValueHead, row: MicroBatch, *, chunk: int = DEFAULT_LOGPROB_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass → (logprob of each trainable token, V of the state each token was chosen in), both (T,).
 
     ``values[t] = V(h[predictor[t]])``: the state in which token t was sampled (0 where there is no predictor).
+    The logprobs go through the LM head ``chunk`` positions at a time (learner/forward.py).
     """
-    out = packed_forward(model, row, output_hidden_states=True)
-    logp = gather_token_logprobs(out.logits, row, only_trainable=True)  # (T,): each token's own sampling
-    hidden = out.hidden_states[-1][0].detach()  # (T, H): no value gradient into the policy
+    body = packed_hidden(model, row)  # (T, H) the final norm's output, as hidden_states[-1]
+    logp = head_logprobs(model, body, row, only_trainable=True, chunk=chunk)  # (T,): each token's own sampling
+    hidden = body.detach()  # (T, H): no value gradient into the policy
     has_pred = row.predictor >= 0  # (T,)
     values = torch.zeros(row.num_tokens, device=hidden.device)  # (T,)
     values[has_pred] = head(hidden[row.predictor[has_pred]])
@@ -89,7 +93,7 @@ def pretrain_value(
     rewards = torch.tensor([r for _, r in trees], dtype=torch.float32, device=device)  # (R,)
     model.eval()
     with torch.no_grad():  # the policy is frozen: cache its hidden states once
-        hidden = [packed_forward(model, r, output_hidden_states=True).hidden_states[-1][0] for r in rows]
+        hidden = [packed_hidden(model, r) for r in rows]  # (T, H) each; no (T, V) logits
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)
     losses = []
     for step in range(steps):
@@ -133,8 +137,6 @@ def read_scored_trajectories(kafka, limit: int, timeout: float = 30.0) -> list[t
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoModelForCausalLM
-
     from clawbase.kafka.clients import check_broker
     from clawbase.settings import add_kafka_arguments, kafka_settings
 
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa")
+    model = load_policy(args.model_dir)
     kafka = kafka_settings(args)
     log.info("Kafka at %s", check_broker(kafka))
     trees = read_scored_trajectories(kafka, args.limit)

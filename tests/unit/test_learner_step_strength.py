@@ -234,14 +234,15 @@ def test_tis_weight_min_ratio_cap_multiplies_each_tokens_loss() -> None:
 
 
 def _record_inputs(model: torch.nn.Module) -> tuple[list[dict[str, torch.Tensor]], torch.utils.hooks.RemovableHandle]:
-    """Record the input_ids / position_ids / attention_mask of every forward call of ``model`` (a pre-hook)."""
+    """Record the input_ids / position_ids / attention_mask of every forward call of ``model``'s body (a pre-hook on
+    ``get_decoder()``: the learner runs the body, then only the wanted positions through the LM head)."""
     calls: list[dict[str, torch.Tensor]] = []
 
     def hook(module, args, kwargs):  # noqa: ANN001, ANN202, ARG001
         assert not args, "packing passes the model keyword arguments"
         calls.append({k: kwargs.get(k) for k in ("input_ids", "position_ids", "attention_mask")})
 
-    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls, model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _retry_tree() -> list[Seg]:
