@@ -141,6 +141,7 @@ def faust_app(cfg: StreamsSettings, kafka: KafkaSettings) -> faust.App:
         producer_max_request_size=big,
         producer_compression_type="zstd",
         consumer_max_fetch_size=big,
+        table_key_index_size=cfg.table_key_index_size,
     )
     # Faust leaves the root logger at DEBUG (its handlers filter): aiokafka would build a record for every request.
     logging.getLogger("aiokafka").setLevel(logging.INFO)

@@ -45,6 +45,14 @@ class StreamsSettings(BaseSettings):
         description="How often the worker logs its RocksDB memory use and resident memory (INFO) and returns freed "
         "heap to the system (glibc malloc_trim).",
     )
+    table_key_index_size: int = Field(
+        default=256,
+        ge=1,
+        description="Keys per table whose partition Faust remembers (its key index; a key not in it is looked up in "
+        "each of the worker's partition databases, a bloom-filtered read each). Faust's default of 1,000 held "
+        "~4.4 KiB per key (its JSON key encoding allocates that much per key): 8 tables × 1,000 keys = ~35 MiB that "
+        "filled slowly and read as unbounded growth in the soak (#29).",
+    )
     memory_trace_top: int = Field(
         default=0,
         ge=0,

@@ -53,14 +53,14 @@ class Budget:
 
 @dataclass
 class PythonHeap:
-    """Diagnosis: the Python allocation sites (tracemalloc, 4 frames) that grew most since the first report."""
+    """Diagnosis: the Python allocation sites (tracemalloc, 12 frames) that grew most since the first report."""
 
     top: int
     baseline: tracemalloc.Snapshot | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not tracemalloc.is_tracing():
-            tracemalloc.start(4)
+            tracemalloc.start(12)
 
     def report(self) -> str:
         snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
@@ -70,7 +70,8 @@ class PythonHeap:
         stats = snap.compare_to(self.baseline, "traceback")[: self.top]
         lines = [f"python heap growth since the baseline, top {len(stats)}:"]
         for st in stats:
-            where = " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in st.traceback)
+            frames = reversed(st.traceback)  # newest first
+            where = " <- ".join(f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno}" for f in frames)
             lines.append(f"  {st.size_diff / 1024:+.0f} KiB in {st.count_diff:+d} blocks  {where}")
         return "\n".join(lines)
 
