@@ -1,10 +1,11 @@
 """RocksDB memory for the worker's tables: one budget per worker, not per table partition.
 
 Faust opens one RocksDB database per partition of every table (8 tables, ~50 databases per worker) and gives each its
-own memtables (64 MiB × 3) and block cache (2 GiB). Nothing flushes a memtable before it fills, so a worker's resident
-memory grew for hours (+25 % in a 10-minute soak, linear). Here every database shares one LRU block cache, and one
-write-buffer manager charges all memtables to that cache and flushes the largest when they pass their share: the
-worker's RocksDB memory stays under ``rocksdb_memory_mb`` however many partitions it owns.
+own memtables (64 MiB × 3) and block cache (2 GiB). Nothing flushes a memtable before it fills, so memtables grow with
+every write up to GiBs (the soak's growth was mostly Faust's key index: docs/method.md#a-stream-workers-memory).
+Here every database shares one LRU block cache, and one write-buffer manager charges all memtables to that cache and
+flushes the largest when they pass their share: the worker's RocksDB memory stays under ``rocksdb_memory_mb``
+however many partitions it owns.
 
 Faust builds each store's options from a plain dict; :func:`bound` replaces the options object of each table's store
 before anything opens (stores open their databases on assignment). :meth:`Budget.report` is the periodic log line; it
