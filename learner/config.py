@@ -154,6 +154,23 @@ class LearnerSettings(BaseSettings):
         "in a row (an OOM kill is a SIGKILL; counts kept in <weight store>/<model>/trainer-state/step-attempts.json). "
         "A step that raises is dead-lettered at once.",
     )
+    max_step_s: float = Field(
+        default=6 * 3600.0,
+        gt=0,
+        le=86_400,
+        description="Longest a training step may take between two polls of the batches topic (the consumer's "
+        "max.poll.interval.ms). Past it the broker takes the learner out of its group and the step's commit is "
+        "refused (ILLEGAL_GENERATION); librdkafka's 300 s default was passed by a real-harness batch on a loaded "
+        "machine, and is short for any real model.",
+    )
+
+    def consumer_config(self, topic_prefix: str = "") -> dict[str, str | int]:
+        """The batches consumer's overrides: static membership (a restarted learner takes over its old member's
+        partitions at once) and room for a long step."""
+        return {
+            "group.instance.id": self.resolved_transactional_id(topic_prefix),
+            "max.poll.interval.ms": int(self.max_step_s * 1000),
+        }
 
     # Defaults carry the topic prefix so isolated runs (tests, experiments) on one cluster never share a group.
     def resolved_group_id(self, topic_prefix: str = "") -> str:

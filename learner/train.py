@@ -156,11 +156,8 @@ class Learner:
         self.attempts = StepAttempts(state_dir / FILE_NAME)  # survive the process: an OOM kill raises nothing
         txn_id = settings.resolved_transactional_id(kafka.topic_prefix)
         self.producer: Producer = make_producer(kafka, **{"transactional.id": txn_id})
-        # Static membership: a restarted learner takes over its old member's partitions at once instead of waiting
-        # for the crashed member's session to expire.
-        self.consumer: Consumer = make_consumer(
-            kafka, settings.resolved_group_id(kafka.topic_prefix), **{"group.instance.id": txn_id}
-        )
+        group = settings.resolved_group_id(kafka.topic_prefix)
+        self.consumer: Consumer = make_consumer(kafka, group, **settings.consumer_config(kafka.topic_prefix))
         self.writer = _tensorboard(settings)
 
     # ---- the top loop: poll batch → logprobs → loss → step → publish -----------------------------------------------
