@@ -16,6 +16,7 @@ import hashlib
 import os
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,11 +54,16 @@ def trainer_state_path(store: Path, model_name: str, version: int) -> Path:
 
 def save_weights(model: torch.nn.Module, store: Path, model_name: str, version: int) -> SavedWeights:
     """Write the model's state dict (tied weights once) atomically and return path + sha256."""
+    return save_state_dict(model.state_dict(), store, model_name, version)
+
+
+def save_state_dict(tensors: Mapping[str, torch.Tensor], store: Path, model_name: str, version: int) -> SavedWeights:
+    """:func:`save_weights` of a state dict (e.g. the full weights a sharded learner gathers on its rank 0)."""
     path = version_path(store, model_name, version)
     path.parent.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in tensors.items():
         # Tied embeddings share storage; safetensors refuses shared tensors, and the loader re-ties them.
         key = tensor.untyped_storage().data_ptr()
         if key in seen:

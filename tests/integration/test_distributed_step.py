@@ -1,0 +1,191 @@
+"""The training step on 2 gloo CPU ranks equals the 1-rank step (learner/distributed.py): data parallel and FSDP2,
+and a resume from a sharded checkpoint continues exactly as an uninterrupted run.
+
+One spawn of 2 ranks runs every case and writes the gathered full weights; the 1-rank references run in this
+process. Cases: SGD without clipping (a gradient's scale error shows one to one: e.g. ranks that average instead of
+summing, or normalise by their own counts), SGD with token_mean and clipping active in two mini-batches (the global
+token count, the global norm), AdamW in two mini-batches (the optimizer the learner uses).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from learner.config import LearnerConfig
+from learner.precision import load_policy
+from learner.step import ScoredTree, train_step
+from tests.support.learner_data import branching_trajectory, small_model
+
+pytestmark = pytest.mark.integration
+WORLD = 2
+TOLERANCE = 1e-5
+# SGD's lr is large because the tiny model's gradient norm is ~5e-3: the update must dwarf the tolerance. "sgd" packs
+# one tree a row (token_budget 60): the ranks have 4 and 3 rows, so FSDP2 pads one; "adamw" has 4 parts of
+# 2, 2, 2 and 1 trees: one rank has no tree in the last part.
+CASES: dict[str, tuple[dict, str]] = {
+    "sgd": ({"lr": 50.0, "max_grad_norm": 0.0, "token_budget": 60}, "sgd"),
+    "sgd_clip_token_mean": ({"lr": 50.0, "max_grad_norm": 1e-3, "aggregation": "token_mean", "mini_batches": 2}, "sgd"),
+    "adamw": ({"lr": 1e-3, "mini_batches": 4}, "adamw"),
+}
+
+
+def _trees(seed: int, n: int = 7) -> list[ScoredTree]:
+    """``n`` scored trees (an odd count: the ranks' shares differ), advantages of both signs and different sizes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        traj = branching_trajectory(f"r{seed}-{i}", rng)
+        segments = traj.segments[: 3 + i % 3]  # 3, 4 or 5 segments: trees of different sizes
+        out.append(ScoredTree(segments, float(rng.normal()), float(i % 2), "h"))
+    return out
+
+
+def _optimizer(kind: str, model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr)
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from learner.distributed import distributed_train_step, full_state_dict, load_sharded, save_sharded, shard_policy
+    from policy.weight_store import save_state_dict
+
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    out = Path(out_dir)
+
+    def fresh(mode: str, kind: str, config: LearnerConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = load_policy(model_dir)
+        if mode == "fsdp2":
+            shard_policy(model)
+        return model, _optimizer(kind, model, config)
+
+    def keep(name: str, model: torch.nn.Module, metrics: dict[str, float]) -> None:
+        state = full_state_dict(model)
+        if rank == 0:
+            torch.save({"state": state, "metrics": metrics}, out / f"{name}.pt")
+
+    try:
+        for mode in ("dp", "fsdp2"):
+            for case, (hp, kind) in CASES.items():
+                config = LearnerConfig(**hp)
+                model, optimizer = fresh(mode, kind, config)
+                keep(f"{mode}-{case}", model, distributed_train_step(model, optimizer, _trees(0), config))
+        # Resume (FSDP2, AdamW): batch 0, a sharded checkpoint and the published full weights, then batch 1; a
+        # fresh model and optimizer loaded from the checkpoint train batch 1 again.
+        config = LearnerConfig(**CASES["adamw"][0])
+        model, optimizer = fresh("fsdp2", "adamw", config)
+        distributed_train_step(model, optimizer, _trees(0), config)
+        save_sharded(model, optimizer, out / "ckpt-v1")
+        state = full_state_dict(model)
+        if rank == 0:
+            save_state_dict(state, out / "store", "policy", 1)
+        keep("uninterrupted", model, distributed_train_step(model, optimizer, _trees(1), config))
+        model, optimizer = fresh("fsdp2", "adamw", config)
+        load_sharded(model, optimizer, out / "ckpt-v1")
+        keep("resumed", model, distributed_train_step(model, optimizer, _trees(1), config))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs every 2-rank case once; the directory of their results. Kills its processes, by pid, whatever happens."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ranks")
+    context = mp.start_processes(
+        _worker, args=(_free_port(), str(model_dir), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not context.join(timeout=1):
+            assert time.monotonic() < deadline, "the 2-rank run did not finish in 240 s"
+    finally:
+        for process in context.processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signal.SIGKILL)
+    return out
+
+
+def _one_rank(model_dir: Path, case: str, batches: tuple[int, ...] = (0,)) -> tuple[dict, dict[str, float]]:
+    hp, kind = CASES[case]
+    config = LearnerConfig(**hp)
+    torch.set_num_threads(1)
+    model = load_policy(model_dir)
+    optimizer = _optimizer(kind, model, config)
+    metrics = {}
+    for seed in batches:
+        metrics = train_step(model, optimizer, _trees(seed), config)
+    return model.state_dict(), metrics
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over the tensors both name (a gathered FSDP2 state names the tied head once)."""
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b)
+
+
+@pytest.mark.parametrize("mode", ["dp", "fsdp2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_equal_one_rank(ranks: Path, model_dir: Path, mode: str, case: str) -> None:
+    reference, ref_metrics = _one_rank(model_dir, case)
+    initial = load_policy(model_dir).state_dict()
+    got = torch.load(ranks / f"{mode}-{case}.pt", weights_only=True)
+    assert set(got["state"]) <= set(reference) and "model.embed_tokens.weight" in got["state"]
+    moved = _max_diff(reference, initial)
+    assert moved > 100 * TOLERANCE  # the step moved the weights far more than the tolerance
+    diff = _max_diff(got["state"], reference)
+    print(f"{mode} {case}: max |2 ranks - 1 rank| = {diff:.2e} (the step moved weights up to {moved:.2e})")
+    assert diff < TOLERANCE
+    metrics = got["metrics"]
+    for key in ("loss", "policy_loss", "grad_norm", "update_kl", "update_adv_dot", "clip_frac", "is_weight_max"):
+        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), key
+    for key in ("trainable_tokens", "rollouts", "optimizer_steps", "update_sign_agreement"):
+        assert metrics[key] == ref_metrics[key], key
+    if case == "sgd_clip_token_mean":
+        assert ref_metrics["grad_norm"] > 2 * CASES[case][0]["max_grad_norm"]  # clipping was active
+
+
+def test_resume_from_a_sharded_checkpoint_continues_exactly(ranks: Path, model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    from policy.weight_store import version_path
+
+    uninterrupted = torch.load(ranks / "uninterrupted.pt", weights_only=True)["state"]
+    resumed = torch.load(ranks / "resumed.pt", weights_only=True)["state"]
+    diff = _max_diff(resumed, uninterrupted)
+    reference, _ = _one_rank(model_dir, "adamw", (0, 1))  # 1 rank, the same two batches
+    print(f"resume: max |resumed - uninterrupted| = {diff:.2e}, vs 1 rank {_max_diff(uninterrupted, reference):.2e}")
+    assert diff < TOLERANCE and _max_diff(uninterrupted, reference) < TOLERANCE
+    # The checkpoint's AdamW moments matter: batch 1 from v1's weights with fresh moments lands elsewhere.
+    after_first, _ = _one_rank(model_dir, "adamw", (0,))
+    config = LearnerConfig(**CASES["adamw"][0])
+    model = load_policy(model_dir)
+    model.load_state_dict(after_first)
+    train_step(model, _optimizer("adamw", model, config), _trees(1), config)
+    assert _max_diff(model.state_dict(), uninterrupted) > 100 * TOLERANCE
+    # The published version is one full safetensors file, as a 1-rank learner writes it (tied head once).
+    published = load_file(str(version_path(ranks / "store", "policy", 1)))
+    assert "lm_head.weight" not in published and _max_diff(published, after_first) < TOLERANCE
