@@ -72,15 +72,29 @@ QWEN2_SPLIT_PATTERN = (
 # --- synthetic corpus -----------------------------------------------------------------------------------------
 
 
-def build_tokenizer(seed: int, vocab_size: int, num_documents: int) -> Any:
+def build_tokenizer(
+    seed: int,
+    vocab_size: int,
+    num_documents: int,
+    *,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    markup_tokens: tuple[str, ...] = MARKUP_TOKENS,
+    eos_token: str = IM_END,
+    pad_token: str = ENDOFTEXT,
+    bos_token: str | None = None,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Any:
     """Train the byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast`` with the chat template.
 
-    The ``len(ADDED_TOKENS)`` added tokens take the last ids, after the BPE vocabulary, as in Qwen3.
+    The added tokens (special, then markup) take the last ids, after the BPE vocabulary, as in Qwen3. The defaults
+    are the tiny Qwen3 model's; ``policy.architectures`` passes other families' tokens and templates. With a
+    ``bos_token``, encoding with special tokens prepends it, as Llama tokenizers do (the chat template writes it
+    itself, so renderers encode with ``add_special_tokens=False``).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    bpe_size = vocab_size - len(ADDED_TOKENS)
+    bpe_size = vocab_size - len(special_tokens) - len(markup_tokens)
     if bpe_size < 256 + 16:
         raise ModelInitError(f"vocab_size={vocab_size} is too small: need room for 256 bytes, merges and added tokens")
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
@@ -104,16 +118,21 @@ def build_tokenizer(seed: int, vocab_size: int, num_documents: int) -> Any:
     if learned < bpe_size:
         # The corpus ran out of pairs with count >= 2; the gap would leave the added tokens at unexpected ids.
         raise ModelInitError(f"BPE learned only {learned} of {bpe_size} tokens; raise num_documents")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in markup_tokens])
+    if bos_token is not None:
+        bos_id = tok.token_to_id(bos_token)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B", special_tokens=[(bos_token, bos_id)]
+        )
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        bos_token=None,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        bos_token=bos_token,
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
         model_max_length=MAX_POSITIONS,
         split_special_tokens=False,

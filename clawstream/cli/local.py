@@ -164,11 +164,18 @@ def model() -> None:
 @model.command("init")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output directory (HF format).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for corpus, tokenizer and weights.")
-def model_init(out: Path, seed: int) -> None:
-    """Build the tiny Qwen3-architecture model with its own BPE tokenizer and chat template (CPU runs)."""
-    from policy.tiny_model import init_tiny_model
+@click.option(
+    "--arch",
+    type=click.Choice(["qwen3", "qwen2.5", "llama"]),
+    default="qwen3",
+    show_default=True,
+    help="Architecture and chat template: qwen3 (the tiny model), qwen2.5 (ChatML), llama (Llama-3 template).",
+)
+def model_init(out: Path, seed: int, arch: str) -> None:
+    """Build a tiny random-weight model with its own BPE tokenizer and its family's chat template (CPU runs)."""
+    from policy.architectures import init_model
 
-    init_tiny_model(out, seed=seed)
+    init_model(out, arch, seed=seed)
     click.echo(str(out))
 
 

@@ -100,7 +100,7 @@ class Proxy:
             settings.engine_url,
             settings.engine_model,
             settings.engine_timeout_s,
-            self.template.im_end_id,
+            self.template.end_of_turn_id,
             retries=settings.engine_retries,
         )
         self.admin = Admin(

@@ -20,11 +20,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy.chat_template import IM_END
 from producers.proxy.conversation import Conversation, Message
 
 FULL_RENDER = "full_render"
 _STUB: list[dict[str, Any]] = [{"role": "user", "content": "."}]
+_PROBE_BODY = "probe"  # an assistant body every template renders verbatim
 
 
 class RenderError(ValueError):
@@ -82,18 +82,56 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class TemplateRenderer:
-    """Renders segments with a tokenizer's chat template; stateless apart from constant token ids."""
+    """Renders segments with a tokenizer's chat template; stateless apart from what it learns of the template.
+
+    What differs between model families is read off the template itself, by rendering probe conversations and
+    taking differences: the implicit header (text before the first turn when there is no system message, e.g. a
+    Llama ``<|begin_of_text|>`` or a default system turn), the generation prompt, and the turn suffix after an
+    assistant body, whose first token is the end-of-turn token generation stops at (``<|im_end|>`` + ``\\n`` for
+    Qwen and ChatML, ``<|eot_id|>`` for Llama 3). A template for which this fails raises :class:`RenderError`.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
-        self.im_end_id: int = tokenizer.convert_tokens_to_ids(IM_END)
-        self.newline_ids: list[int] = tokenizer.encode("\n", add_special_tokens=False)
+        self.source = str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
         self._stub_text = self._render(_STUB)
+        twice = self._render(_STUB + _STUB)
+        if not twice.startswith(self._stub_text):
+            raise self._unstable("a second message changes the first")
+        # The stub's own turn, as any later user turn renders; what comes before it in a one-message render is the
+        # implicit header (empty for Qwen3: byte-identical to the earlier constant-based rendering).
+        self._stub_turn = twice[len(self._stub_text) :]
+        if not self._stub_turn or not self._stub_text.endswith(self._stub_turn):
+            raise self._unstable("the first user turn renders differently from a later one")
+        self.implicit_header = self._stub_text[: len(self._stub_text) - len(self._stub_turn)]
         gen = self._render(_STUB, add_generation_prompt=True)
         if not gen.startswith(self._stub_text):
-            raise RenderError("the chat template is not prefix-stable (generation prompt changes earlier text)")
+            raise self._unstable("the generation prompt changes earlier text")
         self.generation_prompt = gen[len(self._stub_text) :]
         self.generation_prompt_ids = self.encode(self.generation_prompt)
+        turn = self._render(_STUB + [{"role": "assistant", "content": _PROBE_BODY}])
+        opened = self._stub_text + self.generation_prompt + _PROBE_BODY
+        if not turn.startswith(opened):
+            raise self._unstable("an assistant turn does not start with the generation prompt and its body verbatim")
+        self.turn_suffix_text = turn[len(opened) :]
+        suffix_ids = self.encode(self.turn_suffix_text)
+        added = set(tokenizer.get_added_vocab().values()) if hasattr(tokenizer, "get_added_vocab") else set()
+        if not suffix_ids or suffix_ids[0] not in added:
+            raise RenderError(
+                f"the chat template of {self.source} ends an assistant turn with {self.turn_suffix_text!r}, which does "
+                "not start with an added (special) token: no end-of-turn token to stop generation at "
+                "(docs/models.md#what-the-chat-template-must-satisfy)"
+            )
+        # Generation stops at this token (the proxy sends it as the stop token); what follows it is template text.
+        self.end_of_turn_id: int = suffix_ids[0]
+        self.im_end_id: int = self.end_of_turn_id  # the name older callers use (warmstart, tests)
+        self.after_end_of_turn_ids: list[int] = suffix_ids[1:]
+
+    def _unstable(self, what: str) -> RenderError:
+        return RenderError(
+            f"the chat template of {self.source} is not prefix-stable ({what}); "
+            "see docs/models.md#what-the-chat-template-must-satisfy"
+        )
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **kw: Any) -> str:
         try:
@@ -117,24 +155,25 @@ class TemplateRenderer:
         if _starts_with_system(conv):
             return self.encode(self._render([conv.messages[0].to_template()], list(conv.tools)))
         if not conv.tools:
-            return []
-        # Templates refuse an empty conversation: render the tools behind the stub and cut the stub off.
+            return self.encode(self.implicit_header) if self.implicit_header else []
+        # Templates refuse an empty conversation: render the tools behind the stub and cut the stub's turn off.
         text = self._render(_STUB, list(conv.tools))
-        if not text.endswith(self._stub_text):
-            raise RenderError("the chat template is not prefix-stable (tools change the first message)")
-        return self.encode(text[: len(text) - len(self._stub_text)])
+        if not text.endswith(self._stub_turn):
+            raise self._unstable("tools change the first message")
+        return self.encode(text[: len(text) - len(self._stub_turn)])
 
     def segment_ids(self, segment: list[Message]) -> list[int]:
         text = self._render(_STUB + [m.to_template() for m in segment])
         if not text.startswith(self._stub_text):
-            raise RenderError("the chat template is not prefix-stable (a message changes earlier text)")
+            raise self._unstable("a message changes earlier text")
         return self.encode(text[len(self._stub_text) :])
 
     def turn_suffix(self, generated: list[int]) -> list[int]:
-        """Ids the template puts after a generated body: ``\\n`` if it ended with ``<|im_end|>``, else both."""
-        if generated and generated[-1] == self.im_end_id:
-            return list(self.newline_ids)
-        return [self.im_end_id, *self.newline_ids]
+        """Ids the template puts after a generated body: the end-of-turn token unless generation ended with it
+        (``stop``), then the template's text after it (``\\n`` for Qwen, nothing for Llama 3)."""
+        if generated and generated[-1] == self.end_of_turn_id:
+            return list(self.after_end_of_turn_ids)
+        return [self.end_of_turn_id, *self.after_end_of_turn_ids]
 
 
 def _starts_with_system(conv: Conversation) -> bool:
