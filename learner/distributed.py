@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,9 @@ from learner.step import (
     update_stats,
 )
 from learner.value import ValueHead
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "deal_trees",
@@ -88,15 +92,17 @@ class _TiedHead(torch.nn.Module):
     whatever FSDP holds there (the gathered tensor during a pass). Not a submodule of the embedding's: one parameter,
     in one FSDP group."""
 
+    _embedding: torch.nn.Embedding
+
     def __init__(self, embedding: torch.nn.Embedding) -> None:
         super().__init__()
         object.__setattr__(self, "_embedding", embedding)  # not registered: the weight stays the body's
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (C, H) -> (C, V)
-        return torch.nn.functional.linear(hidden, self._embedding.weight)
+        return torch.nn.functional.linear(hidden, self._embedding.weight)  # weight (V, H): gathered by FSDP
 
 
-def shard_policy(model: torch.nn.Module, mesh: object | None = None) -> torch.nn.Module:
+def shard_policy(model: torch.nn.Module, mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """FSDP2 on a Hugging Face causal LM, in place: each decoder layer one unit, the body (embeddings, final norm)
     the root unit. The body is the root because learner.forward runs ``model.get_decoder()`` directly (no (T, V)
     logits), so the top module's forward, where a root's hooks would run, is never called; FSDP keeps the root
@@ -358,7 +364,7 @@ def _update_stats(
     local = update_stats(
         parts,
         [rs[:n] for rs, n in zip(rows, real, strict=True)],
-        [list(o[:n]) for o, n in zip(old, real, strict=True)],  # type: ignore[misc]
+        [cast(list[tuple[torch.Tensor, torch.Tensor | None]], list(o[:n])) for o, n in zip(old, real, strict=True)],
         [a[:n] for a, n in zip(after, real, strict=True)],
         grpo=grpo,
     )
@@ -398,7 +404,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's full weights on CPU, on rank 0 (other ranks: {}); a collective, every rank calls it. For the
     published version: one safetensors file, as the inference engines load it (policy.weight_store)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
     return state if dist.get_rank() == 0 else {}
 
 
@@ -423,7 +429,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Read back what :func:`save_sharded` wrote into this (equally sharded) model and optimizer, and the RNG."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "torch_rng": torch.get_rng_state()}
-    dcp.load(state, checkpoint_id=Path(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    torch.set_rng_state(state["torch_rng"])
+    rng = torch.get_rng_state()
+    dcp.load({"model": model_state, "optim": optim_state, "torch_rng": rng}, checkpoint_id=Path(path))  # in place
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    torch.set_rng_state(rng)
