@@ -16,7 +16,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from policy.chat_template import IM_END
 from producers.harnesses import builtin_loop as agentloop
 from producers.proxy.render import TemplateRenderer
 from producers.tasks.cpu import generate
@@ -33,9 +32,10 @@ SUITE_TRAIN = 96  # cpu_suite's default train size: its held-out split excludes 
 
 
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
-    """The assistant turn the policy must generate for one tool call: the template's own markup + ``<|im_end|>``."""
+    """The assistant turn the policy must generate for one tool call: the template's own markup (the scripted policy
+    appends the model's end-of-turn token, ``<|im_end|>`` for the tiny model)."""
     args = json.dumps(arguments, ensure_ascii=False)  # the template's `tojson`: ", " / ": " separators
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>{IM_END}'
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 
 
 def solution_calls(task: Task, dialect: str) -> list[tuple[str, dict[str, Any]]]:
@@ -65,10 +65,12 @@ def solution_calls(task: Task, dialect: str) -> list[tuple[str, dict[str, Any]]]
     return out
 
 
-def scripted_policy(tokenizer: Any, texts: list[str]) -> Policy:
-    """A policy returning ``texts`` one per call (then a bare ``<|im_end|>``: an answer without a tool call)."""
-    queue = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
+def scripted_policy(tokenizer: Any, texts: list[str], eos: int | None = None) -> Policy:
+    """A policy returning ``texts`` one per call, each ended by ``eos`` (default: the end-of-turn token the chat
+    template ends an assistant turn with), then a bare ``eos``: an answer without a tool call."""
+    if eos is None:
+        eos = TemplateRenderer(tokenizer).end_of_turn_id
+    queue = [[*tokenizer.encode(t, add_special_tokens=False), eos] for t in texts]
     return lambda _prompt: queue.pop(0) if queue else [eos]
 
 
@@ -102,7 +104,8 @@ def build_episodes(tokenizer: Any, tasks: list[Task], dialects: tuple[str, ...] 
     for task in tasks:
         for dialect in dialects:
             texts = [tool_call_text(n, a) for n, a in solution_calls(task, dialect)]
-            out.append(run_episode(task, dialect, scripted_policy(tokenizer, texts), renderer, grade=False))
+            policy = scripted_policy(tokenizer, texts, renderer.end_of_turn_id)
+            out.append(run_episode(task, dialect, policy, renderer, grade=False))
     return out
 
 

@@ -68,7 +68,7 @@ class InProcessProxy:
         calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
         self.rollout.record(f"call{seq}", seq, rendered, gen, Message("assistant", turn.text, turn.reasoning, calls))
         self.turns.append((rendered.prompt_ids, gen))
-        finish = "stop" if gen and gen[-1] == self.r.im_end_id else "length"
+        finish = "stop" if gen and gen[-1] == self.r.end_of_turn_id else "length"
         answer = emit.Answer(turn, finish, len(rendered.prompt_ids), len(gen), parsed.model, f"r{seq}", 0, ids)
         return emitter.body(answer)
 

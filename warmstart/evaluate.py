@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from policy.chat_template import IM_END
 from producers.proxy.render import TemplateRenderer
 from producers.tasks.model import Task
 from warmstart.demos import heldout_tasks, train_tasks
@@ -86,7 +85,7 @@ def evaluate_model(
 ) -> dict[str, Any]:
     """Greedy evaluation of an in-memory model on ``n`` tasks of ``split`` in both dialects."""
     tasks = heldout_tasks(n, seed) if split == "heldout" else train_tasks(n, seed)
-    policy = greedy_policy(model, tokenizer.convert_tokens_to_ids(IM_END))
+    policy = greedy_policy(model, TemplateRenderer(tokenizer).end_of_turn_id)
     return evaluate_policy(lambda _t, _d: policy, tokenizer, tasks, progress=progress)
 
 

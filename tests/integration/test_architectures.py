@@ -267,6 +267,7 @@ def test_learner_step_reproduces_engine_logprobs_then_swaps_into_the_engine(epis
         size_bytes=saved.size_bytes,
     )
     served, served_tok, eos_ids = load_policy(InferenceWorkerSettings(model=episode.model_dir))
+    assert episode.renderer.end_of_turn_id in eos_ids  # the worker stops there even without the proxy's stop id
     engine = Engine(served, eos_token_ids=eos_ids, pad_token_id=served_tok.pad_token_id or 0)
     engine.start()
     try:

@@ -125,7 +125,7 @@ def test_target_markup_is_the_templates_own() -> None:
     stub = [{"role": "user", "content": "."}]
     before = render_chat(stub, add_generation_prompt=True)
     after = render_chat([*stub, {"role": "assistant", "content": "", "tool_calls": [call]}])
-    assert after[len(before) :] == tool_call_text("write_file", args) + "\n"
+    assert after[len(before) :] == tool_call_text("write_file", args) + IM_END + "\n"  # the end of turn: the policy's
 
 
 def test_shared_prefix_kv_gives_the_same_loss_and_gradient(model_dir: Path, episodes: list[EpisodeResult]) -> None:
