@@ -4,7 +4,8 @@ and a resume from a sharded checkpoint continues exactly as an uninterrupted run
 One spawn of 2 ranks runs every case and writes the gathered full weights; the 1-rank references run in this
 process. Cases: SGD without clipping (a gradient's scale error shows one to one: e.g. ranks that average instead of
 summing, or normalise by their own counts), SGD with token_mean and clipping active in two mini-batches (the global
-token count, the global norm), AdamW in two mini-batches (the optimizer the learner uses).
+token count, the global norm), AdamW in four mini-batches (the optimizer the learner uses), PPO with its value head
+(a replicated parameter beside the FSDP shards).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from learner.config import LearnerConfig
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step
+from learner.value import ValueHead
 from tests.support.learner_data import branching_trajectory, small_model
 
 pytestmark = pytest.mark.integration
@@ -34,6 +36,7 @@ CASES: dict[str, tuple[dict, str]] = {
     "sgd": ({"lr": 50.0, "max_grad_norm": 0.0, "token_budget": 60}, "sgd"),
     "sgd_clip_token_mean": ({"lr": 50.0, "max_grad_norm": 1e-3, "aggregation": "token_mean", "mini_batches": 2}, "sgd"),
     "adamw": ({"lr": 1e-3, "mini_batches": 4}, "adamw"),
+    "ppo": ({"algorithm": "ppo", "lr": 5.0, "max_grad_norm": 0.0, "mini_batches": 2}, "sgd"),  # + a value head
 }
 
 
@@ -48,10 +51,18 @@ def _trees(seed: int, n: int = 7) -> list[ScoredTree]:
     return out
 
 
-def _optimizer(kind: str, model: torch.nn.Module, config: LearnerConfig) -> torch.optim.Optimizer:
+def _optimizer(kind: str, params: list[torch.nn.Parameter], config: LearnerConfig) -> torch.optim.Optimizer:
     if kind == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=config.lr)
-    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+        return torch.optim.SGD(params, lr=config.lr)
+    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+def _head(model: torch.nn.Module, config: LearnerConfig) -> ValueHead | None:
+    return ValueHead.for_model(model) if config.algorithm == "ppo" else None  # zero-initialised: the same everywhere
+
+
+def _params(model: torch.nn.Module, head: ValueHead | None) -> list[torch.nn.Parameter]:
+    return list(model.parameters()) + (list(head.parameters()) if head is not None else [])
 
 
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
@@ -69,19 +80,25 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         model = load_policy(model_dir)
         if mode == "fsdp2":
             shard_policy(model)
-        return model, _optimizer(kind, model, config)
+        return model, _optimizer(kind, list(model.parameters()), config)
 
-    def keep(name: str, model: torch.nn.Module, metrics: dict[str, float]) -> None:
+    def keep(name: str, model: torch.nn.Module, metrics: dict[str, float], head: ValueHead | None = None) -> None:
         state = full_state_dict(model)
         if rank == 0:
+            state.update({f"value_head.{k}": v for k, v in (head.state_dict() if head is not None else {}).items()})
             torch.save({"state": state, "metrics": metrics}, out / f"{name}.pt")
 
     try:
         for mode in ("dp", "fsdp2"):
             for case, (hp, kind) in CASES.items():
                 config = LearnerConfig(**hp)
-                model, optimizer = fresh(mode, kind, config)
-                keep(f"{mode}-{case}", model, distributed_train_step(model, optimizer, _trees(0), config))
+                model = load_policy(model_dir)
+                if mode == "fsdp2":
+                    shard_policy(model)
+                head = _head(model, config)
+                optimizer = _optimizer(kind, _params(model, head), config)
+                metrics = distributed_train_step(model, optimizer, _trees(0), config, head)
+                keep(f"{mode}-{case}", model, metrics, head)
         # Resume (FSDP2, AdamW): batch 0, a sharded checkpoint and the published full weights, then batch 1; a
         # fresh model and optimizer loaded from the checkpoint train batch 1 again.
         config = LearnerConfig(**CASES["adamw"][0])
@@ -135,11 +152,14 @@ def _one_rank(model_dir: Path, case: str, batches: tuple[int, ...] = (0,)) -> tu
     config = LearnerConfig(**hp)
     torch.set_num_threads(1)
     model = load_policy(model_dir)
-    optimizer = _optimizer(kind, model, config)
+    head = _head(model, config)
+    optimizer = _optimizer(kind, _params(model, head), config)
     metrics = {}
     for seed in batches:
-        metrics = train_step(model, optimizer, _trees(seed), config)
-    return model.state_dict(), metrics
+        metrics = train_step(model, optimizer, _trees(seed), config, head)
+    state = model.state_dict()
+    state.update({f"value_head.{k}": v for k, v in (head.state_dict() if head is not None else {}).items()})
+    return state, metrics
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -160,10 +180,24 @@ def test_two_ranks_equal_one_rank(ranks: Path, model_dir: Path, mode: str, case:
     print(f"{mode} {case}: max |2 ranks - 1 rank| = {diff:.2e} (the step moved weights up to {moved:.2e})")
     assert diff < TOLERANCE
     metrics = got["metrics"]
-    for key in ("loss", "policy_loss", "grad_norm", "update_kl", "update_adv_dot", "clip_frac", "is_weight_max"):
-        assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), key
+    assert set(metrics) - {"ranks"} == set(ref_metrics)
+    for key in (
+        "loss",
+        "policy_loss",
+        "grad_norm",
+        "update_kl",
+        "clip_frac",
+        "is_weight_max",
+        "value_loss",
+        "update_adv_dot",
+    ):
+        if key in ref_metrics:
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), key
     for key in ("trainable_tokens", "rollouts", "optimizer_steps", "update_sign_agreement"):
-        assert metrics[key] == ref_metrics[key], key
+        if key in ref_metrics:
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-9, abs=1e-7), key
+    if case == "ppo":
+        assert float(reference["value_head.proj.weight"].abs().max()) > 100 * TOLERANCE  # the value head learned
     if case == "sgd_clip_token_mean":
         assert ref_metrics["grad_norm"] > 2 * CASES[case][0]["max_grad_norm"]  # clipping was active
 
@@ -184,7 +218,7 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(ranks: Path, model_d
     config = LearnerConfig(**CASES["adamw"][0])
     model = load_policy(model_dir)
     model.load_state_dict(after_first)
-    train_step(model, _optimizer("adamw", model, config), _trees(1), config)
+    train_step(model, _optimizer("adamw", list(model.parameters()), config), _trees(1), config)
     assert _max_diff(model.state_dict(), uninterrupted) > 100 * TOLERANCE
     # The published version is one full safetensors file, as a 1-rank learner writes it (tied head once).
     published = load_file(str(version_path(ranks / "store", "policy", 1)))
