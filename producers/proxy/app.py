@@ -312,7 +312,7 @@ class Proxy:
                 raise
             gen = reply.token_ids
             times["engine_ms"] = (time.perf_counter() - t_engine) * 1000
-            turn = parse_turn(self.template.decode(gen))
+            turn = parse_turn(self.template.decode(gen), bare_json=self.template.tool_calls_bare_json)
             ids = [f"{emitter.tool_call_prefix}{uuid.uuid4().hex[:24]}" for _ in turn.tool_calls]
             calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
             answer_msg = Message("assistant", turn.text, turn.reasoning, calls)

@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.proxy.conversation import Conversation, Message
+from producers.proxy.conversation import Conversation, Message, ToolCall
+from producers.proxy.tool_parse import TOOL_START, parse_turn
 
 FULL_RENDER = "full_render"
 _STUB: list[dict[str, Any]] = [{"role": "user", "content": "."}]
@@ -126,6 +127,18 @@ class TemplateRenderer:
         self.end_of_turn_id: int = suffix_ids[0]
         self.im_end_id: int = self.end_of_turn_id  # the name older callers use (warmstart, tests)
         self.after_end_of_turn_ids: list[int] = suffix_ids[1:]
+        self.tool_calls_bare_json = self._bare_json_tool_calls()
+
+    def _bare_json_tool_calls(self) -> bool:
+        """Whether the template writes an assistant's tool call as a bare JSON object (Llama 3) rather than in
+        ``<tool_call>`` tags (Qwen, ChatML): how the proxy must parse the model's answers (``tool_parse``)."""
+        probe = Message("assistant", "", tool_calls=(ToolCall("probe", "probe_fn", {"k": "v"}),))
+        text = self._render(_STUB + [probe.to_template()])[len(self._stub_text) :]
+        body = text[len(self.generation_prompt) : len(text) - len(self.turn_suffix_text)]
+        if TOOL_START in body or not text.startswith(self.generation_prompt):
+            return False
+        parsed = parse_turn(body, bare_json=True).tool_calls
+        return [(c.name, c.arguments) for c in parsed] == [("probe_fn", {"k": "v"})]
 
     def _unstable(self, what: str) -> RenderError:
         return RenderError(

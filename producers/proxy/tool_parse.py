@@ -1,4 +1,5 @@
-"""Parse a finished assistant turn (decoded text) into reasoning, text and tool calls (Qwen3 markup).
+"""Parse a finished assistant turn (decoded text) into reasoning, text and tool calls (Qwen3 markup; Llama 3's bare
+JSON objects with ``bare_json``, for a template that writes tool calls that way).
 
 The model writes ``<think>...</think>`` reasoning (optional, first) and any number of
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks. A block whose body is not a JSON object
@@ -73,8 +74,25 @@ def split_reasoning(text: str) -> tuple[str, str]:
     return "", text
 
 
-def parse_turn(text: str) -> ParsedTurn:
-    """Split the generated text into reasoning, visible text and tool calls."""
+def _bare_json_calls(rest: str) -> list[ParsedToolCall] | None:
+    """Tool calls written as bare JSON objects, one per line (Llama 3's convention), or None if ``rest`` is not."""
+    lines = [line for line in rest.strip().split("\n") if line.strip()]
+    calls = [_parse_block(line.strip()) for line in lines]
+    return [c for c in calls if c is not None] if lines and None not in calls else None
+
+
+def parse_turn(text: str, *, bare_json: bool = False) -> ParsedTurn:
+    """Split the generated text into reasoning, visible text and tool calls.
+
+    ``bare_json``: the model's template writes tool calls as bare JSON objects (``{"name": ..., "parameters": ...}``,
+    one per line, the whole turn), as Llama 3's does; ``producers.proxy.render.TemplateRenderer`` finds out which."""
+    if bare_json and TOOL_START not in text:
+        reasoning, rest = split_reasoning(text)
+        calls = _bare_json_calls(rest)
+        if calls is not None:
+            return ParsedTurn(text="", reasoning=reasoning, tool_calls=calls)
+        flags = [MALFORMED_TOOL_JSON] if rest.lstrip().startswith('{"name"') else []
+        return ParsedTurn(text=rest.strip(), reasoning=reasoning, flags=flags)
     reasoning, rest = split_reasoning(text)
     calls: list[ParsedToolCall] = []
     kept: list[str] = []

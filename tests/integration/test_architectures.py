@@ -35,6 +35,7 @@ from policy.architectures import ARCHITECTURES, init_model
 from policy.weight_store import save_weights
 from producers.proxy.conversation import Conversation, Message, ToolCall, function_tool
 from producers.proxy.render import RenderError, RolloutRenderer, TemplateRenderer
+from producers.proxy.tool_parse import parse_turn
 from schemas.events import TreeSegment, WeightVersion
 from tests.support.inference import Worker
 
@@ -181,6 +182,19 @@ def test_a_template_that_is_not_prefix_stable_is_refused_naming_the_model(episod
     tok.chat_template = episode.tok.chat_template.replace("<|im_end|>'", "END'").replace("<|eot_id|>'", "END'")
     with pytest.raises(RenderError, match=f"{episode.model_dir}.*end-of-turn"):
         TemplateRenderer(tok)
+
+
+def test_the_proxy_parses_tool_calls_in_the_template_s_own_format(episode: Episode) -> None:
+    r = episode.renderer
+    assert r.tool_calls_bare_json == (episode.arch == "llama")  # Llama 3: bare JSON; Qwen, ChatML: <tool_call> tags
+    calls = (ToolCall("a", "read", {"path": "notes.txt"}), ToolCall("b", "write", {"path": "s.txt", "text": "x\ny"}))
+    answer = Message("assistant", "", tool_calls=calls)
+    # What a model trained on its template's history would write: the body of a rendered tool-calling turn.
+    body = episode.tok.decode(r.segment_ids([answer]), skip_special_tokens=False)
+    body = body[len(r.generation_prompt) : len(body) - len(r.turn_suffix_text)]
+    turn = parse_turn(body, bare_json=r.tool_calls_bare_json)
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [(c.name, c.arguments) for c in calls]
+    assert turn.text == "" and turn.flags == []
 
 
 def test_piecewise_render_equals_the_template(episode: Episode) -> None:
