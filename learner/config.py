@@ -154,6 +154,19 @@ class LearnerSettings(BaseSettings):
         "in a row (an OOM kill is a SIGKILL; counts kept in <weight store>/<model>/trainer-state/step-attempts.json). "
         "A step that raises is dead-lettered at once.",
     )
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Recompute each decoder layer in the backward pass instead of keeping its activations (exact; "
+        "1.3-1.5x the step's compute). auto: only for a batch whose largest row would not fit otherwise "
+        "(learner/memory.py); on: always; off: never.",
+    )
+    memory_limit_gib: float | None = Field(
+        default=None,
+        gt=0,
+        description="Memory a step may allocate beyond what the learner holds; a batch estimated to need more is "
+        "dead-lettered (InsufficientMemory) before any update, never killed. Unset: what the device has free at "
+        "each step (CPU: MemAvailable or the cgroup's room; CUDA: free + reserved-unused).",
+    )
     max_step_s: float = Field(
         default=6 * 3600.0,
         gt=0,
@@ -178,3 +191,22 @@ class LearnerSettings(BaseSettings):
 
     def resolved_transactional_id(self, topic_prefix: str = "") -> str:
         return self.transactional_id or f"{topic_prefix}clawstream-learner-{self.model_name}"
+
+
+def parse_hparams(pairs: list[str]) -> LearnerConfig:
+    """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
+    known = {f.name: f for f in fields(LearnerConfig)}
+    values = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or name not in known:
+            raise ConfigError(f"--hp {pair!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
+        default = known[name].default
+        try:
+            if isinstance(default, tuple):
+                values[name] = tuple(float(x) for x in raw.split(","))
+            else:
+                values[name] = type(default)(raw)
+        except ValueError as exc:
+            raise ConfigError(f"--hp {name}: {raw!r} is not a valid {type(default).__name__}") from exc
+    return LearnerConfig(**values)

@@ -77,8 +77,7 @@ def _packed_inputs(model: torch.nn.Module, batch: MicroBatch) -> dict[str, Any]:
             f"attn_implementation in {sorted(SUPPORTED_ATTN_IMPLEMENTATIONS)}"
         )
     dtype, device = _model_dtype_device(model)
-    anc = batch.segment_ancestors  # (S, S)
-    if torch.equal(anc, torch.ones_like(anc).tril()):
+    if batch.is_chain:
         # One chain (an append-only rollout alone in its row): the tree mask IS the causal mask, so let the model use
         # its own causal path (SDPA's is_causal kernel) instead of materialising a (T, T) float mask.
         mask = None

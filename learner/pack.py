@@ -236,6 +236,12 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    @property
+    def is_chain(self) -> bool:
+        """One chain of segments (an append-only rollout alone in its row): its tree mask is the causal mask."""
+        anc = self.segment_ancestors  # (S, S)
+        return bool(torch.equal(anc, torch.ones_like(anc).tril()))
+
     @classmethod
     def from_trees(
         cls, trees: Sequence[PackedTree], tree_indices: Sequence[int], *, share_prefix_min: int = 0

@@ -28,7 +28,6 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -48,9 +47,11 @@ from clawbase.kafka.clients import (
 from clawbase.settings import KafkaSettings
 from clawbase.watchdog import deadline
 from learner.attempts import FILE_NAME, StepAttempts
-from learner.config import LearnerConfig, LearnerSettings
+from learner.batches import BatchCollector, Refusal, SealedBatch
+from learner.config import LearnerConfig, LearnerSettings, parse_hparams
 from learner.logit_scale import LogitScale
-from learner.pack import PackError, pack_trees
+from learner.memory import GIB, available_bytes, plan_step
+from learner.pack import MicroBatch, PackError, pack_trees
 from learner.precision import load_policy
 from learner.segment_sampling import UnreproducibleSampling
 from learner.step import ScoredTree, max_path_tokens, train_step
@@ -65,52 +66,11 @@ from policy.weight_store import (
     verify_file,
 )
 from schemas.dead_letter import dead_letter, dead_letter_of
-from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, WeightVersion, now_ms
+from schemas.events import BatchRecord, Metric, Trajectory, WeightVersion, now_ms
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
 log = logging.getLogger("clawstream.learner")
 TXN_DEADLINE_S = 90.0  # transactional calls time out at 60 s; past this one they hung (clawbase.watchdog)
-
-
-@dataclass
-class PendingBatch:
-    first_offset: int
-    records: list[BatchRecord] = field(default_factory=list)
-
-
-@dataclass
-class SealedBatch:
-    batch_id: str
-    step: int
-    records: list[BatchRecord]
-    seal: BatchRecord
-    commit_offset: int  # next offset to read once this batch is done (never past an unfinished batch)
-    seal_offset: int = -1  # where the SEAL record is (the batch's position in logs, dead letters, step attempts)
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a batch is dead-lettered instead of trained: the dead letter's reason and error type."""
-
-    reason: str
-    kind: str = "UntrainableBatch"
-
-
-class BatchCollector:
-    """Groups batch records by batch id until the SEAL record arrives (pure: offsets in, sealed batches out)."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, PendingBatch] = {}
-
-    def add(self, offset: int, record: BatchRecord) -> SealedBatch | None:
-        pending = self.pending.setdefault(record.batch_id, PendingBatch(first_offset=offset))
-        if record.kind is BatchRecordKind.TRAJECTORY:
-            pending.records.append(record)
-            return None
-        del self.pending[record.batch_id]
-        # Commit up to the earliest record of a batch still open (batches could interleave on the partition).
-        commit = min([p.first_offset for p in self.pending.values()] + [offset + 1])
-        return SealedBatch(record.batch_id, record.step, pending.records, record, commit, offset)
 
 
 class Learner:
@@ -251,11 +211,40 @@ class Learner:
 
     def _dry_run(self, trees: list[ScoredTree]) -> Refusal | None:
         try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
-            pack_trees([t.segments for t in trees], self.config.token_budget, max_path_tokens(self.model, self.config))
+            rows = pack_trees(
+                [t.segments for t in trees], self.config.token_budget, max_path_tokens(self.model, self.config)
+            )
         except UnreproducibleSampling as exc:
             return Refusal(f"cannot recompute the rollout logprobs' distribution: {exc}")
         except PackError as exc:
             return Refusal(f"cannot pack the batch: {exc}")
+        return self._plan_memory(rows)
+
+    def _plan_memory(self, rows: list[MicroBatch]) -> Refusal | None:
+        """Activation checkpointing on or off for this step, or the batch refused: it cannot fit (learner/memory.py)."""
+        s = self.settings
+        limit = int(s.memory_limit_gib * GIB) if s.memory_limit_gib else available_bytes(self.device)
+        shapes = [(r.num_tokens, not r.is_chain, r.uses_top_k or r.uses_top_p) for r in rows]
+        plan = plan_step(
+            self.model,
+            self.optimizer,
+            shapes,
+            mode=s.activation_checkpointing,
+            limit=limit,
+            chunk=self.config.logprob_chunk,
+        )
+        if plan.refusal is not None:
+            return Refusal(plan.refusal, "InsufficientMemory")
+        if plan.checkpointing != self.model.is_gradient_checkpointing:
+            log.info(
+                "activation checkpointing %s: the step needs %s",
+                "on" if plan.checkpointing else "off",
+                plan.estimate.explain(),
+            )
+            if plan.checkpointing:  # non-reentrant: works with inputs that need no grad, and under no_grad passes
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_disable()
         return None
 
     def _step(self, trees: list[ScoredTree]) -> dict[str, float]:
@@ -498,29 +487,6 @@ def main(argv: list[str] | None = None) -> int:
     steps = Learner(settings, config, kafka).run()
     log.info("trained %d batches", steps)
     return 0
-
-
-def parse_hparams(pairs: list[str]) -> LearnerConfig:
-    """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
-    import dataclasses
-
-    from clawbase.errors import ConfigError
-
-    known = {f.name: f for f in dataclasses.fields(LearnerConfig)}
-    values = {}
-    for pair in pairs:
-        name, sep, raw = pair.partition("=")
-        if not sep or name not in known:
-            raise ConfigError(f"--hp {pair!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
-        default = known[name].default
-        try:
-            if isinstance(default, tuple):
-                values[name] = tuple(float(x) for x in raw.split(","))
-            else:
-                values[name] = type(default)(raw)
-        except ValueError as exc:
-            raise ConfigError(f"--hp {name}: {raw!r} is not a valid {type(default).__name__}") from exc
-    return LearnerConfig(**values)
 
 
 if __name__ == "__main__":

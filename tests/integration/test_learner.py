@@ -52,12 +52,14 @@ def _run_learner(
     fault: str | None = None,
     max_steps: int = 2,
     extra: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
         CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
         CLAWSTREAM_KAFKA_TOPIC_PREFIX=settings.topic_prefix,
         PYTHONPATH=str(ROOT),
+        **(env_extra or {}),
     )
     env.pop(faults.ENV, None)
     if fault:
@@ -374,3 +376,70 @@ def test_a_batch_killed_in_its_step_twice_is_dead_lettered_untrained(
     committed = consumer.committed([TopicPartition(kafka_settings.topic(BATCHES), 0)], timeout=10)[0].offset
     consumer.close()
     assert committed == records
+
+
+def test_a_batch_that_cannot_fit_is_dead_lettered_and_one_that_fits_only_checkpointed_trains_so(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """The pre-step memory check (learner/memory.py): under a limit below even the checkpointed estimate, both
+    batches are dead-lettered InsufficientMemory with the estimate, nothing trained, offsets committed; under a limit
+    between the two estimates the learner turns activation checkpointing on and trains, and its v2 equals v2 of a
+    learner with checkpointing off and no limit (checkpointing is exact)."""
+    from safetensors.torch import load_file
+
+    from clawbase.kafka.clients import create_topics
+    from learner.config import LearnerConfig
+    from learner.memory import GIB, step_memory
+    from learner.pack import pack_trees
+    from learner.precision import load_policy
+    from schemas.events import Trajectory
+
+    def prefixed(suffix: str) -> KafkaSettings:
+        out = KafkaSettings(
+            bootstrap_servers=kafka_settings.bootstrap_servers, topic_prefix=kafka_settings.topic_prefix + suffix
+        )
+        create_topics(out, CATALOG)
+        return out
+
+    # The first step's estimate both ways (no gradients, no AdamW moments yet: the learner's state at b-1).
+    model = load_policy(model_dir)
+    trajectories = [Trajectory.from_bytes(r.trajectory) for r in batch_records("b-1", 1, 4, seed=1) if r.trajectory]
+    rows = pack_trees([t.segments for t in trajectories], LearnerConfig().token_budget)
+    shapes = [(r.num_tokens, not r.is_chain, r.uses_top_k or r.uses_top_p) for r in rows]
+    optimizer = torch.optim.AdamW(model.parameters())
+    plain, ckpt = (step_memory(model, optimizer, shapes, checkpointing=c, chunk=256).needed for c in (False, True))
+    assert ckpt < plain
+
+    tiny = prefixed("tiny.")
+    records = _produce_batches(tiny, [("b-1", 1), ("b-2", 2)])
+    env = {"CLAWSTREAM_LEARNER_MEMORY_LIMIT_GIB": repr(ckpt * 0.9 / GIB)}
+    refused = _run_learner(tiny, model_dir, tmp_path / "tiny", env_extra=env)
+    assert refused.returncode == 0, refused.stderr[-3000:]
+    assert _versions(tiny, "check-mem-v") == []
+    letters = _dead_letters(tiny, "check-mem-dl")
+    assert [(d.error_type, d.original_offset) for d in letters] == [
+        ("InsufficientMemory", 4),
+        ("InsufficientMemory", 9),
+    ]
+    assert "with activation checkpointing" in letters[0].reason and "more than the" in letters[0].reason
+    consumer = make_consumer(tiny, f"{tiny.topic_prefix}clawstream-learner-policy")
+    committed = consumer.committed([TopicPartition(tiny.topic(BATCHES), 0)], timeout=10)[0].offset
+    consumer.close()
+    assert committed == records
+
+    fits = prefixed("fits.")
+    _produce_batches(fits, [("b-1", 1), ("b-2", 2)])
+    env = {"CLAWSTREAM_LEARNER_MEMORY_LIMIT_GIB": repr((plain + ckpt) / 2 / GIB)}
+    checkpointed = _run_learner(fits, model_dir, tmp_path / "fits", env_extra=env)
+    assert checkpointed.returncode == 0, checkpointed.stderr[-3000:]
+    assert "activation checkpointing on" in checkpointed.stderr
+    plain_run = prefixed("plain.")
+    _produce_batches(plain_run, [("b-1", 1), ("b-2", 2)])
+    off = {"CLAWSTREAM_LEARNER_ACTIVATION_CHECKPOINTING": "off"}
+    reference = _run_learner(plain_run, model_dir, tmp_path / "plain", env_extra=off)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    assert "activation checkpointing" not in reference.stderr
+    [a] = [v for v in _versions(fits, "check-fits") if v.policy_version == 2]
+    [b] = [v for v in _versions(plain_run, "check-plain") if v.policy_version == 2]
+    sa, sb = load_file(str(verify_file(a))), load_file(str(verify_file(b)))
+    assert max(float((sa[k] - sb[k]).abs().max()) for k in sa) <= 1e-6
