@@ -87,12 +87,12 @@ def parse_turn(text: str, *, bare_json: bool = False) -> ParsedTurn:
     ``bare_json``: the model's template writes tool calls as bare JSON objects (``{"name": ..., "parameters": ...}``,
     one per line, the whole turn), as Llama 3's does; ``producers.proxy.render.TemplateRenderer`` finds out which."""
     if bare_json and TOOL_START not in text:
-        reasoning, rest = split_reasoning(text)
-        calls = _bare_json_calls(rest)
-        if calls is not None:
-            return ParsedTurn(text="", reasoning=reasoning, tool_calls=calls)
-        flags = [MALFORMED_TOOL_JSON] if rest.lstrip().startswith('{"name"') else []
-        return ParsedTurn(text=rest.strip(), reasoning=reasoning, flags=flags)
+        thought, body = split_reasoning(text)
+        bare = _bare_json_calls(body)
+        if bare is not None:
+            return ParsedTurn(text="", reasoning=thought, tool_calls=bare)
+        malformed = [MALFORMED_TOOL_JSON] if body.lstrip().startswith('{"name"') else []
+        return ParsedTurn(text=body.strip(), reasoning=thought, flags=malformed)
     reasoning, rest = split_reasoning(text)
     calls: list[ParsedToolCall] = []
     kept: list[str] = []
