@@ -217,7 +217,10 @@ def init_model(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m policy.architectures", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m policy.architectures",
+        description="Build a random-weight qwen3, qwen2.5 or llama model directory with its family's chat template.",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory (created if missing)")
     parser.add_argument("--arch", choices=ARCHITECTURES, default="qwen3", help="model family")
     parser.add_argument("--seed", type=int, default=0, help="seed for the corpus, tokenizer and weights")
