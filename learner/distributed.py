@@ -13,12 +13,15 @@ FSDP's all-gathers require.
 Checkpoints: ``save_sharded`` / ``load_sharded`` write and read model + optimizer + RNG with
 ``torch.distributed.checkpoint`` (one shard file per rank, atomic rename); ``full_state_dict`` gathers the full
 weights on rank 0 for the published safetensors file (``policy.weight_store``). Rank 0 owns Kafka; this module
-imports no Kafka client. Tested on 2 gloo CPU ranks: tests/integration/test_distributed_step.py.
+imports no Kafka client.
+
+Run: on every rank, after ``torch.distributed.init_process_group`` (gloo on CPU, nccl on GPUs), call
+``distributed_train_step`` with the same batch (``shard_policy`` first for FSDP2, then build the optimizer). Tested on
+2 gloo CPU ranks against the 1-rank step: tests/integration/test_distributed_step.py.
 """
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from collections import defaultdict
@@ -37,8 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
 from learner.config import LearnerConfig
+from learner.forward import packed_hidden
 from learner.pack import MicroBatch, pack_trees
 from learner.step import (
     _MAXIMA,
@@ -107,7 +112,9 @@ def shard_policy(model: torch.nn.Module, mesh: DeviceMesh | None = None) -> torc
     the root unit. The body is the root because learner.forward runs ``model.get_decoder()`` directly (no (T, V)
     logits), so the top module's forward, where a root's hooks would run, is never called; FSDP keeps the root
     gathered after its forward, so the LM head, called after the body, sees full weights. Tied embeddings: the head
-    reads the embedding's weight (one parameter, one group). An untied head is its own unit.
+    reads the embedding's weight (one parameter, one group). An untied head stays whole on every rank (its gradient
+    is all-reduced like data parallel's): it runs once per LM-head chunk, a count that differs between ranks, and an
+    FSDP unit's all-gathers must pair up.
     Gradients are reduce-scattered as SUMS (divide factor 1): the loss is already normalised by the global counts."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -116,8 +123,6 @@ def shard_policy(model: torch.nn.Module, mesh: DeviceMesh | None = None) -> torc
     embedding = body.get_input_embeddings()
     if head.weight is embedding.weight:
         model.set_output_embeddings(_TiedHead(embedding))  # type: ignore[operator]
-    else:
-        fully_shard(head, mesh=mesh)
     for layer in body.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(body, mesh=mesh)
@@ -144,6 +149,8 @@ def distributed_train_step(
     trains its share; returns the same metrics as the 1-rank step, reduced over the ranks (equal on every rank)."""
     if config.algorithm == "ppo" and value_head is None:
         raise ValueError("PPO needs a value head")
+    if config.kl_coef > 0 and ref_model is None:
+        raise ConfigError("kl_coef > 0 needs a reference policy (ref_model): the learner loads its initial model")
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     sharded = is_sharded(model)
@@ -216,9 +223,9 @@ def distributed_train_step(
         optimizer.zero_grad(set_to_none=True)
         part_stats: dict[str, float] = {}
         for i, row in enumerate(part_rows):
-            if i >= n_real:  # padding: the passes and FSDP's collectives of a row, with zero gradient
+            if i >= n_real:  # padding: the body's passes and FSDP's collectives of a row, with zero gradient
                 with _autocast(device):
-                    (_logprobs(model, row, config).sum() * 0.0).backward()
+                    (packed_hidden(model, row).sum() * 0.0).backward()  # (T, H) -> scalar 0
                 continue
             stats, used_old = _row_backward(
                 model,
@@ -344,7 +351,7 @@ def _clip_global(optimizer: torch.optim.Optimizer, max_norm: float) -> float:
     if full:
         sq = sq + torch.stack([torch.linalg.vector_norm(g) ** 2 for g in full]).sum()
     norm = float(sq.sqrt())
-    if max_norm > 0 and math.isfinite(norm):
+    if max_norm > 0:  # a non-finite norm poisons the gradients as torch's does (min(nan, 1.0) is nan)
         coef = min(max_norm / (norm + 1e-6), 1.0)
         for g in grads:
             g.mul_(coef)

@@ -65,6 +65,15 @@ def _params(model: torch.nn.Module, head: ValueHead | None) -> list[torch.nn.Par
     return list(model.parameters()) + (list(head.parameters()) if head is not None else [])
 
 
+def _untie(model_dir: Path, out: Path) -> Path:
+    """The test model with a separate LM head (as Qwen3-8B and larger have), different from the embeddings."""
+    model = load_policy(model_dir)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach() * 1.5)
+    model.save_pretrained(out)
+    return out
+
+
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -99,6 +108,11 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                 optimizer = _optimizer(kind, _params(model, head), config)
                 metrics = distributed_train_step(model, optimizer, _trees(0), config, head)
                 keep(f"{mode}-{case}", model, metrics, head)
+        config = LearnerConfig(**CASES["sgd"][0])  # FSDP2 with an untied head (kept whole on every rank)
+        model = load_policy(out / "untied")
+        shard_policy(model)
+        optimizer = _optimizer("sgd", list(model.parameters()), config)
+        keep("fsdp2-untied", model, distributed_train_step(model, optimizer, _trees(0), config))
         # Resume (FSDP2, AdamW): batch 0, a sharded checkpoint and the published full weights, then batch 1; a
         # fresh model and optimizer loaded from the checkpoint train batch 1 again.
         config = LearnerConfig(**CASES["adamw"][0])
@@ -133,6 +147,7 @@ def ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("ranks")
+    _untie(model_dir, out / "untied")
     context = mp.start_processes(
         _worker, args=(_free_port(), str(model_dir), str(out)), nprocs=WORLD, join=False, start_method="spawn"
     )
@@ -145,6 +160,16 @@ def ranks(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGKILL)
     return out
+
+
+def test_fsdp2_with_an_untied_head_equals_one_rank(ranks: Path) -> None:
+    reference, _ = _one_rank(ranks / "untied", "sgd")
+    got = torch.load(ranks / "fsdp2-untied.pt", weights_only=True)["state"]
+    assert set(got) == set(reference)  # lm_head.weight is its own tensor here
+    assert not torch.equal(reference["lm_head.weight"], reference["model.embed_tokens.weight"])
+    diff = _max_diff(got, reference)
+    print(f"fsdp2 untied head: max |2 ranks - 1 rank| = {diff:.2e}")
+    assert diff < TOLERANCE
 
 
 def _one_rank(model_dir: Path, case: str, batches: tuple[int, ...] = (0,)) -> tuple[dict, dict[str, float]]:
