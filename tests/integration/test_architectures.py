@@ -2,7 +2,8 @@
 
 Per architecture (``policy.architectures``, built once per session): the CPU inference worker serves the directory
 as a real subprocess and its prefix cache serves a follow-up; the proxy's renderer lays out a multi-turn tool-calling
-conversation token-in-token-out and the prefix property holds across the turn the engine generated; one learner step
+conversation token-in-token-out and the prefix property holds across the turn the engine generated, and the real
+proxy app (in-memory publisher) serves two chat calls in front of the worker the same way; one learner step
 on that conversation's tree reproduces the engine's logprobs and moves the weights; a weight swap (the weight store's
 file, applied by the engine's weights target) makes the engine answer from the new weights. No Kafka, no hub.
 """
@@ -20,6 +21,7 @@ import aiohttp
 import numpy as np
 import pytest
 import torch
+from aiohttp import web
 from transformers import AutoTokenizer
 
 from consumers.inference.engine import Engine
@@ -33,10 +35,12 @@ from learner.precision import load_policy as load_trainable
 from learner.step import ScoredTree, train_step
 from policy.architectures import ARCHITECTURES, init_model
 from policy.weight_store import save_weights
+from producers.proxy.app import Proxy
 from producers.proxy.conversation import Conversation, Message, ToolCall, function_tool
 from producers.proxy.render import RenderError, RolloutRenderer, TemplateRenderer
+from producers.proxy.settings import ProxySettings
 from producers.proxy.tool_parse import parse_turn
-from schemas.events import TreeSegment, WeightVersion
+from schemas.events import CallEvent, TreeSegment, WeightVersion
 from tests.support.inference import Worker
 
 pytestmark = pytest.mark.integration
@@ -100,33 +104,37 @@ async def _complete(url: str, prompt: list[int], stop: int, seed: int) -> dict[s
 
 
 @pytest.fixture(scope="session")
-def episode(model_dir: Path) -> Iterator[Episode]:
-    """Two calls of a tool-calling rollout, rendered by the proxy's renderer and served by the worker subprocess."""
+def worker(model_dir: Path) -> Iterator[Worker]:
+    """The CPU inference worker serving ``model_dir`` (a subprocess, no Kafka), blocks of 16 tokens."""
+    w = Worker(["--model", str(model_dir), "--no-weights"], env={"CLAWSTREAM_INFER_PREFIX_BLOCK_SIZE": "16"})
+    yield w
+    w.stop()
+
+
+@pytest.fixture(scope="session")
+def episode(model_dir: Path, worker: Worker) -> Episode:
+    """Two calls of a tool-calling rollout, rendered by the proxy's renderer and served by the worker (first calls)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     ep = Episode(model_dir.name, model_dir, tok, TemplateRenderer(tok))
     rollout = RolloutRenderer(ep.renderer)
-    worker = Worker(["--model", str(model_dir), "--no-weights"], env={"CLAWSTREAM_INFER_PREFIX_BLOCK_SIZE": "16"})
-    try:
-        conv = Conversation(HISTORY, TOOLS)
-        for call in range(2):
-            rendered = rollout.render(conv)
-            if call == 1:
-                ep.shared_prefix_len = rendered.shared_prefix_len
-            reply = asyncio.run(_complete(worker.url or "", rendered.prompt_ids, ep.renderer.end_of_turn_id, 7 + call))
-            choice = reply["choices"][0]
-            ep.convs.append(conv)
-            ep.prompts.append(rendered.prompt_ids)
-            ep.gens.append(choice["token_ids"])
-            ep.logprobs.append(choice["logprobs"]["token_logprobs"])
-            ep.cached.append(reply["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
-            # The answer as the harness sees it (special tokens kept: the reference render below must reproduce
-            # the generated text byte for byte); the harness then runs the tool and asks again.
-            answer = Message("assistant", _body_text(ep, choice["token_ids"]))
-            rollout.record(f"call-{call}", call, rendered, choice["token_ids"], answer)
-            conv = Conversation((*conv.messages, answer, Message("user", "Go on.")), TOOLS)
-    finally:
-        worker.stop()
-    yield ep
+    conv = Conversation(HISTORY, TOOLS)
+    for call in range(2):
+        rendered = rollout.render(conv)
+        if call == 1:
+            ep.shared_prefix_len = rendered.shared_prefix_len
+        reply = asyncio.run(_complete(worker.url or "", rendered.prompt_ids, ep.renderer.end_of_turn_id, 7 + call))
+        choice = reply["choices"][0]
+        ep.convs.append(conv)
+        ep.prompts.append(rendered.prompt_ids)
+        ep.gens.append(choice["token_ids"])
+        ep.logprobs.append(choice["logprobs"]["token_logprobs"])
+        ep.cached.append(reply["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+        # The answer as the harness sees it (special tokens kept: the reference render below must reproduce
+        # the generated text byte for byte); the harness then runs the tool and asks again.
+        answer = Message("assistant", _body_text(ep, choice["token_ids"]))
+        rollout.record(f"call-{call}", call, rendered, choice["token_ids"], answer)
+        conv = Conversation((*conv.messages, answer, Message("user", "Go on.")), TOOLS)
+    return ep
 
 
 def _body_text(ep: Episode, gen: list[int]) -> str:
@@ -327,3 +335,79 @@ def _generate(engine: Engine, prompt: list[int]) -> GenerationResult:
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+class _Collected:
+    """A publisher that keeps the proxy's records in memory (the call events this test reads back)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str, bytes | None]] = []
+
+    async def publish(self, topic: str, key: str, value: bytes | None, timeout: float) -> None:
+        self.records.append((topic, key, value))
+
+    def close(self) -> None:
+        pass
+
+
+async def _proxy_episode(model_dir: Path, engine_url: str) -> tuple[list[CallEvent], list[dict[str, Any]]]:
+    """Two OpenAI chat calls of one rollout through the real proxy app (tokenizer loaded from ``model_dir``)."""
+    settings = ProxySettings(model=model_dir, engine_url=engine_url, port=0, admin_port=0, admin_token="admin")
+    publisher = _Collected()
+    proxy = Proxy(settings, publisher, "calls")
+    runner, admin = web.AppRunner(proxy.app()), web.AppRunner(proxy.admin_app())
+    await runner.setup()
+    await admin.setup()
+    # Its own system prompt: no block of the episode's prompts is shared, whichever test runs first on the worker.
+    history = (Message("system", "You are a careful agent."), *HISTORY[1:])
+    messages: list[dict[str, Any]] = [m.to_template() for m in history]
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        await web.TCPSite(admin, "127.0.0.1", 0).start()
+        url, admin_url = (f"http://127.0.0.1:{r.addresses[0][1]}" for r in (runner, admin))
+        async with aiohttp.ClientSession() as http:
+            body = {"rollout_id": "arch", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+            async with http.post(
+                f"{admin_url}/admin/rollouts", json=body, headers={"Authorization": "Bearer admin"}
+            ) as r:
+                assert r.status == 201, await r.text()
+                secret = (await r.json())["secret"]
+            for _ in range(2):
+                request = {"model": "policy", "messages": messages, "tools": [dict(t) for t in TOOLS]}
+                headers = {"Authorization": f"Bearer {secret}"}
+                async with http.post(f"{url}/r/arch/v1/chat/completions", json=request, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    reply = await r.json()
+                messages = [*messages, reply["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+    finally:
+        await runner.cleanup()
+        await admin.cleanup()
+    calls = [CallEvent.from_bytes(v) for topic, _k, v in publisher.records if topic == "calls" and v is not None]
+    return sorted(calls, key=lambda e: e.seq), messages
+
+
+def test_the_proxy_app_serves_the_family_token_in_token_out(model_dir: Path, worker: Worker) -> None:
+    """The real proxy (dialect parsing, rendering, engine call with the template's stop token, answer parsing, call
+    events) in front of the worker: the follow-up extends the first call's prompt + generated ids (TITO)."""
+    calls, messages = asyncio.run(_proxy_episode(model_dir, worker.url or ""))
+    assert [c.seq for c in calls] == [0, 1], calls
+    first, second = calls
+    prompt0 = first.new_tokens.tolist()
+    gen0 = first.generated_tokens.tolist()
+    assert second.parent_call_id == first.call_id and second.shared_prefix_len == len(prompt0) + len(gen0)
+    prompt1 = (prompt0 + gen0)[: second.shared_prefix_len] + second.new_tokens.tolist()
+    assert second.prompt_len == len(prompt1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    r = TemplateRenderer(tok)
+    # What the template writes for the conversation with the engine's own turn in it (specials kept, as generated):
+    # the proxy's prompt decodes to exactly that text, so its generation prompt and turn suffix are the family's.
+    body = gen0[:-1] if gen0 and gen0[-1] == r.end_of_turn_id else gen0
+    own = [*messages[: len(HISTORY)], {"role": "assistant", "content": tok.decode(body, skip_special_tokens=False)}]
+    expected = tok.apply_chat_template(
+        [*own, {"role": "user", "content": "Go on."}],
+        tools=[dict(t) for t in TOOLS],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert tok.decode(prompt1, skip_special_tokens=False) == expected
+    assert first.finish_reason in ("stop", "length") and len(gen0) <= 12
