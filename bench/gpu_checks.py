@@ -5,9 +5,13 @@
 2. One learner step (``learner.step.train_step``) on CUDA with bf16 autocast: finite loss, and the logprobs of a
    positively advantaged rollout go up while a negatively advantaged one's go down.
 3. GPU telemetry through nvidia-ml-py, if ``consumers.inference.telemetry`` is present.
+4. Real shape (issue #30 item 7): the full 28-layer Qwen3-0.6B shape (``bench.real_shapes``), fp32 master weights,
+   one learner step under bf16 autocast on a 38k-token rollout with chunked logprobs and the learner's memory plan
+   (``learner.memory``): tokens/s, peak GPU memory against the plan's estimate.
 
-Run: ``python -m bench.gpu_checks``; prints a report and writes ``bench/results/gpu_checks.md``; exits 1 on a failed
-check. Needs torch with CUDA and transformers; no Kafka.
+Run: ``python -m bench.gpu_checks [--layers 28] [--tokens 38000]``; prints a report and writes
+``bench/results/gpu_checks.md``; exits 1 on a failed check. Needs only torch with CUDA, transformers and numpy (no
+Kafka, Avro or pydantic: ``tests/integration/test_gpu_checks.py`` runs ``--dry-run-cpu`` with those imports blocked).
 """
 
 from __future__ import annotations
@@ -33,14 +37,33 @@ def _model(device: str, tmp: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").to(device)
 
 
+def _branching(rng: np.random.Generator) -> list:
+    """A tree with a shared prompt, two generated turns and a retry branch (token ids < 2000)."""
+    from bench.real_shapes import Segment
+
+    def toks(n: int) -> np.ndarray:
+        return rng.integers(3, 2000, n).astype("<i4")
+
+    def lps(n: int) -> np.ndarray:
+        return (-rng.random(n) * 3).astype("<f4")
+
+    none = np.zeros(0, "<f4")
+    return [
+        Segment(-1, toks(24), False, none),
+        Segment(0, toks(6), True, lps(6)),
+        Segment(1, toks(8), False, none),
+        Segment(2, toks(5), True, lps(5)),
+        Segment(0, toks(7), True, lps(7)),
+    ]
+
+
 def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
     from learner.forward import packed_logprobs
     from learner.pack import pack_trees
     from schemas.tree_paths import path_tokens, paths
-    from tests.support.learner_data import branching_trajectory
 
     rng = np.random.default_rng(0)
-    trees = [branching_trajectory(f"r{i}", rng).segments for i in range(4)]
+    trees = [_branching(rng) for _ in range(4)]
     [row] = pack_trees(trees, 10_000)
     row = row.to(DEVICE)
     ok = True
@@ -74,14 +97,13 @@ def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
 
 
 def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
-    from learner.config import LearnerConfig
     from learner.forward import packed_logprobs
+    from learner.hparams import LearnerConfig
     from learner.pack import pack_trees
     from learner.step import ScoredTree, train_step
-    from tests.support.learner_data import branching_trajectory
 
     rng = np.random.default_rng(1)
-    good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)
+    good, bad = _branching(rng), _branching(rng)
 
     def mean_lp(segments) -> float:  # noqa: ANN001
         [row] = pack_trees([segments], 10_000)
@@ -91,33 +113,82 @@ def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
         return float(lp[row.loss_mask].mean())
 
     for traj in (good, bad):  # rollout logprobs = current policy's, so TIS weights are ~1
-        [row] = pack_trees([traj.segments], 10_000)
+        [row] = pack_trees([traj], 10_000)
         with torch.no_grad():
             lp = packed_logprobs(model, row.to(DEVICE), only_trainable=True).cpu()
         offset = 0
-        for seg in traj.segments:
+        for seg in traj:
             if seg.trainable:
                 seg.logprobs = lp[offset : offset + len(seg.tokens)].numpy().astype("<f4")
             offset += len(seg.tokens)
-    before = mean_lp(good.segments), mean_lp(bad.segments)
+    before = mean_lp(good), mean_lp(bad)
     config = LearnerConfig(lr=2e-3)
-    trees = [ScoredTree(good.segments, 1.0, 1.0, "a"), ScoredTree(bad.segments, -1.0, 0.0, "b")]
+    trees = [ScoredTree(good, 1.0, 1.0, "a"), ScoredTree(bad, -1.0, 0.0, "b")]
     started = time.perf_counter()
     metrics = train_step(model, torch.optim.AdamW(model.parameters(), lr=config.lr), trees, config)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
-    after = mean_lp(good.segments), mean_lp(bad.segments)
+    after = mean_lp(good), mean_lp(bad)
     passed = np.isfinite(metrics["loss"]) and after[0] > before[0] and after[1] < before[1]
     report.append(
-        f"| learner train_step on CUDA (bf16 autocast) | loss {metrics['loss']:.4f}, good lp "
+        f"| learner train_step on {DEVICE} (bf16 autocast on CUDA) | loss {metrics['loss']:.4f}, good lp "
         f"{before[0]:.3f}→{after[0]:.3f}, bad lp {before[1]:.3f}→{after[1]:.3f}, {elapsed * 1000:.0f} ms | "
         f"{'ok' if passed else 'FAIL'} |"
     )
     return bool(passed)
 
 
+def check_real_shape(report: list[str], layers: int, tokens: int) -> bool:
+    from transformers import Qwen3ForCausalLM
+
+    from bench.real_shapes import qwen3_06b_config, rollout
+    from learner.hparams import LearnerConfig
+    from learner.memory import available_bytes, plan_step
+    from learner.pack import pack_trees
+    from learner.step import ScoredTree, train_step
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(qwen3_06b_config(layers, max_positions=max(40_960, tokens))).float().to(DEVICE)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    config = LearnerConfig(lr=1e-5)
+    segs = rollout(tokens)
+    rows = pack_trees([segs], config.token_budget, model.config.max_position_embeddings)
+    shapes = [(r.num_tokens, not r.is_chain, r.uses_top_k or r.uses_top_p) for r in rows]
+    device = torch.device(DEVICE)
+    plan = plan_step(model, optimizer, shapes, mode="auto", limit=available_bytes(device), chunk=config.logprob_chunk)
+    label = f"learner step, Qwen3-0.6B shape ({layers} layers), {tokens:,}-token rollout"
+    if plan.refusal:
+        report.append(f"| {label} | refused by the memory plan: {plan.refusal} | FAIL |")
+        return False
+    if plan.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    started = time.perf_counter()
+    metrics = train_step(model, optimizer, [ScoredTree(segs, 1.0, 1.0, "claude-code")], config)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    estimate = plan.estimate.activations + plan.estimate.gradients + plan.estimate.optimizer
+    peak = (torch.cuda.max_memory_allocated() - before) if DEVICE == "cuda" else 0
+    within = DEVICE != "cuda" or peak <= plan.estimate.needed
+    passed = bool(np.isfinite(metrics["loss"])) and within
+    report.append(
+        f"| {label} | checkpointing {'on' if plan.checkpointing else 'off'}, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, {elapsed:.1f} s, "
+        f"{tokens / elapsed:.0f} tokens/s, peak memory growth {peak / 2**30:.2f} GiB vs formula "
+        f"{estimate / 2**30:.2f} GiB (× 1.25 = {plan.estimate.needed / 2**30:.2f}) | {'ok' if passed else 'FAIL'} |"
+    )
+    return passed
+
+
 def check_telemetry(report: list[str]) -> bool:
+    if DEVICE != "cuda":
+        report.append("| GPU telemetry | no GPU in a CPU dry run | skipped |")
+        return True
     try:
         from consumers.inference import telemetry
     except ImportError as exc:
@@ -137,7 +208,14 @@ def check_telemetry(report: list[str]) -> bool:
 
 def main() -> int:
     global DEVICE
-    if "--dry-run-cpu" in sys.argv:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers of the real-shape check")
+    parser.add_argument("--tokens", type=int, default=38_000, help="rollout tokens of the real-shape check")
+    parser.add_argument("--dry-run-cpu", action="store_true", help="check this script on the CPU (small sizes)")
+    args = parser.parse_args()
+    if args.dry_run_cpu:
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check here (run this on a GPU machine)")
@@ -157,6 +235,8 @@ def main() -> int:
     ok = check_packing(model, report)
     ok &= check_train_step(model, report)
     ok &= check_telemetry(report)
+    layers, tokens = (args.layers, args.tokens) if DEVICE == "cuda" else (1, 1_200)
+    ok &= check_real_shape(report, layers, tokens)
     text = "\n".join(report) + "\n"
     if DEVICE == "cuda":
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,8 @@ import torch
 
 from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
-from learner.config import LearnerConfig
 from learner.forward import packed_logprobs
+from learner.hparams import LearnerConfig
 from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, pack_trees
 from learner.value import ValueHead, policy_and_values
