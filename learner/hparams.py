@@ -115,12 +115,12 @@ class LearnerConfig:
 def parse_hparams(pairs: list[str]) -> LearnerConfig:
     """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
     known = {f.name: f for f in fields(LearnerConfig)}
-    values = {}
+    values: dict[str, Any] = {}
     for pair in pairs:
         name, sep, raw = pair.partition("=")
         if not sep or name not in known:
             raise ConfigError(f"--hp {pair!r}: expected NAME=VALUE with NAME one of {', '.join(known)}")
-        default = known[name].default
+        default: Any = known[name].default  # every field has one (_hp)
         try:
             if isinstance(default, tuple):
                 values[name] = tuple(float(x) for x in raw.split(","))
