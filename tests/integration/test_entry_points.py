@@ -37,6 +37,7 @@ MODULES = [
     "learner.value",
     "warmstart",
     "policy.tiny_model",
+    "policy.architectures",
     "streams",
     "streams.app",
 ]
