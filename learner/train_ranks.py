@@ -9,8 +9,9 @@ back in the process (the other ranks may be waiting in a collective): the rank e
 and the restarted group resumes from the last published version — a SIGKILL's path, counted by the step attempts
 (docs/method.md#the-distributed-step).
 
-Run: ``python -m learner.train_ranks --nproc 2 --model-dir DIR --weight-store DIR ...`` (the rest as
-``python -m learner.train``); gloo on CPU. FSDP2 in the service is not wired yet (learner/distributed.py has it).
+Run: ``clawstream learner-ranks --nproc-per-node 2 --model-dir DIR --weight-store DIR ...`` or ``python -m
+learner.train_ranks ...`` (the rest as ``clawstream learner``); gloo on CPU. FSDP2 in the service is not wired yet
+(learner/distributed.py has it).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser(prog="python -m learner.train_ranks", description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks on this machine (gloo)")
+    parser.add_argument("--nproc-per-node", "--nproc", dest="nproc", type=int, default=2, help="ranks (gloo, CPU)")
     args, rest = parser.parse_known_args(argv)
     with socket.socket() as probe:  # a free port for the rendezvous
         probe.bind(("127.0.0.1", 0))

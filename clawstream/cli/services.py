@@ -46,6 +46,12 @@ SERVICES: tuple[Service, ...] = (
         "Learner: sealed batches in, GRPO + TIS step, weight versions out, exactly once (learner/train.py).",
     ),
     Service(
+        "learner-ranks",
+        "learner.train_ranks:main",
+        "The learner on N data-parallel ranks (--nproc-per-node N; the rest as `learner`): rank 0 owns Kafka\n"
+        "(learner/train_ranks.py).",
+    ),
+    Service(
         "streams",
         "streams.app:main",
         "Faust stream processors: calls + events + rewards → trajectories → GRPO groups → batches (`streams worker`).",
