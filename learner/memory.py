@@ -187,3 +187,15 @@ def plan_step(
         "token budget or max_path_tokens (--hp), set memory_limit_gib, or train on a larger device "
         "(docs/method.md#learner-memory)",
     )
+
+
+def set_checkpointing(model: torch.nn.Module, on: bool) -> bool:
+    """Turn the model's per-layer activation checkpointing on or off; True when that changed anything."""
+    if bool(getattr(model, "is_gradient_checkpointing", False)) == on:
+        return False
+    hf: Any = model  # a transformers PreTrainedModel (nn.Module's __getattr__ types these as tensors)
+    if on:  # non-reentrant: works with inputs that need no grad, and under the step's no_grad passes
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        hf.gradient_checkpointing_disable()
+    return True

@@ -50,7 +50,7 @@ from learner.attempts import FILE_NAME, StepAttempts
 from learner.batches import BatchCollector, Refusal, SealedBatch
 from learner.config import LearnerConfig, LearnerSettings, parse_hparams
 from learner.logit_scale import LogitScale
-from learner.memory import GIB, available_bytes, plan_step
+from learner.memory import GIB, available_bytes, plan_step, set_checkpointing
 from learner.pack import MicroBatch, PackError, pack_trees
 from learner.precision import load_policy
 from learner.segment_sampling import UnreproducibleSampling
@@ -235,16 +235,12 @@ class Learner:
         )
         if plan.refusal is not None:
             return Refusal(plan.refusal, "InsufficientMemory")
-        if plan.checkpointing != self.model.is_gradient_checkpointing:
+        if set_checkpointing(self.model, plan.checkpointing):
             log.info(
                 "activation checkpointing %s: the step needs %s",
                 "on" if plan.checkpointing else "off",
                 plan.estimate.explain(),
             )
-            if plan.checkpointing:  # non-reentrant: works with inputs that need no grad, and under no_grad passes
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_disable()
         return None
 
     def _step(self, trees: list[ScoredTree]) -> dict[str, float]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from learner.config import LearnerConfig, LearnerSettings
 from learner.distributed import distributed_train_step
+from learner.memory import set_checkpointing
 from learner.precision import load_policy
 from learner.step import ScoredTree
 from learner.train import Learner
@@ -82,7 +83,8 @@ class LeadLearner(Learner):
             _sync(self.model, self.optimizer, self.value_head)
 
     def _step(self, trees: list[ScoredTree]) -> dict[str, float]:
-        _send(("step", (trees, self.version)))
+        # The plan (learner.memory, in rank 0's dry run) is for the whole batch: every rank follows its checkpointing.
+        _send(("step", (trees, self.version, bool(self.model.is_gradient_checkpointing))))
         lr = _set_lr(self.optimizer, self.config, self.version)
         try:
             metrics = distributed_train_step(
@@ -114,7 +116,8 @@ def follow(settings: LearnerSettings, config: LearnerConfig) -> None:
         if kind == "sync":
             _sync(model, optimizer, head)
         elif kind == "step":
-            trees, version = payload
+            trees, version, checkpointing = payload
+            set_checkpointing(model, checkpointing)
             _set_lr(optimizer, config, version)
             distributed_train_step(model, optimizer, trees, config, head, ref)
 
