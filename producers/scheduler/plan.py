@@ -114,12 +114,20 @@ def may_issue(step: int, newest_version: int, max_policy_lag: int) -> bool:
 
 @dataclass
 class Outstanding:
-    """Requests waiting for a final reward; re-issues infrastructure failures up to ``max_attempts``."""
+    """Requests waiting for a final reward; re-issues infrastructure failures up to ``max_attempts``.
+
+    A settled rollout's reward is kept in ``final`` (or ``gave_up``: infra failures with no attempt left) only with
+    ``keep_settled``: eval mode's table needs each one, and an eval is as big as its task list. A train run settles
+    10^5–10^6 rollouts whose rewards the streams hold, so train mode keeps none (they only count in ``n_final`` /
+    ``n_gave_up``): its state is then what is in flight, however long the run."""
 
     max_attempts: int
     pending: dict[str, RolloutRequest] = field(default_factory=dict)
     final: dict[str, RewardEvent] = field(default_factory=dict)
     gave_up: dict[str, RewardEvent] = field(default_factory=dict)
+    keep_settled: bool = True
+    n_final: int = 0
+    n_gave_up: int = 0
 
     def add(self, requests: Sequence[RolloutRequest]) -> None:
         for r in requests:
@@ -137,11 +145,15 @@ class Outstanding:
         if attempt is not None and attempt != req.attempt:
             return None
         if reward.status != RewardStatus.INFRA_FAILURE:
-            self.final[req.rollout_id] = reward
+            self.n_final += 1
+            if self.keep_settled:
+                self.final[req.rollout_id] = reward
             del self.pending[req.rollout_id]
             return None
         if req.attempt + 1 >= self.max_attempts:
-            self.gave_up[req.rollout_id] = reward
+            self.n_gave_up += 1
+            if self.keep_settled:
+                self.gave_up[req.rollout_id] = reward
             del self.pending[req.rollout_id]
             return None
         again = dataclasses.replace(req, attempt=req.attempt + 1, timestamp_ms=now_ms())

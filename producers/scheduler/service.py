@@ -109,7 +109,9 @@ class Scheduler:
         self.s, self.kafka = settings, kafka
         self.catalog = catalog or SuiteCatalog(settings.suites)
         self.version = settings.initial_version
-        self.outstanding = Outstanding(settings.max_attempts)
+        self.outstanding = Outstanding(settings.max_attempts)  # train mode's keeps no settled reward (_resume)
+        # Eval requests published (the eval table's rows). Train requests are not kept once settled: a long run
+        # issues 10^5–10^6 of them (~1.6 KB each kept), and only the pending ones are needed (self.outstanding).
         self.issued: dict[str, RolloutRequest] = {}
         self.rng = random.Random(settings.seed)
         self.plan = StepPlan(
@@ -208,7 +210,8 @@ class Scheduler:
             *(self.publisher.publish(topic, r.rollout_id, r.to_bytes(), self.s.publish_timeout_s) for r in requests)
         )
         for r in requests:
-            self.issued[r.rollout_id] = r
+            if r.eval:
+                self.issued[r.rollout_id] = r
         self.outstanding.add(requests)
 
     async def _drain(self) -> None:
@@ -249,9 +252,10 @@ class Scheduler:
     async def train(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
         tasks = self.catalog.suite(self.s.suite).split(self.s.split)
-        requests, rewards = await asyncio.to_thread(self._open, read_log=True)
+        log_read = await asyncio.to_thread(self._open, read_log=True)
         try:
-            step = await self._resume(tasks, requests, rewards)
+            step = await self._resume(tasks, *log_read)
+            del log_read  # the run's log as read: not held for the rest of the run
             while step < self.s.steps and not stop.is_set():
                 await self._drain()
                 if may_issue(step, self.version, self.s.max_policy_lag):
@@ -273,7 +277,8 @@ class Scheduler:
     async def _resume(self, tasks: list[Task], requests: list[RolloutRequest], rewards: list[RewardEvent]) -> int:
         """Take over the state the run's log holds (``plan.rebuild``); publish what is owed; the step to go on at."""
         found = rebuild(requests, rewards, self.s.max_attempts, self.s.start_step)
-        self.outstanding, self.issued = found.outstanding, dict(found.issued)
+        # Only what is still in flight goes on: the rewards of settled rollouts stay on the log (keep_settled off).
+        self.outstanding = Outstanding(self.s.max_attempts, found.outstanding.pending, keep_settled=False)
         cut_short: list[RolloutRequest] = []
         for step in range(self.s.start_step, found.next_step):
             planned = plan_step(step, tasks, self.plan, self.rng, self.version)  # the RNG moves as when it was issued
