@@ -64,7 +64,7 @@ async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -
             suites={"cpu_builtin": "builtin:cpu"},
             concurrency=concurrency,
         )
-        worker = SandboxWorker(settings, kafka)
+        worker = SandboxWorker(settings, kafka, keep_outcomes=True)
         stop = asyncio.Event()
         task = asyncio.create_task(worker.run(stop))
         await asyncio.sleep(4)  # join the group before the clock starts

@@ -32,7 +32,6 @@ import logging
 import math
 import signal
 import sys
-from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.offsets import OffsetTracker, Partition
+from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests
 from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute, new_attempt_id
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.model import TaskError
@@ -57,7 +56,7 @@ from schemas.lifecycle import transition
 from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 
 log = logging.getLogger("clawstream.sandbox_worker")
-SEEN_MAX = 100_000  # (rollout id → attempt → offset) remembered for duplicate detection, oldest forgotten first
+SEEN_MAX = 100_000  # rollout ids whose (attempt → offset) is remembered to spot duplicates (~25 MB at the limit)
 
 
 def nonsense(req: RolloutRequest, ctx: RolloutContext) -> str | None:
@@ -139,8 +138,10 @@ class SandboxWorker:
         adapters: Mapping[str, HarnessAdapter] | None = None,
         backend: SandboxBackend | None = None,
         catalog: SuiteCatalog | None = None,
+        keep_outcomes: bool = False,
     ) -> None:
         self.s, self.kafka = settings, kafka
+        self.keep_outcomes = keep_outcomes
         self.publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
         proxy = ProxyAdmin(
             settings.proxy_url, settings.proxy_admin_token, settings.proxy_timeout_s, settings.proxy_connect_retries
@@ -161,8 +162,11 @@ class SandboxWorker:
         self.running: dict[tuple[Partition, int], asyncio.Task[None]] = {}  # (partition, offset) → its attempt
         self.owned: set[Partition] = set()  # the current assignment
         self.waiting = 0  # requests waiting for another attempt of theirs to end: they hold no sandbox
+        # Every outcome only with keep_outcomes (benches read them): a serving worker finishes 10^5–10^6 rollouts,
+        # each outcome ~1.3 KB (its reward, timings, cleanup report); it counts them in ``finished``.
         self.outcomes: list[Outcome] = []
-        self.seen: OrderedDict[str, dict[int, tuple[Partition, int]]] = OrderedDict()  # rollout id → attempt → where
+        self.finished = 0
+        self.seen = SeenRequests(SEEN_MAX)
         self.fatal: BaseException | None = None
         self._consumer = None
         self._paused = False
@@ -242,7 +246,9 @@ class SandboxWorker:
         finally:
             if waiting:
                 self.waiting -= 1
-        self.outcomes.append(outcome)
+        self.finished += 1
+        if self.keep_outcomes:
+            self.outcomes.append(outcome)
         self.tracker.done(tp, offset)
         log.info(
             "rollout %s at %s[%d]@%d done: %s reward=%s",
@@ -283,23 +289,8 @@ class SandboxWorker:
 
     def _duplicate_of(self, req: RolloutRequest, tp: Partition, offset: int) -> str | None:
         """Why ``req`` at ``tp@offset`` is a duplicate of a request seen here, or None (new, or the same record read
-        again: a redelivery). Remembers it otherwise."""
-        attempts = self.seen.get(req.rollout_id, {})
-        here = (tp, offset)
-        if attempts.get(req.attempt) == here:
-            return None
-        if req.attempt in attempts:
-            (t, p), o = attempts[req.attempt]
-            return f"duplicate: rollout {req.rollout_id} attempt {req.attempt} was already read at {t}[{p}]@{o}"
-        newer = max(attempts, default=-1)
-        if newer > req.attempt:
-            (t, p), o = attempts[newer]
-            return f"stale: rollout {req.rollout_id} attempt {req.attempt} after attempt {newer} (read at {t}[{p}]@{o})"
-        self.seen[req.rollout_id] = {**attempts, req.attempt: here}
-        self.seen.move_to_end(req.rollout_id)
-        if len(self.seen) > SEEN_MAX:
-            self.seen.popitem(last=False)
-        return None
+        again: a redelivery). Remembers it otherwise (the last SEEN_MAX rollout ids: ``SeenRequests``)."""
+        return self.seen.check(req.rollout_id, req.attempt, tp, offset)
 
     async def _take(self, msg) -> RolloutRequest | None:  # noqa: ANN001
         """The request to run, or None: ``msg`` was poison, dead-lettered with the reason and its offset done.
