@@ -151,6 +151,19 @@ def kill_all(marker: str, pgids: set[int], sig: int = signal.SIGKILL) -> int:
     return n
 
 
+async def kill_and_wait(marker: str, pgids: set[int], within_s: float) -> tuple[int, set[int]]:
+    """SIGKILL a sandbox's processes, again every 50 ms until none is alive or ``within_s`` passed: (how many the first
+    round signalled, the pids still alive)."""
+    killed = kill_all(marker, pgids)
+    deadline = time.monotonic() + within_s
+    alive = {p for p, st in sandbox_pids(marker, pgids).items() if st != "Z"}
+    while alive and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        kill_all(marker, pgids)
+        alive = {p for p, st in sandbox_pids(marker, pgids).items() if st != "Z"}
+    return killed, alive
+
+
 def terminate_inside(marker: str) -> None:
     """SIGTERM to an isolated sandbox's processes other than bubblewrap's own (its SIGKILL ends the namespace)."""
     for pid, state in sandbox_pids(marker, set()).items():
@@ -339,8 +352,9 @@ class LocalSandbox(Sandbox):
             for task in (exited, watch):
                 if task is not None and not task.done():
                     task.cancel()
-        # Whatever the command left running in its group (or marked) dies with it.
-        kill_all(self.sandbox_id, {proc.pid})
+        # Whatever the command left running in its group (or marked) dies with it, and is gone when run() returns:
+        # SIGKILL is delivered when the process next runs, which under load is not at once.
+        await kill_and_wait(self.sandbox_id, {proc.pid}, within_s=5.0)
         if proc.returncode is None:
             await proc.wait()
         if max_bytes and quota is None:  # it may have written past the quota since the last measurement, and exited
@@ -357,13 +371,7 @@ class LocalSandbox(Sandbox):
 
     async def destroy(self) -> CleanupReport:
         report = CleanupReport()
-        report.killed = kill_all(self.sandbox_id, self.pgids)
-        deadline = time.monotonic() + 5
-        alive = {p for p, st in sandbox_pids(self.sandbox_id, self.pgids).items() if st != "Z"}
-        while alive and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            kill_all(self.sandbox_id, self.pgids)
-            alive = {p for p, st in sandbox_pids(self.sandbox_id, self.pgids).items() if st != "Z"}
+        report.killed, alive = await kill_and_wait(self.sandbox_id, self.pgids, within_s=5.0)
         report.leftover_pids = sorted(alive)
         if self._server is not None:
             self._server.close()
