@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if str(args.out) != "-":
         params = (f"cache {p.cache_tokens:,} tokens per engine in {p.block}-token blocks; prefill "
                   f"{p.prefill_ms_per_token} ms/token, decode {p.decode_ms_per_token} ms/token, one call at a time "
-                  f"per engine; think {p.think_ms:.0f} ms; rollouts start {p.stagger_ms:.0f} ms apart")  # fmt: skip
+                  f"per engine; think {p.think_ms:.0f} ms; rollouts start {p.stagger_ms:.0f} ms apart; "
+                  f"affinity's bound: load ≤ (1 + {p.imbalance}) × mean + {p.slack}")  # fmt: skip
         args.out.write_text(
             RESULTS_HEAD + f"\nParameters: {params}.\n\n" + "\n\n".join(sections) + "\n\n## Against the goal\n\n"
             + "\n".join(f"* {v}" for v in verdicts) + "\n"

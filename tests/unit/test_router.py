@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from producers.proxy.router import POLICIES, Router
@@ -74,3 +77,24 @@ def test_every_policy_skips_dead_engines_and_is_deterministic(policy: str) -> No
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         Router(["a"], policy="random")
+
+
+def test_the_benchmark_replays_the_committed_real_harness_trace(tmp_path: Path) -> None:
+    from bench import router as bench
+
+    rollouts = bench.read_jsonl(bench.TRACES["harness"])
+    assert len(rollouts) >= 40 and all(call.prompt for r in rollouts for call in r.calls)
+    params = bench.Params()
+    affinity = bench.simulate(rollouts, 8, "affinity", params)
+    round_robin = bench.simulate(rollouts, 8, "round_robin", params)
+    assert affinity.hit_rate >= 1.5 * round_robin.hit_rate  # the goal at N = 8
+    assert abs(sum(affinity.shares) - 1) < 1e-9
+    # A JSON-lines trace of full prompts (the --trace format) replays too.
+    trace = tmp_path / "t.jsonl"
+    lines = [
+        {"rollout_id": f"r{r}", "timestamp_ms": r, "seq": s, "prompt_token_ids": list(range(64 + 40 * s)),
+         "completion_tokens": 4}
+        for r in range(3) for s in range(2)
+    ]  # fmt: skip
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert bench.simulate(bench.read_jsonl(trace), 2, "affinity", params).hit_rate > 0.5
