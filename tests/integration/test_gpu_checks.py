@@ -44,4 +44,3 @@ def test_the_gpu_checks_dry_run_passes_with_only_torch_and_transformers(tmp_path
     ):
         assert check in done.stdout, out[-4000:]
     assert "FAIL" not in done.stdout, done.stdout
-    assert "blocked for this test" not in out or "GPU telemetry" in done.stdout  # only the optional import may fail
