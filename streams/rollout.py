@@ -237,8 +237,11 @@ class RolloutAccumulator:
                     # not ordered with each other: its reward was read first): this older run ended, settled apart
                     return Outcome(Verdict.OLDER_RUN, f"attempt {self.attempt_id} of the same request ran after it")
             # A re-issue (higher attempt number), or a re-run of the same request after its worker died mid-rollout
-            # (same number, new attempt id: Kafka cannot count redeliveries) while the current attempt never ended.
-            rerun = ev.attempt == self.attempt and self.terminal is None
+            # (same number, new attempt id: Kafka cannot count redeliveries) while the current attempt has no reward
+            # yet: it never ended, or its worker died grading it (HARNESS_EXITED out, the reward never sent). Were
+            # that reward sent and only unread, superseding still trains exactly one of the two runs (rule 2 of
+            # consumers.analytics.reconcile); waiting for it would hold the group until its timeout instead.
+            rerun = ev.attempt == self.attempt and (self.terminal is None or self.reward is None)
             if ev.state is RolloutState.STARTED and (ev.attempt > self.attempt or rerun):
                 return Outcome(Verdict.SUPERSEDES, f"attempt {ev.attempt} ({ev.attempt_id}) started")
             return Outcome(

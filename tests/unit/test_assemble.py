@@ -420,6 +420,50 @@ def test_a_rerun_after_a_worker_crash_supersedes_the_unfinished_attempt() -> Non
     assert acc.on_event(event("r.a0.second"), 10).verdict is Verdict.SUPERSEDES
 
 
+def test_a_rerun_supersedes_an_attempt_whose_worker_died_while_grading() -> None:
+    """The worker published HARNESS_EXITED, then died grading (no reward); the request is redelivered and re-run under
+    the same attempt number. The re-run is assembled at once (the dead attempt settles as an infrastructure failure),
+    not rejected: rejecting it left the group a member short until its timeout (seen in the stack-kills test)."""
+
+    def run(aid: str, tag: str) -> list[tuple[str, Event]]:
+        out: list[tuple[str, Event]] = []
+        for topic, ev in rollout().records:
+            if isinstance(ev, CallEvent):
+                parent = f"{ev.parent_call_id}-{tag}" if ev.parent_call_id else None
+                ev = replace(ev, call_id=f"{ev.call_id}-{tag}", parent_call_id=parent)
+            out.append((topic, replace(ev, attempt_id=aid) if hasattr(ev, "attempt_id") else ev))
+        return out
+
+    rig = Rig()
+    dead = [(t, ev) for t, ev in run("r-1.a0.dead", "d") if not isinstance(ev, RewardEvent)]
+    last = rig.feed(dead, 0)
+    last = rig.feed(run("r-1.a0.rerun", "r")[1:], last + 500)  # the redelivered request is a duplicate: skipped
+    rig.tick(last + 1000)
+    assert rig.rejected == []
+    assert [(t.status, t.attempt_id) for t in rig.out] == [
+        (TrajectoryStatus.INFRA_FAILURE, "r-1.a0.dead"),
+        (TrajectoryStatus.COMPLETE, "r-1.a0.rerun"),
+    ]
+    assert "superseded" in (rig.out[0].drop_reason or "") and rig.out[1].reward == 0.75 and rig.out[1].calls == 3
+
+
+def test_a_rerun_of_an_attempt_that_was_graded_is_set_aside() -> None:
+    """The worker died after the reward, before releasing the request: the graded attempt is trained, the re-run's
+    records are rejected with the reason (consumers.analytics.reconcile counts it as a re-run set aside)."""
+    rig = Rig()
+    first = [
+        (t, replace(ev, attempt_id="r-1.a0.done") if hasattr(ev, "attempt_id") else ev) for t, ev in rollout().records
+    ]
+    last = rig.feed(first, 0)
+    again = [
+        (t, replace(ev, attempt_id="r-1.a0.again")) for t, ev in rollout().records[1:] if not isinstance(ev, CallEvent)
+    ]
+    last = rig.feed(again, last + 100)
+    rig.tick(last + 1000)
+    assert [(t.status, t.attempt_id) for t in rig.out] == [(TrajectoryStatus.COMPLETE, "r-1.a0.done")]
+    assert [v for v, _ in rig.rejected] == [Verdict.REJECTED] * 3
+
+
 def test_a_reruns_reward_read_before_its_started_event_joins_it() -> None:
     """The re-run's reward (rewards topic) is read before its STARTED (rollout events topic): the topics are not
     ordered with each other. It is held, not rejected, and joins when the re-run supersedes the unfinished attempt,
