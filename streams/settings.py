@@ -33,11 +33,13 @@ class StreamsSettings(BaseSettings):
         "(tests; state is rebuilt from the changelog topics at every start).",
     )
     rocksdb_memory_mb: float = Field(
-        default=32.0,
+        default=16.0,
         ge=8,
         description="RocksDB memory of the worker's tables, all partitions together: one block cache with the "
         "memtables charged to it (Faust's default gives each of ~50 table partitions 64 MiB × 3 memtables and a "
-        "2 GiB cache, and resident memory grew for hours). Raise it for big tables that are read often.",
+        "2 GiB cache, and resident memory grew for hours). 16 fills within the first minutes of a 64-rollout soak, "
+        "so the worker's memory is flat after warm-up (32 was still filling after 30 min: bench/results/soak.md); "
+        "raise it for big tables that are read often.",
     )
     memory_report_interval_s: float = Field(
         default=60.0,
