@@ -80,6 +80,22 @@ class LearnerSettings(BaseSettings):
         "machine, and is short for any real model.",
     )
 
+    weights_http_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Serve the weight store's version files over HTTP on this port (read-only, "
+        "learner/weights_http.py) and publish http:// URIs, so engines on other hosts need no shared "
+        "filesystem. Unset: file:// URIs.",
+    )
+    weights_base_url: str | None = Field(
+        default=None,
+        pattern=r"^https?://",
+        description="Base of the published weight URIs (<base>/<model>/v<version>/model.safetensors): how "
+        "engines reach the store. Default with weights_http_port: http://<this host's name>:<port>; alone: "
+        "another server of the store directory (nginx, an object store's HTTP endpoint).",
+    )
+
     def consumer_config(self, topic_prefix: str = "") -> dict[str, str | int]:
         """The batches consumer's overrides: static membership (a restarted learner takes over its old member's
         partitions at once) and room for a long step."""

@@ -56,6 +56,7 @@ from learner.precision import load_policy
 from learner.segment_sampling import UnreproducibleSampling
 from learner.step import ScoredTree, max_path_tokens, train_step
 from learner.value import ValueHead
+from learner.weights_http import default_base_url, local_copy, published_uri, serving
 from policy import DEFAULT_MODEL_NAME
 from policy.weight_store import (
     copy_into,
@@ -78,6 +79,8 @@ class Learner:
 
     def __init__(self, settings: LearnerSettings, config: LearnerConfig, kafka: KafkaSettings) -> None:
         self.settings, self.config, self.kafka = settings, config, kafka
+        port = settings.weights_http_port
+        self.weights_base_url = settings.weights_base_url or (default_base_url(port) if port else None)
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(config.seed)
@@ -298,7 +301,7 @@ class Learner:
             timestamp_ms=now_ms(),
             model_name=self.settings.model_name,
             step=batch.step,
-            uri=saved.uri,
+            uri=published_uri(saved, self.settings.weight_store, self.weights_base_url),
             sha256=saved.sha256,
             size_bytes=saved.size_bytes,
             batch_id=batch.batch_id,
@@ -391,7 +394,7 @@ class Learner:
             initial = load_policy(self.settings.model_dir)
             self.model.load_state_dict(initial.state_dict())
         else:
-            copy_into(self.model, load_checked(verify_file(version), self.model))
+            copy_into(self.model, load_checked(verify_file(local_copy(version, store)), self.model))
             state_file = trainer_state_path(store, name, version.policy_version)
             state = torch.load(state_file, map_location=self.device, weights_only=True) if state_file.exists() else None
             if state is None:
@@ -457,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"{LearnerSettings.model_fields['max_step_attempts'].description} Default "
         f"{LearnerSettings.model_fields['max_step_attempts'].default} (CLAWSTREAM_LEARNER_MAX_STEP_ATTEMPTS).",
     )
+    parser.add_argument("--weights-http-port", type=int, default=None, help="serve versions over HTTP on this port")
+    parser.add_argument("--weights-base-url", default=None, help="base of the published weight URIs (docs/scaling.md)")
     parser.add_argument("--hp", action="append", default=[], metavar="NAME=VALUE", help="override a hyperparameter")
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
@@ -470,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         idle_exit_s=args.idle_exit,
         tensorboard_dir=args.tensorboard_dir,
         value_head=args.value_head,
+        **{k: v for k in ("weights_http_port", "weights_base_url") if (v := getattr(args, k)) is not None},
         **({} if args.max_step_attempts is None else {"max_step_attempts": args.max_step_attempts}),
     )
     config = parse_hparams(args.hp)
@@ -480,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     except ClawstreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    steps = Learner(settings, config, kafka).run()
+    with serving(settings.weight_store, settings.weights_http_port):
+        steps = Learner(settings, config, kafka).run()
     log.info("trained %d batches", steps)
     return 0
 

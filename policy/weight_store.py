@@ -95,7 +95,10 @@ def resolve_uri(uri: str) -> Path:
         return Path(urllib.request.url2pathname(parsed.path))
     if parsed.scheme == "" and uri.startswith("/"):
         return Path(uri)
-    raise WeightsRejected("unsupported_uri", f"unsupported weights URI scheme '{parsed.scheme}': {uri} (use file://)")
+    raise WeightsRejected(
+        "unsupported_uri",
+        f"unsupported weights URI scheme '{parsed.scheme}': {uri} (use file:// or http(s)://: policy.weight_fetch)",
+    )
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -31,7 +31,8 @@ from typing import Any
 
 from consumers.inference.vllm_server import EXTENSION_CLS
 from consumers.inference.weight_follower import ApplyReport
-from policy.weight_store import WeightsRejected, verify_file
+from policy.weight_fetch import verified_file
+from policy.weight_store import WeightsRejected
 from schemas.events import WeightVersion
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class VllmWeightsTarget:
         return self._server
 
     def prepare(self, event: WeightVersion) -> Path:
-        path = verify_file(event)
+        path = verified_file(event)
         others = sorted(p.name for p in path.parent.glob("*.safetensors") if p != path)
         if others:
             raise WeightsRejected(

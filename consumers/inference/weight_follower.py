@@ -11,14 +11,14 @@ arrives. Nothing is committed. Poison goes to the dead-letter topic and the foll
 (docs/faults.md#poison): undecodable records (a tombstone too); after the catch-up, a version below the one served
 or the served one with another sha256. The served version again with its sha256 is skipped and logged.
 
-Applying a version (``WeightVersion.uri`` + ``sha256``): resolve the URI (``file://`` or an absolute path), check
-the file exists and its sha256, load the safetensors and check every tensor's name and shape against the served
-model (missing, unknown or mis-shaped tensors reject the file; tied weights may appear once) -- all before the
-served weights are touched -- then hand it to the target (:class:`EngineWeightsTarget` for the CPU engine, which
-swaps between decode steps, see ``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM
-server). A rejected version keeps the old weights, is logged with its reason and position
-(``topic[partition]@offset``) and goes to the dead-letter topic with the original key and value. An applied one
-publishes a "weights_applied" metric with the swap latency split into load (read + verify), drain wait (in-flight
+Applying a version (``WeightVersion.uri`` + ``sha256``): resolve the URI (``file://``, an absolute path, or
+``http(s)://`` fetched into a local cache by ``policy.weight_fetch``), check the file exists and its sha256, load
+the safetensors and check every tensor's name and shape against the served model (missing, unknown or mis-shaped
+tensors reject the file; tied weights may appear once) -- all before the served weights are touched -- then hand it
+to the target (:class:`EngineWeightsTarget` for the CPU engine, which swaps between decode steps, see
+``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM server). A rejected version keeps
+the old weights, is logged with its reason and position (``topic[partition]@offset``) and goes to the dead-letter
+topic with the original key and value. An applied one publishes a "weights_applied" metric with the swap latency split into load (read + verify), drain wait (in-flight
 requests finishing on the old weights) and apply (copy) time, plus GPU readings when NVML is present.
 """
 
@@ -47,7 +47,8 @@ from clawbase.kafka.clients import (
 from clawbase.settings import KafkaSettings
 from consumers.inference.engine import Engine, SwapOutcome, WeightSwap
 from consumers.inference.telemetry import gpu_readings
-from policy.weight_store import WeightsRejected, copy_into, load_checked, verify_file
+from policy.weight_fetch import verified_file
+from policy.weight_store import WeightsRejected, copy_into, load_checked
 from schemas.dead_letter import dead_letter_of
 from schemas.events import Metric, WeightVersion, now_ms
 from schemas.topics import DEADLETTER, METRICS, WEIGHTS
@@ -85,7 +86,7 @@ class EngineWeightsTarget:
         return self.engine.policy_version
 
     def prepare(self, event: WeightVersion) -> dict[str, torch.Tensor]:
-        return load_checked(verify_file(event), self.engine.model)
+        return load_checked(verified_file(event), self.engine.model)
 
     def apply(self, prepared: dict[str, torch.Tensor], event: WeightVersion) -> ApplyReport:
         finished = threading.Event()
