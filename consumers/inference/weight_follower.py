@@ -18,8 +18,9 @@ tensors reject the file; tied weights may appear once) -- all before the served 
 to the target (:class:`EngineWeightsTarget` for the CPU engine, which swaps between decode steps, see
 ``consumers.inference.engine``; ``consumers.inference.vllm_adapter`` for a vLLM server). A rejected version keeps
 the old weights, is logged with its reason and position (``topic[partition]@offset``) and goes to the dead-letter
-topic with the original key and value. An applied one publishes a "weights_applied" metric with the swap latency split into load (read + verify), drain wait (in-flight
-requests finishing on the old weights) and apply (copy) time, plus GPU readings when NVML is present.
+topic with the original key and value. An applied one publishes a "weights_applied" metric with the swap latency
+split into load (read + verify), drain wait (in-flight requests finishing on the old weights) and apply (copy) time,
+plus GPU readings when NVML is present.
 """
 
 from __future__ import annotations
