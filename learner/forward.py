@@ -68,8 +68,9 @@ def _model_dtype_device(model: torch.nn.Module) -> tuple[torch.dtype, torch.devi
     return param.dtype, param.device
 
 
-def _packed_inputs(model: torch.nn.Module, batch: MicroBatch) -> dict[str, Any]:
-    """The model's keyword arguments for one row: ids, the tree mask (or None for one chain), depth positions."""
+def _packed_inputs(model: torch.nn.Module, batch: MicroBatch, past: Any = None) -> dict[str, Any]:
+    """The model's keyword arguments for one row: ids, the tree mask (or None for one chain), depth positions;
+    ``past``: a cache of the keys and values before the row (a chain row's shared prefix: ``learner.kv_share``)."""
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl not in SUPPORTED_ATTN_IMPLEMENTATIONS:
         raise PackError(
@@ -87,7 +88,8 @@ def _packed_inputs(model: torch.nn.Module, batch: MicroBatch) -> dict[str, Any]:
         "input_ids": batch.input_ids.to(device)[None],  # (1, T)
         "attention_mask": mask,
         "position_ids": batch.position_ids.to(device)[None],  # (1, T)
-        "use_cache": False,
+        "use_cache": past is not None,
+        **({"past_key_values": past} if past is not None else {}),
     }
 
 
@@ -101,10 +103,10 @@ def packed_forward(model: torch.nn.Module, batch: MicroBatch, **model_kwargs: An
     return model(**_packed_inputs(model, batch), **model_kwargs)
 
 
-def packed_hidden(model: torch.nn.Module, batch: MicroBatch) -> torch.Tensor:
+def packed_hidden(model: torch.nn.Module, batch: MicroBatch, past: Any = None) -> torch.Tensor:
     """The last hidden state of a HF causal LM's body (after its final norm) on one micro-batch: (T, H), no logits."""
     body = cast(_CausalLM, model).get_decoder()
-    return body(**_packed_inputs(model, batch)).last_hidden_state[0]
+    return body(**_packed_inputs(model, batch, past)).last_hidden_state[0]
 
 
 def _wanted(batch: MicroBatch, device: torch.device, only_trainable: bool) -> torch.Tensor:
@@ -238,10 +240,11 @@ def packed_logprobs(
     only_trainable: bool = False,
     chunk: int = DEFAULT_LOGPROB_CHUNK,
     entropy: list | None = None,
+    past: Any = None,
 ) -> torch.Tensor:
     """Logprob of every token of ``batch`` under ``model`` (one forward pass, chunked LM head; differentiable).
-    Returns (T,) float32; ``entropy`` as in :func:`head_logprobs`."""
+    Returns (T,) float32; ``entropy`` as in :func:`head_logprobs`; ``past`` as in :func:`packed_hidden`."""
     if batch.num_tokens == 0:
         return torch.zeros(0, dtype=torch.float32, device=_model_dtype_device(model)[1])
-    hidden = packed_hidden(model, batch)  # (T, H)
+    hidden = packed_hidden(model, batch, past)  # (T, H)
     return head_logprobs(model, hidden, batch, only_trainable=only_trainable, chunk=chunk, entropy=entropy)

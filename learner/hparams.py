@@ -46,6 +46,12 @@ class LearnerConfig:
         "prompt and tool schemas, a group's user prompt) once, when at least this many tokens; 0 = off (each keeps "
         "its own copy). Exact: same logprobs and gradients, fewer tokens.",
     )
+    kv_share_min: int = _hp(
+        256,
+        "Rows of their own (paths of trees over token_budget) that begin with at least this many tokens of the same "
+        "context (a harness's system prompt and tools) compute it once: its keys and values, with gradient, are "
+        "attended by every row (learner/kv_share.py); 0 = off. Exact; GRPO without activation checkpointing only.",
+    )
     logprob_chunk: int = _hp(
         DEFAULT_LOGPROB_CHUNK,
         "Positions projected through the LM head at once (checkpointed; no row's (T, V) logits are held). Extra "

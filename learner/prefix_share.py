@@ -10,7 +10,8 @@ fp32, tests/unit/test_pack_prefix_share.py; why: docs/method.md#prefix-sharing-a
 
 ``shared_row`` builds a row's tensor fields; ``fill_rows`` is the first-fit decreasing of ``learner.pack.pack_trees``
 made aware of sharing (a tree goes to the row it adds the fewest tokens to after sharing). Rows of their own (trees
-over the token budget, ``learner.tree_split``) are never shared. Measured by ``bench/prefix_share.py``.
+over the token budget, ``learner.tree_split``) are never shared here: ``learner.kv_share``
+shares their common prefix's keys and values instead. Measured by ``bench/prefix_share.py``.
 
 Pure: no Kafka. Trees are read through the fields of ``learner.pack.PackedTree`` (duck-typed: pack imports this).
 """

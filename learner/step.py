@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
 from learner.forward import packed_logprobs
 from learner.hparams import LearnerConfig
+from learner.kv_share import PrefixKV, plan_groups, suffix_row
 from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, pack_trees
 from learner.value import ValueHead, policy_and_values
@@ -96,7 +98,7 @@ def train_step(
     ref: list[list[torch.Tensor | None]] = [[None] * len(rs) for rs in rows]
     if config.kl_coef > 0 and ref_model is not None:
         with torch.no_grad(), _autocast(device):
-            ref = [[_logprobs(ref_model, r, config) for r in rs] for rs in rows]  # (T,) each
+            ref = [_shared_logprobs(ref_model, rs, config) for rs in rows]  # (T,) each
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
@@ -120,22 +122,33 @@ def train_step(
             per_rollout.index_add_(0, row.rollout_index, row.loss_mask.float())
         optimizer.zero_grad(set_to_none=True)
         part_stats: dict[str, float] = {}
-        for i, (row, row_old) in enumerate(zip(part_rows, part_old, strict=True)):  # (logprobs, values | None)
-            stats, used_old = _row_backward(
-                model,
-                value_head,
-                row,
-                row_old,
-                advantages,
-                config,
-                n_tokens,
-                len(part),
-                per_rollout,
-                entropy,
-                part_ref[i],
-            )
-            part_old[i] = used_old
-            _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
+        for group, m in _kv_plan(model, part_rows, config):  # rows sharing a prefix run one after another
+            prefix = None
+            if m:
+                with _autocast(device):
+                    prefix = PrefixKV(model, part_rows[group[0]], m)
+                sums["kv_shared_tokens"] += m * (len(group) - 1)  # tokens not computed again
+            for i in group:
+                row, row_old, ref_i = part_rows[i], part_old[i], part_ref[i]
+                stats, used_old = _row_backward(
+                    model,
+                    value_head,
+                    suffix_row(row, m) if m else row,
+                    _tail(row_old, m),  # (logprobs, values | None)
+                    advantages,
+                    config,
+                    n_tokens,
+                    len(part),
+                    per_rollout,
+                    entropy,
+                    None if ref_i is None else ref_i[m:],
+                    past=prefix.cache() if prefix is not None else None,
+                )
+                part_old[i] = _padded(used_old, m)
+                _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
+            if prefix is not None:
+                with _autocast(device):
+                    prefix.backward()
         for key, value in part_stats.items():
             sums[key] += value
         sums["grad_norm"] += _clip(optimizer, config.max_grad_norm)
@@ -147,7 +160,7 @@ def train_step(
     trained_s = time.perf_counter() - started
     model.eval()  # what the step did: π_new's logprobs of the same tokens
     with torch.no_grad(), _autocast(device):
-        after = [[_logprobs(model, r, config) for r in rs] for rs in rows]
+        after = [_shared_logprobs(model, rs, config) for rs in rows]
     metrics.update(update_stats(parts, rows, old, after, grpo=config.algorithm == "grpo"))
     if entropy[1]:
         metrics["entropy"] = entropy[0] / entropy[1]
@@ -211,6 +224,44 @@ def update_stats(
     return out
 
 
+def _kv_plan(model: torch.nn.Module, rows: Sequence[MicroBatch], config: LearnerConfig) -> list[tuple[list[int], int]]:
+    """Every row once, as (rows, shared prefix length): groups sharing a prefix (``learner.kv_share``), then the rest
+    alone with 0. Off for PPO (its value rows) and under activation checkpointing (recomputation re-appends)."""
+    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    on = config.kv_share_min > 0 and config.algorithm == "grpo" and not checkpointing
+    groups = plan_groups(rows, config.kv_share_min) if on else []
+    grouped = {i for members, _ in groups for i in members}
+    return groups + [([i], 0) for i in range(len(rows)) if i not in grouped]
+
+
+def _shared_logprobs(model: torch.nn.Module, rows: Sequence[MicroBatch], config: LearnerConfig) -> list[torch.Tensor]:
+    """:func:`_logprobs` of every row (T,) each, a shared prefix computed once per group (no gradient here)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    for group, m in _kv_plan(model, rows, config):
+        prefix = PrefixKV(model, rows[group[0]], m) if m else None
+        for i in group:
+            row, past = (suffix_row(rows[i], m), prefix.cache()) if prefix is not None else (rows[i], None)
+            out[i] = _padded((_logprobs(model, row, config, past=past), None), m)[0]
+    return out
+
+
+def _tail(
+    old: tuple[torch.Tensor, torch.Tensor | None] | None, m: int
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A row's (π_old, V_old) without its first ``m`` tokens (the shared prefix's)."""
+    if old is None or m == 0:
+        return old
+    return old[0][m:], None if old[1] is None else old[1][m:]
+
+
+def _padded(old: tuple[torch.Tensor, torch.Tensor | None], m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A suffix's (π_old, V_old) back at the full row's length (the prefix holds no trained token: zeros)."""
+    if m == 0:
+        return old
+    pad = lambda t: torch.cat([t.new_zeros(m), t])  # noqa: E731
+    return pad(old[0]), None if old[1] is None else pad(old[1])
+
+
 def _old_forward(
     model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig, entropy: list
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -221,20 +272,20 @@ def _old_forward(
 
 
 def _forward(
-    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig
+    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig, past: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs (T,), values (T,) or None) of a row under the current weights."""
     if config.algorithm == "ppo":
-        assert head is not None
+        assert head is not None and past is None
         return policy_and_values(model, head, row, chunk=config.logprob_chunk)
-    return _logprobs(model, row, config), None  # each token under its call's sampling settings
+    return _logprobs(model, row, config, past=past), None  # each token under its call's sampling settings
 
 
 def _logprobs(
-    model: torch.nn.Module, row: MicroBatch, config: LearnerConfig, entropy: list | None = None
+    model: torch.nn.Module, row: MicroBatch, config: LearnerConfig, entropy: list | None = None, past: Any = None
 ) -> torch.Tensor:
     """Logprobs (T,) of a row's trainable tokens; ``entropy`` = [sum, count] gets their entropy added."""
-    return packed_logprobs(model, row, only_trainable=True, chunk=config.logprob_chunk, entropy=entropy)
+    return packed_logprobs(model, row, only_trainable=True, chunk=config.logprob_chunk, entropy=entropy, past=past)
 
 
 def max_path_tokens(model: torch.nn.Module, config: LearnerConfig) -> int | None:
@@ -271,17 +322,18 @@ def _row_backward(
     rollout_tokens: torch.Tensor,  # (R,) trainable tokens of each rollout over all its rows
     entropy: list,
     logp_ref: torch.Tensor | None = None,  # (T,) reference-policy logprobs for the KL term; None: no KL
+    past: Any = None,  # the keys and values of a prefix shared with other rows (learner.kv_share)
 ) -> tuple[dict[str, float], tuple[torch.Tensor, torch.Tensor | None]]:
     """Loss and backward of one row; returns its statistics and the (π_old, V_old) it used."""
     device = next(model.parameters()).device
     if old is None:  # fused (see _fused_old): π_old = this pass's policy
         with _autocast(device):
-            logp_new = _logprobs(model, row, config, entropy)  # (T,)
+            logp_new = _logprobs(model, row, config, entropy, past)  # (T,)
         values: torch.Tensor | None = None
         old = (logp_new.detach(), None)
     else:
         with _autocast(device):
-            logp_new, values = _forward(model, head, row, config)  # (T,), (T,) | None
+            logp_new, values = _forward(model, head, row, config, past)  # (T,), (T,) | None
     logp_old, values_old = old
     common = {
         "num_tokens": n_tokens,

@@ -15,8 +15,9 @@ the budget is split **along the tree** into its root-to-leaf paths, each a chain
   aggregates per rollout across rows with the rollout's token count over the whole part);
 - a path whose trainable segments were all trained earlier adds nothing and is left out.
 
-The price is recomputing a shared prefix once per path (prefix reuse is lost for these trees only); gradients equal
-the packed tree's (tests/unit/test_tree_split.py). A tree that is already a chain is one path: its own row, as is.
+A prefix the paths share is computed once by ``learner.kv_share`` (its keys and values attended by every path);
+gradients equal the packed tree's (tests/unit/test_tree_split.py). A tree that is already a chain is one path: its
+own row, as is.
 
 Pure: no Kafka. Used by ``learner.pack.pack_trees``.
 """
