@@ -6,15 +6,15 @@ with the rollout's secret as API key (``x-api-key`` or ``Authorization: Bearer``
 200; ``GET /healthz``. The admin API (``producers.proxy.admin``), ``GET /metrics`` (Prometheus) and ``GET /healthz``
 are on a second listener (``admin_host:admin_port``, default loopback), which rollouts must not reach: the harness
 listener answers 404 to an admin path. Per-rollout quotas on calls and prompt tokens (``producers.proxy.quota``).
-Out: engine calls (``producers.proxy.engine_client``) and one ``CallEvent`` per served call to
-``clawstream.calls`` (``producers.proxy.call_event``), published *before* the answer is released.
+Out: engine calls (``producers.proxy.engine_pool``: one engine, or several behind the router) and one ``CallEvent`` to
+``clawstream.calls`` per served call (``producers.proxy.call_event``), published *before* the answer is released.
 Errors come in the caller's dialect: 400 bad JSON/schema, 401 auth (also after the seal), 413 too large, 502
 engine (after ``engine_retries`` while it is away), 503 Kafka; a 502 or 503 flags the rollout infrastructure failure.
 Details: docs/method.md#the-proxys-http-interface.
 
 Registrations (``persist_registrations``, on by default) are written to ``clawstream.proxy.registrations``; a
 restarted proxy restores them before it opens its port (``producers.proxy.registry``).
-Run: ``python -m producers.proxy --model DIR --engine-url URL --port N --admin-port M`` (env
+Run: ``python -m producers.proxy --model DIR --engine-url URL [--engine-url URL ...] --port N --admin-port M`` (env
 ``CLAWSTREAM_PROXY_*``, Kafka from ``CLAWSTREAM_KAFKA_*``).
 """
 
@@ -47,7 +47,7 @@ from producers.proxy.call_event import call_event
 from producers.proxy.conversation import CallKindRules, Message, ToolCall, classify_call
 from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custom_tool_names
 from producers.proxy.emit import EMITTERS, ApiError
-from producers.proxy.engine_client import EngineClient
+from producers.proxy.engine_pool import EnginePool
 from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.quota import QUOTA_STATUS, Quotas
 from producers.proxy.registry import RegistrationLog, restore_registrations
@@ -96,13 +96,7 @@ class Proxy:
             settings.side_model_pattern, settings.compaction_pattern, settings.short_system_chars
         )
         self.metrics = ProxyMetrics()
-        self.engine = EngineClient(
-            settings.engine_url,
-            settings.engine_model,
-            settings.engine_timeout_s,
-            self.template.end_of_turn_id,
-            retries=settings.engine_retries,
-        )
+        self.engine = EnginePool(settings, self.template.end_of_turn_id, self.metrics, lambda: self.rollouts)
         self.admin = Admin(
             self.template,
             self.metrics,
@@ -451,7 +445,9 @@ async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m producers.proxy.app", description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="model directory (tokenizer + chat template)")
-    parser.add_argument("--engine-url", help="inference engine base URL")
+    parser.add_argument(
+        "--engine-url", action="append", help="inference engine base URL; repeat it for a pool of engines"
+    )
     parser.add_argument("--engine-model", help=f"model name sent to the engine (default {DEFAULT_MODEL_NAME!r})")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)

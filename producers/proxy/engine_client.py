@@ -9,8 +9,8 @@ An engine that is away (connection refused or timed out, reset, disconnected mid
 loads) is asked again, the same payload (prompt, sampling settings, seed), after a backoff doubling from 0.2 s to
 2 s, up to ``retries`` times and within ``timeout_s`` overall: an engine restarted mid-call (kill -9, OOM) costs the
 harness a wait, not an error. A failure is an :class:`~producers.proxy.emit.ApiError`: 400 when the engine answered
-4xx (never retried), else 502 (other 5xx, a malformed answer, the whole wait, or the engine still away at the bound;
-the message names the setting that ended it).
+4xx (never retried), else 502 (other 5xx, a malformed answer, the whole wait, or the engine still away at the bound:
+:class:`EngineUnavailable`, which a pool fails over on; the message names the setting that ended it).
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ class EngineAway(Exception):
     """One attempt found the engine away (:data:`_AWAY_ERRORS`, or 503 while it loads): worth asking again."""
 
 
+class EngineUnavailable(ApiError):
+    """A 502: the engine was still away when the retries or the time ran out (a pool moves the call elsewhere)."""
+
+
 class EngineClient:
     """One HTTP session to the engine (opened on the app's startup, closed on its cleanup)."""
 
@@ -91,9 +95,12 @@ class EngineClient:
         top_k: int,
         seed: int | None,
         rollout_id: str = "",
+        retries: int | None = None,
     ) -> EngineReply:
         """Generate up to ``max_tokens`` after ``prompt``, sampled with the rollout's settings (top_k 0 = off); the
-        same request again while the engine is away (module docstring). ``rollout_id`` names the retries' logs."""
+        same request again while the engine is away, up to ``retries`` times (default the client's; module
+        docstring). ``rollout_id`` names the retries' logs."""
+        retries = self.retries if retries is None else retries
         payload: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
@@ -122,10 +129,10 @@ class EngineClient:
             except EngineAway as exc:
                 away = exc
             waited = loop.time() - started
-            if attempt > self.retries or loop.time() + delay >= deadline:
-                spent = attempt > self.retries
-                bound = f"engine_retries={self.retries}" if spent else f"engine_timeout_s={self.timeout_s:g}"
-                raise ApiError(
+            if attempt > retries or loop.time() + delay >= deadline:
+                spent = attempt > retries
+                bound = f"engine_retries={retries}" if spent else f"engine_timeout_s={self.timeout_s:g}"
+                raise EngineUnavailable(
                     502,
                     f"inference engine unavailable at {self.engine_url}: still away after {attempt} attempt(s) over "
                     f"{waited:.1f}s ({bound} reached); last: {away}",
@@ -137,12 +144,22 @@ class EngineClient:
                     self.engine_url,
                     away,
                     attempt,
-                    self.retries,
+                    retries,
                     delay,
                     waited,
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
+
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Does ``GET {engine_url}/health`` answer 200 now (the CPU engine's and vLLM's readiness route)?"""
+        assert self.session is not None
+        url = self.engine_url.rstrip("/") + "/health"
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def _post(self, url: str, payload: dict[str, Any], left_s: float) -> EngineReply:
         """One attempt within ``left_s`` seconds: the reply, :class:`EngineAway`, or :class:`ApiError`."""

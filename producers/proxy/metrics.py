@@ -3,7 +3,8 @@
 Exposed at ``GET /metrics``: calls by dialect and kind, errors by dialect and status, request latency, render time,
 and tokens by dialect and type (prompt, new = not shared with the parent call, generated, rendered = produced by
 the template + tokenizer for this call, the proxy's CPU-cost driver, cached = prompt tokens the engine reported
-served from its prefix cache).
+served from its prefix cache). Per engine of the pool (label ``engine``: its URL): calls routed, calls in flight,
+whether it is marked dead, failovers away from it, and the weight version it last answered with.
 """
 
 from __future__ import annotations
@@ -38,6 +39,30 @@ class ProxyMetrics:
         )
         self.tokens = Counter("clawstream_proxy_tokens", "Tokens by type.", ["dialect", "type"], registry=r)
         self.rollouts = Gauge("clawstream_proxy_rollouts", "Registered rollouts.", registry=r)
+        self.engine_calls = Counter(
+            "clawstream_proxy_engine_calls", "Engine calls routed to each engine.", ["engine"], registry=r
+        )
+        self.engine_in_flight = Gauge(
+            "clawstream_proxy_engine_in_flight",
+            "Calls in flight on each engine (the router's load).",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_dead = Gauge(
+            "clawstream_proxy_engine_dead",
+            "1 while the engine is marked dead (probed, not routed to).",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_failovers = Counter(
+            "clawstream_proxy_engine_failovers", "Calls moved away from an engine found away.", ["engine"], registry=r
+        )
+        self.engine_policy_version = Gauge(
+            "clawstream_proxy_engine_policy_version",
+            "Weight version each engine last answered with.",
+            ["engine"],
+            registry=r,
+        )
 
     def record_call(
         self,

@@ -1,11 +1,12 @@
 """Cache-affine routing of model calls over a pool of engines (issue #31): pure, no Kafka, no HTTP (topics: none).
 
-Not wired into the proxy yet: today the proxy calls one engine (``producers.proxy.engine_client``). Use::
+The proxy's engine pool (``producers.proxy.engine_pool``) asks it for an engine per call. Use::
 
     router = Router(["e0", "e1"], policy="affinity", block_size=32)
     engine = router.route("rollout-1", prompt_ids)   # pick an engine; load += 1
     router.done(engine, prompt_ids + answer_ids)     # load -= 1; the engine now holds that prefix
     router.mark_dead("e1")                           # failover: its rollouts move, nothing goes to it
+    router.drop_cache("e0")                          # e0 swapped weights: its cache is empty
 
 Policies (:data:`POLICIES`): ``affinity`` — a rollout's first call goes to the engine with the longest cached prefix
 among those not overloaded (load ≤ (1 + imbalance) × mean load + slack), ties to the least loaded; later calls stay
@@ -124,11 +125,16 @@ class Router:
             state.index.add(block_keys(tokens, self.block_size))
 
     def mark_dead(self, engine: str) -> None:
-        """Failover: route nothing more to it; its rollouts are placed afresh on their next call."""
+        """Failover: route nothing more to it; its rollouts are placed afresh on their next call. Its load stays:
+        the calls still in flight there are each released by :meth:`done` when they fail (or finish)."""
         state = self.state[engine]
-        state.alive, state.load = False, 0
+        state.alive = False
         state.index.clear()  # a restarted engine comes back with an empty cache
         self.sticky = {r: e for r, e in self.sticky.items() if e != engine}
+
+    def drop_cache(self, engine: str) -> None:
+        """The engine emptied its prefix cache (a weight swap drops every cached block): forget what it held."""
+        self.state[engine].index.clear()
 
     def mark_alive(self, engine: str) -> None:
         self.state[engine].alive = True

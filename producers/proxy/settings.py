@@ -1,14 +1,16 @@
-"""The serving proxy's settings (env prefix ``CLAWSTREAM_PROXY_``): its two listeners, the engine, limits, quotas."""
+"""The serving proxy's settings (env prefix ``CLAWSTREAM_PROXY_``): its two listeners, the engines, limits, quotas."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy.conversation import CallKindRules
+from producers.proxy.router import POLICIES
 
 
 class ProxySettings(BaseSettings):
@@ -20,7 +22,41 @@ class ProxySettings(BaseSettings):
     )
 
     model: Path = Field(description="Model directory whose tokenizer + chat template render prompts.")
-    engine_url: str = Field(default="http://127.0.0.1:8000", description="Inference engine base URL (vLLM API).")
+    engine_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="Inference engine base URL (vLLM API); several engines: comma-separated (or a list), a pool "
+        "behind the cache-affine router (docs/scaling.md). The CLI's --engine-url may be given once per engine.",
+    )
+    engine_routing: str = Field(
+        default="affinity",
+        description="How a pool's calls are spread: affinity (a rollout stays on its engine; first calls go to the "
+        "longest cached prefix), round_robin or least_loaded (producers.proxy.router.POLICIES).",
+    )
+    engine_imbalance: float = Field(
+        default=0.5,
+        ge=0,
+        description="An engine is overloaded when its calls in flight would pass (1 + imbalance) x the pool's mean "
+        "+ engine_slack; its new rollouts and its rollouts' next calls then go to another engine.",
+    )
+    engine_slack: int = Field(default=2, ge=0, description="Calls in flight an engine may have above the bound.")
+    engine_block_size: int = Field(
+        default=32,
+        gt=0,
+        description="Tokens per prefix-cache block in the router's view of each engine's cache (the CPU engine: 32; "
+        "vLLM: its --block-size, default 16).",
+    )
+    engine_failover_retries: int = Field(
+        default=3,
+        ge=0,
+        description="In a pool: times a call is sent again to an engine that is away before that engine is marked "
+        "dead and the call goes to another (3: ~1.4 s of backoff). The last live engine gets engine_retries.",
+    )
+    engine_probe_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often a pool's dead engines are probed (GET /health); one that answers 200 is routed to "
+        "again, its cache assumed empty.",
+    )
     engine_model: str = Field(
         default=DEFAULT_MODEL_NAME,
         # CLAWSTREAM_PROXY_SERVED_MODEL_NAME: the variable's earlier name, still read.
@@ -85,6 +121,40 @@ class ProxySettings(BaseSettings):
         "same address serves the rest of its in-flight rollouts. Off: a restart forgets them (the sandbox worker "
         "re-runs them as infrastructure failures).",
     )
+
+    @field_validator("engine_url", mode="before")
+    @classmethod
+    def _join_engine_urls(cls, value: Any) -> Any:
+        # A list (the CLI's repeated --engine-url, a test's pool) is kept as the one comma-separated string.
+        if isinstance(value, list | tuple):
+            return ",".join(str(v).strip() for v in value)
+        return value
+
+    @field_validator("engine_url")
+    @classmethod
+    def _engine_urls_valid(cls, value: str) -> str:
+        urls = [u.strip() for u in value.split(",")]
+        if not value.strip() or any(not u for u in urls):
+            raise ValueError(f"{value!r} holds an empty URL; give one http(s)://host:port per engine, comma-separated")
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not an http(s):// URL; give each engine as http://host:port")
+        dup = sorted({u for u in urls if urls.count(u) > 1})
+        if dup:
+            raise ValueError(f"{dup[0]!r} is given twice; list each engine once")
+        return ",".join(urls)
+
+    @field_validator("engine_routing")
+    @classmethod
+    def _known_routing(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown routing {value!r}; use one of {', '.join(POLICIES)}")
+        return value
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The pool: one URL per engine, in the order given (ties in routing break by it)."""
+        return self.engine_url.split(",")
 
     @model_validator(mode="after")
     def _two_listeners(self) -> ProxySettings:

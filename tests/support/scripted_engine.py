@@ -7,8 +7,9 @@ request, reports ``policy_version`` in the body and the ``X-Policy-Version`` hea
 (``delay_s``) to exercise keep-alives, or held (``hold``: an ``asyncio.Event`` every answer waits for, set by the test
 at a moment of its choosing). With ``prefix_cache=True`` it reports ``usage.prompt_tokens_details.
 cached_tokens`` as a prefix cache would (the longest common prefix with an earlier prompt + its answer), and with
-``engine_telemetry`` it adds that top-level object (the CPU engine's GPU readings). Shared by the proxy tests, the
-real-harness tests and ``bench/proxy.py``.
+``engine_telemetry`` it adds that top-level object (the CPU engine's GPU readings). ``kill()`` drops every
+connection at once, answers in flight unanswered (an engine killed mid-call), then stops. Shared by the proxy tests,
+the real-harness tests and ``bench/proxy.py``.
 
 Use::
 
@@ -69,6 +70,7 @@ class ScriptedEngine:
         self.cached: list[int] = []  # cached_tokens reported per request (prefix_cache=True)
         self._seen: list[list[int]] = []  # prompt + answer of every earlier request
         self._runner: web.AppRunner | None = None
+        self._transports: list[Any] = []  # every connection a request came on (kill() drops them)
         self.url = ""
 
     def next_text(self, prompt_text: str, prompt_ids: list[int], body: dict[str, Any]) -> str:
@@ -92,6 +94,7 @@ class ScriptedEngine:
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             return web.json_response({"error": {"message": "prompt must be token ids"}}, status=400)
         self.requests.append(EngineRequest(prompt, self.tok.decode(prompt, skip_special_tokens=False), body))
+        self._transports.append(request.transport)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.hold is not None:
@@ -144,6 +147,15 @@ class ScriptedEngine:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def kill(self) -> None:
+        """Drop every connection (a held answer is never sent), then stop: as an engine SIGKILLed mid-call."""
+        for transport in self._transports:
+            if transport is not None:
+                transport.abort()
+        if self.hold is not None:
+            self.hold.set()  # the dropped handlers finish into closed connections, so stop() need not wait for them
+        await self.stop()
 
     async def __aenter__(self) -> ScriptedEngine:
         return await self.start()
