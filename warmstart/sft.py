@@ -10,7 +10,8 @@ tasks (``warmstart.evaluate``).
 Training uses two exact shortcuts (one forward over each append-only episode; the shared system prompt's KV computed
 once per batch) and is bounded by optimizer steps and seeded, so a recipe gives the same model on any machine;
 ``--minutes`` is only a safety cap; ``sft_summary.json`` beside the weights records the recipe, seed, sha256s and
-held-out evaluation. Both, and the shipped recipe: docs/quickstart.md#the-warm-start-recipe.
+held-out evaluation. Both, and the shipped recipe: docs/quickstart.md#the-warm-start-recipe. ``--from-topics PREFIX``
+trains on a topic prefix's recorded trajectories instead (``warmstart.sft_topics``).
 
 Topics: none (offline). Run::
 
@@ -417,7 +418,15 @@ def main(argv: list[str] | None = None) -> int:
         "the stage flags above are then ignored): " + " && ".join(recipe_commands()),
     )
     p.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
+    p.add_argument(
+        "--from-topics",
+        metavar="PREFIX",
+        help="train on a topic prefix's trajectories instead: `clawstream model sft --from-topics PREFIX ...` "
+        "(warmstart/sft_topics.py; --min-reward, Kafka flags)",
+    )
     a = p.parse_args(argv)
+    if a.from_topics:
+        p.error("--from-topics: run `clawstream model sft --from-topics PREFIX` or `python -m warmstart.sft_topics`")
     if a.eval_only:
         report = evaluate(a.model_dir, n=a.eval_tasks, seed=a.seed, progress=not a.no_progress)
         print(json.dumps(report, indent=2))

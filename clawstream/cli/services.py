@@ -69,9 +69,9 @@ SERVICES: tuple[Service, ...] = (
     ),
     Service(
         "sft",
-        "warmstart.sft:main",
+        "warmstart.sft_topics:model_sft",
         "SFT warm start on synthetic agent demonstrations of the CPU task suite (warmstart/sft.py; --help for\n"
-        "options).",
+        "options), or on a topic prefix's recorded trajectories (--from-topics PREFIX; warmstart/sft_topics.py).",
         group="model",
     ),
     Service(

@@ -1,0 +1,181 @@
+"""SFT from the event log (``clawstream model sft --from-topics PREFIX``): a topic prefix's trajectories are the data.
+
+Reads the prefix's ``clawstream.trajectories`` topic to its end (no consumer group, nothing committed), keeps the
+complete trajectories with reward >= ``--min-reward`` and trains on exactly the token ids the proxy recorded: one row
+per root-to-leaf path, cross-entropy on the model-generated tokens only (the prompt is loss-masked; rows and masks:
+``warmstart.sft_rows``). Bounded by optimizer steps and seeded; writes the model directory with ``sft_summary.json``
+(recipe, source prefix and record counts, loss and target log-prob before/after on the rows, sha256 of base and
+result) as ``models/warmstart`` has.
+
+Topics: ``PREFIX.clawstream.trajectories`` in → a model directory out. Run::
+
+    clawstream model sft --from-topics demo1 --model-dir models/warmstart --out models/from-demos \
+        [--min-reward 1.0 --steps 20 --seed 0 --batch-size 2 --lr 1e-3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+from clawbase.settings import KafkaSettings, load_settings
+from schemas.events import Trajectory
+from schemas.topics import TRAJECTORIES
+from warmstart.sft import Sequence, _batch_loss, lr_scale, save_model, weights_sha256
+from warmstart.sft_rows import Row, build_rows, target_tokens
+
+
+@dataclass(frozen=True)
+class TopicSFTConfig:
+    prefix: str
+    min_reward: float = 1.0
+    steps: int = 20
+    seed: int = 0
+    lr: float = 1e-3
+    warmup_steps: int = 2
+    batch_size: int = 2
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps} (pass --steps N with N >= 1)")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size} (pass --batch-size N with N >= 1)")
+
+
+def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Trajectory]:
+    """Every record of the prefix's trajectories topic, read to its end as of now."""
+    topic = kafka.topic(TRAJECTORIES)
+    consumer = make_consumer(kafka, f"sft-from-topics-{time.time_ns()}", **{"enable.auto.commit": False})
+    try:
+        ends = assign_from_beginning(consumer, topic, missing_ok=True)
+        return [Trajectory.from_bytes(msg.value()) for msg in read_to_end(consumer, topic, ends, timeout=timeout)]
+    finally:
+        consumer.close()
+
+
+def score(model: Any, rows: list[Row], pad_id: int) -> dict[str, float]:
+    """Mean token cross-entropy over the rows' target tokens (= minus their mean log-prob), no gradient."""
+    import torch
+
+    loss, n = 0.0, 0
+    with torch.no_grad():
+        for row in rows:
+            total, count = _batch_loss(model, [Sequence("", row.ids, row.mask)], 0, pad_id)
+            loss += float(total)
+            n += count
+    return {"loss": loss / max(n, 1), "target_logprob": -loss / max(n, 1), "target_tokens": n}
+
+
+def sft_from_rows(model_dir: str | Path, out_dir: str | Path, rows: list[Row], cfg: TopicSFTConfig) -> dict[str, Any]:
+    """Train ``cfg.steps`` steps on ``rows`` (shuffled each epoch by ``cfg.seed``) and save to ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not rows:
+        raise ValueError(
+            f"prefix {cfg.prefix!r}: no trajectory with reward >= {cfg.min_reward} (lower --min-reward, or record "
+            "demonstrations first: clawstream model demos)"
+        )
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    model.eval()
+    before = score(model, rows, pad)
+    print(f"[sft-topics] {len(rows)} rows, {target_tokens(rows)} target tokens; before: {before}", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    order: list[int] = []
+    history: list[tuple[int, float]] = []
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * lr_scale(step, cfg.steps, cfg.warmup_steps)
+        if len(order) < cfg.batch_size:
+            order += rng.sample(range(len(rows)), len(rows))
+        batch = [rows[order.pop()] for _ in range(min(cfg.batch_size, len(rows)))]
+        loss_sum, n_tok = _batch_loss(model, [Sequence(r.harness, r.ids, r.mask) for r in batch], 0, pad)
+        opt.zero_grad(set_to_none=True)
+        (loss_sum / max(n_tok, 1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        history.append((step + 1, float(loss_sum.detach()) / max(n_tok, 1)))
+        print(f"[sft-topics] step {step + 1}/{cfg.steps} loss {history[-1][1]:.4f}", flush=True)
+    train_s = time.perf_counter() - t0
+    model.eval()
+    after = score(model, rows, pad)
+    print(f"[sft-topics] after: {after}", flush=True)
+    save_model(model, tokenizer, model_dir, out_dir)
+    return {
+        "source": "topics",
+        "recipe": asdict(cfg),
+        "rows": len(rows),
+        "rollouts": sorted({r.rollout_id for r in rows}),
+        "harnesses": sorted({r.harness for r in rows}),
+        "before": before,
+        "after": after,
+        "history": history,
+        "train_s": round(train_s, 2),
+        "base_sha256": weights_sha256(model_dir),
+        "sha256": weights_sha256(out_dir),
+        "torch": torch.__version__,
+    }
+
+
+def sft_from_topics(
+    model_dir: str | Path, out_dir: str | Path, cfg: TopicSFTConfig, kafka: KafkaSettings | None = None
+) -> dict[str, Any]:
+    """Read ``cfg.prefix``'s trajectories, train on the kept ones, write ``out_dir/sft_summary.json``."""
+    base = load_settings(KafkaSettings) if kafka is None else kafka
+    kafka = base.model_copy(update={"topic_prefix": cfg.prefix})
+    trajectories = read_trajectories(kafka)
+    rows, skipped = build_rows(trajectories, cfg.min_reward)
+    summary = {"topic": kafka.topic(TRAJECTORIES), "trajectories": len(trajectories), "skipped": skipped}
+    summary |= sft_from_rows(model_dir, out_dir, rows, cfg)
+    Path(out_dir, "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from clawbase.settings import add_kafka_arguments, kafka_settings
+
+    p = argparse.ArgumentParser(prog="clawstream model sft --from-topics", description=__doc__.split("\n")[0])
+    p.add_argument("--from-topics", dest="prefix", metavar="PREFIX", required=True, help="topic prefix to train on")
+    p.add_argument("--model-dir", type=Path, required=True, help="the model to start from (HF format)")
+    p.add_argument("--out", type=Path, required=True, help="where to save the trained model")
+    d = TopicSFTConfig(prefix="")
+    p.add_argument("--min-reward", type=float, default=d.min_reward, help="keep rewards >= this (%(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (%(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the order and torch (%(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (%(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step (%(default)s)")
+    add_kafka_arguments(p)
+    a = p.parse_args(argv)
+    try:
+        cfg = TopicSFTConfig(a.prefix, a.min_reward, a.steps, a.seed, a.lr, d.warmup_steps, a.batch_size)
+        summary = sft_from_topics(a.model_dir, a.out, cfg, kafka_settings(a))
+    except ValueError as exc:
+        p.error(str(exc))
+    print(json.dumps({k: summary[k] for k in ("rows", "before", "after", "sha256")}))
+    return 0
+
+
+def model_sft(argv: list[str]) -> int:
+    """``clawstream model sft``: from a topic prefix with ``--from-topics``, else the synthetic warm start."""
+    if any(a == "--from-topics" or a.startswith("--from-topics=") for a in argv):
+        return main(argv)
+    from warmstart.sft import main as synthetic
+
+    return synthetic(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The scripted teacher (#32): a model double that solves built-in CPU tasks through a real harness's own tools.
+
+Served over the engine protocol by :class:`warmstart.scripted_engine.ScriptedEngine`, so a real harness binary
+(opencode, Codex, Qwen Code) calls it through the serving proxy like any policy: every demonstration is then on the
+calls and trajectories topics by the path RL uses. Per task the teacher knows the task's checks (it is handed the
+tasks it records), finds the task by its prompt in the conversation, the sandbox's workspace in the harness's prompt,
+and answers one tool call per turn — a new file with the harness's write tool, a changed or deleted one with its
+shell tool — then a plain final answer. Tool-less calls (titles) get a short title.
+
+Harness versions the teacher's tool calls were recorded with: :data:`RECORDED_WITH`; ``installed_versions`` reads
+what is installed now (``clawstream model demos`` writes both into its summary). Topics: none here (the recorder,
+``warmstart.record``, runs the stack). Use::
+
+    teacher = Teacher("opencode", tasks, sandboxes_root)
+    async with ScriptedEngine(tokenizer, teacher.respond) as engine: ...
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from producers.harnesses.install import HARNESSES, harness_root
+from producers.tasks.model import DEFAULT_MOUNT_DIR, Task
+from warmstart.scripted_engine import tool_call_text
+
+# The harness versions the teacher's tool calls were written against and recorded with (npm package versions).
+RECORDED_WITH: dict[str, str] = {"opencode": "1.18.33", "codex": "0.171.0", "qwen-code": "0.15.10"}
+FINAL = "Done."
+TITLE = '{"title": "Workspace task"}'
+
+Action = tuple[str, str, str]  # ("write" | "delete", relative path, content)
+
+
+def plan(task: Task) -> list[Action]:
+    """What solves ``task`` (a built-in CPU task), from its checks: each file's wanted content, each absent file."""
+    checks = json.loads(task.grader.files["checks.json"])
+    actions: list[Action] = []
+    for check in checks:
+        path = check["path"]
+        if check["kind"] == "equals":
+            content = check["text"] + "\n"
+        elif check["kind"] == "lines":
+            content = "\n".join(check["lines"]) + "\n"
+        elif check["kind"] == "absent":
+            actions.append(("delete", path, ""))
+            continue
+        else:
+            continue  # "exists": a write covers it
+        if task.files.get(path) != content.encode():  # already right (the source of a copy): nothing to do
+            actions.append(("write", path, content))
+    return actions
+
+
+def _heredoc(rel: str, content: str) -> str:
+    return f"cat > {rel} <<'CLAWSTREAM_EOF'\n{content.rstrip(chr(10))}\nCLAWSTREAM_EOF"
+
+
+def _shell(rel: str, kind: str, content: str) -> str:
+    return f"rm -f {rel}" if kind == "delete" else _heredoc(rel, content)
+
+
+# harness → (workspace, action, file existed) → (tool name, arguments): the harness's own tools.
+ToolCall = Callable[[str, Action, bool], tuple[str, dict[str, Any]]]
+
+
+def _opencode(ws: str, action: Action, existed: bool) -> tuple[str, dict[str, Any]]:
+    kind, rel, content = action
+    if kind == "write" and not existed:  # opencode's write refuses to overwrite a file not read first: shell then
+        return "write", {"filePath": f"{ws}/{rel}", "content": content}
+    return "bash", {"command": _shell(rel, kind, content), "workdir": ws}
+
+
+def _codex(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
+    kind, rel, content = action
+    return "exec_command", {"cmd": _shell(rel, kind, content), "workdir": ws}
+
+
+def _qwen_code(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
+    kind, rel, content = action
+    if kind == "write":
+        return "write_file", {"file_path": f"{ws}/{rel}", "content": content}
+    return "run_shell_command", {"command": f"cd {ws} && rm -f {rel}", "description": f"delete {rel}"}
+
+
+TOOLS: dict[str, ToolCall] = {"opencode": _opencode, "codex": _codex, "qwen-code": _qwen_code}
+
+
+def workspace_regex(sandboxes: str | Path) -> re.Pattern[str]:
+    """The sandbox workspace as a harness prompt names it: ``SANDBOXES/<id>/workspace`` (no isolation) or the task's
+    mount dir (bubblewrap binds the workspace there)."""
+    host = re.escape(str(sandboxes)) + r"/[^/\s\"'<>\\]+/workspace"
+    mount = r"(?<![\w/.-])" + re.escape(DEFAULT_MOUNT_DIR) + r"(?![\w.-])"
+    return re.compile(f"{host}|{mount}")
+
+
+class Teacher:
+    """The responder of a :class:`~warmstart.scripted_engine.ScriptedEngine`: (prompt text, ids, request) → text."""
+
+    def __init__(self, harness: str, tasks: Sequence[Task], sandboxes: str | Path) -> None:
+        if harness not in TOOLS:
+            raise ValueError(f"harness: the teacher speaks {sorted(TOOLS)}, not {harness!r}; pick one of those")
+        self.harness, self.tasks = harness, list(tasks)
+        self.ws_re = workspace_regex(sandboxes)
+        self.log: list[str] = []  # what each call was answered with (task id and turn, side, unknown)
+
+    def respond(self, prompt_text: str, _ids: list[int], _body: dict[str, Any]) -> str:
+        if "<tools>" not in prompt_text:
+            self.log.append("side")
+            return TITLE
+        conversation = prompt_text.partition("<|im_start|>user")[2]
+        # a harness may pass the prompt JSON-quoted (opencode's argv reaches the model as "...\"x\"...")
+        task = next((t for t in self.tasks if t.prompt in conversation or json.dumps(t.prompt) in conversation), None)
+        if task is None:
+            self.log.append("unknown task")
+            return "I do not know this task."
+        actions = plan(task)
+        done = conversation.count("<tool_response>")
+        self.log.append(f"{task.task_id}:{done}")
+        if done >= len(actions):
+            return FINAL
+        found = self.ws_re.search(prompt_text)
+        if found is None:
+            self.log.append("no workspace in the prompt")
+            return f"{self.harness}: the prompt names no sandbox workspace"
+        action = actions[done]
+        name, args = TOOLS[self.harness](found.group(0), action, action[1] in task.files)
+        return tool_call_text(name, args)
+
+
+def installed_versions(names: Sequence[str], home: Path | None = None) -> dict[str, str | None]:
+    """The npm version of each harness installed under ``$CLAWSTREAM_HOME/harnesses`` now (None: not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        pkg = HARNESSES[name]
+        manifest = harness_root(home) / name / "node_modules" / pkg.package / "package.json"
+        out[name] = json.loads(manifest.read_text())["version"] if manifest.exists() else None
+    return out
