@@ -160,11 +160,14 @@ class EnginePool:
         """Put back the dead engines that answer ``/health``; forget the stickiness of rollouts that are gone."""
         while True:
             await asyncio.sleep(self.s.engine_probe_s)
-            for url, state in self.router.state.items():
-                if not state.alive and await self.clients[url].healthy():
-                    self.router.mark_alive(url)
-                    self.metrics.engine_dead.labels(url).set(0)
-                    log.warning("engine %s answers again: routed to again, its cache taken as empty", url)
-            live = self.live_rollouts()
-            for rollout_id in [r for r in self.router.sticky if r not in live]:
-                self.router.forget(rollout_id)
+            try:
+                for url, state in self.router.state.items():
+                    if not state.alive and await self.clients[url].healthy():
+                        self.router.mark_alive(url)
+                        self.metrics.engine_dead.labels(url).set(0)
+                        log.warning("engine %s answers again: routed to again, its cache taken as empty", url)
+                live = self.live_rollouts()
+                for rollout_id in [r for r in self.router.sticky if r not in live]:
+                    self.router.forget(rollout_id)
+            except Exception:  # a probe that died would leave a dead engine out for good: log, probe again
+                log.exception("probing the dead engines failed")
