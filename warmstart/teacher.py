@@ -60,7 +60,7 @@ def _heredoc(rel: str, content: str) -> str:
 
 
 def _shell(rel: str, kind: str, content: str) -> str:
-    return f"rm -f {rel}" if kind == "delete" else _heredoc(rel, content)
+    return f"unlink {rel}" if kind == "delete" else _heredoc(rel, content)  # `rm -f` failed through codex 0.171.0
 
 
 # harness → (workspace, action, file existed) → (tool name, arguments): the harness's own tools.

@@ -75,6 +75,13 @@ SERVICES: tuple[Service, ...] = (
         group="model",
     ),
     Service(
+        "demos",
+        "warmstart.record:main",
+        "Record demonstrations: the scripted teacher solves built-in CPU tasks through a real harness (opencode,\n"
+        "codex, qwen-code), captured on a topic prefix by the path RL uses (warmstart/record.py).",
+        group="model",
+    ),
+    Service(
         "tail",
         "consumers.analytics.tail:main",
         "A topic's records as decoded JSON lines: last N, --from-beginning, --offset, --since; --rollout, --follow.",
