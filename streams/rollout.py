@@ -291,6 +291,13 @@ class RolloutAccumulator:
             if reissue and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE:
                 return self._hold_reward(rew, now_ms)  # a re-issue's reward before its STARTED reopens the rollout
             return self._late(f"reward of attempt {rew.attempt_id}", now_ms)
+        if self.attempt_id is not None and rew.attempt_id != self.attempt_id:
+            # Topics are not ordered with each other: a re-run's or re-issue's reward may come before the STARTED
+            # that makes its attempt the assembled one (seen after a streams restart caught up on a backlog), also
+            # while the assembled attempt holds a reward of its own (an infrastructure failure not settled yet: its
+            # re-issue ran at once). Held like its calls; it joins if that attempt is assembled, and is forgotten with
+            # the rollout otherwise.
+            return self._hold_reward(rew, now_ms)
         if self.reward is not None:
             same = (self.reward["attempt_id"], self.reward["status"], self.reward["reward"])
             if same == (rew.attempt_id, rew.status.value, rew.reward):
@@ -301,11 +308,6 @@ class RolloutAccumulator:
                 f"{self.rollout_id} (first: {self.reward['status']} "
                 f"{self.reward['reward']})",
             )
-        if self.attempt_id is not None and rew.attempt_id != self.attempt_id:
-            # Topics are not ordered with each other: a re-run's or re-issue's reward may come before the STARTED
-            # that makes its attempt the assembled one (seen after a streams restart caught up on a backlog). Held
-            # like its calls; it joins if that attempt is assembled, and is forgotten with the rollout otherwise.
-            return self._hold_reward(rew, now_ms)
         if rew.attempt_id != self.attempt_id:
             self._assemble_attempt(rew.attempt_id)
         self.reward = self._reward_fields(rew)

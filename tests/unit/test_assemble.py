@@ -283,6 +283,36 @@ def test_a_reissued_attempt_reopens_a_rollout_that_failed() -> None:
     assert rig.out[1].calls == 3 and rig.rejected == []
 
 
+def test_a_reissues_reward_read_while_the_failed_attempt_is_unsettled_is_held_for_it() -> None:
+    """The infrastructure failure's reward is in but not settled yet; the re-issue ran at once and its reward is read
+    before its STARTED (another topic). It is held, not rejected as a second reward: rejecting it left the re-issue
+    without a reward, settled INCOMPLETE at the timeout, and its group a member short (seen in the stack-kills test)."""
+    rig = Rig()
+    failed = [(t, ev) for t, ev in _attempt(rollout("infra"), 0) if t != CALLS and getattr(ev, "state", None) in (
+        None, RolloutState.FAILED)]  # fmt: skip
+    infra = RewardEvent(
+        rollout_id="r-1",
+        policy_version=0,
+        timestamp_ms=1,
+        attempt_id="r-1-a0",
+        status=RewardStatus.INFRA_FAILURE,
+        grader="none",
+        reason="setup: cannot create sandbox: [Errno 28] No space left on device",
+    )
+    last = rig.feed([*failed, (REWARDS, infra)], 0)  # set up failed: FAILED and its INFRA_FAILURE reward, no STARTED
+    second = _attempt(rollout(), 1)[1:]  # request re-sent (attempt stays 0): skip it
+    [reward] = [(t, ev) for t, ev in second if isinstance(ev, RewardEvent)]
+    last = rig.feed([reward], last + 10)  # before the failed attempt settles
+    rig.tick(last + 1000)
+    last = rig.feed([(t, ev) for t, ev in second if not isinstance(ev, RewardEvent)], last + 1100)
+    rig.tick(last + 1000)
+    assert rig.rejected == []
+    assert [(t.status, t.attempt_id, t.reward) for t in rig.out] == [
+        (TrajectoryStatus.INFRA_FAILURE, "r-1-a0", None),
+        (TrajectoryStatus.COMPLETE, "r-1-a1", 0.75),
+    ]
+
+
 def test_a_newer_attempt_supersedes_an_unfinished_one() -> None:
     rig = Rig()
     first = _attempt(rollout(), 0)
@@ -448,8 +478,8 @@ def test_a_rerun_supersedes_an_attempt_whose_worker_died_while_grading() -> None
 
 
 def test_a_rerun_of_an_attempt_that_was_graded_is_set_aside() -> None:
-    """The worker died after the reward, before releasing the request: the graded attempt is trained, the re-run's
-    records are rejected with the reason (consumers.analytics.reconcile counts it as a re-run set aside)."""
+    """The worker died after the reward, before releasing the request: the graded attempt is trained, the re-run is
+    set aside (consumers.analytics.reconcile counts it as a re-run set aside)."""
     rig = Rig()
     first = [
         (t, replace(ev, attempt_id="r-1.a0.done") if hasattr(ev, "attempt_id") else ev) for t, ev in rollout().records
@@ -461,7 +491,8 @@ def test_a_rerun_of_an_attempt_that_was_graded_is_set_aside() -> None:
     last = rig.feed(again, last + 100)
     rig.tick(last + 1000)
     assert [(t.status, t.attempt_id) for t in rig.out] == [(TrajectoryStatus.COMPLETE, "r-1.a0.done")]
-    assert [v for v, _ in rig.rejected] == [Verdict.REJECTED] * 3
+    # Its STARTED and HARNESS_EXITED are rejected with the reason; its reward is held, forgotten with the rollout.
+    assert [v for v, _ in rig.rejected] == [Verdict.REJECTED] * 2
 
 
 def test_a_reruns_reward_read_before_its_started_event_joins_it() -> None:
