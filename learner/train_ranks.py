@@ -7,7 +7,10 @@ publishes (its model and AdamW state are whole: data parallel). Whenever rank 0 
 broadcasts weights, optimizer and RNG state, so every rank holds the same state. A step that raises cannot be rolled
 back in the process (the other ranks may be waiting in a collective): the rank exits, the launcher stops the others,
 and the restarted group resumes from the last published version — a SIGKILL's path, counted by the step attempts
-(docs/method.md#the-distributed-step).
+(docs/method.md#the-distributed-step). A rank killed -9 (mid-collective or not) ends the group the same way: the
+launcher stops the others and exits 1 (tests/integration/test_learner_ranks.py); no rank outlives the launcher
+(parent-death signal); a collective that waits past ``CLAWSTREAM_LEARNER_COLLECTIVE_TIMEOUT_S`` (600 s) fails its
+rank, and an idle rank 0 sends the others a no-op well within it. A learned logit scale folds on every rank.
 
 Run: ``clawstream learner-ranks --nproc-per-node 2 --model-dir DIR --weight-store DIR ...`` or ``python -m
 learner.train_ranks ...`` (the rest as ``clawstream learner``); gloo on CPU. FSDP2 in the service is not wired yet
@@ -18,16 +21,21 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from clawbase.faults import fault_point
 from learner.config import LearnerConfig, LearnerSettings
 from learner.distributed import distributed_train_step
+from learner.logit_scale import LogitScale
 from learner.memory import set_checkpointing
 from learner.precision import load_policy
 from learner.step import ScoredTree
@@ -38,10 +46,32 @@ from schemas.events import WeightVersion
 log = logging.getLogger("clawstream.learner")
 
 
+COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting longer fails the rank (gloo's own default is 30 min)
+_sent_at = [time.monotonic()]  # rank 0: when the other ranks last heard from it
+
+
 def _send(command: tuple[str, Any]) -> tuple[str, Any]:
     box: list[Any] = [command]
     dist.broadcast_object_list(box, src=0)
+    _sent_at[0] = time.monotonic()
     return box[0]
+
+
+class _KeepAlive:
+    """Rank 0's consumer. The other ranks wait for its next command in a broadcast, and that wait now times out
+    (COLLECTIVE_TIMEOUT_S, so that a rank stuck for good fails the group instead of hanging it): while rank 0 polls
+    for batches it sends them a no-op every quarter of the timeout, so an idle learner is not taken for a hung one."""
+
+    def __init__(self, consumer: Any, every_s: float) -> None:
+        self._consumer, self._every_s = consumer, every_s
+
+    def poll(self, timeout: float) -> Any:
+        if time.monotonic() - _sent_at[0] > self._every_s:
+            _send(("idle", None))
+        return self._consumer.poll(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
 
 
 def _sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, head: ValueHead | None) -> None:
@@ -57,8 +87,9 @@ def _sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, head: ValueH
 
 def _set_lr(optimizer: torch.optim.Optimizer, config: LearnerConfig, version: int) -> float:
     lr = config.lr_at(version)  # version = steps trained so far, as learner.train's _step
+    warm = lr / config.lr if config.lr else 1.0  # the warm-up applies to the logit scale too (learner.train)
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = config.logit_scale_lr * warm if group.get("logit_scale") else lr
     return lr
 
 
@@ -67,8 +98,7 @@ class LeadLearner(Learner):
 
     def __init__(self, settings: LearnerSettings, config: LearnerConfig, kafka: Any) -> None:
         super().__init__(settings, config, kafka)
-        if self.logit_scale is not None:
-            raise ValueError("logit_scale_lr > 0 is not supported on several ranks yet")
+        self.consumer = _KeepAlive(self.consumer, _timeout_s() / 4)  # type: ignore[assignment]
 
     def run(self) -> int:
         try:
@@ -87,12 +117,16 @@ class LeadLearner(Learner):
         _send(("step", (trees, self.version, bool(self.model.is_gradient_checkpointing))))
         lr = _set_lr(self.optimizer, self.config, self.version)
         try:
+            fault_point("learner.rank0.step")  # a hold here leaves the other ranks in the step's first collective
             metrics = distributed_train_step(
                 self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model
             )
         except BaseException:
             log.exception("the step raised on rank 0: the group cannot go on; exiting for a restart")
             os._exit(1)  # no rollback here: the batch's attempt stays counted (learner.attempts)
+        if self.logit_scale is not None:  # every rank folds the same all-reduced step: the ranks stay equal
+            metrics["logit_scale_step"] = self.logit_scale.fold()
+            metrics["logit_scale"] = self.logit_scale.relative_gain()
         return {**metrics, "lr": lr}
 
     def _load(self, version: WeightVersion | None) -> None:
@@ -108,7 +142,11 @@ def follow(settings: LearnerSettings, config: LearnerConfig) -> None:
     ref = load_policy(settings.model_dir).eval().requires_grad_(False) if config.kl_coef > 0 else None
     head = ValueHead.for_model(model) if config.algorithm == "ppo" else None
     params = list(model.parameters()) + (list(head.parameters()) if head is not None else [])
-    optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    groups: list[dict[str, Any]] = [{"params": params}]
+    scale = LogitScale(model) if config.logit_scale_lr > 0 else None
+    if scale is not None:  # rank 0's groups, in its order: the broadcast AdamW state loads group by group
+        groups.append({"params": [scale.log_scale], "lr": config.logit_scale_lr, "logit_scale": True})
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     while True:
         kind, payload = _send(("", None))
         if kind == "stop":
@@ -117,16 +155,36 @@ def follow(settings: LearnerSettings, config: LearnerConfig) -> None:
             _sync(model, optimizer, head)
         elif kind == "step":
             trees, version, checkpointing = payload
+            fault_point(f"learner.rank{dist.get_rank()}.step")
             set_checkpointing(model, checkpointing)
             _set_lr(optimizer, config, version)
             distributed_train_step(model, optimizer, trees, config, head, ref)
+            if scale is not None:
+                scale.fold()
 
 
-def _rank_main(rank: int, world: int, port: int, argv: Sequence[str]) -> None:
+def _timeout_s() -> float:
+    return float(os.environ.get("CLAWSTREAM_LEARNER_COLLECTIVE_TIMEOUT_S") or COLLECTIVE_TIMEOUT_S)
+
+
+def _die_with(launcher: int) -> None:
+    """A rank must not outlive its launcher: killed -9, nothing would stop the group, and a restarted launcher would
+    start a second one beside it. Linux sends SIGKILL to this process when the launcher ends (prctl
+    PR_SET_PDEATHSIG); a launcher already gone before that call is caught by the parent check."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _rank_main(rank: int, world: int, port: int, argv: Sequence[str], launcher: int) -> None:
     from learner import train
 
+    _die_with(launcher)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=_timeout_s()))
     try:
         if rank == 0:
             # learner.train's main() parses the command line and checks the broker, then builds ``Learner``: rank 0
@@ -172,9 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     context = mp.start_processes(
-        _rank_main, args=(args.nproc, port, rest), nprocs=args.nproc, join=False, start_method="spawn"
+        _rank_main, args=(args.nproc, port, rest, os.getpid()), nprocs=args.nproc, join=False, start_method="spawn"
     )
     try:
+        # join() returns when any rank ends; one that ends non-zero (an error, a kill -9) makes it stop the others
+        # (SIGTERM: a rank waiting in a gloo collective has no handler and ends at once) and raise: the group is
+        # torn down within seconds, and the exit status asks the supervisor (compose: restart on-failure) for a
+        # new group, which resumes from the last published version.
         while not context.join():
             pass
     except Exception as exc:  # noqa: BLE001 - a rank failed: stop the others, exit non-zero for a restart

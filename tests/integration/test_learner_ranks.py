@@ -1,11 +1,15 @@
 """The learner service on 2 data-parallel gloo ranks (learner/train_ranks.py) on the real broker: its versions equal
-the 1-rank step's on the same batches, and a step that raises stops the group, whose restart trains the batch once."""
+the 1-rank step's on the same batches; a step that raises, or one rank killed -9 while the other waits for it in the
+step's first collective, stops the group (the launcher exits non-zero within seconds, no rank left behind), and the
+restarted group trains the batch once."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,16 +18,18 @@ import torch
 from clawbase import faults
 from clawbase.kafka.clients import bootstrap_servers
 from clawbase.settings import KafkaSettings
-from learner.config import LearnerConfig
+from learner.config import parse_hparams
+from learner.logit_scale import LogitScale
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step
 from policy.weight_store import trainer_state_path, verify_file
 from schemas.events import Trajectory, WeightVersion
-from tests.integration.test_learner import _produce_batches, _versions
+from tests.integration.test_learner import _dead_letters, _produce_batches, _versions
 from tests.support.learner_data import batch_records, small_model
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+SCALE_LR = 0.1  # the compose learners' learned logit scale (docs/quickstart.md), in the kill test
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +46,9 @@ def _trees(batch_id: str, step: int) -> list[ScoredTree]:
     return trees
 
 
-def _run(
-    settings: KafkaSettings, model_dir: Path, store: Path, fault: str | None = None
-) -> subprocess.CompletedProcess:
+def _command(
+    settings: KafkaSettings, model_dir: Path, store: Path, fault: str | None = None, scale_lr: float = 0.0
+) -> tuple[list[str], dict[str, str]]:
     env = dict(
         os.environ,
         CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings),
@@ -55,21 +61,32 @@ def _run(
         env.update(faults.fault_env(store.parent / "faults", **dict([fault.split("=")])))
     cmd = [sys.executable, "-m", "learner.train_ranks", "--nproc", "2", "--model-dir", str(model_dir)]
     cmd += ["--weight-store", str(store), "--max-steps", "2", "--idle-exit", "20", "--hp", "lr=1e-3"]
+    return cmd + ["--hp", f"logit_scale_lr={scale_lr}"], env
+
+
+def _run(
+    settings: KafkaSettings, model_dir: Path, store: Path, fault: str | None = None, scale_lr: float = 0.0
+) -> subprocess.CompletedProcess:
+    cmd, env = _command(settings, model_dir, store, fault, scale_lr)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-def _check_v2(version: WeightVersion, model_dir: Path) -> None:
-    """v2 equals two 1-rank steps on b-1 and b-2 with the learner's AdamW."""
+def _check_v2(version: WeightVersion, model_dir: Path, scale_lr: float = 0.0) -> None:
+    """v2 equals two 1-rank steps on b-1 and b-2 with the learner's AdamW (and its logit scale, folded after each)."""
     from safetensors.torch import load_file
 
-    config = LearnerConfig(lr=1e-3)
+    config = parse_hparams(["lr=1e-3", f"logit_scale_lr={scale_lr}"])
     model = load_policy(model_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-    )
+    groups: list[dict] = [{"params": list(model.parameters())}]
+    scale = LogitScale(model) if scale_lr else None
+    if scale is not None:  # as learner.train.Learner builds it
+        groups.append({"params": [scale.log_scale], "lr": scale_lr, "logit_scale": True})
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     for batch_id, step in (("b-1", 1), ("b-2", 2)):
         train_step(model, optimizer, _trees(batch_id, step), config)
+        if scale is not None:
+            scale.fold()
     published = load_file(str(verify_file(version)))
     diff = max(float((published[k] - v).abs().max()) for k, v in model.state_dict().items() if k in published)
     moved = max(float((v - initial[k]).abs().max()) for k, v in model.state_dict().items())
@@ -103,3 +120,93 @@ def test_a_step_that_raises_stops_the_group_and_the_restart_trains_the_batch_onc
     versions = _versions(kafka_settings, "check-raise-2")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]
     _check_v2(versions[-1], model_dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _is_rank(pid: int) -> bool:  # the launcher's other child is multiprocessing's resource tracker
+    return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_killed_mid_step_stops_the_group_and_the_restart_trains_the_batch_once(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path, rank: int
+) -> None:
+    """b-1 is published; in b-2's step rank ``rank`` holds (fault point ``learner.rank<N>.step``) while the other
+    rank waits for it in the step's first collective; the held rank is killed -9. The launcher must end the group
+    and exit non-zero, leaving no rank behind; v1 only is published; the restarted group resumes v1 and publishes
+    b-2 once, equal to 1-rank steps (with the compose recipe's learned logit scale, folded on every rank)."""
+    _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
+    store, fault_dir = tmp_path / "store", tmp_path / "faults"
+    point = f"learner.rank{rank}.step"
+    cmd, env = _command(kafka_settings, model_dir, store, fault=f"{point}@2=hold", scale_lr=SCALE_LR)
+    log = (tmp_path / "group.log").open("w+")
+    group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    children: list[int] = []
+    try:
+        pid = faults.wait_held(fault_dir, point, timeout=240, alive=group)
+        children = _children(group.pid)
+        ranks = [p for p in children if _is_rank(p)]
+        assert pid in ranks and len(ranks) == 2, (pid, ranks)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = group.wait(timeout=120)
+        ended = time.monotonic() - killed
+        survivors = [p for p in children if _alive(p)]
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
+            group.wait(30)
+        for p in children:  # the test's own processes, by pid: nothing may outlive it
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        log.seek(0)
+        text = log.read()
+        log.close()
+    print(f"rank {rank} killed -9 mid-step: the launcher exited {code} after {ended:.1f} s, survivors {survivors}")
+    assert code != 0 and not survivors, text[-3000:]
+    assert ended < 60, text[-3000:]
+    assert [(v.policy_version, v.batch_id) for v in _versions(kafka_settings, "check-kill-1")] == [(1, "b-1")]
+    restarted = _run(kafka_settings, model_dir, store, scale_lr=SCALE_LR)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-kill-2")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]  # each once, none lost
+    assert _dead_letters(kafka_settings, "check-kill-dl") == []  # nothing refused: b-2's kill was one attempt
+    _check_v2(versions[-1], model_dir, SCALE_LR)
+
+
+def test_a_launcher_killed_leaves_no_rank(kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path) -> None:
+    """The launcher killed -9 while its ranks hold mid-step: both ranks end with it (parent-death signal)."""
+    _produce_batches(kafka_settings, [("b-1", 1)])
+    store, fault_dir = tmp_path / "store", tmp_path / "faults"
+    cmd, env = _command(kafka_settings, model_dir, store, fault="learner.rank1.step=hold")
+    group = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+    children: list[int] = []
+    ranks: list[int] = []
+    try:
+        faults.wait_held(fault_dir, "learner.rank1.step", timeout=240, alive=group)
+        children = _children(group.pid)
+        ranks = [p for p in children if _is_rank(p)]
+        group.kill()
+        group.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [p for p in ranks if _alive(p)]
+    finally:
+        for p in children:  # the ranks and the resource tracker, by pid
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if group.poll() is None:
+            group.kill()
+    assert len(ranks) == 2 and not survivors, (ranks, survivors)
