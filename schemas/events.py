@@ -357,6 +357,7 @@ class ProxyRegistration(Event):
     attempt_id: str | None = None
     attempt: int | None = None
     finished: bool = False
+    replica: str = ""  # the replica holding its state (several replicas behind one public URL); "": one proxy
     secret_sha256: str = ""
     registered_at_ms: int = 0
     temperature: float = 1.0

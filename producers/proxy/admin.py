@@ -29,11 +29,13 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
 
+from clawbase.errors import ClawstreamError
 from clawbase.kafka.publisher import PublishError
 from producers.proxy.conversation import Conversation, Message, transcript_messages
 from producers.proxy.metrics import ProxyMetrics
@@ -187,13 +189,17 @@ class Admin:
         seal_wait_s: float,
         finished_retention_s: float = 7200.0,
         store: RegistrationStore | None = None,
+        replica: str = "",
     ) -> None:
         self.template, self.metrics, self.token, self.public_url = template, metrics, token, public_url
         self.default_ttl_s, self.default_max_tokens, self.seal_wait_s = default_ttl_s, default_max_tokens, seal_wait_s
         self.finished_retention_s = finished_retention_s
         self.rollouts: dict[str, Rollout] = {}
         self.finished: dict[str, Finished] = {}  # rollout id → its last finished attempt (forgotten with finished=1)
-        self.store = store
+        self.store, self.replica = store, replica
+        # Replicas (producers.proxy.replicas): makes a rollout's state current before any request of it is handled.
+        # Its second argument: the API key a harness call presented (None: an admin request, already authorized).
+        self.before: Callable[[str, str | None], Awaitable[None]] | None = None
         self._locks: dict[str, _KeyLock] = {}  # one writer of a rollout id's record at a time
         self._background: set[asyncio.Task[None]] = set()
 
@@ -209,16 +215,25 @@ class Admin:
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             raise web.HTTPUnauthorized(text=json.dumps({"error": "bad admin token"}), content_type="application/json")
 
-    def _rollout_or_404(self, request: web.Request) -> Rollout:
+    async def current(self, rid: str) -> None:
+        """With replicas: this replica's state of ``rid`` made the latest (taken over if need be); 503 if not."""
+        if self.before is not None:
+            try:
+                await self.before(rid, None)
+            except ClawstreamError as exc:
+                raise _json_error(503, f"rollout {rid}: {exc}; retry later") from exc
+
+    async def _rollout_or_404(self, request: web.Request) -> Rollout:
         self._check_admin(request)
+        await self.current(request.match_info["rid"])
         rollout = self.rollouts.get(request.match_info["rid"])
         if rollout is None:
             raise _json_error(404, "unknown rollout")
         return rollout
 
-    def _held_rollout(self, request: web.Request) -> Rollout:
+    async def _held_rollout(self, request: web.Request) -> Rollout:
         """The rollout, if the attempt the call names (``?attempt_id=``; none named: any) holds it; else 409."""
-        rollout = self._rollout_or_404(request)
+        rollout = await self._rollout_or_404(request)
         wanted = request.query.get("attempt_id")
         if wanted is not None and wanted != rollout.attempt_id:
             raise _json_error(
@@ -265,6 +280,7 @@ class Admin:
             return web.json_response({"error": f"bad registration: {exc}"}, status=400)
         if not all(c.isalnum() or c in "-_." for c in rid):
             return web.json_response({"error": "rollout_id allows letters, digits, '-', '_', '.'"}, status=400)
+        await self.current(rid)
         for swept in self._sweep():
             self.sync_later(swept)
         held = self.rollouts.get(rid)
@@ -291,7 +307,7 @@ class Admin:
         if self.store is not None:  # recorded before the secret is handed out, or not registered at all
             rollout.calls_offsets = self.store.calls_offsets()
             try:
-                await self._sync(rid)
+                await self.sync(rid)
             except PublishError as exc:
                 if self.rollouts.get(rid) is rollout:
                     del self.rollouts[rid]
@@ -313,10 +329,10 @@ class Admin:
         )
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self._rollout_or_404(request).status())
+        return web.json_response((await self._rollout_or_404(request)).status())
 
     async def _seal(self, request: web.Request) -> web.Response:
-        rollout = self._held_rollout(request)
+        rollout = await self._held_rollout(request)
         rollout.sealed = True
         deadline = time.monotonic() + self.seal_wait_s
         while rollout.in_flight and time.monotonic() < deadline:
@@ -332,7 +348,7 @@ class Admin:
 
     async def _renew(self, request: web.Request) -> web.Response:
         """Extend the lease by its length (or by ``lease_s`` of the body, which becomes its length)."""
-        rollout = self._held_rollout(request)
+        rollout = await self._held_rollout(request)
         try:
             body = await request.json() if request.can_read_body else {}
             lease_s = float(body.get("lease_s") or rollout.lease_s or self.default_ttl_s)
@@ -344,7 +360,7 @@ class Admin:
         return web.json_response(rollout.status())
 
     async def _forget(self, request: web.Request) -> web.Response:
-        rollout = self._held_rollout(request)
+        rollout = await self._held_rollout(request)
         self.rollouts.pop(rollout.rollout_id, None)
         self.metrics.rollouts.set(len(self.rollouts))
         if request.query.get("finished") in ("1", "true") and rollout.attempt is not None:
@@ -375,6 +391,7 @@ class Admin:
                 rollout_id=rid,
                 timestamp_ms=now,
                 proxy=self.public_url,
+                replica=self.replica,
                 expires_at_ms=ro.expires_at_ms,
                 attempt_id=ro.attempt_id,
                 attempt=ro.attempt,
@@ -397,6 +414,7 @@ class Admin:
                 rollout_id=rid,
                 timestamp_ms=now,
                 proxy=self.public_url,
+                replica=self.replica,
                 expires_at_ms=done.expires_at_ms,
                 attempt_id=done.attempt_id,
                 attempt=done.attempt,
@@ -404,7 +422,7 @@ class Admin:
             )
         return None
 
-    async def _sync(self, rid: str) -> None:
+    async def sync(self, rid: str) -> None:
         """Write ``rid``'s current state (one writer per id at a time, so the last write holds the last state)."""
         if self.store is None:
             return
@@ -419,9 +437,9 @@ class Admin:
                 self._locks.pop(rid, None)
 
     async def _sync_quietly(self, rid: str) -> None:
-        """:meth:`_sync`, a failure logged: the change holds in memory; a restart would bring back the state before."""
+        """:meth:`sync`, a failure logged: the change holds in memory; a restart would bring back the state before."""
         try:
-            await self._sync(rid)
+            await self.sync(rid)
         except PublishError as exc:
             log.error("rollout %s: registration change not recorded: %s", rid, exc)
 

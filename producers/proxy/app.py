@@ -13,7 +13,8 @@ engine (after ``engine_retries`` while it is away), 503 Kafka; a 502 or 503 flag
 Details: docs/method.md#the-proxys-http-interface.
 
 Registrations (``persist_registrations``, on by default) are written to ``clawstream.proxy.registrations``; a
-restarted proxy restores them before it opens its port (``producers.proxy.registry``).
+restarted proxy restores them before it opens its port (``producers.proxy.registry``); replicas behind one public URL
+(``replica_id``) take rollouts over from each other on demand (``producers.proxy.replicas``).
 Run: ``python -m producers.proxy --model DIR --engine-url URL [--engine-url URL ...] --port N --admin-port M`` (env
 ``CLAWSTREAM_PROXY_*``, Kafka from ``CLAWSTREAM_KAFKA_*``).
 """
@@ -52,6 +53,7 @@ from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.quota import QUOTA_STATUS, Quotas
 from producers.proxy.registry import RegistrationLog, restore_registrations
 from producers.proxy.render import RenderError, TemplateRenderer
+from producers.proxy.replicas import Replicas, start_replicas
 from producers.proxy.settings import ProxySettings
 from producers.proxy.tool_parse import parse_turn
 from schemas.events import CallKind, Dialect, now_ms
@@ -106,6 +108,7 @@ class Proxy:
             default_max_tokens=settings.default_max_tokens,
             seal_wait_s=settings.seal_wait_s,
             store=store,
+            replica=settings.replica_id,
         )
         self.rollouts = self.admin.rollouts
         self.admin_url = f"http://{settings.admin_host}:{settings.admin_port}"  # set by whoever learns a port 0
@@ -183,10 +186,15 @@ class Proxy:
 
         return handle
 
-    def _authenticate(self, request: web.Request) -> Rollout:
-        rollout = self.rollouts.get(request.match_info["rid"])
+    async def _authenticate(self, request: web.Request) -> Rollout:
         given = request.headers.get("x-api-key") or request.headers.get("Authorization", "").removeprefix("Bearer ")
         given = given.strip()
+        if self.admin.before is not None:  # replicas: this one's state of the rollout made current first
+            try:
+                await self.admin.before(request.match_info["rid"], given)
+            except ClawstreamError as exc:
+                raise ApiError(503, f"{exc}; retry later") from exc
+        rollout = self.rollouts.get(request.match_info["rid"])
         # One message for every failure: a caller learns nothing about which rollouts exist.
         if rollout is None or not rollout.accepts(given):
             raise ApiError(401, "invalid API key for this rollout")
@@ -258,7 +266,7 @@ class Proxy:
 
     async def _call(self, request: web.Request, dialect: Dialect, t0: float) -> web.StreamResponse:
         received_ms = now_ms()
-        rollout = self._authenticate(request)
+        rollout = await self._authenticate(request)
         self._over_quota(rollout, rollout.usage.calls_left(self.quotas))  # before the body is read
         parsed, body = await self._read(request, dialect)
         t_parsed = time.perf_counter()
@@ -398,8 +406,12 @@ async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
     store = RegistrationLog(kafka, publisher, settings.publish_timeout_s) if settings.persist_registrations else None
     proxy = Proxy(settings, publisher, kafka.topic(CALLS), store=store)
     refresh: asyncio.Task[None] | None = None
+    replicas: Replicas | None = None
     try:
-        if store is not None:  # before the port opens: no call reaches a rollout that is not back yet
+        if store is not None and settings.replica_id:  # rollouts taken over on their first request instead
+            replicas = await start_replicas(proxy.admin, store, kafka, settings.replica_id, settings.replica_wait_s)
+            refresh = asyncio.ensure_future(store.refresh_offsets())
+        elif store is not None:  # before the port opens: no call reaches a rollout that is not back yet
             t0 = time.perf_counter()
             try:
                 live, finished, calls = await restore_registrations(store, proxy.admin)
@@ -408,12 +420,9 @@ async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
                     f"cannot restore the proxy's registrations from {store.topic}: {exc} (persist_registrations, "
                     "CLAWSTREAM_PROXY_PERSIST_REGISTRATIONS=false: start without them)"
                 ) from exc
+            took = time.perf_counter() - t0
             log.info(
-                "restored %d registrations (%d calls replayed) in %.2f s; %d finished attempts remembered",
-                live,
-                calls,
-                time.perf_counter() - t0,
-                finished,
+                "restored %d registrations (%d calls replayed) in %.2f s; %d finished", live, calls, took, finished
             )
             refresh = asyncio.ensure_future(store.refresh_offsets())
         runners = [web.AppRunner(proxy.app()), web.AppRunner(proxy.admin_app())]
@@ -437,6 +446,8 @@ async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
     finally:
         if refresh is not None:
             refresh.cancel()
+        if replicas is not None:
+            await replicas.close()
         if store is not None:
             store.close()
         publisher.close()

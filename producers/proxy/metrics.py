@@ -39,6 +39,9 @@ class ProxyMetrics:
         )
         self.tokens = Counter("clawstream_proxy_tokens", "Tokens by type.", ["dialect", "type"], registry=r)
         self.rollouts = Gauge("clawstream_proxy_rollouts", "Registered rollouts.", registry=r)
+        self.takeovers = Counter(
+            "clawstream_proxy_takeovers", "Rollouts this replica took over from another (replicas).", registry=r
+        )
         self.engine_calls = Counter(
             "clawstream_proxy_engine_calls", "Engine calls routed to each engine.", ["engine"], registry=r
         )

@@ -121,6 +121,19 @@ class ProxySettings(BaseSettings):
         "same address serves the rest of its in-flight rollouts. Off: a restart forgets them (the sandbox worker "
         "re-runs them as infrastructure failures).",
     )
+    replica_id: str = Field(
+        default="",
+        description="This proxy's name among replicas that share one public_url behind a load balancer "
+        "(docs/scaling.md#proxy-replicas): any replica then serves any call of any rollout, taking its state over "
+        "from the registrations topic and the rollout's call events. Empty: a single proxy. Needs "
+        "persist_registrations.",
+    )
+    replica_wait_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="With replica_id: how long a call waits for this replica to read the registrations topic up to "
+        "its end before it is answered 503 (Kafka unavailable).",
+    )
 
     @field_validator("engine_url", mode="before")
     @classmethod
@@ -160,4 +173,15 @@ class ProxySettings(BaseSettings):
     def _two_listeners(self) -> ProxySettings:
         if self.admin_port and self.admin_port == self.port and self.admin_host == self.host:
             raise ValueError(f"admin_port {self.admin_port} is the harness-facing port: the admin API needs its own")
+        return self
+
+    @model_validator(mode="after")
+    def _replicas_share_registrations(self) -> ProxySettings:
+        if self.replica_id and not all(c.isalnum() or c in "-_." for c in self.replica_id):
+            raise ValueError(f"replica_id {self.replica_id!r}: use letters, digits, '-', '_', '.'")
+        if self.replica_id and not self.persist_registrations:
+            raise ValueError(
+                f"replica_id {self.replica_id!r} needs persist_registrations=true: replicas share rollouts through "
+                "the registrations topic (set CLAWSTREAM_PROXY_PERSIST_REGISTRATIONS=true or drop the replica_id)"
+            )
         return self

@@ -116,7 +116,8 @@ class ProxyAdmin:
         body = {"rollout_id": rollout_id, **params}
         own = params.get("attempt_id")
         for _ in range(4):  # a revoked holder may be replaced by another newcomer meanwhile: ask again
-            status, data = await self._call("POST", "/admin/rollouts", body)
+            # the id in the query too: a balancer in front of proxy replicas routes by it (compose/haproxy.cfg)
+            status, data = await self._call("POST", "/admin/rollouts", body, {"rollout_id": rollout_id})
             if status != 409:
                 break
             holder = data.get("attempt_id")

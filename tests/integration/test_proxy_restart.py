@@ -64,6 +64,7 @@ class ProxyProcess:
         self.admin_port = _free_port()
         self.url, self.admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{self.admin_port}"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.env: dict[str, str] = {}  # more CLAWSTREAM_PROXY_* settings (test_proxy_replicas.py)
 
     def start(self) -> subprocess.Popen[bytes]:
         env = {
@@ -71,6 +72,7 @@ class ProxyProcess:
             "CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS": self.kafka.bootstrap_servers or "",
             "CLAWSTREAM_KAFKA_TOPIC_PREFIX": self.kafka.topic_prefix,
             "HF_HUB_OFFLINE": "1",
+            **self.env,
         }
         args = ["--model", str(H.tiny_model_dir()), "--engine-url", self.engine_url, "--port", str(self.port)]
         args += ["--admin-port", str(self.admin_port)]
