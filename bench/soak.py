@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import signal
 import statistics
 import sys
@@ -473,12 +474,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if broker is not None:
             broker.down()
+        shutil.rmtree(work / "kafka", ignore_errors=True)  # the broker's data: 1-3 GB per run, left in /tmp before
     command = " ".join(["python -m bench.soak", *(argv if argv is not None else sys.argv[1:])])
     text = render(result, command)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
     ok = result.report.clean and all(result.growth(s) <= GROWTH_LIMIT for s in result.judged)
+    if ok:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"the services' logs and data are kept in {work}", file=sys.stderr)
     return 0 if ok else 1
 
 
