@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,6 +22,22 @@ from clawstream.cli.base import sigterm_interrupts
     "--tasks-per-step", type=int, default=None, help="Task x harness instances (GRPO groups) per step.  [default: 4]"
 )
 @click.option("--group-size", type=int, default=None, help="Rollouts per instance (GRPO group).  [default: 8]")
+@click.option(
+    "--harnesses",
+    default=None,
+    metavar="H1,H2,...",
+    help="Harnesses mixed in equal shares in every batch (GRPO groups per task x harness) and evaluated each, as "
+    "`clawstream harness list` names them, e.g. opencode,agentloop; a real harness must be installed first "
+    "(`clawstream harness install NAME`).  [default: agentloop,agentloop-anthropic]",
+)
+@click.option(
+    "--resume",
+    "resume",
+    default=None,
+    metavar="RUN",
+    help="Continue run RUN ($CLAWSTREAM_HOME/demo/RUN) from its recorded state: its config, topics, weight store and "
+    "cached evaluations; only --steps and --timeout may change.",
+)
 @click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
 @click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
 @click.option(
@@ -75,6 +92,8 @@ def demo(
     steps: int | None,
     tasks_per_step: int | None,
     group_size: int | None,
+    harnesses: str | None,
+    resume: str | None,
     lr: float | None,
     seed: int | None,
     hp: tuple[str, ...],
@@ -92,12 +111,14 @@ def demo(
     scheduler) on a local broker, then held-out reward per harness before and after, a plot and TensorBoard scalars
     in $CLAWSTREAM_HOME/demo/<run>/ (docs/quickstart.md)."""
     from clawstream.demo import run_demo
+    from clawstream.demo.state import parse_harnesses
 
     sigterm_interrupts()  # `kill` stops the demo's services too (its finally), as Ctrl-C does
-    given = {
+    given: dict[str, Any] = {
         "steps": steps,
         "tasks_per_step": tasks_per_step,
         "group_size": group_size,
+        "harnesses": parse_harnesses(harnesses) if harnesses is not None else None,
         "lr": lr,
         "seed": seed,
         "hp": tuple(hp) or None,
@@ -109,7 +130,11 @@ def demo(
         "concurrency": concurrency,
         "timeout_s": timeout,
     }
-    run_demo(engine=engine, progress=not no_progress, **{k: v for k, v in given.items() if v is not None})
+    if resume is None:
+        given["engine"], given["progress"] = engine, not no_progress
+    else:  # a resumed run keeps its recorded engine; a flag given here that differs is refused by name
+        given["progress"] = not no_progress
+    run_demo(resume=resume, **{k: v for k, v in given.items() if v is not None})
 
 
 # ---- eval --------------------------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@
    recipe (``warmstart.sft``; once per recipe, cached), with a progress bar;
 3. start the services as separate processes, exactly as an operator would: inference engine (vLLM protocol),
    serving proxy, sandbox worker, Faust stream processors, learner, scheduler (``clawstream.stack.services``);
-4. train ``steps`` RL steps mixing two heterogeneous built-in harnesses (``agentloop`` over OpenAI Chat and
-   ``agentloop-anthropic`` over Anthropic Messages) on the built-in CPU task suite, showing a progress bar of each
+4. train ``steps`` RL steps mixing harnesses (default the two built-in ones, ``agentloop`` over OpenAI Chat and
+   ``agentloop-anthropic`` over Anthropic Messages; ``--harnesses`` names others, real ones included, ``state``) on
+   the built-in CPU task suite, showing a progress bar of each
    step's rollouts and, per step, the reward per harness, the policy-gradient loss, clipped fraction, mean IS weight,
    KL of the update, entropy and tokens/s (``watch``), and each weight version as the engine starts serving it;
 5. stop the services and read back from the event log where each step's time went (``timeline``);
@@ -16,8 +17,9 @@
 
 Everything lands in ``$CLAWSTREAM_HOME/demo/<run>/``: ``logs/`` (one per service), ``weights/``, ``tensorboard/``,
 ``final-model/``, ``eval-before/``, ``eval-after/``, ``timeline.md``, ``before_after.md``, ``learning.png``,
-``summary.json``. Topics: the whole catalog under the run's prefix (``demo-<run>.``), evaluations under their own.
-Modules: ``run`` (the sequence above), ``watch`` (live output), ``report`` (table, plot, TensorBoard), ``timeline``.
+``summary.json`` (rewritten as results arrive), ``state.json`` (for ``--resume``). Topics: the whole catalog under the
+run's prefix (``demo-<run>.``), evaluations under their own. Modules: ``run`` (the sequence above), ``watch`` (live
+output), ``report`` (table, plot, TensorBoard), ``timeline``, ``costs`` (per harness), ``state`` (harnesses, resume).
 """
 
 from clawstream.demo.run import DemoConfig, run_demo

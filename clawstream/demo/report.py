@@ -1,13 +1,13 @@
 """The quickstart's results for people: the before/after table, the PNG plot, TensorBoard scalars, summary.json.
 
 Inputs are plain values (the learner's ``train_step`` metrics, two ``EvalResult``s), no Kafka. The gain's standard
-error is sqrt(se_before² + se_after²): the two evaluations sample their rollouts independently (same tasks, so a
-paired estimate would be smaller; this one is conservative).
+error is paired where both results record each task's reward (the same tasks before and after): the s.e. of the
+mean per-task difference over the tasks graded in both (``se_kind`` "paired"). Otherwise (a result cached before
+per-task records) it is sqrt(se_before² + se_after²), as if independent: conservative (``se_kind`` "independent").
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +26,17 @@ def gain(before: Any, after: Any) -> tuple[float | None, float | None]:
     return after.mean - before.mean, math.hypot(before.stderr, after.stderr)
 
 
+def paired_gain(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float | None, int]:
+    """(mean of after − before over the tasks in both, its standard error, how many tasks); None without two."""
+    common = sorted(before.keys() & after.keys())
+    diffs = [after[t] - before[t] for t in common]
+    if len(diffs) < 2:
+        return None, None, len(diffs)
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, math.sqrt(var / len(diffs)), len(diffs)
+
+
 def _pm(mean: float | None, se: float | None, signed: bool = False) -> str:
     if mean is None:
         return "n/a"
@@ -38,6 +49,10 @@ def before_after_rows(before: EvalResult, after: EvalResult) -> list[dict[str, A
     for b in before.rows:
         a = after.row(b.harness, b.mode)
         g, g_se = gain(b, a)
+        pg, pg_se, n_paired = paired_gain(before.task_rewards(b.harness, b.mode), after.task_rewards(b.harness, b.mode))
+        paired = pg is not None and pg_se is not None
+        if paired:  # the same tasks: the task-to-task spread cancels out of the difference
+            g, g_se = pg, pg_se
         rows.append(
             {
                 "harness": b.harness,
@@ -50,6 +65,8 @@ def before_after_rows(before: EvalResult, after: EvalResult) -> list[dict[str, A
                 "after_se": a.stderr if a else None,
                 "gain": g,
                 "gain_se": g_se,
+                "se_kind": "paired" if paired else "independent",
+                "n_paired": n_paired,
                 "solved_before": b.solved,
                 "solved_after": a.solved if a else None,
                 "significant": g is not None and g_se is not None and g > 2 * g_se,
@@ -152,7 +169,3 @@ def tensorboard_eval(log_dir: Path, before: EvalResult, after: EvalResult, last_
     finally:
         writer.close()
     return True
-
-
-def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n")

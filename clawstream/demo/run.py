@@ -17,7 +17,9 @@ from typing import Any
 from clawbase.errors import ClawstreamError
 from clawbase.settings import clawstream_home
 from clawstream.demo import report
-from clawstream.demo.timeline import read_timeline, timeline_table
+from clawstream.demo.costs import read_costs
+from clawstream.demo.state import Summary, check_harnesses, harness_mix, load_state, save_state
+from clawstream.demo.timeline import read_timeline, timeline_rows, timeline_table
 from clawstream.demo.watch import Watcher
 from clawstream.stack.evaluate import EvalConfig, EvalResult, run_eval
 from clawstream.stack.services import (
@@ -51,6 +53,7 @@ class DemoConfig:
     concurrency: int = 8  # rollouts at once (sandbox worker)
     settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
     seed: int = 0  # scheduler's task sampling and the learner's torch seed
+    harnesses: tuple[str, ...] = tuple(HARNESS_MIX)  # mixed in equal shares; evaluated each (--harnesses)
     model: Path | None = None  # start RL from this model directory instead of the tiny model's warm start below
     sft_steps: int | None = None  # None: the shipped warm start (its recipe: sft.SHIPPED_RECIPE); N: an N-step
     # single-stage recipe with the sizes below; 0: RL from the random model
@@ -189,25 +192,50 @@ def service_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
-    """Run the quickstart; returns what happened (prefix, run dir, per-step metrics, versions served, evaluations)."""
-    cfg = replace(cfg or DemoConfig(), **overrides)
-    check(cfg)
+def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **overrides: Any) -> dict[str, Any]:
+    """Run the quickstart; returns what happened (prefix, run dir, per-step metrics, versions served, evaluations).
+
+    ``resume``: the name of an earlier run (``$CLAWSTREAM_HOME/demo/<name>``) to continue with its recorded config
+    (``overrides`` may change only ``state.RESUMABLE``): its services resume from its topics and weight store, its
+    evaluations are reused where cached."""
     say = _say
     t0 = time.monotonic()
     home = clawstream_home()
-    run = _claim_run_dir(home / "demo", time.strftime("%Y%m%d-%H%M%S"))
-    run_dir = home / "demo" / run
-    prefix = f"demo-{run}."
+    if resume is not None:
+        run_dir, prefix, cfg = load_state(home, resume, DemoConfig, overrides)
+        run = resume
+    else:
+        cfg = replace(cfg or DemoConfig(), **overrides)
+    assert cfg is not None  # both branches set it (for mypy, which does not follow the narrowing into closures)
+    check(cfg)
+    if resume is None:
+        run = _claim_run_dir(home / "demo", time.strftime("%Y%m%d-%H%M%S"))
+        run_dir = home / "demo" / run
+        prefix = f"demo-{run}."
+    summary = Summary(run_dir)
+    summary.update(prefix=prefix, run_dir=str(run_dir), config=asdict(cfg), resumed=summary.data.get("resumed", 0))
+    if resume is not None:
+        summary.update(resumed=summary.data["resumed"] + 1)
+        say(f"==> resuming run {run} (prefix '{prefix}'; {run_dir})")
     kafka = run_kafka(prefix, say)
-    say(f"==> topics created under prefix '{prefix}'")
+    say(f"==> topics {'found' if resume else 'created'} under prefix '{prefix}'")
     model = Path(cfg.model) if cfg.model is not None else prepare_model(home / "models", cfg, say)
     if not (model / "config.json").exists():
         raise ClawstreamError(f"--model {model}: not a model directory (no config.json)")
+    if resume is None:
+        save_state(run_dir, prefix, replace(cfg, model=model))  # the model resolved: a resume starts from the same
+    mix = harness_mix(cfg.harnesses)
 
     stack = stack_for(kafka, run_dir / "logs")
     rollouts_per_step = cfg.tasks_per_step * cfg.group_size
-    watcher = Watcher(kafka, cfg.steps, rollouts_per_step, progress=cfg.progress, say=say)
+    watcher = Watcher(
+        kafka,
+        cfg.steps,
+        rollouts_per_step,
+        progress=cfg.progress,
+        say=say,
+        on_step=lambda trained: summary.update(trained=[_metric(m) for m in trained]),
+    )
     try:
         threads = service_threads()
         plural = "s" if threads > 1 else ""
@@ -229,7 +257,7 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
             group_size=cfg.group_size,
             batch_groups=cfg.tasks_per_step,
             settle_interval_s=cfg.settle_interval_s,
-            harness_mix=HARNESS_MIX,
+            harness_mix=mix,
         )
         hparams = {
             "lr": cfg.lr,
@@ -248,7 +276,7 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
             {
                 "tasks_per_step": cfg.tasks_per_step,
                 "group_size": cfg.group_size,
-                "harness_mix": HARNESS_MIX,
+                "harness_mix": mix,
                 "max_tokens": cfg.max_tokens,
                 "temperature": cfg.temperature,
                 "max_policy_lag": cfg.max_policy_lag,
@@ -259,7 +287,7 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
         rl_started = time.monotonic() - t0
         say(
             f"==> RL begins {rl_started:.0f} s after the start: {cfg.steps} steps of {cfg.tasks_per_step} tasks × "
-            f"{cfg.group_size} rollouts, harnesses {' + '.join(HARNESS_MIX)}"
+            f"{cfg.group_size} rollouts, harnesses {' + '.join(mix)}"
         )
         trained, applied = watcher.follow(stack, cfg.timeout_s, started=t0)
     finally:
@@ -280,12 +308,20 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
     timeline = read_timeline(kafka)
     (run_dir / "timeline.md").write_text(timeline_table(timeline) + "\n")
     say(f"==> where each step's time went (seconds; {run_dir / 'timeline.md'}):\n{timeline_table(timeline)}")
+    costs = read_costs(kafka)
+    say(f"==> cost per rollout by harness (means over the run's rollouts): {json.dumps(costs)}")
+    summary.update(
+        **{k: v for k, v in result.items() if k != "trained"},
+        trained=[_metric(m) for m in trained],
+        timeline=timeline_rows(timeline),
+        rollout_costs=costs,
+    )
 
     before = after = None
     if cfg.eval_tasks > 0 and trained:
         final = export_version(model, run_dir / "weights", max(applied), run_dir / "final-model")
         ecfg = EvalConfig(
-            harnesses=tuple(HARNESS_MIX),
+            harnesses=cfg.harnesses,
             tasks=cfg.eval_tasks,
             modes=cfg.eval_modes,
             temperature=cfg.temperature,
@@ -293,7 +329,8 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
             engine=cfg.engine,
             concurrency=max(cfg.concurrency, 12),
         )
-        # The warm start's score does not change between runs: measured once per model and config, then reused.
+        # The warm start's score does not change between runs: measured once per model and config, then reused;
+        # the final model's likewise, so a resumed run that had finished its evaluation does not run it again.
         before = cached_eval(
             model,
             ecfg,
@@ -304,9 +341,11 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
             progress=cfg.progress,
             say=say,
         )
-        after = run_eval(
+        summary.update(before=before.to_json())
+        after = cached_eval(
             final,
             ecfg,
+            home / "eval-cache",
             kafka=kafka,
             run_dir=run_dir / "eval-after",
             progress=cfg.progress,
@@ -316,19 +355,18 @@ def run_demo(cfg: DemoConfig | None = None, **overrides: Any) -> dict[str, Any]:
         table = report.before_after_table(before, after)
         (run_dir / "before_after.md").write_text(table + "\n")
         say(
-            f"==> held-out mean reward per harness, before → after RL ({cfg.eval_tasks} tasks each; ± 1 s.e.):\n{table}"
+            f"==> held-out mean reward per harness, before → after RL ({cfg.eval_tasks} tasks each; ± 1 s.e., "
+            f"paired over the same tasks where both runs graded them):\n{table}"
         )
         result.update(
             before=before.to_json(), after=after.to_json(), before_after=report.before_after_rows(before, after)
         )
+        summary.update(after=result["after"], before_after=result["before_after"])
         report.tensorboard_eval(run_dir / "tensorboard", before, after, max(m.step or 0 for m in trained) + 1)
     png = report.plot(run_dir / "learning.png", trained, before, after)
     say(f"==> plot: {png}\n    TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
     result["total_s"] = round(time.monotonic() - t0, 1)
-    rows = [{**asdict(t), "steps": sorted(t.steps)} for t in timeline]
-    report.write_summary(
-        run_dir / "summary.json", {**result, "trained": [_metric(m) for m in trained], "timeline": rows}
-    )
+    summary.update(total_s=result["total_s"])
     say(f"==> done in {result['total_s'] / 60:.1f} min (RL began at {rl_started:.0f} s, took {rl_seconds:.0f} s)")
     return result
 
@@ -354,6 +392,7 @@ def check(cfg: DemoConfig) -> None:
         raise ClawstreamError("--steps, --tasks-per-step and --group-size must be >= 1")
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
+    check_harnesses(cfg.harnesses, cfg.tasks_per_step)
     known = {f.name for f in fields(LearnerConfig)} - {"lr", "seed"}
     for h in cfg.hp:
         name = h.split("=", 1)[0]

@@ -166,10 +166,25 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def read_timeline(kafka: KafkaSettings, timeout: float = 60.0) -> list[BatchTimes]:
-    """Read the run's topics to their current ends and build the timeline."""
+def timeline_rows(batches: list[BatchTimes]) -> list[dict[str, object]]:
+    """summary.json's rows: per trained batch its points (ms), each phase's seconds and the learner's compute."""
+    return [
+        {
+            "version": t.version,
+            "batch_id": t.batch_id,
+            "steps": sorted(t.steps),
+            "at": t.at,
+            "phases_s": {name: t.phase(name) for name in PHASES},
+            "learner_compute_s": t.learner_compute_s,
+        }
+        for t in batches
+    ]
+
+
+def read_topics(kafka: KafkaSettings, topics: Iterable[str], timeout: float = 60.0) -> dict[str, list[bytes]]:
+    """Every committed record of each of ``topics`` under the run's prefix, from the beginning to its current end."""
     records: dict[str, list[bytes]] = {}
-    for topic in (ROLLOUT_REQUESTS, REWARDS, TRAJECTORIES, BATCHES, WEIGHTS, METRICS):
+    for topic in topics:
         consumer = make_consumer(kafka, f"{kafka.topic_prefix}timeline-{uuid.uuid4().hex[:8]}")
         try:
             name = kafka.topic(topic)
@@ -177,4 +192,11 @@ def read_timeline(kafka: KafkaSettings, timeout: float = 60.0) -> list[BatchTime
             records[topic] = [m.value() for m in read_to_end(consumer, name, ends, timeout=timeout)]
         finally:
             consumer.close()
-    return build_timeline(records)
+    return records
+
+
+def read_timeline(kafka: KafkaSettings, timeout: float = 60.0) -> list[BatchTimes]:
+    """Read the run's topics to their current ends and build the timeline."""
+    return build_timeline(
+        read_topics(kafka, (ROLLOUT_REQUESTS, REWARDS, TRAJECTORIES, BATCHES, WEIGHTS, METRICS), timeout)
+    )

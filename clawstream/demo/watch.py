@@ -65,9 +65,11 @@ class Watcher:
         *,
         progress: bool = True,
         say: Callable[[str], None] = print,
+        on_step: Callable[[list[Metric]], None] | None = None,
     ) -> None:
+        """``on_step(trained so far)``: called after each trained step (the demo rewrites summary.json there)."""
         self.kafka, self.steps, self.per_step = kafka, steps, rollouts_per_step
-        self.progress, self.say = progress, say
+        self.progress, self.say, self.on_step = progress, say, on_step
         self.consumer = make_consumer(kafka, f"{kafka.topic_prefix}demo-watch")
         self.consumer.subscribe([kafka.topic(t) for t in (METRICS, ROLLOUT_REQUESTS, REWARDS)])
         self.by_rollout: dict[str, int] = {}
@@ -125,10 +127,16 @@ class Watcher:
                 self.rollouts[step].done.add(reward.rollout_id)
         elif topic == self.kafka.topic(METRICS):
             metric = Metric.from_bytes(value)
-            if metric.name == "train_step":
+            # A resumed run reads its log again from the start, and its new engine applies the newest version once
+            # more: count each version once, or a resumed run would stop before its last step.
+            if metric.name == "train_step" and all(m.policy_version != metric.policy_version for m in self.trained):
                 self.trained.append(metric)
                 self._print(step_line(metric))
-            elif metric.name == "weights_applied":
+                if self.on_step is not None:
+                    self.on_step(self.trained)
+            elif metric.name == "weights_applied" and all(
+                m.policy_version != metric.policy_version for m in self.applied
+            ):
                 self.applied.append(metric)
                 self._print(
                     f"engine now serves v{metric.policy_version} "

@@ -99,7 +99,28 @@ class EvalResult:
         cfg = data["config"]
         config = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
         rows = [EvalScore(**r) for r in data["rows"]]
-        return cls(data["model"], config, rows, data["seconds"], data["table"])
+        extra = {"per_task": data["per_task"]} if "per_task" in data else {}
+        return cls(data["model"], config, rows, data["seconds"], data["table"], extra)
+
+    def task_rewards(self, harness: str, mode: str) -> dict[str, float]:
+        """Task id → its graded reward in this cell (empty when the result predates per-task records)."""
+        return dict(self.extra.get("per_task", {}).get(f"{harness}/{mode}", {}))
+
+
+def per_task_rewards(issued: dict[str, Any], final: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """``"harness/mode"`` → task id → graded reward (the mean when a task ran more than once), so two evaluations of
+    the same tasks can be compared task by task (a paired standard error: ``clawstream.demo.report``)."""
+    from producers.scheduler.plan import EVAL_MODE_KEY
+    from schemas.events import RewardStatus
+
+    cells: dict[str, dict[str, list[float]]] = {}
+    for rid, req in issued.items():
+        reward = final.get(rid)
+        if reward is None or reward.status != RewardStatus.OK or reward.reward is None:
+            continue
+        key = f"{req.harness}/{req.metadata.get(EVAL_MODE_KEY, 'sampled')}"
+        cells.setdefault(key, {}).setdefault(req.task_id, []).append(reward.reward)
+    return {key: {t: sum(v) / len(v) for t, v in sorted(tasks.items())} for key, tasks in cells.items()}
 
 
 def resolve_suite(cfg: EvalConfig, home: Path | None = None) -> tuple[dict[str, str], str, int]:
@@ -188,6 +209,7 @@ def run_eval(
     finally:
         stack.stop()
     result = EvalResult(str(model), cfg, rows, time.monotonic() - started, eval_table(rows, scheduler.sampling_note()))
+    result.extra["per_task"] = per_task_rewards(scheduler.issued, scheduler.outstanding.final)
     missing = sum(r.pending + r.infra + r.ungraded for r in rows)
     if missing:
         say(f"    ({missing} rollouts without a reward: infra failures, ungraded or timed out; see the logs)")
