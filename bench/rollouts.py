@@ -32,6 +32,7 @@ from clawbase.settings import KafkaSettings  # noqa: E402
 from producers.sandbox.base import SandboxSettings  # noqa: E402
 from producers.sandbox.worker import SandboxWorker  # noqa: E402
 from producers.tasks.cpu import cpu_suite  # noqa: E402
+from schemas.events import RolloutRequest  # noqa: E402
 from schemas.topics import CATALOG
 from tests.support import proxy_helpers as H  # noqa: E402
 from tests.support import sandbox_helpers as S  # noqa: E402
@@ -48,9 +49,14 @@ PHASES = [
 ]
 
 
-async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -> dict:
+def requests(n: int) -> list[RolloutRequest]:
+    """``n`` agentloop requests, round robin over the CPU suite's write, copy and sum tasks (``bench.scale`` too)."""
     tasks = [t for t in cpu_suite().split("train") if t.metadata["template"] in ("write", "copy", "sum")]
-    reqs = [S.request(tasks[i % len(tasks)].task_id, "agentloop", suite="cpu_builtin") for i in range(n)]
+    return [S.request(tasks[i % len(tasks)].task_id, "agentloop", suite="cpu_builtin") for i in range(n)]
+
+
+async def run_level(kafka: KafkaSettings, concurrency: int, n: int, tmp: Path) -> dict:
+    reqs = requests(n)
     group = f"bench-{concurrency}-{time.time_ns()}"
     async with (
         ScriptedEngine(H.tiny_tokenizer(), S.agent_responder()) as engine,
