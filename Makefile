@@ -8,7 +8,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults soak
+.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults soak test-scale
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,9 @@ integration: $(STAMP)
 
 test-faults: $(STAMP)  # the full fault matrix (bench/faults.py FAULT_TESTS); `make test` runs one of each kind
 	$(PY) -c 'from bench.faults import FAULT_TESTS; print(" ".join(FAULT_TESTS))' | CLAWSTREAM_FAULT_MATRIX=1 xargs $(PY) -m pytest -q -rs -p no:cacheprovider
+
+test-scale: $(STAMP)  # compose's scale profile on the quickstart, one kill -9 of each kind (docs/containers.md); `make test` runs its smoke
+	CLAWSTREAM_SCALE_FULL=1 $(PY) -m pytest -q -rs -s -p no:cacheprovider tests/e2e/test_compose_scale.py
 
 bench-faults: $(STAMP)  # the same, tabulated into bench/results/faults.md
 	$(PY) -m bench.faults

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build clawstream's container images locally (`make images`): compose/build-images.sh [runtime|harnesses|trainer|kafka ...]
+# Build clawstream's container images locally (`make images`): compose/build-images.sh [runtime|harnesses|trainer|kafka|haproxy ...]
 #
 #   clawstream/runtime:latest    the project without torch: proxy, streams, sandbox worker, scheduler, dashboard, CLI
 #   clawstream/harnesses:latest  the sandbox image (runtime + Node.js + the five npm harnesses); the sandbox worker too
 #   clawstream/trainer:latest    runtime + the `ml` extra (torch, transformers): CPU inference engine and learner
 #   clawstream/kafka:latest      Apache Kafka 4.x (KRaft, one node) from the Maven jars of compose/kafka-local/pom.xml
+#   clawstream/haproxy:latest    Debian's HAProxy: the balancer of the compose `scale` profile's proxy replicas
 #
-# No names: all four, in this order (runtime first: harnesses and trainer reuse its cached base/venv/dependency layers).
+# No names: all five, in this order (runtime first: harnesses and trainer reuse its cached base/venv/dependency layers).
 # Each Dockerfile takes `ARG BASE_IMAGE`, defaulting to the public image a user elsewhere pulls; when that image is
 # neither present nor pullable (no registry reachable), the locally bootstrapped $LOCAL_BASE (`make docker`,
 # compose/engine-setup.sh) is passed instead. Set CLAWSTREAM_BASE_IMAGE to force a base for every image.
@@ -18,11 +19,11 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 LOCAL_BASE="${LOCAL_BASE:-clawstream/debian:bookworm}"
 TAG="${CLAWSTREAM_IMAGE_TAG:-latest}"
-ORDER=(runtime harnesses trainer kafka)
+ORDER=(runtime harnesses trainer kafka haproxy)
 
 public_base() {
   case "$1" in
-    kafka) echo "debian:bookworm-slim" ;;
+    kafka|haproxy) echo "debian:bookworm-slim" ;;
     *) echo "python:3.11-slim-bookworm" ;;
   esac
 }

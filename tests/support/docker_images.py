@@ -5,12 +5,12 @@ version``) must answer. Without one the test is skipped with the reason printed,
 (``.ci/run`` installs and starts the engine, ``make docker`` does it by hand): then it fails, so CI never silently
 skips a container test.
 
-``ensure_images(*names)``: the images ``clawstream/<name>:latest`` (runtime, harnesses, trainer, kafka) exist and
-match the working tree. ``compose/build-images.sh`` runs once per test session for the names not built yet in this
-session (Docker's layer cache makes a run with nothing changed take seconds; a changed source file rebuilds only the
-source layer); a file lock keeps parallel test processes from building at the same time. A failed build fails the
-test (it is a bug, not a missing engine). ``CLAWSTREAM_TEST_IMAGES=prebuilt`` uses the images as they are (each must
-exist) instead of running the build script.
+``ensure_images(*names)``: the images ``clawstream/<name>:latest`` (runtime, harnesses, trainer, kafka, haproxy)
+exist and match the working tree. ``compose/build-images.sh`` runs once per test session for the names not built yet
+in this session (Docker's layer cache makes a run with nothing changed take seconds; a changed source file rebuilds
+only the source layer); a file lock keeps parallel test processes from building at the same time. A failed build
+fails the test (it is a bug, not a missing engine). ``CLAWSTREAM_TEST_IMAGES=prebuilt`` uses the images as they are
+(each must exist) instead of running the build script.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "compose" / "build-images.sh"
-IMAGES = ("runtime", "harnesses", "trainer", "kafka")  # the script's dependency order
+IMAGES = ("runtime", "harnesses", "trainer", "kafka", "haproxy")  # the script's dependency order
 BUILD_TIMEOUT_S = 3 * 3600  # a first build downloads torch's CUDA wheels (several GB)
 
 _built: set[str] = set()
