@@ -78,6 +78,13 @@ from clawstream.cli.base import sigterm_interrupts
 )
 @click.option("--concurrency", type=int, default=None, help="Rollouts at once.  [default: 8]")
 @click.option(
+    "--rollout-timeout",
+    type=float,
+    default=None,
+    help="Seconds every rollout may take, training and evaluation, instead of the task's own (60 s on builtin:cpu); "
+    "a real harness on 2 busy cores needs several minutes.  [default: the task's own]",
+)
+@click.option(
     "--timeout", type=float, default=None, help="Give up on the RL part after this many seconds.  [default: 3600]"
 )
 @click.option(
@@ -103,6 +110,7 @@ def demo(
     eval_tasks: int | None,
     eval_modes: tuple[str, ...],
     concurrency: int | None,
+    rollout_timeout: float | None,
     timeout: float | None,
     engine: str,
     no_progress: bool,
@@ -128,6 +136,7 @@ def demo(
         "eval_tasks": eval_tasks,
         "eval_modes": tuple(eval_modes) or None,
         "concurrency": concurrency,
+        "rollout_timeout_s": rollout_timeout,
         "timeout_s": timeout,
     }
     if resume is None:

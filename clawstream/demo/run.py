@@ -51,6 +51,7 @@ class DemoConfig:
     temperature: float = 1.0
     max_tokens: int = 256  # per model call
     concurrency: int = 8  # rollouts at once (sandbox worker)
+    rollout_timeout_s: float | None = None  # every task's rollout timeout (None: the task's own, 60 s on builtin:cpu)
     settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
     seed: int = 0  # scheduler's task sampling and the learner's torch seed
     harnesses: tuple[str, ...] = tuple(HARNESS_MIX)  # mixed in equal shares; evaluated each (--harnesses)
@@ -250,6 +251,7 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
             concurrency=cfg.concurrency,
             max_batch_size=max(16, cfg.concurrency),
             torch_threads=threads,
+            task_timeout_s=cfg.rollout_timeout_s,
         )
         start_streams(
             stack,
@@ -258,6 +260,7 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
             batch_groups=cfg.tasks_per_step,
             settle_interval_s=cfg.settle_interval_s,
             harness_mix=mix,
+            group_timeout_s=max(300.0, 2 * (cfg.rollout_timeout_s or 0.0)),  # a group outlives its slowest rollout
         )
         hparams = {
             "lr": cfg.lr,
@@ -282,6 +285,7 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
                 "max_policy_lag": cfg.max_policy_lag,
                 "seed": cfg.seed,
                 "drain_timeout_s": 120,
+                **({"timeout_s": cfg.rollout_timeout_s} if cfg.rollout_timeout_s is not None else {}),
             },
         )
         rl_started = time.monotonic() - t0
@@ -328,6 +332,7 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
             max_tokens=cfg.max_tokens,
             engine=cfg.engine,
             concurrency=max(cfg.concurrency, 12),
+            rollout_timeout_s=cfg.rollout_timeout_s,
         )
         # The warm start's score does not change between runs: measured once per model and config, then reused;
         # the final model's likewise, so a resumed run that had finished its evaluation does not run it again.
@@ -390,6 +395,8 @@ def check(cfg: DemoConfig) -> None:
     """Refuse sizes that cannot work, with the flag to change."""
     if cfg.steps < 1 or cfg.tasks_per_step < 1 or cfg.group_size < 1:
         raise ClawstreamError("--steps, --tasks-per-step and --group-size must be >= 1")
+    if cfg.rollout_timeout_s is not None and cfg.rollout_timeout_s <= 0:
+        raise ClawstreamError(f"--rollout-timeout must be > 0 seconds, got {cfg.rollout_timeout_s}")
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
     check_harnesses(cfg.harnesses, cfg.tasks_per_step)

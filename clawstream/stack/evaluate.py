@@ -56,6 +56,7 @@ class EvalConfig:
     engine: str = "cpu"
     timeout_s: float = 3600.0
     seed: int = 0  # of the extended builtin:cpu held-out split
+    rollout_timeout_s: float | None = None  # every task's timeout instead of its own (a real harness on 2 cores)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in EVAL_MODES]
@@ -69,6 +70,8 @@ class EvalConfig:
     def key(self) -> str:
         """A digest of everything that decides the result except the model (for caching)."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("concurrency", "timeout_s")}
+        if self.rollout_timeout_s is None:  # absent as before it existed: results cached then stay found
+            del fields["rollout_timeout_s"]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -189,6 +192,7 @@ def run_eval(
             concurrency=cfg.concurrency,
             suites=suites,
             max_batch_size=max(16, cfg.concurrency),
+            task_timeout_s=cfg.rollout_timeout_s,
         )
         scheduler = Scheduler(
             SchedulerSettings(
@@ -202,6 +206,7 @@ def run_eval(
                 top_p=cfg.top_p,
                 max_tokens=cfg.max_tokens,
                 eval_timeout_s=cfg.timeout_s,
+                timeout_s=cfg.rollout_timeout_s,
             ),
             settings,
         )

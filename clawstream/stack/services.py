@@ -131,11 +131,13 @@ def start_rollout_side(
     max_batch_size: int = 16,
     torch_threads: int | None = None,
     engine_url: str | None = None,
+    task_timeout_s: float | None = None,
 ) -> RolloutSide:
     """Engine, serving proxy and sandbox worker: everything a rollout request needs to become a reward.
 
     ``suites`` (name → spec) is what the sandbox worker resolves tasks in (default: its own, ``builtin:cpu``).
-    ``engine_url``: an engine already answering there (``bench.soak``'s instant engine): none is started."""
+    ``engine_url``: an engine already answering there (``bench.soak``'s instant engine): none is started.
+    ``task_timeout_s``: every task's rollout timeout instead of its own (the sandbox worker's ``task_timeout_s``)."""
     if engine_url is None:
         engine_url = start_engine(stack, engine, model, max_batch_size=max_batch_size, torch_threads=torch_threads)
     token, port, admin_port = secrets.token_hex(16), free_port(), free_port()  # hex: never read as a flag
@@ -162,6 +164,8 @@ def start_rollout_side(
     env = {"CLAWSTREAM_SANDBOX_PROXY_ADMIN_TOKEN": token}
     if suites:
         env["CLAWSTREAM_SANDBOX_SUITES"] = json.dumps(suites)
+    if task_timeout_s is not None:
+        env["CLAWSTREAM_SANDBOX_TASK_TIMEOUT_S"] = str(task_timeout_s)
     prefix = stack.env.get("CLAWSTREAM_KAFKA_TOPIC_PREFIX", "")
     stack.start(
         Service(

@@ -79,6 +79,12 @@ class SandboxSettings(BaseSettings):
     kill_grace_s: float = Field(default=2.0, description="SIGTERM → SIGKILL grace at the wall-clock timeout.")
     grader_timeout_s: float = Field(default=120.0, description="Longest grader run (then the attempt FAILED).")
     max_timeout_s: float = Field(default=3600.0, description="Cap on any task's wall-clock timeout.")
+    task_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Every task's wall-clock timeout instead of its own (a request may still ask for less): a real "
+        "harness on a slow machine (opencode starts in ~40 s on 2 busy cores) outlives builtin:cpu's 60 s.",
+    )
     # --- local backend ---
     isolation: Literal["bwrap", "none"] = Field(
         default="bwrap",

@@ -304,7 +304,8 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
             if adapter is None:
                 raise TaskError(f"unknown harness {req.harness!r}; known: {', '.join(ctx.adapters)}")
             exe, extra_path = await ctx.resolve_exe(adapter)
-            timeout = min(req.timeout_s or task.timeout_s, task.timeout_s, ctx.settings.max_timeout_s)
+            own = ctx.settings.task_timeout_s or task.timeout_s
+            timeout = min(req.timeout_s or own, own, ctx.settings.max_timeout_s)
             if req.deadline_ms:
                 timeout = max(1.0, min(timeout, (req.deadline_ms - now_ms()) / 1000))
             try:

@@ -180,3 +180,17 @@ def test_gain_is_paired_over_the_same_tasks() -> None:
     old = _result(before)
     old.extra.clear()  # a result cached before per-task records: the independent estimate
     assert before_after_rows(old, _result(after))[0]["se_kind"] == "independent"
+
+
+def test_rollout_timeout_reaches_the_run_and_keeps_older_eval_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr("clawstream.demo.run_demo", lambda **kw: seen.update(kw))
+    out = CliRunner().invoke(main, ["demo", "--harnesses", "opencode,agentloop", "--rollout-timeout", "300"])
+    assert out.exit_code == 0, out.output
+    assert seen["rollout_timeout_s"] == 300.0
+    with pytest.raises(ClawstreamError, match="--rollout-timeout must be > 0"):
+        check(DemoConfig(rollout_timeout_s=0.0))
+    # The field is absent from the cache key when unset, so results cached before it existed are still found.
+    assert EvalConfig().key() == "e76c6212fea8e725"  # the default's key before the field was added
+    assert EvalConfig().key() != EvalConfig(rollout_timeout_s=300.0).key()
+    assert "rollout_timeout_s" in EvalResult.from_json(_result({"t": 1.0, "u": 0.0}).to_json()).config.__dict__
