@@ -13,7 +13,7 @@ its final reward (harness, proxy, engine, sandbox and grading; not its wait in t
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from clawbase.settings import KafkaSettings
 from clawstream.demo.timeline import read_topics
@@ -23,7 +23,7 @@ from schemas.topics import CALLS, REWARDS, ROLLOUT_REQUESTS
 FIGURES = ("calls", "prompt_tokens", "cached_tokens", "seconds")
 
 
-def rollout_costs(records: dict[str, Iterable[bytes]]) -> dict[str, dict[str, float | int]]:
+def rollout_costs(records: Mapping[str, Iterable[bytes]]) -> dict[str, dict[str, float | int]]:
     """Harness → {rollouts, rewarded, calls, prompt_tokens, cached_tokens, seconds (means per rollout),
     cached_share}; ``records``: topic → values. Seconds average over the rollouts with a call and a final reward."""
     harness: dict[str, str] = {}

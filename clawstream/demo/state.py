@@ -111,7 +111,7 @@ def restore(cls: type[C], data: dict[str, Any]) -> C:
     known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
     if values.get("model") is not None:
-        values["model"] = Path(values["model"])
+        values["model"] = Path(str(values["model"]))
     return cls(**values)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
@@ -73,7 +73,7 @@ class BatchTimes:
         return None
 
 
-def build_timeline(records: dict[str, Iterable[bytes]]) -> list[BatchTimes]:
+def build_timeline(records: Mapping[str, Iterable[bytes]]) -> list[BatchTimes]:
     """Per trained batch, in version order, the time of each point (its own rollouts' times, not the step's:
     a batch may hold groups of two scheduler steps under policy lag); ``records``: topic → values."""
     requested: dict[str, int] = {}
