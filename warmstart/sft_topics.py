@@ -28,7 +28,7 @@ from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to
 from clawbase.settings import KafkaSettings, load_settings
 from schemas.events import Trajectory
 from schemas.topics import TRAJECTORIES
-from warmstart.sft import Sequence, _batch_loss, lr_scale, save_model, weights_sha256
+from warmstart.sft import Sequence, _batch_loss, _common_prefix, lr_scale, save_model, weights_sha256
 from warmstart.sft_rows import Row, build_rows, target_tokens
 
 
@@ -41,6 +41,8 @@ class TopicSFTConfig:
     lr: float = 1e-3
     warmup_steps: int = 2
     batch_size: int = 2
+    # Rows of one harness start with the same system prompt and tools (13-40k tokens): computed once per batch (#32).
+    shared_prefix: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -60,16 +62,36 @@ def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Traje
         consumer.close()
 
 
-def score(model: Any, rows: list[Row], pad_id: int) -> dict[str, float]:
-    """Mean token cross-entropy over the rows' target tokens (= minus their mean log-prob), no gradient."""
+def rows_loss(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = True) -> tuple[Any, int]:
+    """Summed cross-entropy of ``rows``' target tokens and their count. With ``shared_prefix`` the rows of each
+    harness run their common leading tokens (never a target) once, with gradient, their keys and values repeated
+    over the group (``warmstart.sft._batch_loss``): the same loss and gradients as row by row, to float rounding."""
+    groups: dict[str, list[Sequence]] = {}
+    for r in rows:
+        groups.setdefault(r.harness, []).append(Sequence(r.harness, r.ids, r.mask))
+    total: Any = 0.0
+    count = 0
+    for seqs in groups.values():
+        loss, n = _batch_loss(model, seqs, _common_prefix(seqs) if shared_prefix and len(seqs) > 1 else 0, pad_id)
+        total, count = total + loss, count + n
+    return total, count
+
+
+def score(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = True, chunk: int = 4) -> dict[str, float]:
+    """Mean token cross-entropy over the rows' target tokens (= minus their mean log-prob), no gradient; ``chunk``
+    rows of a harness at a time (their logits are chunk x tail x vocabulary floats)."""
     import torch
 
+    by_harness: dict[str, list[Row]] = {}
+    for r in rows:
+        by_harness.setdefault(r.harness, []).append(r)
     loss, n = 0.0, 0
     with torch.no_grad():
-        for row in rows:
-            total, count = _batch_loss(model, [Sequence("", row.ids, row.mask)], 0, pad_id)
-            loss += float(total)
-            n += count
+        for group in by_harness.values():
+            for i in range(0, len(group), chunk):
+                total, count = rows_loss(model, group[i : i + chunk], pad_id, shared_prefix)
+                loss += float(total)
+                n += count
     return {"loss": loss / max(n, 1), "target_logprob": -loss / max(n, 1), "target_tokens": n}
 
 
@@ -89,7 +111,7 @@ def sft_from_rows(model_dir: str | Path, out_dir: str | Path, rows: list[Row], c
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model.eval()
-    before = score(model, rows, pad)
+    before = score(model, rows, pad, cfg.shared_prefix)
     print(f"[sft-topics] {len(rows)} rows, {target_tokens(rows)} target tokens; before: {before}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     order: list[int] = []
@@ -102,7 +124,7 @@ def sft_from_rows(model_dir: str | Path, out_dir: str | Path, rows: list[Row], c
         if len(order) < cfg.batch_size:
             order += rng.sample(range(len(rows)), len(rows))
         batch = [rows[order.pop()] for _ in range(min(cfg.batch_size, len(rows)))]
-        loss_sum, n_tok = _batch_loss(model, [Sequence(r.harness, r.ids, r.mask) for r in batch], 0, pad)
+        loss_sum, n_tok = rows_loss(model, batch, pad, cfg.shared_prefix)
         opt.zero_grad(set_to_none=True)
         (loss_sum / max(n_tok, 1)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -111,7 +133,7 @@ def sft_from_rows(model_dir: str | Path, out_dir: str | Path, rows: list[Row], c
         print(f"[sft-topics] step {step + 1}/{cfg.steps} loss {history[-1][1]:.4f}", flush=True)
     train_s = time.perf_counter() - t0
     model.eval()
-    after = score(model, rows, pad)
+    after = score(model, rows, pad, cfg.shared_prefix)
     print(f"[sft-topics] after: {after}", flush=True)
     save_model(model, tokenizer, model_dir, out_dir)
     return {
@@ -157,10 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the order and torch (%(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (%(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step (%(default)s)")
+    p.add_argument(
+        "--no-shared-prefix", action="store_true", help="run every row's whole context (slower; the same loss)"
+    )
     add_kafka_arguments(p)
     a = p.parse_args(argv)
     try:
-        cfg = TopicSFTConfig(a.prefix, a.min_reward, a.steps, a.seed, a.lr, d.warmup_steps, a.batch_size)
+        cfg = TopicSFTConfig(
+            a.prefix, a.min_reward, a.steps, a.seed, a.lr, d.warmup_steps, a.batch_size, not a.no_shared_prefix
+        )
         summary = sft_from_topics(a.model_dir, a.out, cfg, kafka_settings(a))
     except ValueError as exc:
         p.error(str(exc))
