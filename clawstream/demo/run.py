@@ -18,7 +18,14 @@ from clawbase.errors import ClawstreamError
 from clawbase.settings import clawstream_home
 from clawstream.demo import report
 from clawstream.demo.costs import read_costs
-from clawstream.demo.state import Summary, check_harnesses, harness_mix, load_state, save_state
+from clawstream.demo.state import (
+    Summary,
+    check_harnesses,
+    harness_mix,
+    load_state,
+    real_harnesses,
+    save_state,
+)
 from clawstream.demo.timeline import read_timeline, timeline_rows, timeline_table
 from clawstream.demo.watch import Watcher
 from clawstream.stack.evaluate import EvalConfig, EvalResult, run_eval
@@ -331,7 +338,10 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
             temperature=cfg.temperature,
             max_tokens=cfg.max_tokens,
             engine=cfg.engine,
-            concurrency=max(cfg.concurrency, 12),
+            # The built-in loops' calls are short: 12 at once keep the engine's batches full. A real harness's first
+            # call prefills ~14k tokens: 12 opencode rollouts at once on 2 cores left calls in flight past a 300 s
+            # rollout timeout (at 4 at once in training: 46 s per rollout), so then --concurrency holds.
+            concurrency=cfg.concurrency if real_harnesses(cfg.harnesses) else max(cfg.concurrency, 12),
             rollout_timeout_s=cfg.rollout_timeout_s,
         )
         # The warm start's score does not change between runs: measured once per model and config, then reused;

@@ -39,6 +39,13 @@ def harness_mix(names: tuple[str, ...]) -> dict[str, float]:
     return {name: 1.0 for name in names}
 
 
+def real_harnesses(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The names that run an installed binary (not the built-in loops)."""
+    from producers.harnesses.catalog import ADAPTERS
+
+    return tuple(n for n in names if n in ADAPTERS and ADAPTERS[n].install is not None)
+
+
 def check_harnesses(names: tuple[str, ...], tasks_per_step: int, home: Path | None = None) -> None:
     """Refuse, before anything starts, a name that is no built-in harness, a real harness whose binary is not
     installed (the sandbox worker would npm-install it mid-run, or fail every rollout offline), and fewer groups

@@ -194,3 +194,10 @@ def test_rollout_timeout_reaches_the_run_and_keeps_older_eval_cache_keys(monkeyp
     assert EvalConfig().key() == "e76c6212fea8e725"  # the default's key before the field was added
     assert EvalConfig().key() != EvalConfig(rollout_timeout_s=300.0).key()
     assert "rollout_timeout_s" in EvalResult.from_json(_result({"t": 1.0, "u": 0.0}).to_json()).config.__dict__
+
+
+def test_real_harnesses_are_told_from_the_built_in_loops() -> None:
+    from clawstream.demo.state import real_harnesses
+
+    assert real_harnesses(("opencode", "agentloop", "codex", "agentloop-anthropic")) == ("opencode", "codex")
+    assert real_harnesses(tuple(HARNESS_MIX)) == ()
