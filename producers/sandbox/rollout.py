@@ -26,6 +26,7 @@ stopped renewing (its worker died) is revoked, scoped to its attempt id.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -70,6 +71,10 @@ class EventSink(Protocol):
     async def reward(self, reward: RewardEvent) -> None: ...
 
 
+class _BalancerError(Exception):
+    """A 502/503/504 without the proxy's JSON body: the balancer in front of proxy replicas found none up."""
+
+
 class ProxyAdmin:
     """Client of the proxy's admin API (``producers.proxy.admin``)."""
 
@@ -84,17 +89,25 @@ class ProxyAdmin:
         body: dict[str, Any] | None = None,
         query: dict[str, str] | None = None,
     ) -> tuple[int, dict]:
-        """One admin call. Refused at connect (the proxy is restarting; nothing was sent) it is tried again, with
-        capped backoff, ``connect_retries`` times: a proxy restart must not burn a request's attempts in seconds."""
+        """One admin call. Refused at connect (the proxy is restarting; nothing was sent), or answered 502/503/504 by
+        a load balancer in front of proxy replicas (not the proxy's JSON: its replica was down), it is tried again,
+        with capped backoff, ``connect_retries`` times: a proxy restart must not burn a request's attempts in
+        seconds. Every admin call is safe to repeat (a repeated registration finds its own attempt: 409, handled)."""
         headers = {"Authorization": f"Bearer {self.token}"}
         pause = 0.2
         for retry in range(self.connect_retries + 1):
             try:
                 async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as http:
                     async with http.request(method, self.url + path, json=body, params=query, headers=headers) as r:
-                        data = await r.json(content_type=None) if r.content_length != 0 else {}
+                        raw = await r.read()
+                        try:
+                            data = json.loads(raw) if raw else {}
+                        except ValueError:
+                            if r.status not in (502, 503, 504):
+                                raise
+                            raise _BalancerError(f"{r.status} {raw[:200]!r}") from None
                         return r.status, data or {}
-            except aiohttp.ClientConnectorError as exc:
+            except (aiohttp.ClientConnectorError, _BalancerError) as exc:
                 if retry == self.connect_retries:
                     raise ProxyError(f"proxy admin {method} {path} at {self.url}: {exc!r}") from exc
                 if retry % 10 == 0:

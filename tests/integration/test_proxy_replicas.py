@@ -10,6 +10,7 @@ holding the rollout is 401 and moves nothing (its takeovers metric unchanged).
 HAProxy (compose/haproxy.cfg, the balancer of the compose `scale` profile) in front of both: once the rollout's
 second call's event is on the calls topic, the replica the balancer sent it to is SIGKILLed by pid; the third call
 through the balancer gets 200 from the other replica, seq 2 follows on, the seal through the balancer reports 3.
+While no replica is up HAProxy answers 503 itself: the sandbox worker's admin client retries it until one is.
 Every process started here is SIGKILLed by pid at the end.
 """
 
@@ -29,9 +30,10 @@ import pytest
 
 from clawbase.kafka.clients import create_topics
 from clawbase.settings import KafkaSettings
+from producers.sandbox.rollout import ProxyAdmin
 from schemas.events import CallEvent
 from schemas.topics import CATALOG
-from tests.integration.test_proxy_restart import ProxyProcess, _admin, _call, _free_port, _prompts, _register
+from tests.integration.test_proxy_restart import TOKEN, ProxyProcess, _admin, _call, _free_port, _prompts, _register
 from tests.support import proxy_helpers as H
 from tests.support.proxy_server import consume_calls
 from tests.support.scripted_engine import ScriptedEngine, tool_call_text
@@ -230,3 +232,43 @@ async def _served(http: aiohttp.ClientSession, proxy: ProxyProcess) -> float:
     async with http.get(f"{proxy.admin}/metrics") as r:
         text = await r.text()
     return sum(float(m) for m in re.findall(r"^clawstream_proxy_calls_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+async def test_admin_calls_wait_through_the_balancers_503_while_no_replica_is_up(
+    kafka_settings: KafkaSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """HAProxy answers 503 (its own HTML page) while no replica is up, as right after a replica was killed: the
+    sandbox worker's admin client waits and retries (as for a refused connection) instead of failing the attempt;
+    the registration goes through once a replica is up."""
+    haproxy = _haproxy()
+    async with ScriptedEngine(H.tiny_tokenizer(), script=_answer) as engine:
+        replicas = [
+            _replica(kafka_settings, engine.url, n, tmp_path / f"{n}.log", "http://balancer.invalid:8100")
+            for n in ("a", "b")
+        ]
+        lb = Balancer(*replicas, tmp_path / "haproxy.log")
+        try:
+            lb.start(haproxy)
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+                for _ in range(200):  # its listeners open, answering 503: no replica is up
+                    try:
+                        async with http.get(f"{lb.admin}/healthz") as r:
+                            assert r.status == 503
+                            break
+                    except aiohttp.ClientConnectorError:
+                        await asyncio.sleep(0.05)
+                caplog.set_level("WARNING", logger="clawstream.rollout")
+                caplog.clear()
+                admin = ProxyAdmin(lb.admin, TOKEN, 15, connect_retries=100)
+                task = asyncio.ensure_future(admin.register("r-wait", attempt_id="r-wait.a0", attempt=0, lease_s=30))
+                while "503" not in caplog.text:  # the balancer's 503 seen and retried: the call waits
+                    assert not task.done(), task
+                    await asyncio.sleep(0.05)
+                replicas[0].start()
+                await replicas[0].ready(http)
+                registered = await asyncio.wait_for(task, 60)
+                assert registered["rollout_id"] == "r-wait" and registered["secret"]
+        finally:
+            lb.kill()
+            for p in replicas:
+                p.kill()
