@@ -143,6 +143,11 @@ class Replicas:
         try:
             async with lock:
                 await self._current(rid, key)
+        except ClawstreamError:
+            raise
+        except Exception as exc:  # never a 500: logged with its traceback, answered 503 (the client retries)
+            log.exception("rollout %s: making this replica's state current failed", rid)
+            raise ReplicaUnavailable(f"rollout {rid}: {type(exc).__name__}: {exc}") from exc
         finally:
             users, _ = self._locks[rid]
             if users == 1:
