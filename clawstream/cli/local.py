@@ -272,16 +272,19 @@ def harness() -> None:
 def harness_list() -> None:
     """Built-in harness adapters: dialect, how they are installed, and whether the npm package is in the cache."""
     from producers.harnesses.catalog import ADAPTERS
-    from producers.harnesses.install import HARNESSES, MARKER, harness_root
+    from producers.harnesses.install import HARNESSES, harness_root, installed_spec
 
     for name, adapter in ADAPTERS.items():
         pkg = HARNESSES.get(name)
         if pkg is None:
             source, state = "built in (python)", "ready"
         else:
-            source = pkg.package + (" (Node 24)" if pkg.needs_node24 else "")
-            state = "installed" if (harness_root() / name / MARKER).exists() else "not installed"
-        click.echo(f"{name:20} {adapter.dialect:20} {source:34} {state}")
+            source = pkg.spec + (" (Node 24)" if pkg.needs_node24 else "")
+            have = installed_spec(pkg, harness_root())
+            state = "installed" if have == pkg.spec else "not installed"
+            if have and have != pkg.spec:
+                state = f"installed {have}; reinstalled on use"
+        click.echo(f"{name:20} {adapter.dialect:20} {source:40} {state}")
 
 
 @harness.command("install")

@@ -51,7 +51,7 @@ def check_harnesses(names: tuple[str, ...], tasks_per_step: int, home: Path | No
     installed (the sandbox worker would npm-install it mid-run, or fail every rollout offline), and fewer groups
     per step than harnesses (the batcher would wait for a harness that never gets a group)."""
     from producers.harnesses.catalog import ADAPTERS
-    from producers.harnesses.install import HARNESSES, MARKER, NODE24, executable, harness_root
+    from producers.harnesses.install import HARNESSES, NODE24, executable, harness_root, installed_spec
 
     if not names:
         raise ClawstreamError("--harnesses: name at least one harness, e.g. --harnesses opencode,agentloop")
@@ -65,11 +65,17 @@ def check_harnesses(names: tuple[str, ...], tasks_per_step: int, home: Path | No
         if adapter.install is None:
             continue  # built in: runs in the sandbox's Python
         root = harness_root(home)
-        exe = executable(HARNESSES[adapter.install], root)
-        if not (root / adapter.install / MARKER).exists() or not exe.exists():
+        pkg = HARNESSES[adapter.install]
+        exe, have = executable(pkg, root), installed_spec(pkg, root)
+        if have is None or not exe.exists():
             raise ClawstreamError(
                 f"--harnesses: {name} is a real harness and its binary is not installed ({exe} missing); install it "
                 f"once with `clawstream harness install {adapter.install}` (needs npm and the npm registry)"
+            )
+        if have != pkg.spec:
+            raise ClawstreamError(
+                f"--harnesses: {name} is installed as {have}, pinned {pkg.spec}; `clawstream harness install "
+                f"{adapter.install}` installs the pinned version (or set CLAWSTREAM_HARNESS_VERSIONS)"
             )
         if adapter.node24 and not executable(NODE24, root).exists():
             raise ClawstreamError(

