@@ -141,6 +141,7 @@ class RolloutRequest(Event):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    seed: int | None = None  # call n sampled with seed + n; None: unseeded
     max_tokens: int = 2048
     deadline_ms: int | None = None
     min_policy_version: int = 0

@@ -189,6 +189,15 @@ def demo(
 )
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampled mode's temperature.")
 @click.option("--max-tokens", type=int, default=256, show_default=True, help="Generation cap per model call.")
+@click.option(
+    "--sampling-seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Base of the per-rollout sampling seeds (one per task × harness × mode × sample): two evaluations with one "
+    "base draw the same noise, so the paired difference of two models is theirs.",
+)
+@click.option("--unseeded", is_flag=True, help="Sample without seeds (every evaluation draws afresh).")
 @click.option("--concurrency", type=int, default=12, show_default=True, help="Rollouts at once.")
 @click.option(
     "--engine",
@@ -213,6 +222,8 @@ def eval_command(
     modes: tuple[str, ...],
     temperature: float,
     max_tokens: int,
+    sampling_seed: int,
+    unseeded: bool,
     concurrency: int,
     engine: str,
     json_out: Path | None,
@@ -236,6 +247,7 @@ def eval_command(
         max_tokens=max_tokens,
         concurrency=concurrency,
         engine=engine,
+        sampling_seed=None if unseeded else sampling_seed,
     )
     sigterm_interrupts()  # `kill` stops the evaluation's services too, as Ctrl-C does
     result = run_eval(model_dir, cfg)

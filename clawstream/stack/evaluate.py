@@ -57,6 +57,9 @@ class EvalConfig:
     timeout_s: float = 3600.0
     seed: int = 0  # of the extended builtin:cpu held-out split
     rollout_timeout_s: float | None = None  # every task's timeout instead of its own (a real harness on 2 cores)
+    # Base of the per-rollout sampling seeds (task × harness × mode × sample; plan.eval_seed): the evaluations before
+    # and after training draw the same noise, so their paired difference is the policy's. None: unseeded.
+    sampling_seed: int | None = 0
 
     def __post_init__(self) -> None:
         bad = [m for m in self.modes if m not in EVAL_MODES]
@@ -70,8 +73,9 @@ class EvalConfig:
     def key(self) -> str:
         """A digest of everything that decides the result except the model (for caching)."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("concurrency", "timeout_s")}
-        if self.rollout_timeout_s is None:  # absent as before it existed: results cached then stay found
-            del fields["rollout_timeout_s"]
+        for name in ("rollout_timeout_s", "sampling_seed"):  # absent as before they existed: old results stay found
+            if fields[name] is None:
+                del fields[name]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -99,7 +103,7 @@ class EvalResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EvalResult:
-        cfg = data["config"]
+        cfg = {"sampling_seed": None, **data["config"]}  # results from before seeding were unseeded
         config = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
         rows = [EvalScore(**r) for r in data["rows"]]
         extra = {"per_task": data["per_task"]} if "per_task" in data else {}
@@ -207,6 +211,7 @@ def run_eval(
                 max_tokens=cfg.max_tokens,
                 eval_timeout_s=cfg.timeout_s,
                 timeout_s=cfg.rollout_timeout_s,
+                eval_seed=cfg.sampling_seed,
             ),
             settings,
         )
@@ -215,6 +220,7 @@ def run_eval(
         stack.stop()
     result = EvalResult(str(model), cfg, rows, time.monotonic() - started, eval_table(rows, scheduler.sampling_note()))
     result.extra["per_task"] = per_task_rewards(scheduler.issued, scheduler.outstanding.final)
+    result.extra["topic_prefix"] = prefix  # the run's topics stay on the broker: replay, audit, compare reruns
     missing = sum(r.pending + r.infra + r.ungraded for r in rows)
     if missing:
         say(f"    ({missing} rollouts without a reward: infra failures, ungraded or timed out; see the logs)")

@@ -327,6 +327,7 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
                     temperature=req.temperature,
                     top_p=req.top_p,
                     top_k=req.top_k,
+                    seed=req.seed,
                     max_tokens=req.max_tokens,
                     ttl_s=timeout + 600,
                     attempt_id=a.attempt_id,

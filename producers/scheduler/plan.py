@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import uuid
 from collections import Counter
@@ -256,6 +257,14 @@ def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str
 
 EVAL_MODES = ("greedy", "sampled")  # greedy: temperature 0; sampled: the scheduler's sampling settings
 EVAL_MODE_KEY = "eval_mode"  # the request metadata label naming an eval rollout's mode
+
+
+def eval_seed(base: int, suite: str, task_id: str, harness: str, mode: str, sample: int) -> int:
+    """The sampling seed of one eval rollout: the same task, harness, mode and sample draw the same noise in every
+    evaluation (before and after training: common random numbers, so the paired difference is the policy's), and
+    differ from each other. 31 bits: the proxy adds the call's sequence number, every engine accepts it."""
+    key = f"{base}|{suite}|{task_id}|{harness}|{mode}|{sample}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)

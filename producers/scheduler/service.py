@@ -48,6 +48,7 @@ from producers.scheduler.plan import (
     Outstanding,
     StepPlan,
     eval_scores,
+    eval_seed,
     eval_table,
     instance_requests,
     may_issue,
@@ -101,6 +102,11 @@ class SchedulerSettings(BaseSettings):
         description="Decoding modes eval runs: greedy (temperature 0) and/or sampled (temperature/top_p/top_k).",
     )
     eval_timeout_s: float = Field(default=1800.0, description="Eval gives up waiting for rewards after this.")
+    eval_seed: int | None = Field(
+        default=0,
+        description="Base of the eval rollouts' sampling seeds, one per task × harness × mode × sample, so a rerun "
+        "draws the same (plan.eval_seed); null: unseeded.",
+    )
     publish_timeout_s: float = Field(default=30.0, description="Delivery deadline of one request.")
 
 
@@ -323,8 +329,10 @@ class Scheduler:
             )
             for task in tasks:
                 for h in self.s.eval_harnesses:
-                    for r in instance_requests(task, h, -1, plan, self.version, eval_mode=True):
+                    for i, r in enumerate(instance_requests(task, h, -1, plan, self.version, eval_mode=True)):
                         r.metadata[EVAL_MODE_KEY] = mode
+                        if self.s.eval_seed is not None:
+                            r.seed = eval_seed(self.s.eval_seed, task.suite, task.task_id, h, mode, i)
                         out.append(r)
         return out
 
