@@ -77,10 +77,15 @@ def _collect(kafka: KafkaSettings, ids: set[str], timeout: float) -> dict[str, l
     consumer = make_consumer(kafka, f"demos-{secrets.token_hex(4)}", **{"auto.offset.reset": "earliest"})
     consumer.subscribe(list(names))
     got: dict[str, list[Any]] = {t: [] for t in decode}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, shown = start + timeout, 0
     try:
         while time.monotonic() < deadline:
-            if {t.rollout_id for t in got[TRAJECTORIES] if t.reward is not None} >= ids:
+            done = {t.rollout_id for t in got[TRAJECTORIES] if t.reward is not None} & ids
+            if len(done) > shown:  # one line per finished demonstration: a long recording shows where it is
+                shown = len(done)
+                print(f"[demos] {shown}/{len(ids)} trajectories ({time.monotonic() - start:.0f} s)", flush=True)
+            if done >= ids:
                 break
             msg = consumer.poll(0.5)
             if msg is not None and not msg.error():

@@ -198,6 +198,12 @@ def demo(
     "base draw the same noise, so the paired difference of two models is theirs.",
 )
 @click.option("--unseeded", is_flag=True, help="Sample without seeds (every evaluation draws afresh).")
+@click.option(
+    "--rollout-timeout",
+    type=float,
+    default=None,
+    help="Seconds per rollout instead of each task's own (a real harness on few cores: e.g. 300).",
+)
 @click.option("--concurrency", type=int, default=12, show_default=True, help="Rollouts at once.")
 @click.option(
     "--engine",
@@ -224,6 +230,7 @@ def eval_command(
     max_tokens: int,
     sampling_seed: int,
     unseeded: bool,
+    rollout_timeout: float | None,
     concurrency: int,
     engine: str,
     json_out: Path | None,
@@ -248,6 +255,7 @@ def eval_command(
         concurrency=concurrency,
         engine=engine,
         sampling_seed=None if unseeded else sampling_seed,
+        rollout_timeout_s=rollout_timeout,
     )
     sigterm_interrupts()  # `kill` stops the evaluation's services too, as Ctrl-C does
     result = run_eval(model_dir, cfg)

@@ -69,6 +69,8 @@ class EvalConfig:
             raise ClawstreamError("name at least one harness to evaluate")
         if self.tasks < 0:
             raise ClawstreamError(f"--tasks must be >= 0, got {self.tasks}")
+        if self.rollout_timeout_s is not None and not self.rollout_timeout_s > 0:
+            raise ClawstreamError(f"--rollout-timeout must be > 0 seconds, got {self.rollout_timeout_s}")
 
     def key(self) -> str:
         """A digest of everything that decides the result except the model (for caching)."""

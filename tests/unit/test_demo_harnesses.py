@@ -197,6 +197,8 @@ def test_rollout_timeout_reaches_the_run_and_keeps_older_eval_cache_keys(monkeyp
     assert seen["rollout_timeout_s"] == 300.0
     with pytest.raises(ClawstreamError, match="--rollout-timeout must be > 0"):
         check(DemoConfig(rollout_timeout_s=0.0))
+    with pytest.raises(ClawstreamError, match="--rollout-timeout must be > 0"):  # clawstream eval's flag
+        EvalConfig(rollout_timeout_s=-1.0)
     # The field is absent from the cache key when unset, so results cached before it existed are still found.
     assert EvalConfig(sampling_seed=None).key() == "e76c6212fea8e725"  # the key before either field was added
     # Seeded (the default) results are not unseeded ones: a cached unseeded evaluation is not reused as seeded.

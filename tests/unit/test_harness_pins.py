@@ -86,3 +86,9 @@ def test_a_bad_override_names_the_variable_and_the_form(raw: str) -> None:
     with pytest.raises(HarnessInstallError, match=r"CLAWSTREAM_HARNESS_VERSIONS: bad entry .*name=version"):
         version_overrides(raw)
     assert version_overrides(" opencode=1.2.3 ,, ") == {"opencode": "1.2.3"}
+
+
+def test_the_teacher_was_recorded_with_the_pinned_versions() -> None:
+    from warmstart.teacher import RECORDED_WITH
+
+    assert RECORDED_WITH and all(HARNESSES[name].version == v for name, v in RECORDED_WITH.items())

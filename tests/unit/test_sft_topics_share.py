@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="SFT tests need torch (the 'ml' extr
 from tests.support.tiny_model import tiny_model  # noqa: E402
 from warmstart.sft import Sequence, _common_prefix  # noqa: E402
 from warmstart.sft_rows import Row  # noqa: E402
-from warmstart.sft_topics import rows_loss, score  # noqa: E402
+from warmstart.sft_topics import TopicSFTConfig, rows_loss, score  # noqa: E402
 
 SYSTEM = list(range(10, 30))  # 20 tokens every rollout of a harness starts with
 
@@ -63,3 +63,9 @@ def test_the_prefix_is_what_every_row_of_a_harness_starts_with_and_never_a_targe
     # token, so its last position (which predicts the first task token) is computed per row
     assert _common_prefix(opencode) == len(SYSTEM) - 1
     assert _common_prefix([opencode[0], opencode[2]]) == len(SYSTEM) + 2 - 1
+
+
+def test_scoring_is_bounded_by_rows_and_a_bad_bound_names_the_flag() -> None:
+    assert TopicSFTConfig(prefix="p").score_rows == 16  # 64 real-harness rows scored twice cost several steps
+    with pytest.raises(ValueError, match="--score-rows N, 0 for all"):
+        TopicSFTConfig(prefix="p", score_rows=-1)
