@@ -49,6 +49,11 @@ from warmstart.teacher import RECORDED_WITH, TOOLS, Teacher, installed_versions
 ROOT = Path(__file__).resolve().parents[1]
 
 
+ROLLOUT_TIMEOUT_S = (
+    180.0  # each demonstration's bound (the teacher answers at once; the harness and grading take the time)
+)
+
+
 def _streams(kafka: KafkaSettings, workdir: Path) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
@@ -187,7 +192,7 @@ async def record(
                         harness=harness,
                         group_id=f"cpu/{task_id}|{harness}|0",
                         step=0,
-                        timeout_s=180.0,
+                        timeout_s=ROLLOUT_TIMEOUT_S,
                     )
                     producer.produce(kafka.topic(ROLLOUT_REQUESTS), key=rid.encode(), value=req.to_bytes())
                 if producer.flush(30) != 0:
@@ -217,14 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", required=True, help="topic prefix the demonstrations go to (e.g. 'demos1.')")
     p.add_argument("--model-dir", type=Path, default=SHIPPED_DIR, help="tokenizer + chat template (%(default)s)")
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at once (%(default)s)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for every trajectory")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for every trajectory (default: every rollout's own 180 s bound, --concurrency at a "
+        "time, + 120 s)",
+    )
     p.add_argument("--out", type=Path, help="also write the summary JSON here")
     add_kafka_arguments(p)
     a = p.parse_args(argv)
     kafka = kafka_settings(a).model_copy(update={"topic_prefix": a.prefix})
+    # Bounded by the rollouts' own timeouts, not a fixed wall-clock (900 s cut 64 tasks at 36 on loaded cores).
+    timeout = a.timeout if a.timeout is not None else ROLLOUT_TIMEOUT_S * -(-a.tasks // max(a.concurrency, 1)) + 120
     try:
         summary = asyncio.run(
-            record(a.harness, a.tasks, kafka, model_dir=a.model_dir, concurrency=a.concurrency, timeout_s=a.timeout)
+            record(a.harness, a.tasks, kafka, model_dir=a.model_dir, concurrency=a.concurrency, timeout_s=timeout)
         )
     except ValueError as exc:
         p.error(str(exc))
