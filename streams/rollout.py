@@ -5,7 +5,8 @@ INFRA_FAILURE) or when its terminal lifecycle event (HARNESS_EXITED / TIMED_OUT 
 ``calls_served`` distinct calls and its reward are all in. A ready rollout settles once no new record of it arrived for
 ``settle_interval_s`` (docs/method.md#settling). A rollout that is not ready settles INCOMPLETE (``drop_reason``: what
 is missing) ``settle_timeout_s`` after its terminal event, or — when the terminal event never came — after
-``timeout_s`` of its request (``rollout_timeout_s`` if unknown) plus ``settle_timeout_s`` of silence. Times are
+``timeout_s`` of its request (``rollout_timeout_s`` if unknown) plus ``settle_timeout_s`` of silence; one seen only by
+its request (still queued) first waits until the request's ``deadline_ms``, else ``rollout_timeout_s``. Times are
 processing times (persisted in the state, so a restarted worker keeps the deadlines), and silence only counts from
 when the worker started listening (its last completed rebalance): records that arrived meanwhile may still wait in
 Kafka, so no rollout is given up before the worker itself waited the full interval.
@@ -133,6 +134,14 @@ class RolloutAccumulator:
         if self.terminal is not None:
             return max(int(max(self.terminal["at_ms"], since_ms) + cfg.settle_timeout_s * 1000), quiet)
         budget = self.request["timeout_s"] if self.request else cfg.rollout_timeout_s
+        if self.request is not None and self.started is None and not (self.call_ids or self.held or self.reward):
+            # Only its request: it may wait in the requests topic for a free sandbox slot, and its own timeout
+            # starts at STARTED. Giving up from the request's arrival sealed queued rollouts INCOMPLETE before they
+            # ran (13 of 36 solved demonstrations of a 64-request recording, at 2 at a time) and dead-lettered their
+            # calls and reward as late. The wait is bounded by the request's deadline (no worker starts it after),
+            # else by rollout_timeout_s.
+            queued = self.request.get("deadline_ms") or int(last + cfg.rollout_timeout_s * 1000)
+            return int(max(queued, last) + (budget + cfg.settle_timeout_s) * 1000)
         return int(last + (budget + cfg.settle_timeout_s) * 1000)
 
     # ---- records ----------------------------------------------------------------------------------------------
@@ -213,6 +222,7 @@ class RolloutAccumulator:
             "harness": req.harness,
             "suite": req.suite,
             "timeout_s": req.timeout_s,
+            "deadline_ms": req.deadline_ms,
             "eval": req.eval,
             "metadata": dict(req.metadata),
             "attempt": req.attempt,

@@ -13,11 +13,13 @@ from schemas.events import (
     RewardEvent,
     RewardStatus,
     RolloutEvent,
+    RolloutRequest,
     RolloutState,
     Trajectory,
     TrajectoryStatus,
 )
 from schemas.topics import CALLS, REWARDS, ROLLOUT_EVENTS
+from schemas.topics import ROLLOUT_REQUESTS as REQUESTS
 from streams.assemble import Assembler
 from streams.rollout import RolloutAccumulator
 from streams.settings import StreamsSettings
@@ -175,6 +177,28 @@ def test_without_terminal_event_the_request_timeout_bounds_the_wait() -> None:
     rig2 = Rig()  # no request: rollout_timeout_s
     last = rig2.feed(records[1:], 0)
     assert rig2.tick(last + 109_999) == [] and len(rig2.tick(last + 110_000)) == 1
+
+
+def test_a_queued_request_is_not_given_up_before_it_starts() -> None:
+    r = rollout()
+    (_, request), rest = r.records[0], r.records[1:]
+    assert isinstance(request, RolloutRequest) and request.timeout_s == 600
+    rig = Rig()
+    at = rig.feed([(REQUESTS, request)], 0)
+    waited = at + (600 + 10) * 1000  # the request's timeout_s + settle_timeout_s: the give-up time of the old rule
+    assert rig.tick(waited) == []  # still queued for a sandbox slot: not given up
+    [t] = rig.tick(rig.feed(rest, waited + 1) + 1000)  # it starts late and is assembled whole
+    assert t.status is TrajectoryStatus.COMPLETE and t.reward == 0.75 and t.calls == 3 and not rig.rejected
+
+    never = Rig()  # never started: rollout_timeout_s of queueing, then its own budget and the settle timeout
+    bound = never.feed([(REQUESTS, request)], 0) + (100 + 600 + 10) * 1000
+    assert never.tick(bound - 1) == []
+    [t] = never.tick(bound)
+    assert t.status is TrajectoryStatus.INCOMPLETE and "no terminal lifecycle event" in (t.drop_reason or "")
+
+    due = Rig()  # a deadline (no worker starts the request after it) bounds the queueing instead
+    due.feed([(REQUESTS, replace(request, deadline_ms=5_000))], 0)
+    assert due.tick(5_000 + 610_000 - 1) == [] and len(due.tick(5_000 + 610_000)) == 1
 
 
 @pytest.mark.parametrize("fault", ["infra", "infra_reward"])
