@@ -8,7 +8,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: images demo test unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults soak test-scale
+.PHONY: images demo test test-long unit integration lint bench install vllm clean kafka-down docker test-faults bench-faults soak test-scale
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,14 +26,26 @@ demo: $(STAMP)
 	@[ "$$CLAWSTREAM_SANDBOX_ISOLATION" = none ] || command -v bwrap >/dev/null || { echo "the demo's sandboxes need bubblewrap: apt-get install bubblewrap (docs/security.md)"; exit 1; }
 	$(VENV)/bin/clawstream demo
 
+# `make test` runs in two phases, both always (the exit status fails if either failed): unit + integration tests on
+# TEST_WORKERS pytest-xdist workers (each its own broker; a module stays on one worker), then, one at a time, the
+# e2e tests, those that need background provisioning (.ci/run) and those that check machine-wide state (`serial`).
+# Integration tests mostly wait on the broker and their processes (~0.6 of 2 cores each): three at once fill them.
+TEST_WORKERS ?= 3
+PHASE1 := not e2e and not provisioned and not serial
+
 test: $(STAMP)
-	$(PY) -m pytest -q -rsx -p no:cacheprovider --durations=25 tests
+	$(PY) -m pytest -q -rsx -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "$(PHASE1)" tests; a=$$?; \
+	$(PY) -m pytest -q -rsx -p no:cacheprovider --durations=25 -m "not ($(PHASE1))" tests; b=$$?; \
+	echo "make test: phase 1 (parallel) exit $$a, phase 2 (one at a time) exit $$b"; [ $$a -eq 0 ] && [ $$b -eq 0 ]
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/unit
 
 integration: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/integration
+
+test-long: $(STAMP)  # tests too long for `make test` on 2 cores (CLAWSTREAM_TEST_LONG=1): Claude Code's 37k-token prompt on real vLLM
+	CLAWSTREAM_TEST_LONG=1 $(PY) -m pytest -q -rs -p no:cacheprovider tests/integration/test_harness_prefix_cache.py
 
 test-faults: $(STAMP)  # the full fault matrix (bench/faults.py FAULT_TESTS); `make test` runs one of each kind
 	$(PY) -c 'from bench.faults import FAULT_TESTS; print(" ".join(FAULT_TESTS))' | CLAWSTREAM_FAULT_MATRIX=1 xargs $(PY) -m pytest -q -rs -p no:cacheprovider

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -196,7 +197,8 @@ async def grade_directory(
     proxy recorded this run, so they are used as :func:`run_transcript` uses harness-written ones."""
     if not workspace.is_dir():
         raise TaskError(f"workspace {workspace} is not a directory")
-    box = await backend.create(f"grade-{task.task_id[:24]}", replace(task, files={}))
+    # A fresh id per grading: two gradings of one task at once must not share a kill marker (kill_all matches it).
+    box = await backend.create(f"grade-{task.task_id[:24]}-{uuid.uuid4().hex[:8]}", replace(task, files={}))
     try:
         await asyncio.to_thread(
             shutil.copytree, workspace, box.host_path(box.workspace), symlinks=True, dirs_exist_ok=True

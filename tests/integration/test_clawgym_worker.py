@@ -19,7 +19,7 @@ from tests.support import sandbox_helpers as S
 from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
 
 SOLUTIONS = S.FIXTURES / "clawgym_solutions"
 

@@ -54,7 +54,7 @@ from tests.support.harness_tasks import (
 from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
 
 # OpenClaw's final answer to the ClawGym task quotes the checklist six times (2.3 KB): OpenClaw then stores that
 # transcript record Zstandard-compressed, and the session export must decode it.

@@ -22,7 +22,7 @@ from tests.support import proxy_helpers as H
 from tests.support.proxy_server import register, running_proxy
 from tests.support.scripted_engine import ScriptedEngine
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # it times the event loop: on a CPU no other test loads
 WORDS = "the quick brown fox writes hello.txt and then reads it back "
 PAUSE_S = 0.02
 FITS = 8  # rollouts of ~40k tokens each, at once

@@ -23,7 +23,7 @@ from tests.support import sandbox_helpers as S
 from tests.support.sandbox_stack import assert_clean, assert_solved_by_harness, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
 
 
 def installed(name: str) -> None:

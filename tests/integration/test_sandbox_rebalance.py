@@ -43,7 +43,7 @@ from tests.support.proxy_server import running_proxy
 from tests.support.sandbox_stack import wait_for, worker_process
 from tests.support.scripted_engine import ScriptedEngine
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
 PARTITIONS = range(ROLLOUT_PARTITIONS)
 
 

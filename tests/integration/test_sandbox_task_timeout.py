@@ -14,7 +14,7 @@ from schemas.events import RewardStatus, RolloutState
 from tests.support import sandbox_helpers as S
 from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
 
 
 @pytest.mark.timeout(240)

@@ -23,7 +23,7 @@ from tests.support.sandbox_stack import wait_for
 from tests.support.sandbox_stack import worker_process as start_worker
 from tests.support.scripted_engine import ScriptedEngine
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
 
 
 @pytest.mark.timeout(240)

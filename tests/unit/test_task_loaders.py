@@ -192,6 +192,7 @@ def test_captured_subscores() -> None:
     assert parse_captured_subscores("") == {}
 
 
+@pytest.mark.serial  # its leftover check is machine-wide
 async def test_cpu_suite_graders(tmp_path: Path) -> None:
     suite = cpu_suite()
     assert len(suite.split("train")) >= 64 and len(suite.split("heldout")) >= 32
