@@ -302,7 +302,12 @@ def test_tail_follow_prints_new_records_until_a_signal(kafka_settings: KafkaSett
     stderr = proc.stderr.read() if proc.stderr else ""
     assert f"tail: {len(lines)} records from {kafka_settings.topic(CALLS)}" in stderr and "Traceback" not in stderr
     # Partitions were assigned by hand: no consumer group was ever registered, nothing committed.
-    groups = make_admin(kafka_settings).list_consumer_groups(request_timeout=15).result()
+    # The admin client is held until its future resolves: a temporary one is freed at once, librdkafka then purges the
+    # pending request ("Purging 2 unserved events from background queue") and the future never resolves (CI hung here
+    # 600 s). A bounded wait says so instead of hanging.
+    admin = make_admin(kafka_settings)
+    groups = admin.list_consumer_groups(request_timeout=15).result(timeout=60)
+    del admin
     assert not [g.group_id for g in groups.valid if g.group_id.startswith("clawstream-reader-")]
 
 
