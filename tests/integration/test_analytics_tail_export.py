@@ -307,7 +307,6 @@ def test_tail_follow_prints_new_records_until_a_signal(kafka_settings: KafkaSett
     # 600 s). A bounded wait says so instead of hanging.
     admin = make_admin(kafka_settings)
     groups = admin.list_consumer_groups(request_timeout=15).result(timeout=60)
-    del admin
     assert not [g.group_id for g in groups.valid if g.group_id.startswith("clawstream-reader-")]
 
 
