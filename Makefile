@@ -26,17 +26,23 @@ demo: $(STAMP)
 	@[ "$$CLAWSTREAM_SANDBOX_ISOLATION" = none ] || command -v bwrap >/dev/null || { echo "the demo's sandboxes need bubblewrap: apt-get install bubblewrap (docs/security.md)"; exit 1; }
 	$(VENV)/bin/clawstream demo
 
-# `make test` runs in two phases, both always (the exit status fails if either failed): unit + integration tests on
-# TEST_WORKERS pytest-xdist workers (each its own broker; a module stays on one worker), then, one at a time, the
-# e2e tests, those that need background provisioning (.ci/run) and those that check machine-wide state (`serial`).
-# Integration tests mostly wait on the broker and their processes (~0.6 of 2 cores each): three at once fill them.
+# `make test` runs in three phases, all always (the exit status fails if any failed): (1) unit + integration tests on
+# TEST_WORKERS pytest-xdist workers (each its own broker; a module stays on one worker); (2) the e2e tests and those
+# that need background provisioning (.ci/run), E2E_WORKERS at a time; (3) one at a time, those that check
+# machine-wide state (`serial`). Integration tests mostly wait on the broker and their processes (~0.6 of 2 cores
+# each): three at once fill them; an e2e test waits on harnesses, engines and containers for much of its run.
 TEST_WORKERS ?= 3
+E2E_WORKERS ?= 2
 PHASE1 := not e2e and not provisioned and not serial
+PHASE2 := (e2e or provisioned) and not serial
+PYTEST := $(PY) -m pytest -q -rsx -p no:cacheprovider
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rsx -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "$(PHASE1)" tests; a=$$?; \
-	$(PY) -m pytest -q -rsx -p no:cacheprovider --durations=25 -m "not ($(PHASE1))" tests; b=$$?; \
-	echo "make test: phase 1 (parallel) exit $$a, phase 2 (one at a time) exit $$b"; [ $$a -eq 0 ] && [ $$b -eq 0 ]
+	$(PYTEST) --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "$(PHASE1)" tests; a=$$?; \
+	$(PYTEST) --durations=25 -n $(E2E_WORKERS) --dist loadfile -m "$(PHASE2)" tests; b=$$?; \
+	$(PYTEST) --durations=10 -m serial tests; c=$$?; \
+	echo "make test: phase 1 (unit + integration) exit $$a, phase 2 (e2e + provisioned) exit $$b, phase 3 (serial) exit $$c"; \
+	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ]
 
 unit: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/unit

@@ -50,7 +50,8 @@ from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, 
 from tests.support.scripted_engine import tool_call_text
 from tests.support.stream_harness import Worker as StreamsWorker
 
-pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+# serial: assert_clean checks that no sandbox process is left anywhere on the machine (`make test` phase 3)
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.serial]
 ROOT = Path(__file__).resolve().parents[2]
 UNSOLVED = "UNSOLVED checklist: nothing recovered yet\n"  # the failing rollout's only file
 

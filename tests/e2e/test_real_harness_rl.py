@@ -50,7 +50,8 @@ from tests.support.stream_harness import Worker as StreamsWorker
 from warmstart.scripted_engine import tool_call_text
 from warmstart.teacher import FINAL, TITLE, TOOLS, plan, workspace_regex
 
-pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+# serial: assert_clean checks that no sandbox process is left anywhere on the machine (`make test` phase 3)
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.serial]
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = "opencode"
 TASKS = ("train-001-write_two", "train-009-write_two")  # two new files each: two write calls, four checks

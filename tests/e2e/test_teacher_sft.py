@@ -37,7 +37,8 @@ from warmstart.sft_rows import build_rows
 from warmstart.sft_topics import TopicSFTConfig, sft_from_topics
 from warmstart.teacher import Teacher
 
-pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+# serial: assert_clean checks that no sandbox process is left anywhere on the machine (`make test` phase 3)
+pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.serial]
 TASKS = ("train-000-write", "train-003-replace")  # a new file (write tool), an existing one changed (bash tool)
 
 
