@@ -10,7 +10,10 @@ result) as ``models/warmstart`` has.
 Topics: ``PREFIX.clawstream.trajectories`` in → a model directory out. Run::
 
     clawstream model sft --from-topics demo1 --model-dir models/warmstart --out models/from-demos \
-        [--min-reward 1.0 --steps 20 --seed 0 --batch-size 2 --lr 1e-3 --score-rows 16]
+        [--min-reward 1.0 --steps 20 --seed 0 --batch-size 2 --lr 1e-3 --score-rows 16 --mix-builtin 0]
+
+``--mix-builtin N`` adds N rows of the shipped warm start's own data (scripted agent-loop episodes, both dialects),
+so that training on a real harness keeps the built-in loop.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class TopicSFTConfig:
     # Loss before/after is measured on this many rows (a seeded sample; 0: all): scoring 64 real-harness rows of
     # 14k tokens twice cost more than a few training steps on 2 cores.
     score_rows: int = 16
+    # Agent-loop rows of the shipped warm start's data mixed in (#32: 10 steps on opencode rows alone took the
+    # built-in loop from 0.615 to 0.437 held out: forgetting).
+    mix_builtin: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -54,6 +60,8 @@ class TopicSFTConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size} (pass --batch-size N with N >= 1)")
         if self.score_rows < 0:
             raise ValueError(f"score_rows must be >= 0, got {self.score_rows} (pass --score-rows N, 0 for all)")
+        if self.mix_builtin < 0:
+            raise ValueError(f"mix_builtin must be >= 0, got {self.mix_builtin} (pass --mix-builtin N, 0 for none)")
 
 
 def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Trajectory]:
@@ -65,6 +73,23 @@ def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Traje
         return [Trajectory.from_bytes(msg.value()) for msg in read_to_end(consumer, topic, ends, timeout=timeout)]
     finally:
         consumer.close()
+
+
+BUILTIN_HARNESS = {"openai": "agentloop", "anthropic": "agentloop-anthropic"}  # dialect → the harness's name
+
+
+def builtin_rows(tokenizer: Any, n: int, seed: int = 0) -> list[Row]:
+    """``n`` rows of the shipped warm start's data: a scripted correct episode of each of the CPU suite's first train
+    tasks through the built-in agent loop, in both dialects (``warmstart.demos``), loss on the assistant tokens."""
+    from warmstart.demos import build_episodes, train_tasks
+    from warmstart.sft import episode_sequence
+
+    out = []
+    for ep in build_episodes(tokenizer, train_tasks((n + 1) // 2, seed))[:n]:
+        seq = episode_sequence(ep.dialect, ep.turns)
+        harness = BUILTIN_HARNESS[ep.dialect]
+        out.append(Row(f"builtin-{ep.task_id}-{harness}", harness, ep.task_id, 1.0, seq.ids, seq.mask))
+    return out
 
 
 def rows_loss(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = True) -> tuple[Any, int]:
@@ -82,7 +107,7 @@ def rows_loss(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = Tr
     return total, count
 
 
-def score(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = True, chunk: int = 4) -> dict[str, float]:
+def score(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = True, chunk: int = 4) -> dict[str, Any]:
     """Mean token cross-entropy over the rows' target tokens (= minus their mean log-prob), no gradient; ``chunk``
     rows of a harness at a time (their logits are chunk x tail x vocabulary floats)."""
     import torch
@@ -91,13 +116,20 @@ def score(model: Any, rows: list[Row], pad_id: int, shared_prefix: bool = True, 
     for r in rows:
         by_harness.setdefault(r.harness, []).append(r)
     loss, n = 0.0, 0
+    per: dict[str, float] = {}
     with torch.no_grad():
-        for group in by_harness.values():
+        for harness, group in sorted(by_harness.items()):
+            h_loss, h_n = 0.0, 0
             for i in range(0, len(group), chunk):
                 total, count = rows_loss(model, group[i : i + chunk], pad_id, shared_prefix)
-                loss += float(total)
-                n += count
-    return {"loss": loss / max(n, 1), "target_logprob": -loss / max(n, 1), "target_tokens": n}
+                h_loss += float(total)
+                h_n += count
+            per[harness] = round(h_loss / max(h_n, 1), 4)
+            loss, n = loss + h_loss, n + h_n
+    out: dict[str, Any] = {"loss": loss / max(n, 1), "target_logprob": -loss / max(n, 1), "target_tokens": n}
+    if len(per) > 1:
+        out["loss_by_harness"] = per
+    return out
 
 
 def sft_from_rows(model_dir: str | Path, out_dir: str | Path, rows: list[Row], cfg: TopicSFTConfig) -> dict[str, Any]:
@@ -173,7 +205,14 @@ def sft_from_topics(
     kafka = base.model_copy(update={"topic_prefix": cfg.prefix})
     trajectories = read_trajectories(kafka)
     rows, skipped = build_rows(trajectories, cfg.min_reward)
-    summary = {"topic": kafka.topic(TRAJECTORIES), "trajectories": len(trajectories), "skipped": skipped}
+    summary: dict[str, Any] = {"topic": kafka.topic(TRAJECTORIES), "trajectories": len(trajectories)}
+    summary["skipped"] = skipped
+    if rows and cfg.mix_builtin:
+        from transformers import AutoTokenizer
+
+        mixed = builtin_rows(AutoTokenizer.from_pretrained(str(model_dir)), cfg.mix_builtin, cfg.seed)
+        summary["topic_rows"], summary["builtin_rows"] = len(rows), len(mixed)
+        rows = rows + mixed
     summary |= sft_from_rows(model_dir, out_dir, rows, cfg)
     Path(out_dir, "sft_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -192,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the order and torch (%(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (%(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="rows per step (%(default)s)")
+    p.add_argument(
+        "--mix-builtin",
+        type=int,
+        default=d.mix_builtin,
+        metavar="N",
+        help="add N agent-loop rows of the shipped warm start's data, to keep the built-in loop (%(default)s)",
+    )
     p.add_argument(
         "--no-shared-prefix", action="store_true", help="run every row's whole context (slower; the same loss)"
     )
@@ -214,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             a.batch_size,
             not a.no_shared_prefix,
             a.score_rows,
+            a.mix_builtin,
         )
         summary = sft_from_topics(a.model_dir, a.out, cfg, kafka_settings(a))
     except ValueError as exc:

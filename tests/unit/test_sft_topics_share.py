@@ -69,3 +69,22 @@ def test_scoring_is_bounded_by_rows_and_a_bad_bound_names_the_flag() -> None:
     assert TopicSFTConfig(prefix="p").score_rows == 16  # 64 real-harness rows scored twice cost several steps
     with pytest.raises(ValueError, match="--score-rows N, 0 for all"):
         TopicSFTConfig(prefix="p", score_rows=-1)
+
+
+def test_builtin_rows_mix_the_agent_loops_own_data_in_both_dialects() -> None:
+    from tests.support.proxy_helpers import tiny_tokenizer
+    from warmstart.sft_topics import builtin_rows
+
+    tok = tiny_tokenizer()
+    rows = builtin_rows(tok, 3)
+    assert [r.harness for r in rows] == ["agentloop", "agentloop-anthropic", "agentloop"]
+    assert rows[0].task_id == rows[1].task_id != rows[2].task_id and len({r.rollout_id for r in rows}) == 3
+    for r in rows:
+        assert len(r.ids) == len(r.mask) and 0 < sum(r.mask) < len(r.ids)
+        targets = tok.decode([t for t, m in zip(r.ids, r.mask, strict=True) if m])
+        # the scripted solution's tool calls, each ended by the end-of-turn token (the agent loop's own tools)
+        assert targets.startswith('<tool_call>\n{"name": ') and targets.endswith("</tool_call><|im_end|>"), targets
+        assert r.mask[0] == 0  # the system prompt is never a target
+    assert '"write_file"' in tok.decode(rows[0].ids) and '"Write"' in tok.decode(rows[1].ids)
+    with pytest.raises(ValueError, match="--mix-builtin N, 0 for none"):
+        TopicSFTConfig(prefix="p", mix_builtin=-1)
