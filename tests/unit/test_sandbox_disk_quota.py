@@ -94,6 +94,10 @@ def test_a_directory_its_owner_made_unlistable_still_counts_for_a_non_root_worke
             os.chown(root, 65534, 65534)
             argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", *argv]
         repo = Path(__file__).resolve().parents[2]
+        if os.geteuid() == 0 and any(d.stat().st_mode & 0o005 != 0o005 for d in (repo, *repo.parents)):
+            pytest.skip(
+                f"nobody cannot read the checkout ({repo} lies under a directory closed to others, e.g. mktemp -d)"
+            )
         done = subprocess.run(argv, capture_output=True, text=True, cwd=repo, timeout=60, env={"PYTHONPATH": str(repo)})
         assert done.returncode == 0, done.stderr
         assert int(done.stdout) >= 2 << 20, done.stdout
