@@ -4,8 +4,9 @@ Faust opens one RocksDB database per partition of every table (8 tables, ~50 dat
 own memtables (64 MiB × 3) and block cache (2 GiB). Nothing flushes a memtable before it fills, so memtables grow with
 every write up to GiBs (the soak's growth was mostly Faust's key index: docs/method.md#a-stream-workers-memory).
 Here every database shares one LRU block cache, and one write-buffer manager charges all memtables to that cache and
-flushes the largest when they pass their share: the worker's RocksDB memory stays under ``rocksdb_memory_mb``
-however many partitions it owns.
+flushes on the next write once they pass their share: the worker's RocksDB memory stays near ``rocksdb_memory_mb``
+however many partitions it owns. A soft limit (no write stalls, which would block the event loop): a burst on a slow
+disk ends above the share, at most one write buffer per database besides one being flushed, until the next writes.
 
 Faust builds each store's options from a plain dict; :func:`bound` replaces the options object of each table's store
 before anything opens (stores open their databases on assignment). :meth:`Budget.report` is the periodic log line; it

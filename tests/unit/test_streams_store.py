@@ -36,7 +36,7 @@ FLUSHING = ("rocksdb.mem-table-flush-pending", "rocksdb.num-running-flushes")
 
 def _memtables(dbs: list) -> int:
     """Bytes in every database's memtables once no flush is pending or running (flushes run in the background)."""
-    for _ in range(500):  # bounded by polls, not a clock
+    for _ in range(3000):  # bounded by polls, not a clock (a loaded disk takes seconds per flush)
         busy = sum(
             db.property_int_value("rocksdb.mem-table-flush-pending")
             + db.property_int_value("rocksdb.num-running-flushes")
@@ -50,6 +50,14 @@ def _memtables(dbs: list) -> int:
 
 # The budget's memtable share, plus what an empty active memtable holds in each database (its first arena blocks).
 BOUND = 16 * store.MIB * store.MEMTABLE_SHARE + DATABASES * store.MIB // 2
+# Without the manager's help each database still flushes at its own write buffer (one active, one being flushed).
+HARD = DATABASES * 2 * store.WRITE_BUFFER_BYTES
+
+
+def _write_once_to_each(dbs: list) -> None:
+    """The manager acts on writes: one more small write per database, as a live worker's next records are."""
+    for i, db in enumerate(dbs):
+        db[b"next-%04d" % i] = b"x"
 
 
 def test_memtables_of_every_partition_stay_within_one_budget(tmp_path: Path) -> None:
@@ -59,7 +67,12 @@ def test_memtables_of_every_partition_stay_within_one_budget(tmp_path: Path) -> 
     assert all(t.data.rocksdb_options.shared is shared for t in tables)
     dbs = [t.data.rocksdb_options.open(tmp_path / f"db{i}") for i, t in enumerate(tables)]
     _fill(dbs, WRITES)
-    # The manager flushes when the memtables pass their share (a soft limit: a burst overshoots while flushes run).
+    # A soft limit: the manager flushes on a write once the memtables pass their share, but a database whose previous
+    # flush still runs keeps writing into its active memtable. On a loaded disk a burst ends above the share (CI saw
+    # 24.7 MiB of 20 here; an I/O-bound copy alongside gives 9-27 MiB), bounded by each database's own write buffers,
+    # and the next writes bring it back under the share (3-4 MiB measured under the same load).
+    assert _memtables(dbs) <= HARD
+    _write_once_to_each(dbs)
     assert _memtables(dbs) <= BOUND
     assert "of 16.0" in shared.report()
     for db in dbs:
@@ -70,6 +83,7 @@ def test_faust_defaults_would_hold_every_write_in_memtables(tmp_path: Path) -> N
     """The failure the budget prevents: with Faust's options nothing flushes, memory grows with every write."""
     dbs = [t.data.rocksdb_options.open(tmp_path / f"db{i}") for i, t in enumerate(_tables(DATABASES))]
     _fill(dbs, WRITES)
+    _write_once_to_each(dbs)
     assert _memtables(dbs) > 1.5 * BOUND
     for db in dbs:
         db.close()
