@@ -4,8 +4,12 @@ Served over the engine protocol by :class:`warmstart.scripted_engine.ScriptedEng
 (opencode, Codex, Qwen Code) calls it through the serving proxy like any policy: every demonstration is then on the
 calls and trajectories topics by the path RL uses. Per task the teacher knows the task's checks (it is handed the
 tasks it records), finds the task by its prompt in the conversation, the sandbox's workspace in the harness's prompt,
-and answers one tool call per turn — a new file with the harness's write tool, a changed or deleted one with its
-shell tool — then a plain final answer. Tool-less calls (titles) get a short title.
+and answers one tool call per turn — first it shows every input file (``cat`` through the shell, or the harness's
+read tool), then a new file with the harness's write tool, a changed or deleted one with its shell tool — then a
+plain final answer. Reading first makes a demonstration learnable: every content the teacher writes is in the
+conversation the policy sees (a copy's source, a sum's numbers), as in the built-in loop's demonstrations; without
+the reads the teacher wrote what only the grader knew, and 160 SFT steps on such demonstrations solved no held-out
+task through opencode. Tool-less calls (titles) get a short title.
 
 Harness versions the teacher's tool calls were recorded with: :data:`RECORDED_WITH`; ``installed_versions`` reads
 what is installed now (``clawstream model demos`` writes both into its summary). Topics: none here (the recorder,
@@ -32,13 +36,15 @@ RECORDED_WITH: dict[str, str] = {"opencode": "1.18.33", "codex": "0.171.0", "qwe
 FINAL = "Done."
 TITLE = '{"title": "Workspace task"}'
 
-Action = tuple[str, str, str]  # ("write" | "delete", relative path, content)
+Action = tuple[str, str, str]  # ("read" | "write" | "delete", relative path, content)
 
 
 def plan(task: Task) -> list[Action]:
-    """What solves ``task`` (a built-in CPU task), from its checks: each file's wanted content, each absent file."""
+    """What solves ``task`` (a built-in CPU task), from its checks: each input file read (unless the task only
+    deletes, as in ``warmstart.demos.solution_calls``), each file's wanted content written, each absent file deleted."""
     checks = json.loads(task.grader.files["checks.json"])
-    actions: list[Action] = []
+    deletes = any(check["kind"] == "absent" for check in checks)
+    actions: list[Action] = [] if deletes else [("read", rel, "") for rel in task.files]
     for check in checks:
         path = check["path"]
         if check["kind"] == "equals":
@@ -60,7 +66,8 @@ def _heredoc(rel: str, content: str) -> str:
 
 
 def _shell(rel: str, kind: str, content: str) -> str:
-    return f"unlink {rel}" if kind == "delete" else _heredoc(rel, content)  # `rm -f` failed through codex 0.171.0
+    # `rm -f` failed through codex 0.171.0; `cat` prints the file raw, as the built-in loop's read_file does
+    return {"delete": f"unlink {rel}", "read": f"cat {rel}"}.get(kind) or _heredoc(rel, content)
 
 
 # harness → (workspace, action, file existed) → (tool name, arguments): the harness's own tools.
@@ -69,7 +76,9 @@ ToolCall = Callable[[str, Action, bool], tuple[str, dict[str, Any]]]
 
 def _opencode(ws: str, action: Action, existed: bool) -> tuple[str, dict[str, Any]]:
     kind, rel, content = action
-    if kind == "write" and not existed:  # opencode's write refuses to overwrite a file not read first: shell then
+    # opencode's write refuses to overwrite a file its read tool has not read: the shell then. Reads are `cat`, not
+    # opencode's read tool, whose numbered lines (`00001| river`) the warm start never learned to copy from.
+    if kind == "write" and not existed:
         return "write", {"filePath": f"{ws}/{rel}", "content": content}
     return "bash", {"command": _shell(rel, kind, content), "workdir": ws}
 
@@ -81,6 +90,8 @@ def _codex(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]
 
 def _qwen_code(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
     kind, rel, content = action
+    if kind == "read":
+        return "read_file", {"file_path": f"{ws}/{rel}"}
     if kind == "write":
         return "write_file", {"file_path": f"{ws}/{rel}", "content": content}
     return "run_shell_command", {"command": f"cd {ws} && rm -f {rel}", "description": f"delete {rel}"}

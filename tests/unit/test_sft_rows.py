@@ -90,10 +90,14 @@ def test_teacher_plan_solves_each_template(template: str) -> None:
 
     task = next(t for t in generate("train", 16, 0) if t.metadata["template"] == template)
     files = {k: v.decode() for k, v in task.files.items()}
-    for kind, path, content in plan(task):
+    actions = plan(task)
+    # every input file is read before anything is written (what the teacher writes is in the conversation)
+    assert [a[1] for a in actions if a[0] == "read"] == ([] if template == "delete" else list(task.files))
+    assert all(a[0] == "read" for a in actions[: len(task.files)]) or template == "delete"
+    for kind, path, content in actions:
         if kind == "delete":
             files.pop(path, None)
-        else:
+        elif kind == "write":
             files[path] = content
     for check in json.loads(task.grader.files["checks.json"]):
         text = files.get(check["path"])
