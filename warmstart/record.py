@@ -5,9 +5,11 @@ One process runs the stack around the teacher: the teacher's engine (``warmstart
 ``warmstart.scripted_engine``, reporting a prefix cache's cached tokens), the real serving proxy, one sandbox worker
 (local sandboxes) running the real harness binary, and a streams worker subprocess (``python -m streams.app worker``)
 that assembles the trajectories. It creates the prefix's topics, publishes one rollout request per task (the first
-``--tasks`` train tasks of ``builtin:cpu``), waits for every trajectory, then prints and writes (``--out``) a summary:
-solved, mean reward, per rollout calls / prompt tokens / cached tokens / seconds, and the harness version installed
-next to the one the teacher was recorded with (:data:`warmstart.teacher.RECORDED_WITH`).
+``--tasks`` training tasks of the CPU suite, ``warmstart.demos.train_tasks``: ``builtin:cpu``'s 96 train tasks, then
+more of the same templates, never a held-out prompt; written as a native suite the sandbox worker loads), waits for
+every trajectory, then prints and writes (``--out``) a summary: solved, mean reward, per rollout calls / prompt
+tokens / cached tokens / seconds, and the harness version installed next to the one the teacher was recorded with
+(:data:`warmstart.teacher.RECORDED_WITH`).
 
 Topics: ``PREFIX.clawstream.rollout.requests`` out; ``calls``, ``rollout.events``, ``rewards``, ``trajectories`` in
 (written by the stack it runs). Run (a broker: ``clawstream kafka up``)::
@@ -39,9 +41,10 @@ from producers.harnesses.install import install_harness
 from producers.proxy.app import Proxy, ProxySettings
 from producers.sandbox.base import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
-from producers.tasks.catalog import load_suite
+from producers.tasks.native import write_native_task
 from schemas.events import CallEvent, RewardEvent, RolloutRequest, Trajectory
 from schemas.topics import CALLS, CATALOG, REWARDS, ROLLOUT_REQUESTS, TRAJECTORIES
+from warmstart.demos import TRAIN_CHUNK, train_tasks
 from warmstart.scripted_engine import ScriptedEngine
 from warmstart.sft import SHIPPED_DIR
 from warmstart.teacher import RECORDED_WITH, TOOLS, Teacher, installed_versions
@@ -144,14 +147,16 @@ async def record(
 ) -> dict[str, Any]:
     install_harness(harness)
     create_topics(kafka, CATALOG)
-    tasks = sorted((t for t in load_suite("builtin:cpu").tasks.values() if t.split == "train"), key=lambda t: t.task_id)
-    if not 1 <= n_tasks <= len(tasks):
-        raise ValueError(f"tasks: 1 to {len(tasks)} train tasks of builtin:cpu, got {n_tasks} (pass --tasks N)")
-    tasks = tasks[:n_tasks]
+    # One chunk of distinct prompts: the teacher finds a task by its prompt (later chunks repeat prompts).
+    if not 1 <= n_tasks <= TRAIN_CHUNK:
+        raise ValueError(f"tasks: 1 to {TRAIN_CHUNK} training tasks of the CPU suite, got {n_tasks} (pass --tasks N)")
+    tasks = train_tasks(n_tasks)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     work = Path(tempfile.mkdtemp(prefix="clawstream-demos-"))
+    for task in tasks:
+        write_native_task(task, work / "tasks" / task.task_id)
     teacher = Teacher(harness, tasks, work / "sandboxes")
     token = secrets.token_hex(16)
     streams = _streams(kafka, work)
@@ -175,7 +180,7 @@ async def record(
                     group_id=f"demos-{secrets.token_hex(4)}",
                     root=work / "sandboxes",
                     concurrency=concurrency,
-                    suites={"cpu": "builtin:cpu"},
+                    suites={"cpu": f"native:{work / 'tasks'}"},
                 )
                 stop = asyncio.Event()
                 worker = asyncio.create_task(SandboxWorker(sandbox, kafka).run(stop))
@@ -218,7 +223,12 @@ async def record(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="clawstream model demos", description=__doc__.split("\n")[0])
     p.add_argument("--harness", choices=sorted(TOOLS), default="opencode", help="the real harness (%(default)s)")
-    p.add_argument("--tasks", type=int, default=8, help="the first N train tasks of builtin:cpu (%(default)s)")
+    p.add_argument(
+        "--tasks",
+        type=int,
+        default=8,
+        help=f"the first N training tasks of the CPU suite, up to {TRAIN_CHUNK} (builtin:cpu's 96 first; %(default)s)",
+    )
     p.add_argument("--prefix", required=True, help="topic prefix the demonstrations go to (e.g. 'demos1.')")
     p.add_argument("--model-dir", type=Path, default=SHIPPED_DIR, help="tokenizer + chat template (%(default)s)")
     p.add_argument("--concurrency", type=int, default=2, help="rollouts at once (%(default)s)")
