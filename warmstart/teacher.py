@@ -5,11 +5,11 @@ Served over the engine protocol by :class:`warmstart.scripted_engine.ScriptedEng
 calls and trajectories topics by the path RL uses. Per task the teacher knows the task's checks (it is handed the
 tasks it records), finds the task by its prompt in the conversation, the sandbox's workspace in the harness's prompt,
 and answers one tool call per turn — first it shows every input file (``cat`` through the shell, or the harness's
-read tool), then a new file with the harness's write tool, a changed or deleted one with its shell tool — then a
-plain final answer. Reading first makes a demonstration learnable: every content the teacher writes is in the
-conversation the policy sees (a copy's source, a sum's numbers), as in the built-in loop's demonstrations; without
-the reads the teacher wrote what only the grader knew, and 160 SFT steps on such demonstrations solved no held-out
-task through opencode. Tool-less calls (titles) get a short title.
+read tool), then writes or deletes (opencode and Codex: their shell tool, names quoted as the prompt quotes them;
+Qwen Code: its write tool) — then a plain final answer. Reading first makes a demonstration learnable: every content
+the teacher writes is in the conversation the policy sees (a copy's source, a sum's numbers), as in the built-in
+loop's demonstrations; without the reads the teacher wrote what only the grader knew, and 160 SFT steps on such
+demonstrations solved no held-out task through opencode. Tool-less calls (titles) get a short title.
 
 Harness versions the teacher's tool calls were recorded with: :data:`RECORDED_WITH`; ``installed_versions`` reads
 what is installed now (``clawstream model demos`` writes both into its summary). Topics: none here (the recorder,
@@ -62,24 +62,24 @@ def plan(task: Task) -> list[Action]:
 
 
 def _heredoc(rel: str, content: str) -> str:
-    return f"cat > {rel} <<'CLAWSTREAM_EOF'\n{content.rstrip(chr(10))}\nCLAWSTREAM_EOF"
+    return f"cat > \"{rel}\" <<'EOF'\n{content.rstrip(chr(10))}\nEOF"  # the tasks' words never are `EOF`
 
 
 def _shell(rel: str, kind: str, content: str) -> str:
-    # `rm -f` failed through codex 0.171.0; `cat` prints the file raw, as the built-in loop's read_file does
-    return {"delete": f"unlink {rel}", "read": f"cat {rel}"}.get(kind) or _heredoc(rel, content)
+    # Names double-quoted as the task's prompt quotes them: inside the call's JSON `\"todo.txt\"` is the same tokens
+    # as in a JSON-quoted prompt (opencode's), so the policy copies token ids; a bare ` todo` or `/todo` is another id.
+    # `rm -f` failed through codex 0.171.0; `cat` prints the file raw, as the built-in loop's read_file does.
+    return {"delete": f'unlink "{rel}"', "read": f'cat "{rel}"'}.get(kind) or _heredoc(rel, content)
 
 
 # harness → (workspace, action, file existed) → (tool name, arguments): the harness's own tools.
 ToolCall = Callable[[str, Action, bool], tuple[str, dict[str, Any]]]
 
 
-def _opencode(ws: str, action: Action, existed: bool) -> tuple[str, dict[str, Any]]:
+def _opencode(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
     kind, rel, content = action
-    # opencode's write refuses to overwrite a file its read tool has not read: the shell then. Reads are `cat`, not
-    # opencode's read tool, whose numbered lines (`00001| river`) the warm start never learned to copy from.
-    if kind == "write" and not existed:
-        return "write", {"filePath": f"{ws}/{rel}", "content": content}
+    # Everything through bash: opencode's write takes an absolute filePath, whose `/todo` is not the prompt's token
+    # (and refuses to overwrite a file its read tool has not read); its read tool numbers lines (`00001| river`).
     return "bash", {"command": _shell(rel, kind, content), "workdir": ws}
 
 
