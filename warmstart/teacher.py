@@ -72,23 +72,23 @@ def _shell(rel: str, kind: str, content: str) -> str:
     return {"delete": f'unlink "{rel}"', "read": f'cat "{rel}"'}.get(kind) or _heredoc(rel, content)
 
 
-# harness → (workspace, action, file existed) → (tool name, arguments): the harness's own tools.
-ToolCall = Callable[[str, Action, bool], tuple[str, dict[str, Any]]]
+# harness → (workspace, action) → (tool name, arguments): the harness's own tools.
+ToolCall = Callable[[str, Action], tuple[str, dict[str, Any]]]
 
 
-def _opencode(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
+def _opencode(ws: str, action: Action) -> tuple[str, dict[str, Any]]:
     kind, rel, content = action
     # Everything through bash: opencode's write takes an absolute filePath, whose `/todo` is not the prompt's token
     # (and refuses to overwrite a file its read tool has not read); its read tool numbers lines (`00001| river`).
     return "bash", {"command": _shell(rel, kind, content), "workdir": ws}
 
 
-def _codex(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
+def _codex(ws: str, action: Action) -> tuple[str, dict[str, Any]]:
     kind, rel, content = action
     return "exec_command", {"cmd": _shell(rel, kind, content), "workdir": ws}
 
 
-def _qwen_code(ws: str, action: Action, _existed: bool) -> tuple[str, dict[str, Any]]:
+def _qwen_code(ws: str, action: Action) -> tuple[str, dict[str, Any]]:
     kind, rel, content = action
     if kind == "read":
         return "read_file", {"file_path": f"{ws}/{rel}"}
@@ -138,7 +138,7 @@ class Teacher:
             self.log.append("no workspace in the prompt")
             return f"{self.harness}: the prompt names no sandbox workspace"
         action = actions[done]
-        name, args = TOOLS[self.harness](found.group(0), action, action[1] in task.files)
+        name, args = TOOLS[self.harness](found.group(0), action)
         return tool_call_text(name, args)
 
 

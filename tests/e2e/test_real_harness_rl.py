@@ -108,7 +108,7 @@ def erring_teacher(tasks: list[Task], sandboxes: Path, log: list[str]):  # noqa:
         log.append(f"{task.task_id}:{k}:{done}:{'right' if right else 'wrong'}")
         kind, rel, content = actions[done]
         action = (kind, rel, content if right else WRONG)
-        name, args = TOOLS[HARNESS](found.group(0), action, rel in task.files)
+        name, args = TOOLS[HARNESS](found.group(0), action)
         return tool_call_text(name, args, text)
 
     return respond
