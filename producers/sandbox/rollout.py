@@ -392,7 +392,8 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
         over = [q for q in (sealed.get("quota_exceeded"), result.quota_exceeded) if q]
         quota = f"quota_exceeded: {'; '.join(over)}" if over else None
         if result.timed_out:
-            killed = f"killed after {timeout:.0f}s ({'+'.join(result.killed)})"
+            # The measured run time, not only the limit: a slow kill (a loaded Docker daemon) shows here.
+            killed = f"killed after {result.duration_s:.1f}s, limit {timeout:g}s ({'+'.join(result.killed)})"
             await a.move(RolloutState.TIMED_OUT, calls_served=calls, reason="; ".join(filter(None, (quota, killed))))
         else:
             code = result.exit_code

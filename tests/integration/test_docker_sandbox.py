@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -270,11 +271,18 @@ async def test_timeout_and_limits_end_rollouts_with_their_status(
     for req in reqs:
         started, end = ev[req.rollout_id][0], ev[req.rollout_id][-1]
         assert started.state == RolloutState.STARTED, ev[req.rollout_id]
-        assert end.timestamp_ms - started.timestamp_ms <= (timeout + 5) * 1000, (req.harness, end)
+        # Ended long before the hang's own 600 s. The lifecycle span also holds copying files in and out and the
+        # proxy's seal: CI measured 43 s of it beside the compose scale test (a stalled Docker daemon and broker), so
+        # the kill itself is checked from the measured run time in the reason, below.
+        assert end.timestamp_ms - started.timestamp_ms <= 120_000, (req.harness, end)
         (reward,) = rw[req.rollout_id]
         assert reward.status == RewardStatus.OK and reward.reward == 0.0, (req.harness, reward)  # graded, not lost
         if req.harness == "hang":
-            assert end.state == RolloutState.TIMED_OUT and "SIGKILL" in (end.reason or ""), end
+            # GNU timeout inside the container ended it: SIGTERM (ignored), then SIGKILL after the grace; the
+            # worker's backstop (timeout + grace + 30 s) would report a bare SIGKILL.
+            assert end.state == RolloutState.TIMED_OUT and "(SIGTERM+SIGKILL)" in (end.reason or ""), end
+            ran = float(re.search(r"killed after ([0-9.]+)s, limit", end.reason or "").group(1))
+            assert timeout <= ran < timeout + 1.0 + 30, end
         elif req.harness == "hog":  # the kernel's OOM killer: SIGKILL, exit 137, before the timeout
             assert end.state == RolloutState.HARNESS_EXITED and end.exit_code == 137, end
         else:  # fork: the 64 pids are exhausted, Popen fails, the file is never written
