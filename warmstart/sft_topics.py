@@ -10,7 +10,8 @@ result) as ``models/warmstart`` has.
 Topics: ``PREFIX.clawstream.trajectories`` in → a model directory out. Run::
 
     clawstream model sft --from-topics demo1 --model-dir models/warmstart --out models/from-demos \
-        [--min-reward 1.0 --steps 20 --seed 0 --batch-size 2 --lr 1e-3 --score-rows 16 --mix-builtin 0]
+        [--min-reward 1.0 --steps 20 --seed 0 --batch-size 2 --lr 1e-3 --score-rows 16 --mix-builtin 0 \\
+         --checkpoint-every 0]
 
 ``--mix-builtin N`` adds N rows of the shipped warm start's own data (scripted agent-loop episodes, both dialects),
 to limit how much of the built-in loop training on a real harness forgets (#32, real_harness.md: 160 steps with
@@ -53,6 +54,7 @@ class TopicSFTConfig:
     # Agent-loop rows of the shipped warm start's data mixed in (#32: 10 steps on opencode rows alone took the
     # built-in loop from 0.615 to 0.437 held out: forgetting).
     mix_builtin: int = 0
+    checkpoint_every: int = 0  # also save OUT/checkpoints/step-N every this many steps (0: off)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -63,6 +65,10 @@ class TopicSFTConfig:
             raise ValueError(f"score_rows must be >= 0, got {self.score_rows} (pass --score-rows N, 0 for all)")
         if self.mix_builtin < 0:
             raise ValueError(f"mix_builtin must be >= 0, got {self.mix_builtin} (pass --mix-builtin N, 0 for none)")
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint_every must be >= 0, got {self.checkpoint_every} (pass --checkpoint-every N, 0 for off)"
+            )
 
 
 def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Trajectory]:
@@ -176,6 +182,8 @@ def sft_from_rows(model_dir: str | Path, out_dir: str | Path, rows: list[Row], c
         history.append((step + 1, float(loss_sum.detach()) / max(n_tok, 1)))
         elapsed = time.perf_counter() - t0
         print(f"[sft-topics] step {step + 1}/{cfg.steps} loss {history[-1][1]:.4f} ({elapsed:.0f} s)", flush=True)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            save_model(model, tokenizer, model_dir, Path(out_dir, "checkpoints", f"step-{step + 1}"))
     train_s = time.perf_counter() - t0
     model.eval()
     after = score(model, scored, pad, cfg.shared_prefix, chunk=8)
@@ -243,6 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         help="add N agent-loop rows of the shipped warm start's data, to keep the built-in loop (%(default)s)",
     )
     p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="N",
+        help="also save OUT/checkpoints/step-N every N steps (0: off)",
+    )
+    p.add_argument(
         "--no-shared-prefix", action="store_true", help="run every row's whole context (slower; the same loss)"
     )
     p.add_argument(
@@ -265,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             not a.no_shared_prefix,
             a.score_rows,
             a.mix_builtin,
+            a.checkpoint_every,
         )
         summary = sft_from_topics(a.model_dir, a.out, cfg, kafka_settings(a))
     except ValueError as exc:

@@ -82,6 +82,13 @@ SERVICES: tuple[Service, ...] = (
         group="model",
     ),
     Service(
+        "probe",
+        "warmstart.copy_probe:main",
+        "Teacher-forced probe of a policy's first call through a real harness's recorded prompt: does it copy the\n"
+        "task's file names? (held-out tasks; warmstart/copy_probe.py).",
+        group="model",
+    ),
+    Service(
         "tail",
         "consumers.analytics.tail:main",
         "A topic's records as decoded JSON lines: last N, --from-beginning, --offset, --since; --rollout, --follow.",

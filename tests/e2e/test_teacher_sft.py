@@ -136,7 +136,7 @@ async def test_teacher_demos_through_opencode_then_sft_from_topics(kafka_setting
     )
     assert (model / "tokenizer.json").read_bytes() == (H.tiny_model_dir() / "tokenizer.json").read_bytes()
     out = tmp_path / "sft"
-    cfg = TopicSFTConfig(prefix=kafka_settings.topic_prefix, steps=6, lr=1e-2, batch_size=2, seed=0)
+    cfg = TopicSFTConfig(prefix=kafka_settings.topic_prefix, steps=6, lr=1e-2, batch_size=2, seed=0, checkpoint_every=3)
     summary = await asyncio.to_thread(sft_from_topics, model, out, cfg, kafka_settings)
     print(json.dumps({k: summary[k] for k in ("rows", "before", "after", "history", "train_s")}))
     assert summary["rows"] == 2 and summary["rollouts"] == sorted(ids)
@@ -144,6 +144,11 @@ async def test_teacher_demos_through_opencode_then_sft_from_topics(kafka_setting
     assert summary["after"]["target_logprob"] > summary["before"]["target_logprob"], summary
     written = json.loads((out / "sft_summary.json").read_text())
     assert written["sha256"] == weights_sha256(out) and written["recipe"]["prefix"] == kafka_settings.topic_prefix
+    # --checkpoint-every 3 of 6 steps: step 3 saved on the way (other weights than the base and the end), step 6 is OUT
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3"]
+    mid = weights_sha256(out / "checkpoints" / "step-3")
+    assert mid not in (written["sha256"], written["base_sha256"]), written
+    assert (out / "checkpoints" / "step-3" / "tokenizer.json").is_file()
 
 
 def teacher_turns(log: list[str], rollout_id: str) -> list[str]:
