@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings
 from producers.tasks.model import Task
 from schemas.events import CallEvent, CallKind
 from schemas.topics import CALLS
 from warmstart.demos import heldout_tasks, train_tasks
 from warmstart.scripted_engine import tool_call_text
+from warmstart.sft_topics import read_records
 from warmstart.teacher import TOOLS, plan, workspace_regex
 
 USER = "<|im_start|>user\n"
@@ -118,13 +118,7 @@ def probe(model: Any, tokenizer: Any, template: Template, tasks: Sequence[Task],
 
 
 def read_calls(kafka: KafkaSettings, timeout: float = 60.0) -> list[CallEvent]:
-    topic = kafka.topic(CALLS)
-    consumer = make_consumer(kafka, f"copy-probe-{time.time_ns()}", **{"enable.auto.commit": False})
-    try:
-        ends = assign_from_beginning(consumer, topic, missing_ok=True)
-        return [CallEvent.from_bytes(msg.value()) for msg in read_to_end(consumer, topic, ends, timeout=timeout)]
-    finally:
-        consumer.close()
+    return read_records(kafka, CALLS, CallEvent, timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,15 +71,20 @@ class TopicSFTConfig:
             )
 
 
-def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Trajectory]:
-    """Every record of the prefix's trajectories topic, read to its end as of now."""
-    topic = kafka.topic(TRAJECTORIES)
-    consumer = make_consumer(kafka, f"sft-from-topics-{time.time_ns()}", **{"enable.auto.commit": False})
+def read_records(kafka: KafkaSettings, name: str, event: Any, timeout: float = 60.0) -> list[Any]:
+    """Every record of the prefix's topic ``name`` decoded as ``event``, read to its end as of now (no group)."""
+    topic = kafka.topic(name)
+    consumer = make_consumer(kafka, f"read-{name}-{time.time_ns()}", **{"enable.auto.commit": False})
     try:
         ends = assign_from_beginning(consumer, topic, missing_ok=True)
-        return [Trajectory.from_bytes(msg.value()) for msg in read_to_end(consumer, topic, ends, timeout=timeout)]
+        return [event.from_bytes(msg.value()) for msg in read_to_end(consumer, topic, ends, timeout=timeout)]
     finally:
         consumer.close()
+
+
+def read_trajectories(kafka: KafkaSettings, timeout: float = 60.0) -> list[Trajectory]:
+    """Every record of the prefix's trajectories topic, read to its end as of now."""
+    return read_records(kafka, TRAJECTORIES, Trajectory, timeout)
 
 
 BUILTIN_HARNESS = {"openai": "agentloop", "anthropic": "agentloop-anthropic"}  # dialect → the harness's name
