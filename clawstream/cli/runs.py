@@ -1,4 +1,5 @@
-"""Whole runs over every service: ``clawstream demo`` (the CPU quickstart) and ``clawstream eval``.
+"""Whole runs over every service: ``clawstream demo`` (the CPU quickstart), ``clawstream eval`` and
+``clawstream demo-seeds`` (several demo runs side by side).
 
 The demo and the evaluation are imported inside the commands, so ``clawstream --help`` stays fast; their defaults
 are written in the help texts (tests/unit/test_demo_cli.py keeps them equal to DemoConfig / EvalConfig).
@@ -263,3 +264,34 @@ def eval_command(
     click.echo(f"({result.seconds:.0f} s)")
     if json_out is not None:
         json_out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+
+
+# ---- demo-seeds --------------------------------------------------------------------------------------------------
+@click.command("demo-seeds")
+@click.argument("runs", nargs=-1, required=True)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("."),
+    show_default=True,
+    help="Directory for seeds.md and seeds.png.",
+)
+def demo_seeds(runs: tuple[str, ...], out: Path) -> None:
+    """Finished demo runs side by side (e.g. three seeds): per harness and mode each run's held-out before -> after,
+    gain +/- paired s.e. and the mean gain over the runs; each run's command; a plot (OUT/seeds.md, OUT/seeds.png).
+
+    RUNS are run names under $CLAWSTREAM_HOME/demo/ or run directories.
+    """
+    from clawbase.settings import clawstream_home
+    from clawstream.demo import seeds
+
+    loaded = []
+    for name in runs:
+        path = Path(name) if Path(name).is_dir() else clawstream_home() / "demo" / name
+        loaded.append(seeds.load_run(path))
+    out.mkdir(parents=True, exist_ok=True)
+    text = seeds.report(loaded)
+    (out / "seeds.md").write_text(text + "\n")
+    seeds.plot(out / "seeds.png", loaded)
+    click.echo(text)
+    click.echo(f"(written: {out / 'seeds.md'}, {out / 'seeds.png'})")
