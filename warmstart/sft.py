@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from clawbase.errors import ClawstreamError
 from producers.proxy.render import common_prefix_len
 from warmstart.demos import build_episodes, train_tasks
 from warmstart.episodes import DIALECTS
@@ -350,6 +351,26 @@ def shipped_warm_start(
             f"{str(summary.get('sha256'))[:16]}… (damaged or changed; train it with `clawstream model sft`)"
         )
     return shipped, f"{len(recipe)}-stage SFT recipe (docs/quickstart.md), sha256 {actual[:16]}… verified"
+
+
+def verify_recorded_sha256(model_dir: Path) -> str:
+    """Check a model directory against the sha256 its ``sft_summary.json`` records (a shipped or downloaded warm
+    start); returns what was checked. A model without a summary or a recorded sha256 passes, said so; a mismatch
+    raises: RL from weights other than the recorded ones would be reported as the recipe's."""
+    summary_path = model_dir / "sft_summary.json"
+    if not summary_path.exists():
+        return "no sft_summary.json: sha256 not checked"
+    recorded = json.loads(summary_path.read_text()).get("sha256")
+    if not recorded:
+        return "no sha256 recorded in sft_summary.json: not checked"
+    actual = weights_sha256(model_dir)
+    if actual != recorded:
+        raise ClawstreamError(
+            f"{model_dir}: weights have sha256 {actual[:16]}…, sft_summary.json records {recorded[:16]}… (damaged "
+            "or changed since it was made; restore it, e.g. `git checkout -- DIR`, or remove sft_summary.json's sha256 "
+            "to use it as it is)"
+        )
+    return f"sha256 {actual[:16]}… verified"
 
 
 def _common_prefix(seqs: list[Sequence]) -> int:

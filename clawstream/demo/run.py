@@ -227,7 +227,13 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
         say(f"==> resuming run {run} (prefix '{prefix}'; {run_dir})")
     kafka = run_kafka(prefix, say)
     say(f"==> topics {'found' if resume else 'created'} under prefix '{prefix}'")
-    model = Path(cfg.model) if cfg.model is not None else prepare_model(home / "models", cfg, say)
+    if cfg.model is not None:
+        from warmstart.sft import verify_recorded_sha256
+
+        model = Path(cfg.model)
+        say(f"==> model: {model} ({verify_recorded_sha256(model)})")
+    else:
+        model = prepare_model(home / "models", cfg, say)
     if not (model / "config.json").exists():
         raise ClawstreamError(f"--model {model}: not a model directory (no config.json)")
     if resume is None:

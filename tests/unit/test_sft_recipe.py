@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from clawbase.errors import ClawstreamError
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -124,3 +126,18 @@ def test_the_repository_ships_its_warm_start_intact() -> None:
     pointed SHIPPED_DIR outside the repository, and the demo silently fell back to an hour of SFT)."""
     found, why = sft.shipped_warm_start()
     assert found == Path(__file__).resolve().parents[2] / "models" / "warmstart", why
+
+
+def test_a_model_given_to_the_demo_is_checked_against_its_recorded_sha256(tmp_path: Path) -> None:
+    """`clawstream demo --model DIR` checks DIR/sft_summary.json's sha256 (models/opencode-warmstart ships one)."""
+    shipped = Path(__file__).resolve().parents[2] / "models" / "opencode-warmstart"
+    assert "verified" in sft.verify_recorded_sha256(shipped)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    assert "not checked" in sft.verify_recorded_sha256(model)  # no summary: nothing to check against
+    (model / "sft_summary.json").write_text(json.dumps({"sha256": sft.weights_sha256(model)}))
+    assert "verified" in sft.verify_recorded_sha256(model)
+    (model / "model.safetensors").write_bytes(b"weightz")
+    with pytest.raises(ClawstreamError, match="sft_summary.json records"):
+        sft.verify_recorded_sha256(model)
