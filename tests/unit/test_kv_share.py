@@ -48,11 +48,14 @@ def trees() -> list[ScoredTree]:
     ]
 
 
-def _step(kv_share_min: int, **hp: object) -> tuple[dict[str, float], list[torch.Tensor]]:
+def _step(
+    kv_share_min: int, batch: list[ScoredTree] | None = None, **hp: object
+) -> tuple[dict[str, float], list[torch.Tensor]]:
     model = tiny_model(0, "sdpa")
     config = LearnerConfig(max_grad_norm=0.0, token_budget=24, kv_share_min=kv_share_min, **hp)
     ref = tiny_model(1, "sdpa") if config.kl_coef > 0 else None
-    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), trees(), config, ref_model=ref)
+    batch = trees() if batch is None else batch
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), batch, config, ref_model=ref)
     return metrics, [p.grad.clone() for p in model.parameters()]
 
 
@@ -68,6 +71,30 @@ def test_rows_sharing_a_system_prompt_form_one_group_that_stops_one_token_short(
     assert tail.input_ids.tolist() == rows[0].input_ids[m:].tolist() and tail.position_ids[0] == m
     assert tail.loss_mask.sum() == rows[0].loss_mask.sum() and tail.predictor[0] == -1
     assert plan_groups(rows, 0) == [] and plan_groups(rows, 41) == [(pair, m2)] and plan_groups(rows, 43) == []
+
+
+def dated(day: int, task: list[int], gen: list[int]) -> list[Seg]:
+    """A rollout whose system prompt carries the date (opencode's does) in the middle of its 80 tokens."""
+    return [Seg(0, -1, SYSTEM + [day] + SYSTEM[1:] + task, False), Seg(1, 0, gen, True, LP[: len(gen)])]
+
+
+def test_a_batch_spanning_midnight_shares_each_day_s_whole_prefix() -> None:
+    """Rows whose context differs early (the date) but agrees long after form one group per day, each sharing its
+    whole prefix, instead of one group sharing only the part before the date."""
+    days = [dated(7, [5, 6], [10, 11]), dated(7, [5, 6], [12]), dated(8, [5, 6], [13, 14]), dated(8, [5, 6], [15])]
+    rows = pack_trees(days, 24)
+    assert all(r.is_chain for r in rows)
+    groups = plan_groups(rows, 16)
+    whole = len(SYSTEM) + 1 + 39 + 2 - 1  # system, date, more of the system prompt, task; one short
+    assert sorted(m for _, m in groups) == [whole, whole]
+    assert sorted({int(rows[i].input_ids[len(SYSTEM)]) for i in g} for g, _ in groups) == [{7}, {8}]
+    # Where splitting saves less than sharing the early part once, one group stays (the test above: 39 x 4 > 42 + 40).
+    assert plan_groups(pack_trees([t.segments for t in trees()], 24), 16)[0][1] == len(SYSTEM) - 1
+    batch = [ScoredTree(t, a, a, "opencode") for t, a in zip(days, (1.0, -1.0, 0.5, -0.5), strict=True)]
+    (off, g_off), (on, g_on) = _step(0, batch), _step(16, batch)
+    assert on["kv_shared_tokens"] == 2 * whole and on["loss"] == pytest.approx(off["loss"], abs=1e-6)
+    for a, b in zip(g_off, g_on, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
