@@ -175,11 +175,22 @@ def export_version(model: Path, weights: Path, version: int, out: Path) -> Path:
     return out
 
 
-def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> EvalResult:
-    """``run_eval``, reused when this exact model (weights sha256) was evaluated with this exact config before."""
+def eval_cache_path(model: Path, cfg: EvalConfig, cache: Path, today: str | None = None) -> Path:
+    """Where a complete evaluation of ``model`` under ``cfg`` is kept. With a real harness the UTC day is part of
+    the name: the harness puts the date in its prompt (opencode's system prompt: "Today's date: Sun Dec 06 2026"),
+    so a result from another day was measured on other prompts and is not reused as this day's "before"."""
     from warmstart.sft import weights_sha256
 
-    path = cache / f"{weights_sha256(model)[:16]}-{cfg.key()}.json"
+    name = f"{weights_sha256(model)[:16]}-{cfg.key()}"
+    if real_harnesses(cfg.harnesses):
+        name += "-" + (today or time.strftime("%Y-%m-%d", time.gmtime()))
+    return cache / f"{name}.json"
+
+
+def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> EvalResult:
+    """``run_eval``, reused when this exact model (weights sha256) was evaluated with this exact config before (the
+    same UTC day, with a real harness)."""
+    path = eval_cache_path(model, cfg, cache)
     if path.exists():
         result = EvalResult.from_json(json.loads(path.read_text()))
         kwargs.get("say", print)(f"==> {kwargs.get('label', 'eval')}: cached result of this model and config ({path})")

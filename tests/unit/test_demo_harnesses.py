@@ -215,3 +215,16 @@ def test_real_harnesses_are_told_from_the_built_in_loops() -> None:
 
     assert real_harnesses(("opencode", "agentloop", "codex", "agentloop-anthropic")) == ("opencode", "codex")
     assert real_harnesses(tuple(HARNESS_MIX)) == ()
+
+
+def test_a_real_harness_s_evaluation_is_reused_the_same_utc_day_only(tmp_path: Path) -> None:
+    """opencode's prompt carries the date: another day's "before" was measured on other prompts (#32)."""
+    from clawstream.demo.run import eval_cache_path
+
+    model = Path(__file__).resolve().parents[2] / "models" / "opencode-warmstart"
+    real = EvalConfig(harnesses=("opencode", "agentloop"), tasks=128)
+    day1 = eval_cache_path(model, real, tmp_path, today="2026-12-06")
+    assert day1.name.endswith("-2026-12-06.json") and day1 != eval_cache_path(model, real, tmp_path, "2026-12-07")
+    assert eval_cache_path(model, real, tmp_path).name != eval_cache_path(model, real, tmp_path, "1999-01-01").name
+    built_in = EvalConfig(harnesses=("agentloop", "agentloop-anthropic"), tasks=128)  # no date in their prompts
+    assert eval_cache_path(model, built_in, tmp_path, "2026-12-06") == eval_cache_path(model, built_in, tmp_path)
