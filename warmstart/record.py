@@ -28,6 +28,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,13 @@ def _streams(kafka: KafkaSettings, workdir: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def _collect(kafka: KafkaSettings, ids: set[str], timeout: float) -> dict[str, list[Any]]:
-    """Calls, rewards and trajectories of ``ids`` until every id has a trajectory with a reward (or ``timeout``)."""
+def _collect(
+    kafka: KafkaSettings, ids: set[str], timeout: float, cancelled: threading.Event | None = None
+) -> dict[str, list[Any]]:
+    """Calls, rewards and trajectories of ``ids`` until every id has a trajectory with a reward (or ``timeout``, or
+    ``cancelled`` is set: Ctrl-C cancels the coroutine awaiting this thread, and asyncio.run's shutdown then waits
+    for the thread, which polled on to its deadline — an hour for 400 demonstrations)."""
+    cancelled = cancelled or threading.Event()
     decode = {CALLS: CallEvent.from_bytes, REWARDS: RewardEvent.from_bytes, TRAJECTORIES: Trajectory.from_bytes}
     names = {kafka.topic(t): t for t in decode}
     consumer = make_consumer(kafka, f"demos-{secrets.token_hex(4)}", **{"auto.offset.reset": "earliest"})
@@ -88,7 +94,7 @@ def _collect(kafka: KafkaSettings, ids: set[str], timeout: float) -> dict[str, l
     start = time.monotonic()
     deadline, shown = start + timeout, 0
     try:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not cancelled.is_set():
             done = {t.rollout_id for t in got[TRAJECTORIES] if t.reward is not None} & ids
             if len(done) > shown:  # one line per finished demonstration: a long recording shows where it is
                 shown = len(done)
@@ -203,7 +209,15 @@ async def record(
                 if producer.flush(30) != 0:
                     raise RuntimeError("could not publish the rollout requests (is the broker up?)")
                 t0 = time.monotonic()
-                got = await asyncio.to_thread(_collect, kafka, set(ids), timeout_s)
+                cancelled = threading.Event()
+                try:
+                    got = await asyncio.to_thread(_collect, kafka, set(ids), timeout_s, cancelled)
+                except asyncio.CancelledError:  # Ctrl-C: the rollouts in flight are ended, not waited for
+                    worker.cancel()
+                    await asyncio.wait({worker}, timeout=30)
+                    raise
+                finally:
+                    cancelled.set()
                 wall = time.monotonic() - t0
                 stop.set()
                 await asyncio.wait_for(worker, 60)
@@ -251,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         p.error(str(exc))
+    except KeyboardInterrupt:
+        print(f"interrupted: what finished is on the topics under {a.prefix!r}", file=sys.stderr)
+        return 130
     text = json.dumps(summary, indent=2)
     print(text)
     if a.out:

@@ -155,3 +155,48 @@ def teacher_turns(log: list[str], rollout_id: str) -> list[str]:
     """The teacher's main answers to one task (``task_id:turn``), from its log."""
     task = rollout_id.removeprefix("demo-")
     return [entry for entry in log if entry.startswith(f"{task}:")]
+
+
+def _children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids |= {int(x) for x in f.read().split()}
+    return kids
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_ends_a_recording_at_once_with_its_processes(kafka_settings, tmp_path) -> None:
+    """`clawstream model demos` interrupted once its first demonstration is on the topics: it exits 130 within
+    seconds (it polled on to its deadline, ~1 h for 400 tasks, and then waited for the rollouts in flight), and the
+    streams worker it started is gone."""
+    import signal
+    import subprocess
+    import sys
+
+    _install_or_skip()
+    argv = [sys.executable, "-u", "-m", "warmstart.record", "--harness", "opencode", "--tasks", "6"]
+    argv += ["--concurrency", "1", "--prefix", kafka_settings.topic_prefix]
+    argv += ["--bootstrap", kafka_settings.bootstrap_servers]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("[demos] 1/6"):  # the state that chooses the moment: one demonstration recorded
+                break
+        assert lines and lines[-1].startswith("[demos] 1/6"), "".join(lines[-20:])
+        kids = _children(proc.pid)
+        assert kids, "the recording's streams worker should be its child"
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        waited = time.monotonic() - sent
+        assert proc.returncode == 130 and "interrupted" in out, out[-2000:]
+        assert waited < 60, f"{waited:.0f} s from Ctrl-C to exit"
+        left = {k for k in kids if os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z"}
+        assert not left, f"processes left running: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
