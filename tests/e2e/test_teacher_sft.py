@@ -178,7 +178,16 @@ def test_ctrl_c_ends_a_recording_at_once_with_its_processes(kafka_settings, tmp_
     argv = [sys.executable, "-u", "-m", "warmstart.record", "--harness", "opencode", "--tasks", "6"]
     argv += ["--concurrency", "1", "--prefix", kafka_settings.topic_prefix]
     argv += ["--bootstrap", kafka_settings.bootstrap_servers]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A terminal's Ctrl-C reaches a foreground process whose SIGINT is at its default. Started from a background
+    # shell (CI's `.ci/run &`) every child inherits SIGINT *ignored*, Python then installs no KeyboardInterrupt
+    # handler and the signal below would do nothing (CI: the recording ran on to 6/6); give the child the default.
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         lines = []
         for line in proc.stdout:  # type: ignore[union-attr]
