@@ -14,13 +14,11 @@ docs/method.md#the-docker-backend. Requires the ``docker`` Python package (impor
 from __future__ import annotations
 
 import asyncio
-import io
 import ipaddress
 import logging
 import os
 import shutil
 import socket
-import tarfile
 import tempfile
 import threading
 import time
@@ -29,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from producers.sandbox.archive import fingerprint, pack, unpack_into
 from producers.sandbox.base import (
     MARKER,
     CleanupReport,
@@ -43,18 +42,10 @@ from producers.sandbox.base import (
 )
 from producers.tasks.model import Task
 
-if not hasattr(tarfile, "data_filter"):  # Python < 3.11.4 (Debian bookworm's 3.11.2): PEP 706's filters backported
-    try:
-        from backports import tarfile  # type: ignore[no-redef]
-    except ImportError as _exc:
-        raise ImportError(
-            "this Python's tarfile has no extraction filters; pip install 'backports.tarfile>=1.2' "
-            "(the `docker` extra of clawstream)"
-        ) from _exc
-
 log = logging.getLogger("clawstream.sandbox.docker")
 
 HOME, GRADER = "/home/sandbox", "/grader"
+BASE_PROCESSES = 2  # a container at rest: its init (docker-init, `init: True`) and `sleep infinity`
 IMAGE_PATH = "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # the images' PATH
 LABEL, WORKER_LABEL, RELAY_LABEL = "clawstream.sandbox", "clawstream.worker", "clawstream.relay"
 NO_HOST_ADDRESS = {"com.docker.network.bridge.inhibit_ipv4": "true"}
@@ -125,43 +116,6 @@ def exec_argv(argv: list[str], timeout_s: float, grace_s: float) -> list[str]:
     return ["timeout", "-s", "TERM", "-k", f"{grace_s:g}", f"{timeout_s:g}", *argv]
 
 
-def _fingerprint(dirs: Mapping[str, Path]) -> tuple:
-    """What the host copy holds (paths, sizes, mtimes, modes): unchanged fingerprint → no push needed."""
-    seen = []
-    for inside, host in sorted(dirs.items()):
-        for path in sorted(host.rglob("*")):
-            st = path.lstat()
-            seen.append((inside, str(path.relative_to(host)), st.st_size, st.st_mtime_ns, st.st_mode))
-    return tuple(seen)
-
-
-def pack(dirs: Mapping[str, Path]) -> bytes:
-    """One tar of the host copies, named by their paths inside the container relative to ``/`` (put at ``/``)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for inside, host in dirs.items():
-            tar.add(host, arcname=inside.lstrip("/"), recursive=True)
-    return buf.getvalue()
-
-
-def unpack_into(stream: bytes, name: str, dest: Path) -> list[str]:
-    """Replace ``dest``'s content with a ``get_archive`` tar of a directory called ``name``; the members skipped."""
-    staging = Path(tempfile.mkdtemp(prefix=".pull-", dir=dest.parent))
-    skipped: list[str] = []
-    try:
-        with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
-            for member in tar:
-                try:
-                    tar.extract(member, staging, filter="data")
-                except (tarfile.FilterError, OSError) as exc:
-                    skipped.append(f"{member.name}: {exc}")
-        shutil.rmtree(dest, ignore_errors=True)
-        (staging / name).rename(dest) if (staging / name).is_dir() else dest.mkdir()
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return skipped
-
-
 class DockerSandbox(Sandbox):
     contained = True
 
@@ -216,9 +170,25 @@ class DockerSandbox(Sandbox):
         out = api.exec_start(exec_id)
         return api.exec_inspect(exec_id).get("ExitCode"), out or b""
 
+    def end_leftovers(self) -> int:
+        """End every process a finished command left running; how many there were (0: nothing done).
+
+        A command's processes end with it, as in the local backend's pid namespace: a daemon a harness left behind
+        would otherwise run on beside the grader (rewriting the answer it grades, or holding every pid of the limit
+        so the grader cannot start: a grade turned INFRA_FAILURE, #32's CI). Counted from the host (``docker top``
+        needs no pid inside the container), so a full pid limit cannot hide them; the restart kills them all at
+        once and keeps the filesystem (``/tmp``'s tmpfs is emptied).
+        """
+        rows = self.container.top().get("Processes") or []
+        left = len(rows) - BASE_PROCESSES
+        if left > 0:
+            log.info("sandbox %s: %d process(es) outlived the command: restarting the container", self.sandbox_id, left)
+            self.container.restart(timeout=0)
+        return max(left, 0)
+
     def push(self) -> None:
         """Make the container's directories equal to the host copy (skipped when it did not change)."""
-        now = _fingerprint(self._mounts)
+        now = fingerprint(self._mounts)
         if now == self._synced:
             return
         if self._synced is not None:  # not the first push: the container's copies are replaced, not merged
@@ -242,7 +212,7 @@ class DockerSandbox(Sandbox):
                     inside,
                     "; ".join(skipped[:5]),
                 )
-        self._synced = _fingerprint(self._mounts)
+        self._synced = fingerprint(self._mounts)
 
     async def disk_bytes(self) -> int:
         """The container's writable layer as the engine measures it (``SizeRw``; ``/tmp`` is a tmpfs of its own)."""
@@ -307,8 +277,9 @@ class DockerSandbox(Sandbox):
                     raise
                 code, out, err = None, b"", b""  # the exec ended with the restart: nothing more to learn from it
         except TimeoutError:
-            # The backstop: `timeout` inside did not end it; kill the container's processes wholesale.
-            await asyncio.to_thread(self.container.kill)
+            # The backstop: `timeout` inside did not end it; every process of the container is killed by a restart
+            # (a bare kill left the container stopped and the grade an INFRA_FAILURE).
+            await asyncio.to_thread(self.container.restart, timeout=0)
             return RunResult(None, True, time.monotonic() - t0, killed=["SIGKILL"])
         except SandboxError:
             raise
@@ -320,6 +291,11 @@ class DockerSandbox(Sandbox):
                     task.cancel()
         duration = time.monotonic() - t0
         stopped = quota is not None
+        if not stopped:  # (a quota stop restarted the container already)
+            try:
+                await asyncio.to_thread(self.end_leftovers)
+            except Exception as exc:  # docker.errors.APIError and friends
+                raise SandboxError(f"cannot end what the command left running in {self.sandbox_id}: {exc}") from exc
         if max_bytes and quota is None:  # it may have written past the quota since the last measurement, and exited
             quota = over_quota(await self.disk_bytes(), max_bytes)
         try:

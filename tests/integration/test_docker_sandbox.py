@@ -6,6 +6,8 @@
   proxy's own address and a container on Docker's default bridge are all unreachable;
 * the wall-clock timeout, the memory limit and the pids limit end a rollout with the statuses the local backend gives
   (TIMED_OUT; HARNESS_EXITED with the kill's or the failure's exit code) within the timeout + 5 s;
+* a process the harness leaves running (a daemon writing the answer once the grader's files appear) is ended with
+  the command, before grading: the rollout is graded on what the harness wrote;
 * a harness writing past the workspace disk quota (many files over the container's writable layer, or one file as
   fast as it can) is stopped within seconds and the rollout graded, its reason ``quota_exceeded: …``;
 * a SIGKILLed worker's containers (its sandbox and its relay) are swept by the next worker that starts.
@@ -288,6 +290,39 @@ async def test_timeout_and_limits_end_rollouts_with_their_status(
         else:  # fork: the 64 pids are exhausted, Popen fails, the file is never written
             assert end.state == RolloutState.HARNESS_EXITED and end.exit_code == 1, end
             assert "BlockingIOError" in (end.reason or "") or "Resource temporarily" in (end.reason or ""), end
+    assert containers_of(engine, me) == []
+
+
+# --- a daemon the harness leaves behind ----------------------------------------------------------------------------
+
+# Detaches a shell that waits, by the sandbox's state and no clock, until the grader's files are copied in, then
+# writes the answer over and over; the harness itself exits at once without writing it. (`$$`: the command is a
+# template.)
+DAEMON = """
+import subprocess
+script = 'until [ -n "$$(ls -A /grader 2>/dev/null)" ]; do sleep 0.01; done; while :; do printf hi > hello.txt; done'
+subprocess.Popen(
+    ["sh", "-c", script],
+    start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+)
+"""
+
+
+@pytest.mark.timeout(300)
+async def test_a_daemon_left_by_the_harness_is_ended_before_grading(
+    engine, kafka_settings, group_id, tmp_path, network
+) -> None:
+    # Without the end of leftovers after each command the daemon writes hello.txt while the grader runs: graded 1.0.
+    adapters = {**ADAPTERS, "daemon": S.python_adapter("daemon", DAEMON)}
+    async with docker_stack(engine, kafka_settings, group_id, tmp_path, network, S.agent_responder(), adapters) as st:
+        req = S.request("hello", "daemon", rollout_id=f"daemon-{group_id}", timeout_s=60)
+        events, rewards = await run_requests(kafka_settings, [req], timeout=240)
+        me = st["worker"].ctx.backend.worker
+    ev, rw = by_rollout(events, rewards)
+    end = ev[req.rollout_id][-1]
+    assert end.state == RolloutState.HARNESS_EXITED and end.exit_code == 0, end
+    (reward,) = rw[req.rollout_id]
+    assert reward.status == RewardStatus.OK and reward.reward == 0.0, reward  # graded on what the harness left
     assert containers_of(engine, me) == []
 
 
