@@ -38,6 +38,7 @@ from aiohttp import web
 from clawbase.kafka.clients import bootstrap_servers, create_topics, make_consumer, make_producer
 from clawbase.kafka.publisher import KafkaPublisher
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings
+from clawbase.signals import sigterm_interrupts
 from producers.harnesses.install import install_harness
 from producers.proxy.app import Proxy, ProxySettings
 from producers.sandbox.base import SandboxSettings
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     kafka = kafka_settings(a).model_copy(update={"topic_prefix": a.prefix})
     # Bounded by the rollouts' own timeouts, not a fixed wall-clock (900 s cut 64 tasks at 36 on loaded cores).
     timeout = a.timeout if a.timeout is not None else ROLLOUT_TIMEOUT_S * -(-a.tasks // max(a.concurrency, 1)) + 120
+    sigterm_interrupts()  # `kill` stops the proxy, worker and streams worker too (record's finally), as Ctrl-C does
     try:
         summary = asyncio.run(
             record(a.harness, a.tasks, kafka, model_dir=a.model_dir, concurrency=a.concurrency, timeout_s=timeout)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import click
 
 from clawbase.errors import ClawstreamError
+from clawbase.signals import sigterm_interrupts
+
+__all__ = ["Group", "sigterm_interrupts"]
 
 
 class Group(click.Group):
@@ -19,13 +21,3 @@ class Group(click.Group):
         except ClawstreamError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
             sys.exit(1)
-
-
-def sigterm_interrupts() -> None:
-    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: the ``finally`` that stops a command's child services runs.
-    (Python's default SIGTERM ends the process at once, leaving the engine, proxy, workers running.)"""
-
-    def _interrupt(_signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)

@@ -166,10 +166,11 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_ends_a_recording_at_once_with_its_processes(kafka_settings, tmp_path) -> None:
-    """`clawstream model demos` interrupted once its first demonstration is on the topics: it exits 130 within
-    seconds (it polled on to its deadline, ~1 h for 400 tasks, and then waited for the rollouts in flight), and the
-    streams worker it started is gone."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_ends_a_recording_at_once_with_its_processes(kafka_settings, tmp_path, signame: str) -> None:
+    """`clawstream model demos` interrupted (Ctrl-C, or `kill`) once its first demonstration is on the topics: it exits
+    130 within seconds (it polled on to its deadline, ~1 h for 400 tasks, and then waited for the rollouts in flight),
+    and the streams worker it started is gone (SIGTERM ended it at once, without its ``finally``)."""
     import signal
     import subprocess
     import sys
@@ -197,7 +198,7 @@ def test_ctrl_c_ends_a_recording_at_once_with_its_processes(kafka_settings, tmp_
         assert lines and lines[-1].startswith("[demos] 1/6"), "".join(lines[-20:])
         kids = _children(proc.pid)
         assert kids, "the recording's streams worker should be its child"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signame))
         sent = time.monotonic()
         out, _ = proc.communicate(timeout=120)
         waited = time.monotonic() - sent
