@@ -1,4 +1,4 @@
-"""What every family of ``clawstream`` commands shares: the group class and the SIGTERM rule."""
+"""What every family of ``clawstream`` commands shares: the group class (the SIGTERM rule: clawbase/signals.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import sys
 import click
 
 from clawbase.errors import ClawstreamError
-from clawbase.signals import sigterm_interrupts
-
-__all__ = ["Group", "sigterm_interrupts"]
 
 
 class Group(click.Group):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import click
 
-from clawstream.cli.base import Group, sigterm_interrupts
+from clawbase.signals import sigterm_interrupts
+from clawstream.cli.base import Group
 
 
 # ---- kafka -------------------------------------------------------------------------------------------------------

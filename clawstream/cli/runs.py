@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from clawstream.cli.base import sigterm_interrupts
+from clawbase.signals import sigterm_interrupts
 
 
 # ---- demo --------------------------------------------------------------------------------------------------------
