@@ -128,14 +128,18 @@ async def run_claude(
 
 def transcript_usage(home: Path, session_id: str) -> list[dict[str, Any]]:
     """``usage`` of every model answer Claude Code stored in its session transcript, in order (its own API-error
-    messages, which it makes up without a call, left out)."""
+    messages, which it makes up without a call, left out). Claude Code stores an answer one content block per entry,
+    each with the answer's message id and usage (a random policy's ``</think>`` makes a thinking block and a text
+    block: two entries, one call), so entries are taken once per message id."""
     (path,) = (home / ".claude" / "projects").glob(f"*/{session_id}.jsonl")
-    usages = []
+    usages: dict[str, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         entry = json.loads(line)
         if entry.get("type") == "assistant" and not entry.get("isApiErrorMessage"):
-            usages.append(entry["message"]["usage"])
-    return usages
+            message = entry["message"]
+            first = usages.setdefault(message["id"], message["usage"])
+            assert first == message["usage"], ("one answer's entries disagree on its usage", first, message["usage"])
+    return list(usages.values())
 
 
 # ---- one rollout ----------------------------------------------------------------------------------------------------
