@@ -199,7 +199,7 @@ def distributed_train_step(
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
-    steps = 0
+    steps = skipped = 0
     per_rollout_of: list[torch.Tensor] = []
     for part, part_rows, n_real, part_old, part_ref, gp in zip(parts, rows, real, old, ref, global_parts, strict=True):
         # (R_part,) a rollout's trainable tokens over its rows: all on this rank (a tree is never split over ranks)
@@ -245,8 +245,12 @@ def distributed_train_step(
         for key, value in _reduce_stats(part_stats).items():
             sums[key] += value
         _sum_replicated_grads(optimizer)
-        sums["grad_norm"] += _clip_global(optimizer, config.max_grad_norm)
-        optimizer.step()
+        norm = _clip_global(optimizer, config.max_grad_norm)  # the whole gradient's: one decision on every rank
+        sums["grad_norm"] += norm
+        if config.skip_zero_grad and norm == 0.0:
+            skipped += 1  # as train_step: a zero gradient would still move every weight through AdamW's momentum
+        else:
+            optimizer.step()
         fault_point("learner.in_step")
         steps += 1
 
@@ -273,7 +277,8 @@ def distributed_train_step(
     elapsed = time.perf_counter() - started
     metrics.update(
         {
-            "optimizer_steps": float(steps),
+            "optimizer_steps": float(steps - skipped),
+            "skipped_steps": float(skipped),
             "rollouts": float(len(trees)),
             "micro_batches": counts[4],
             "tokens": counts[2],

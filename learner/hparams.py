@@ -81,6 +81,12 @@ class LearnerConfig:
         "exp(-s) built into the policy), trained by the same loss and folded into the norm's gain after every step, "
         "so the published model stays a plain Qwen3; 0 = off, as in the paper (learner/logit_scale.py says why).",
     )
+    skip_zero_grad: bool = _hp(
+        True,
+        "Skip the optimizer step of a mini-batch whose whole gradient is exactly 0 (GRPO with every advantage 0 and "
+        "kl_coef 0: all groups solved alike). AdamW's momentum would move every weight anyway, by 60-80 % of a real "
+        "step (measured, bench/results/real_harness.md); false = step regardless, as runs before 2026-12-06 did.",
+    )
     vf_coef: float = _hp(0.5, "PPO: weight of the value loss.")
     value_clip: float = _hp(0.0, "PPO: clip range of the value loss around the step's old values; 0 = plain MSE.")
     seed: int = _hp(0, "Seed for torch.")
@@ -118,6 +124,9 @@ class LearnerConfig:
         return "\n".join(f"  {f.name:{name_width}} {f.default!s:{width}} {f.metadata['help']}" for f in fields(cls))
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
 def parse_hparams(pairs: list[str]) -> LearnerConfig:
     """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
     known = {f.name: f for f in fields(LearnerConfig)}
@@ -130,8 +139,10 @@ def parse_hparams(pairs: list[str]) -> LearnerConfig:
         try:
             if isinstance(default, tuple):
                 values[name] = tuple(float(x) for x in raw.split(","))
+            elif isinstance(default, bool):  # bool("false") is True: spell the two values out
+                values[name] = _BOOLS[raw.strip().lower()]
             else:
                 values[name] = type(default)(raw)
-        except ValueError as exc:
+        except (ValueError, KeyError) as exc:
             raise ConfigError(f"--hp {name}: {raw!r} is not a valid {type(default).__name__}") from exc
     return LearnerConfig(**values)

@@ -102,7 +102,7 @@ def train_step(
 
     model.train()
     sums: dict[str, float] = defaultdict(float)
-    steps = 0
+    steps = skipped = 0
     for part, part_rows, part_old, part_ref in zip(parts, rows, old, ref, strict=True):
         n_tokens = int(sum(int(r.loss_mask.sum()) for r in part_rows))
         if n_tokens == 0:
@@ -151,8 +151,12 @@ def train_step(
                     prefix.backward()
         for key, value in part_stats.items():
             sums[key] += value
-        sums["grad_norm"] += _clip(optimizer, config.max_grad_norm)
-        optimizer.step()
+        norm = _clip(optimizer, config.max_grad_norm)
+        sums["grad_norm"] += norm
+        if config.skip_zero_grad and norm == 0.0:
+            skipped += 1  # nothing to learn here: AdamW's momentum alone would still move every weight
+        else:
+            optimizer.step()
         fault_point("learner.in_step")  # weights and AdamW state moved, the step not finished (docs/faults.md)
         steps += 1
 
@@ -169,7 +173,8 @@ def train_step(
     elapsed = time.perf_counter() - started
     metrics.update(
         {
-            "optimizer_steps": float(steps),
+            "optimizer_steps": float(steps - skipped),
+            "skipped_steps": float(skipped),
             "rollouts": float(len(trees)),
             "micro_batches": float(sum(map(len, rows))),
             "tokens": float(tokens),

@@ -51,6 +51,11 @@ def _trees(seed: int, n: int = 7) -> list[ScoredTree]:
     return out
 
 
+def _flat(trees: list[ScoredTree]) -> list[ScoredTree]:
+    """The same trees with every advantage 0: groups solved alike, nothing to learn."""
+    return [ScoredTree(t.segments, 0.0, t.reward, t.harness) for t in trees]
+
+
 def _optimizer(kind: str, params: list[torch.nn.Parameter], config: LearnerConfig) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=config.lr)
@@ -108,6 +113,11 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                 optimizer = _optimizer(kind, _params(model, head), config)
                 metrics = distributed_train_step(model, optimizer, _trees(0), config, head)
                 keep(f"{mode}-{case}", model, metrics, head)
+        # Nothing to learn (every advantage 0) after a real step: FSDP2 + AdamW skip all four optimizer steps alike.
+        config = LearnerConfig(**CASES["adamw"][0])
+        model, optimizer = fresh("fsdp2", "adamw", config)
+        distributed_train_step(model, optimizer, _trees(0), config)
+        keep("fsdp2-adamw-flat", model, distributed_train_step(model, optimizer, _flat(_trees(0)), config))
         config = LearnerConfig(**CASES["sgd"][0])  # FSDP2 with an untied head (kept whole on every rank)
         model = load_policy(out / "untied")
         shard_policy(model)
@@ -225,6 +235,17 @@ def test_two_ranks_equal_one_rank(ranks: Path, model_dir: Path, mode: str, case:
         assert float(reference["value_head.proj.weight"].abs().max()) > 100 * TOLERANCE  # the value head learned
     if case == "sgd_clip_token_mean":
         assert ref_metrics["grad_norm"] > 2 * CASES[case][0]["max_grad_norm"]  # clipping was active
+
+
+def test_a_batch_with_nothing_to_learn_moves_no_weight_on_any_rank(ranks: Path) -> None:
+    """AdamW's momentum from the first step would move every shard on the second's zero gradient; every rank skips."""
+    after_first = torch.load(ranks / "fsdp2-adamw.pt", weights_only=True)["state"]
+    got = torch.load(ranks / "fsdp2-adamw-flat.pt", weights_only=True)
+    assert got["metrics"]["grad_norm"] == 0.0
+    assert got["metrics"]["skipped_steps"] == 4 and got["metrics"]["optimizer_steps"] == 0
+    diff = _max_diff(got["state"], after_first)
+    print(f"fsdp2 adamw, a batch of zero advantages after a real one: max |moved| = {diff:.2e}")
+    assert diff < TOLERANCE
 
 
 def test_resume_from_a_sharded_checkpoint_continues_exactly(ranks: Path, model_dir: Path) -> None:

@@ -205,3 +205,34 @@ def test_neg_adv_scale_zero_trains_as_if_negative_advantages_were_zero(model_dir
     assert any(not torch.allclose(scaled[k], plain[k]) for k in scaled)  # the negative rollout did count in GRPO
     with pytest.raises(ConfigError, match="neg_adv_scale"):
         LearnerConfig(neg_adv_scale=-1.0)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_mini_batch_with_nothing_to_learn_moves_no_weight(model_dir: Path, skip: bool) -> None:
+    """All advantages 0 (GRPO, kl_coef 0): the gradient is exactly 0, yet AdamW's momentum from an earlier step would
+    move every weight; skip_zero_grad (the default) skips that optimizer step. skip=False shows the test can fail."""
+    torch.manual_seed(0)
+    model = _load(model_dir)
+    rng = np.random.default_rng(0)
+    good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)
+    config = LearnerConfig(lr=1e-3, skip_zero_grad=skip)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    learned = [ScoredTree(good.segments, 1.0, 1.0, "agentloop"), ScoredTree(bad.segments, -1.0, 0.0, "agentloop")]
+    assert train_step(model, optimizer, learned, config)["optimizer_steps"] == 1  # momentum now non-zero
+
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    flat = [ScoredTree(good.segments, 0.0, 1.0, "agentloop"), ScoredTree(bad.segments, 0.0, 1.0, "agentloop")]
+    metrics = train_step(model, optimizer, flat, config)
+    assert metrics["grad_norm"] == 0.0
+    moved = max(float((p.detach() - weights[name]).abs().max()) for name, p in model.named_parameters())
+    if skip:
+        assert moved == 0.0 and metrics["optimizer_steps"] == 0 and metrics["skipped_steps"] == 1
+    else:  # the step AdamW takes on a zero gradient: most of a real one
+        assert moved > 0.5 * config.lr and metrics["optimizer_steps"] == 1 and metrics["skipped_steps"] == 0
+
+
+def test_boolean_hparams_parse_their_words() -> None:
+    assert parse_hparams(["skip_zero_grad=false"]).skip_zero_grad is False
+    assert parse_hparams(["skip_zero_grad=On"]).skip_zero_grad is True
+    with pytest.raises(Exception, match="skip_zero_grad: 'maybe' is not a valid bool"):
+        parse_hparams(["skip_zero_grad=maybe"])
