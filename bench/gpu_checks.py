@@ -98,7 +98,7 @@ def check_packing(model: torch.nn.Module, report: list[str]) -> bool:
 
 def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
     from learner.forward import packed_logprobs
-    from learner.hparams import LearnerConfig
+    from learner.hparams import Hyperparams
     from learner.pack import pack_trees
     from learner.step import ScoredTree, train_step
 
@@ -122,7 +122,7 @@ def check_train_step(model: torch.nn.Module, report: list[str]) -> bool:
                 seg.logprobs = lp[offset : offset + len(seg.tokens)].numpy().astype("<f4")
             offset += len(seg.tokens)
     before = mean_lp(good), mean_lp(bad)
-    config = LearnerConfig(lr=2e-3)
+    config = Hyperparams(lr=2e-3)
     trees = [ScoredTree(good, 1.0, 1.0, "a"), ScoredTree(bad, -1.0, 0.0, "b")]
     started = time.perf_counter()
     metrics = train_step(model, torch.optim.AdamW(model.parameters(), lr=config.lr), trees, config)
@@ -143,7 +143,7 @@ def check_real_shape(report: list[str], layers: int, tokens: int) -> bool:
     from transformers import Qwen3ForCausalLM
 
     from bench.real_shapes import qwen3_06b_config, rollout
-    from learner.hparams import LearnerConfig
+    from learner.hparams import Hyperparams
     from learner.memory import available_bytes, plan_step
     from learner.pack import pack_trees
     from learner.step import ScoredTree, train_step
@@ -151,7 +151,7 @@ def check_real_shape(report: list[str], layers: int, tokens: int) -> bool:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(qwen3_06b_config(layers, max_positions=max(40_960, tokens))).float().to(DEVICE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    config = LearnerConfig(lr=1e-5)
+    config = Hyperparams(lr=1e-5)
     segs = rollout(tokens)
     rows = pack_trees([segs], config.token_budget, model.config.max_position_embeddings)
     shapes = [(r.num_tokens, not r.is_chain, r.uses_top_k or r.uses_top_p) for r in rows]

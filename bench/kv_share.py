@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.router import Rollout, read_jsonl
-from learner.config import LearnerConfig
+from learner.hparams import Hyperparams
 from learner.step import ScoredTree, train_step
 
 DATA = Path(__file__).resolve().parent / "data" / "router_harness_calls.jsonl.xz"
@@ -67,7 +67,7 @@ def tree(rollout: Rollout) -> list:
     return build_tree(calls).segments
 
 
-def _step(model: torch.nn.Module, trees: list[ScoredTree], config: LearnerConfig) -> dict[str, float]:
+def _step(model: torch.nn.Module, trees: list[ScoredTree], config: Hyperparams) -> dict[str, float]:
     m = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(m.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     return train_step(m, optimizer, trees, config)
@@ -99,7 +99,7 @@ def main() -> None:
         shared = min(_lcp(heads[0], h) for h in heads[1:])
         lengths = [len(r.calls[-1].prompt) + len(r.calls[-1].completion) for r in grp]
         shapes.append(f"{len(grp)} rollouts of {min(lengths):,}–{max(lengths):,} tokens sharing {shared:,}")
-    on_cfg = LearnerConfig()
+    on_cfg = Hyperparams()
     off_cfg = dataclasses.replace(on_cfg, kv_share_min=0)
     runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     load = [os.getloadavg()[0]]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from learner.config import LearnerConfig
+from learner.hparams import Hyperparams
 from learner.pack import pack_trees
 from learner.step import ScoredTree, train_step
 
@@ -64,7 +64,7 @@ def quickstart_batch(tokenizer, tasks: int = 4, per_dialect: int = 2) -> list[Sc
     return out
 
 
-def _step(model: torch.nn.Module, trees: list[ScoredTree], config: LearnerConfig) -> dict[str, float]:
+def _step(model: torch.nn.Module, trees: list[ScoredTree], config: Hyperparams) -> dict[str, float]:
     m = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(m.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     return train_step(m, optimizer, trees, config)
@@ -85,7 +85,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").float()
         tokenizer = AutoTokenizer.from_pretrained(tmp)
     trees = quickstart_batch(tokenizer)
-    on_cfg = LearnerConfig()
+    on_cfg = Hyperparams()
     off_cfg = dataclasses.replace(on_cfg, share_prefix_min=0)
     rows = {
         name: pack_trees([t.segments for t in trees], cfg.token_budget, share_prefix_min=cfg.share_prefix_min)

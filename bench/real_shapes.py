@@ -99,7 +99,7 @@ def learner_step(layers: int, tokens: int, threads: int) -> dict:
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from learner.hparams import LearnerConfig
+    from learner.hparams import Hyperparams
     from learner.memory import available_bytes, plan_step
     from learner.pack import pack_trees
     from learner.step import ScoredTree, train_step
@@ -109,7 +109,7 @@ def learner_step(layers: int, tokens: int, threads: int) -> dict:
     model = Qwen3ForCausalLM(qwen3_06b_config(layers)).float()
     params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    config = LearnerConfig(lr=1e-5)
+    config = Hyperparams(lr=1e-5)
     segs = rollout(tokens)
     rows = pack_trees([segs], config.token_budget, model.config.max_position_embeddings)
     shapes = [(r.num_tokens, not r.is_chain, r.uses_top_k or r.uses_top_p) for r in rows]

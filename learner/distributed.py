@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
-from learner.config import LearnerConfig
 from learner.forward import packed_hidden
+from learner.hparams import Hyperparams
 from learner.pack import MicroBatch, pack_trees
 from learner.step import (
     _MAXIMA,
@@ -141,7 +141,7 @@ def distributed_train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trees: Sequence[ScoredTree],
-    config: LearnerConfig,
+    config: Hyperparams,
     value_head: ValueHead | None = None,
     ref_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Learner hyperparameters: one frozen dataclass with a help text per field, and ``--hp NAME=VALUE`` parsing.
 
-Hyperparameters change what is learned (the service's settings: ``learner.config``). Pure: no pydantic, no Kafka,
+Hyperparameters change what is learned (the service's settings: ``learner.settings``). Pure: no pydantic, no Kafka,
 so the training step (``learner.step``) runs where only torch and transformers are installed.
 """
 
@@ -19,7 +19,7 @@ def _hp(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in th
 
 
 @dataclass(frozen=True)
-class LearnerConfig:
+class Hyperparams:
     """What the learner optimises and how. Defaults suit the tiny CPU model; the paper's values are noted."""
 
     algorithm: Literal["grpo", "ppo"] = _hp(
@@ -127,9 +127,9 @@ class LearnerConfig:
 _BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
-def parse_hparams(pairs: list[str]) -> LearnerConfig:
-    """``["lr=1e-4", "is_mode=masked"]`` → LearnerConfig, with errors naming the field."""
-    known = {f.name: f for f in fields(LearnerConfig)}
+def parse_hparams(pairs: list[str]) -> Hyperparams:
+    """``["lr=1e-4", "is_mode=masked"]`` → Hyperparams, with errors naming the field."""
+    known = {f.name: f for f in fields(Hyperparams)}
     values: dict[str, Any] = {}
     for pair in pairs:
         name, sep, raw = pair.partition("=")
@@ -145,4 +145,4 @@ def parse_hparams(pairs: list[str]) -> LearnerConfig:
                 values[name] = type(default)(raw)
         except (ValueError, KeyError) as exc:
             raise ConfigError(f"--hp {name}: {raw!r} is not a valid {type(default).__name__}") from exc
-    return LearnerConfig(**values)
+    return Hyperparams(**values)

@@ -1,4 +1,4 @@
-"""Context shared by rows of their own, computed once: the common prefix's keys and values, with gradient (#32).
+"""Context shared by rows of their own, computed once: the common prefix's keys and values, with gradient.
 
 Rollouts over the token budget are trained path by path, each path a chain row of its own (``learner.tree_split``),
 so the context they begin with — a harness's system prompt and tool schemas (13–40k tokens for the real harnesses),

@@ -7,7 +7,7 @@ does point that way, consistently, but spread over 3.7M weights that AdamW each 
 batch of 32-64 rollouts cannot move the policy's sharpness before the noise in every other direction does harm (nine
 probes, lr 5e-5 to 1e-3). Here that one direction gets its own parameter: ``s``, with logits = W · (exp(s) · norm(h))
 (the final RMSNorm's output scaled by exp(s), i.e. a temperature of exp(-s) built into the policy), trained by the same
-loss as every other weight, with ``LearnerConfig.logit_scale_lr``. Its gradient is the batch's covariance of reward and
+loss as every other weight, with ``Hyperparams.logit_scale_lr``. Its gradient is the batch's covariance of reward and
 Σ_t (logit of the sampled token − the expected logit): positive when the rollouts that sampled the model's likelier
 tokens earned more, negative when the better rollouts took less likely tokens (so it does not collapse to greedy where
 greedy is wrong).

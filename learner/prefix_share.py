@@ -28,7 +28,7 @@ import torch
 __all__ = ["DEFAULT_MIN_TOKENS", "fill_rows", "root_prefixes", "shared_lengths", "shared_row", "shared_savings"]
 
 # Below this many common tokens two roots keep their own copies (a shared segment for a chat-template header of a
-# few tokens saves nothing worth a segment). The learner's default (``LearnerConfig.share_prefix_min``).
+# few tokens saves nothing worth a segment). The learner's default (``Hyperparams.share_prefix_min``).
 DEFAULT_MIN_TOKENS = 16
 
 Prefix = tuple[int, ...]

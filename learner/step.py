@@ -32,7 +32,7 @@ import torch
 from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
 from learner.forward import packed_logprobs
-from learner.hparams import LearnerConfig
+from learner.hparams import Hyperparams
 from learner.kv_share import PrefixKV, plan_groups, suffix_row
 from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, pack_trees
@@ -58,7 +58,7 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trees: Sequence[ScoredTree],
-    config: LearnerConfig,
+    config: Hyperparams,
     value_head: ValueHead | None = None,
     ref_model: torch.nn.Module | None = None,
 ) -> dict[str, float]:
@@ -110,7 +110,7 @@ def train_step(
         if config.algorithm == "ppo":  # returns R (γ = λ = 1); the advantage R - V_old(s_t) is formed per token
             advantages = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
         else:
-            # neg_adv_scale < 1 departs from the paper (LearnerConfig's help): negative advantages weigh less.
+            # neg_adv_scale < 1 departs from the paper (Hyperparams's help): negative advantages weigh less.
             advantages = torch.tensor(
                 [t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale for t in part],
                 dtype=torch.float32,
@@ -229,7 +229,7 @@ def update_stats(
     return out
 
 
-def _kv_plan(model: torch.nn.Module, rows: Sequence[MicroBatch], config: LearnerConfig) -> list[tuple[list[int], int]]:
+def _kv_plan(model: torch.nn.Module, rows: Sequence[MicroBatch], config: Hyperparams) -> list[tuple[list[int], int]]:
     """Every row once, as (rows, shared prefix length): groups sharing a prefix (``learner.kv_share``), then the rest
     alone with 0. Off for PPO (its value rows) and under activation checkpointing (recomputation re-appends)."""
     checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
@@ -239,7 +239,7 @@ def _kv_plan(model: torch.nn.Module, rows: Sequence[MicroBatch], config: Learner
     return groups + [([i], 0) for i in range(len(rows)) if i not in grouped]
 
 
-def _shared_logprobs(model: torch.nn.Module, rows: Sequence[MicroBatch], config: LearnerConfig) -> list[torch.Tensor]:
+def _shared_logprobs(model: torch.nn.Module, rows: Sequence[MicroBatch], config: Hyperparams) -> list[torch.Tensor]:
     """:func:`_logprobs` of every row (T,) each, a shared prefix computed once per group (no gradient here)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
     for group, m in _kv_plan(model, rows, config):
@@ -268,7 +268,7 @@ def _padded(old: tuple[torch.Tensor, torch.Tensor | None], m: int) -> tuple[torc
 
 
 def _old_forward(
-    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig, entropy: list
+    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: Hyperparams, entropy: list
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """π_old's (logprobs (T,), values (T,) or None) of a row; GRPO also adds its entropy sum/count to ``entropy``."""
     if config.algorithm == "ppo":
@@ -277,7 +277,7 @@ def _old_forward(
 
 
 def _forward(
-    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: LearnerConfig, past: Any = None
+    model: torch.nn.Module, head: ValueHead | None, row: MicroBatch, config: Hyperparams, past: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs (T,), values (T,) or None) of a row under the current weights."""
     if config.algorithm == "ppo":
@@ -287,13 +287,13 @@ def _forward(
 
 
 def _logprobs(
-    model: torch.nn.Module, row: MicroBatch, config: LearnerConfig, entropy: list | None = None, past: Any = None
+    model: torch.nn.Module, row: MicroBatch, config: Hyperparams, entropy: list | None = None, past: Any = None
 ) -> torch.Tensor:
     """Logprobs (T,) of a row's trainable tokens; ``entropy`` = [sum, count] gets their entropy added."""
     return packed_logprobs(model, row, only_trainable=True, chunk=config.logprob_chunk, entropy=entropy, past=past)
 
 
-def max_path_tokens(model: torch.nn.Module, config: LearnerConfig) -> int | None:
+def max_path_tokens(model: torch.nn.Module, config: Hyperparams) -> int | None:
     """The longest root-to-leaf path a row may hold: the hyperparameter, else the model's context."""
     return config.max_path_tokens or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -304,7 +304,7 @@ def _reward(tree: ScoredTree) -> float:
     return tree.reward
 
 
-def _fused_old(model: torch.nn.Module, config: LearnerConfig, n_parts: int) -> bool:
+def _fused_old(model: torch.nn.Module, config: Hyperparams, n_parts: int) -> bool:
     """One GRPO update per batch on a model without dropout: π_old is exactly the gradient pass's policy (same
     weights, same inputs), so its logprobs are that pass's, detached — one forward pass less per step (that pass
     pays for the update statistics' pass after the step). Several mini-batches need π_old from before the first
@@ -321,7 +321,7 @@ def _row_backward(
     row: MicroBatch,
     old: tuple[torch.Tensor, torch.Tensor | None] | None,  # logp_old (T,), V_old (T,) or None; None: fused
     targets: torch.Tensor,  # (R,) GRPO advantages, or PPO returns
-    config: LearnerConfig,
+    config: Hyperparams,
     n_tokens: int,
     n_rollouts: int,
     rollout_tokens: torch.Tensor,  # (R,) trainable tokens of each rollout over all its rows

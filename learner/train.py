@@ -48,12 +48,13 @@ from clawbase.settings import KafkaSettings
 from clawbase.watchdog import deadline
 from learner.attempts import FILE_NAME, StepAttempts
 from learner.batches import BatchCollector, Refusal, SealedBatch
-from learner.config import LearnerConfig, LearnerSettings, parse_hparams
+from learner.hparams import Hyperparams, parse_hparams
 from learner.logit_scale import LogitScale
 from learner.memory import GIB, available_bytes, plan_step, set_checkpointing
 from learner.pack import MicroBatch, PackError, pack_trees
 from learner.precision import load_policy
 from learner.segment_sampling import UnreproducibleSampling
+from learner.settings import LearnerSettings
 from learner.step import ScoredTree, max_path_tokens, train_step
 from learner.value import ValueHead
 from learner.weights_http import default_base_url, local_copy, published_uri, serving
@@ -77,7 +78,7 @@ TXN_DEADLINE_S = 90.0  # transactional calls time out at 60 s; past this one the
 class Learner:
     """Owns the model, optimizer and Kafka clients; ``run`` is the top loop."""
 
-    def __init__(self, settings: LearnerSettings, config: LearnerConfig, kafka: KafkaSettings) -> None:
+    def __init__(self, settings: LearnerSettings, config: Hyperparams, kafka: KafkaSettings) -> None:
         self.settings, self.config, self.kafka = settings, config, kafka
         port = settings.weights_http_port
         self.weights_base_url = settings.weights_base_url or (default_base_url(port) if port else None)
@@ -443,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m learner.train",
         description=__doc__.splitlines()[0],
-        epilog="hyperparameters (--hp NAME=VALUE):\n" + LearnerConfig.help_table(),
+        epilog="hyperparameters (--hp NAME=VALUE):\n" + Hyperparams.help_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model-dir", required=True)

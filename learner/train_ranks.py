@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from clawbase.faults import fault_point
-from learner.config import LearnerConfig, LearnerSettings
 from learner.distributed import distributed_train_step
+from learner.hparams import Hyperparams
 from learner.logit_scale import LogitScale
 from learner.memory import set_checkpointing
 from learner.precision import load_policy
+from learner.settings import LearnerSettings
 from learner.step import ScoredTree
 from learner.train import Learner
 from learner.value import ValueHead
@@ -85,7 +86,7 @@ def _sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, head: ValueH
         torch.set_rng_state(box[0][1])
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, config: LearnerConfig, version: int) -> float:
+def _set_lr(optimizer: torch.optim.Optimizer, config: Hyperparams, version: int) -> float:
     lr = config.lr_at(version)  # version = steps trained so far, as learner.train's _step
     warm = lr / config.lr if config.lr else 1.0  # the warm-up applies to the logit scale too (learner.train)
     for group in optimizer.param_groups:
@@ -96,7 +97,7 @@ def _set_lr(optimizer: torch.optim.Optimizer, config: LearnerConfig, version: in
 class LeadLearner(Learner):
     """Rank 0: ``Learner`` whose step runs on every rank and whose loads reach every rank."""
 
-    def __init__(self, settings: LearnerSettings, config: LearnerConfig, kafka: Any) -> None:
+    def __init__(self, settings: LearnerSettings, config: Hyperparams, kafka: Any) -> None:
         super().__init__(settings, config, kafka)
         self.consumer = _KeepAlive(self.consumer, _timeout_s() / 4)  # type: ignore[assignment]
 
@@ -135,7 +136,7 @@ class LeadLearner(Learner):
         _sync(self.model, self.optimizer, self.value_head)
 
 
-def follow(settings: LearnerSettings, config: LearnerConfig) -> None:
+def follow(settings: LearnerSettings, config: Hyperparams) -> None:
     """Ranks 1..N-1: the same model and optimizer as rank 0, driven by its broadcasts until it stops."""
     torch.manual_seed(config.seed)
     model = load_policy(settings.model_dir)
@@ -201,11 +202,11 @@ def _rank_main(rank: int, world: int, port: int, argv: Sequence[str], launcher: 
         dist.destroy_process_group()
 
 
-def _settings(argv: Sequence[str]) -> tuple[LearnerSettings, LearnerConfig]:
+def _settings(argv: Sequence[str]) -> tuple[LearnerSettings, Hyperparams]:
     """What a follower needs of the command line: the model, the hyperparameters, the threads."""
     import argparse
 
-    from learner.config import parse_hparams
+    from learner.hparams import parse_hparams
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model-dir", required=True)

@@ -1,4 +1,4 @@
-"""The learner's weight store over HTTP, so engines on other hosts need no shared filesystem (issue #31 item 4).
+"""The learner's weight store over HTTP, so engines on other hosts need no shared filesystem.
 
 Read-only: GET and HEAD of ``/<model>/v<version:06d>/model.safetensors`` (the store's layout,
 ``policy.weight_store.version_path``) and nothing else — no listings, no trainer state, no value heads, no path

@@ -1,4 +1,4 @@
-"""Weight versions over HTTP: an engine on another host fetches a version's file by its ``http(s)://`` URI (issue #31).
+"""Weight versions over HTTP: an engine on another host fetches a version's file by its ``http(s)://`` URI.
 
 No shared filesystem is needed between the learner and the engines: the learner (or any HTTP server of the weight
 store, e.g. nginx over the directory: docs/scaling.md) serves ``<model>/v<version:06d>/model.safetensors`` and

@@ -53,7 +53,7 @@ class StreamsSettings(BaseSettings):
         description="Keys per table whose partition Faust remembers (its key index; a key not in it is looked up in "
         "each of the worker's partition databases, a bloom-filtered read each). Faust's default of 1,000 held "
         "~4.4 KiB per key (its JSON key encoding allocates that much per key): 8 tables × 1,000 keys = ~35 MiB that "
-        "filled slowly and read as unbounded growth in the soak (#29).",
+        "filled slowly and read as unbounded growth in the soak.",
     )
     memory_trace_top: int = Field(
         default=0,

@@ -1,4 +1,4 @@
-"""Does a policy copy the task's names through a real harness? A teacher-forced probe of its first call (#32).
+"""Does a policy copy the task's names through a real harness? A teacher-forced probe of its first call.
 
 A recorded first call of the harness (the first MAIN call of a demonstration on ``PREFIX``'s calls topic: the
 harness's own system prompt, tools and rendering) is the template. Each probed task's prompt replaces the recorded

@@ -14,7 +14,7 @@ Topics: ``PREFIX.clawstream.trajectories`` in → a model directory out. Run::
          --checkpoint-every 0]
 
 ``--mix-builtin N`` adds N rows of the shipped warm start's own data (scripted agent-loop episodes, both dialects),
-to limit how much of the built-in loop training on a real harness forgets (#32, real_harness.md: 160 steps with
+to limit how much of the built-in loop training on a real harness forgets (bench/results/real_harness.md: 160 steps with
 64 + 64 rows still took it from 0.615 to 0.396 held out).
 """
 
@@ -46,12 +46,12 @@ class TopicSFTConfig:
     lr: float = 1e-3
     warmup_steps: int = 2
     batch_size: int = 2
-    # Rows of one harness start with the same system prompt and tools (13-40k tokens): computed once per batch (#32).
+    # Rows of one harness start with the same system prompt and tools (13-40k tokens): computed once per batch.
     shared_prefix: bool = True
     # Loss before/after is measured on this many rows (a seeded sample; 0: all): scoring 64 real-harness rows of
     # 14k tokens twice cost more than a few training steps on 2 cores.
     score_rows: int = 16
-    # Agent-loop rows of the shipped warm start's data mixed in (#32: 10 steps on opencode rows alone took the
+    # Agent-loop rows of the shipped warm start's data mixed in (10 steps on opencode rows alone took the
     # built-in loop from 0.615 to 0.437 held out: forgetting).
     mix_builtin: int = 0
     checkpoint_every: int = 0  # also save OUT/checkpoints/step-N every this many steps (0: off)

@@ -1,4 +1,4 @@
-"""The scripted teacher (#32): a model double that solves built-in CPU tasks through a real harness's own tools.
+"""The scripted teacher: a model double that solves built-in CPU tasks through a real harness's own tools.
 
 Served over the engine protocol by :class:`warmstart.scripted_engine.ScriptedEngine`, so a real harness binary
 (opencode, Codex, Qwen Code) calls it through the serving proxy like any policy: every demonstration is then on the

@@ -38,7 +38,7 @@ from clawstream.stack.services import (
     start_scheduler,
     start_streams,
 )
-from learner.config import LearnerConfig
+from learner.hparams import Hyperparams
 from warmstart.sft import SHIPPED_RECIPE
 
 HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
@@ -53,7 +53,7 @@ class DemoConfig:
     group_size: int = 8
     lr: float = 2e-5  # learner AdamW learning rate
     logit_scale_lr: float = 0.1  # learner's learned logit scale (learner/logit_scale.py); --hp logit_scale_lr=X
-    hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (LearnerConfig; `clawstream learner --help`)
+    hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (Hyperparams; `clawstream learner --help`)
     max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
     temperature: float = 1.0
     max_tokens: int = 256  # per model call
@@ -427,7 +427,7 @@ def check(cfg: DemoConfig) -> None:
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
     check_harnesses(cfg.harnesses, cfg.tasks_per_step)
-    known = {f.name for f in fields(LearnerConfig)} - {"lr", "seed"}
+    known = {f.name for f in fields(Hyperparams)} - {"lr", "seed"}
     for h in cfg.hp:
         name = h.split("=", 1)[0]
         if "=" not in h or name not in known:

@@ -63,8 +63,8 @@ log = logging.getLogger("clawstream.proxy")
 
 
 # A \uD800-\uDFFF escape in JSON text (paired ones decode to one character) or a surrogate's 3-byte form, which
-# json.loads decodes with "surrogatepass": a lone one is a string UTF-8 cannot encode (found by
-# tests/integration/test_proxy_fuzz.py: the call event's encoding failed after the engine had answered, a 500).
+# json.loads decodes with "surrogatepass": a lone one is a string UTF-8 cannot encode
+# (the call event's encoding would fail after the engine had answered: a 500).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
@@ -79,7 +79,7 @@ class Proxy:
         tokenizer: Any = None,
         store: RegistrationStore | None = None,
     ) -> None:
-        self.s = settings
+        self.settings = settings
         self.publisher = publisher
         self.topic = topic
         if tokenizer is None:
@@ -114,7 +114,7 @@ class Proxy:
         self.admin_url = f"http://{settings.admin_host}:{settings.admin_port}"  # set by whoever learns a port 0
         self.quotas = Quotas(settings.max_calls_per_rollout, settings.max_prompt_tokens_per_rollout)
         # Parsing, rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
-        # request held every other rollout's calls, keep-alives and seals for seconds (#29). One thread keeps the
+        # request would hold every other rollout's calls, keep-alives and seals for seconds. One thread keeps the
         # renderers' state (per rollout, and the shared segment cache) touched by one thread only, as before.
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-render")
 
@@ -130,7 +130,7 @@ class Proxy:
 
     def app(self) -> web.Application:
         """The harness-facing API (``host:port``); no admin route (404): that is :meth:`admin_app`."""
-        app = web.Application(client_max_size=self.s.max_request_bytes)
+        app = web.Application(client_max_size=self.settings.max_request_bytes)
         for prefix in ("/r/{rid}/v1", "/r/{rid}"):
             for dialect, emitter in EMITTERS.items():
                 for path in emitter.paths:
@@ -208,12 +208,12 @@ class Proxy:
 
     async def _read(self, request: web.Request, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
         """The body, read on the loop, then decoded and parsed off it (:meth:`_parse`)."""
-        if request.content_length is not None and request.content_length > self.s.max_request_bytes:
-            raise ApiError(413, f"request body exceeds {self.s.max_request_bytes} bytes")
+        if request.content_length is not None and request.content_length > self.settings.max_request_bytes:
+            raise ApiError(413, f"request body exceeds {self.settings.max_request_bytes} bytes")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise ApiError(413, f"request body exceeds {self.s.max_request_bytes} bytes") from exc
+            raise ApiError(413, f"request body exceeds {self.settings.max_request_bytes} bytes") from exc
         result: tuple[ParsedRequest, dict[str, Any]] = await self._off_loop(self._parse, raw, dialect)
         return result
 
@@ -223,7 +223,7 @@ class Proxy:
             body = json.loads(raw)
         except ValueError as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:  # found by the fuzzer: a 500 before
+        except RecursionError as exc:  # deep nesting is the client's error, never a 500
             raise ApiError(400, "request body is nested too deeply") from exc
         if _SURROGATE_ESCAPE.search(raw):  # rare: only then check for a lone one (no UTF-8 for it: a 500 later)
             try:
@@ -336,7 +336,9 @@ class Proxy:
                 conversation=conversation,
             )
             try:
-                await self.publisher.publish(self.topic, rollout.rollout_id, event.to_bytes(), self.s.publish_timeout_s)
+                await self.publisher.publish(
+                    self.topic, rollout.rollout_id, event.to_bytes(), self.settings.publish_timeout_s
+                )
             except PublishError as exc:
                 rollout.infra_failure = f"call {seq}: {exc}"
                 log.error("rollout %s: %s", rollout.rollout_id, exc)
@@ -373,7 +375,7 @@ class Proxy:
         task = asyncio.ensure_future(work())
         task.add_done_callback(lambda _t: setattr(rollout, "in_flight", rollout.in_flight - 1))
         # Answer with a plain status if the outcome is known before a keep-alive is due (engine down → 502, ...).
-        await asyncio.wait({task}, timeout=self.s.keepalive_s if parsed.stream else None)
+        await asyncio.wait({task}, timeout=self.settings.keepalive_s if parsed.stream else None)
         if task.done():
             answer = task.result()  # raises ApiError
             if not parsed.stream:
@@ -387,7 +389,7 @@ class Proxy:
         await resp.prepare(request)
         await resp.write(stream.preamble())
         while not task.done():
-            await asyncio.wait({task}, timeout=self.s.keepalive_s)
+            await asyncio.wait({task}, timeout=self.settings.keepalive_s)
             if not task.done():
                 await resp.write(stream.keepalive)
         try:

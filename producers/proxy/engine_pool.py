@@ -43,7 +43,7 @@ class EnginePool:
         metrics: ProxyMetrics,
         live_rollouts: Callable[[], Collection[str]] = tuple,
     ) -> None:
-        self.s, self.metrics, self.live_rollouts = settings, metrics, live_rollouts
+        self.settings, self.metrics, self.live_rollouts = settings, metrics, live_rollouts
         self.urls = settings.engine_urls
         self.clients = {
             url: EngineClient(
@@ -113,7 +113,7 @@ class EnginePool:
             url = self.router.route(rollout_id, prompt)
             last = [s.name for s in self.router.alive()] == [url]
             try:
-                reply = await ask(url, None if last else self.s.engine_failover_retries)
+                reply = await ask(url, None if last else self.settings.engine_failover_retries)
             except EngineUnavailable as exc:
                 self.router.done(url, ())
                 if [s.name for s in self.router.alive()] != [url]:
@@ -159,7 +159,7 @@ class EnginePool:
     async def _probe_dead(self) -> None:
         """Put back the dead engines that answer ``/health``; forget the stickiness of rollouts that are gone."""
         while True:
-            await asyncio.sleep(self.s.engine_probe_s)
+            await asyncio.sleep(self.settings.engine_probe_s)
             try:
                 for url, state in self.router.state.items():
                     if not state.alive and await self.clients[url].healthy():

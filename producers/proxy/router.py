@@ -1,4 +1,4 @@
-"""Cache-affine routing of model calls over a pool of engines (issue #31): pure, no Kafka, no HTTP (topics: none).
+"""Cache-affine routing of model calls over a pool of engines: pure, no Kafka, no HTTP (topics: none).
 
 The proxy's engine pool (``producers.proxy.engine_pool``) asks it for an engine per call. Use::
 

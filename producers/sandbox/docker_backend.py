@@ -129,7 +129,7 @@ class DockerSandbox(Sandbox):
         settings: SandboxSettings,
         proxy_origin: str | None,
     ) -> None:
-        self.sandbox_id, self.root, self.s = sandbox_id, host_root, settings
+        self.sandbox_id, self.root, self.settings = sandbox_id, host_root, settings
         self.container, self.client = container, client
         self.workspace, self.home, self.grader_dir = task.mount_dir, HOME, GRADER
         self.python, self.clawstream_root = settings.docker_python, settings.docker_clawstream_root
@@ -175,7 +175,7 @@ class DockerSandbox(Sandbox):
 
         A command's processes end with it, as in the local backend's pid namespace: a daemon a harness left behind
         would otherwise run on beside the grader (rewriting the answer it grades, or holding every pid of the limit
-        so the grader cannot start: a grade turned INFRA_FAILURE, #32's CI). Counted from the host (``docker top``
+        so the grader cannot start: a grade turned INFRA_FAILURE). Counted from the host (``docker top``
         needs no pid inside the container), so a full pid limit cannot hide them; the restart kills them all at
         once and keeps the filesystem (``/tmp``'s tmpfs is emptied).
         """
@@ -244,7 +244,7 @@ class DockerSandbox(Sandbox):
         def work() -> tuple[int | None, bytes, bytes]:
             exec_id = api.exec_create(
                 self.container.id,
-                exec_argv(argv, timeout_s, self.s.kill_grace_s),
+                exec_argv(argv, timeout_s, self.settings.kill_grace_s),
                 environment=full_env,
                 workdir=cwd,
                 stdin=False,
@@ -259,8 +259,14 @@ class DockerSandbox(Sandbox):
         except Exception as exc:  # docker.errors.APIError and friends: the docker package is optional
             raise SandboxError(f"copying files into {self.sandbox_id} failed: {exc}") from exc
         t0 = time.monotonic()
-        job = asyncio.ensure_future(asyncio.wait_for(asyncio.to_thread(work), timeout_s + self.s.kill_grace_s + 30))
-        watch = asyncio.ensure_future(watch_disk(self, max_bytes, self.s.disk_check_interval_s)) if max_bytes else None
+        job = asyncio.ensure_future(
+            asyncio.wait_for(asyncio.to_thread(work), timeout_s + self.settings.kill_grace_s + 30)
+        )
+        watch = (
+            asyncio.ensure_future(watch_disk(self, max_bytes, self.settings.disk_check_interval_s))
+            if max_bytes
+            else None
+        )
         quota: str | None = None
         try:
             if watch is not None:
@@ -327,7 +333,7 @@ class DockerSandbox(Sandbox):
 
 class DockerBackend(SandboxBackend):
     def __init__(self, settings: SandboxSettings, client: Any = None) -> None:
-        self.s = settings
+        self.settings = settings
         self._client = client
         self.root = settings.root or Path(tempfile.gettempdir()) / "clawstream-sandboxes"
         self.worker = process_identity()
@@ -357,7 +363,7 @@ class DockerBackend(SandboxBackend):
         with self._setup_lock:
             if self._network_ready:
                 return
-            name = self.s.docker_network
+            name = self.settings.docker_network
             if not [n for n in self.client.networks.list(names=[name]) if n.name == name]:  # filter: substrings
                 try:
                     self.client.networks.create(
@@ -375,7 +381,7 @@ class DockerBackend(SandboxBackend):
 
     def ensure_relay(self) -> str | None:
         """This worker's relay to the host's proxy (started once); the proxy's origin as sandboxes reach it."""
-        if not self.s.docker_proxy_relay:
+        if not self.settings.docker_proxy_relay:
             return None
         with self._setup_lock:
             if self._relay is None:
@@ -383,14 +389,14 @@ class DockerBackend(SandboxBackend):
         return self._proxy_origin
 
     def _start_relay(self) -> None:
-        host = self.s.docker_host_address or self._bridge_gateway()
-        port_to = self.s.docker_relay_target_port  # the harness-facing port: the admin listener is not relayed
+        host = self.settings.docker_host_address or self._bridge_gateway()
+        port_to = self.settings.docker_relay_target_port  # the harness-facing port: the admin listener is not relayed
         name = f"clawstream-relay-{socket.gethostname()}-{os.getpid()}"[:63]
-        port = self.s.docker_relay_port
+        port = self.settings.docker_relay_port
         for old in self.client.containers.list(all=True, filters={"name": f"^{name}$"}, ignore_removed=True):
             old.remove(force=True)  # a previous incarnation of this pid (a restarted container)
         relay = self.client.containers.run(
-            self.s.docker_image,
+            self.settings.docker_image,
             [
                 "python3",
                 "-m",
@@ -404,13 +410,13 @@ class DockerBackend(SandboxBackend):
             detach=True,
             init=True,
             network="bridge",
-            labels={**self.s.docker_labels, RELAY_LABEL: name, WORKER_LABEL: self.worker},
+            labels={**self.settings.docker_labels, RELAY_LABEL: name, WORKER_LABEL: self.worker},
             mem_limit="256m",
             pids_limit=64,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
         )
-        self.client.networks.get(self.s.docker_network).connect(relay, aliases=[name])
+        self.client.networks.get(self.settings.docker_network).connect(relay, aliases=[name])
         self._relay, self._proxy_origin = relay, f"http://{name}:{port}"
         log.info("relay %s: %s → %s:%s", name, self._proxy_origin, host, port_to)
 
@@ -425,9 +431,9 @@ class DockerBackend(SandboxBackend):
                 (host_root / sub).mkdir()
             await asyncio.to_thread(self.ensure_network)
             origin = await asyncio.to_thread(self.ensure_relay)
-            spec = container_spec(self.s, sandbox_id, task, self.worker)
+            spec = container_spec(self.settings, sandbox_id, task, self.worker)
             container = await asyncio.to_thread(lambda: self.client.containers.run(**spec))
-            box = DockerSandbox(sandbox_id, host_root, container, self.client, task, self.s, origin)
+            box = DockerSandbox(sandbox_id, host_root, container, self.client, task, self.settings, origin)
             box.write_files(box.workspace, task.files)
             await asyncio.to_thread(box.push)  # the directories exist in the container from the start
         except Exception as exc:

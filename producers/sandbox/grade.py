@@ -57,7 +57,7 @@ async def run_grader(task: Task, box: Sandbox, transcript: list[dict[str, Any]],
     host_ws = box.host_path(box.workspace)
     try:
         # A grader directory emptied now, after the harness: whatever a rollout planted where the grader's Python
-        # looks first (its script directory: ``../grader/json.py`` forged a 1.0) is gone (#29).
+        # looks first (its script directory: a planted ``../grader/json.py`` would forge a 1.0) is gone.
         _empty(box.host_path(box.grader_dir))
         for name in inv.workspace_entries:  # whatever the agent left under these names (it cannot pre-plant checks)
             _remove(host_ws / name)
@@ -120,7 +120,7 @@ def run_transcript(
 
     Whenever the proxy reported a conversation, the transcript is built from it alone: the harness's stdout and a
     process it started can say anything (a forged answer written to /proc/<harness>/fd/1, a rewritten session file),
-    the proxy has what the model saw and answered (#29). ``openclaw_session``: OpenClaw session records of it
+    the proxy has what the model saw and answered. ``openclaw_session``: OpenClaw session records of it
     (:func:`session_transcript`); ``stdout``: the records a stream-json harness prints, closed by a ``result``
     record holding the model's last answer (:func:`stream_transcript`), so graders that read a harness's ``result``
     (and :func:`final_message`) read the model's. Only when the proxy reported none (an older proxy, no main-agent

@@ -187,7 +187,7 @@ def _tail(path: Path) -> str:
 
 class LocalSandbox(Sandbox):
     def __init__(self, sandbox_id: str, root: Path, settings: SandboxSettings, mount_dir: str = "/workspace") -> None:
-        self.sandbox_id, self.root, self.s = sandbox_id, root, settings
+        self.sandbox_id, self.root, self.settings = sandbox_id, root, settings
         self.isolated = settings.isolation == "bwrap"
         self.contained = self.isolated  # its own isolation: a harness's own sandbox (Codex's bwrap) is not needed
         if self.isolated:
@@ -229,11 +229,11 @@ class LocalSandbox(Sandbox):
             return base_url
         url = urlsplit(base_url)
         self._proxy = (url.hostname or "127.0.0.1", url.port or (443 if url.scheme == "https" else 80))
-        netloc = f"127.0.0.1:{self.s.bwrap_proxy_port}"
+        netloc = f"127.0.0.1:{self.settings.bwrap_proxy_port}"
         return urlunsplit((url.scheme, netloc, url.path, url.query, url.fragment))
 
     def env(self, extra: Mapping[str, str], extra_path: str = "") -> dict[str, str]:
-        path = self.s.path or default_path()
+        path = self.settings.path or default_path()
         env = {
             "PATH": f"{extra_path}:{path}" if extra_path else path,
             "HOME": self.home,
@@ -251,10 +251,10 @@ class LocalSandbox(Sandbox):
         paths.append(str(clawstream_home() / "harnesses"))
         root = Path(self.clawstream_root)
         paths += [str(d) for d in root.iterdir() if (d / "__init__.py").is_file()]
-        for d in f"{extra_path}:{self.s.path or default_path()}".split(":"):
+        for d in f"{extra_path}:{self.settings.path or default_path()}".split(":"):
             if d:
                 paths.append(str(Path(d).resolve()))
-        return [p for p in paths + list(self.s.bwrap_read_only) if p != "/"]
+        return [p for p in paths + list(self.settings.bwrap_read_only) if p != "/"]
 
     async def _socket(self) -> Path | None:
         """The unix socket relaying to the proxy (started on first use), or None (no proxy named)."""
@@ -272,7 +272,7 @@ class LocalSandbox(Sandbox):
         sock = await self._socket()
         if sock is not None:
             relay = str(Path(self.clawstream_root) / "producers" / "sandbox" / "relay.py")
-            listen = f"127.0.0.1:{self.s.bwrap_proxy_port}"
+            listen = f"127.0.0.1:{self.settings.bwrap_proxy_port}"
             argv = [self.python, "-I", relay, "--listen", listen, "--target-unix", bwrap.PROXY_SOCKET, "--then", *argv]
         binds = {k: v for k, v in self._mounts.items() if k != self.grader_dir or any(v.iterdir())}
         return bwrap.bwrap_argv(
@@ -280,8 +280,8 @@ class LocalSandbox(Sandbox):
             binds=binds,
             read_only=self._read_only(extra_path),
             cwd=cwd,
-            uid=self.s.bwrap_uid,
-            bwrap=self.s.bwrap_path,
+            uid=self.settings.bwrap_uid,
+            bwrap=self.settings.bwrap_path,
             proxy_socket=sock,
         )
 
@@ -315,7 +315,7 @@ class LocalSandbox(Sandbox):
                     stdout=out,
                     stderr=err,
                     start_new_session=True,
-                    preexec_fn=lambda: _preexec(_limits(self.s)),
+                    preexec_fn=lambda: _preexec(_limits(self.settings)),
                 )
             except OSError as exc:
                 raise SandboxError(f"cannot start {full[0]}: {exc}") from exc
@@ -323,7 +323,11 @@ class LocalSandbox(Sandbox):
         killed: list[str] = []
         timed_out = False
         exited = asyncio.ensure_future(proc.wait())
-        watch = asyncio.ensure_future(watch_disk(self, max_bytes, self.s.disk_check_interval_s)) if max_bytes else None
+        watch = (
+            asyncio.ensure_future(watch_disk(self, max_bytes, self.settings.disk_check_interval_s))
+            if max_bytes
+            else None
+        )
         quota: str | None = None
         try:
             done, _ = await asyncio.wait(
@@ -342,7 +346,7 @@ class LocalSandbox(Sandbox):
                 else:
                     kill_all(self.sandbox_id, {proc.pid}, signal.SIGTERM)
                 try:
-                    await asyncio.wait_for(proc.wait(), self.s.kill_grace_s)
+                    await asyncio.wait_for(proc.wait(), self.settings.kill_grace_s)
                 except TimeoutError:
                     killed.append("SIGKILL")
         except asyncio.CancelledError:
@@ -387,7 +391,7 @@ class LocalSandbox(Sandbox):
 class LocalBackend(SandboxBackend):
     def __init__(self, settings: SandboxSettings) -> None:
         """Raises :class:`SandboxError` when isolation is on and bubblewrap cannot build a sandbox here."""
-        self.s = settings
+        self.settings = settings
         self.root = settings.root or Path(tempfile.gettempdir()) / "clawstream-sandboxes"
         if settings.isolation == "bwrap" and (why := bwrap.probe(settings.bwrap_path)):
             raise SandboxError(
@@ -403,7 +407,7 @@ class LocalBackend(SandboxBackend):
             (root / "owner.json").write_text(json.dumps({"pid": os.getpid(), "sandbox_id": sandbox_id}))
             for sub in ("workspace", "home", "tmp", "grader", "logs"):
                 (root / sub).mkdir()
-            box = LocalSandbox(sandbox_id, root, self.s, task.mount_dir)
+            box = LocalSandbox(sandbox_id, root, self.settings, task.mount_dir)
             box.write_files(box.workspace, task.files)
         except OSError as exc:
             raise SandboxError(f"cannot create sandbox {sandbox_id} under {self.root}: {exc}") from exc

@@ -145,7 +145,7 @@ class SandboxWorker:
         catalog: SuiteCatalog | None = None,
         keep_outcomes: bool = False,
     ) -> None:
-        self.s, self.kafka = settings, kafka
+        self.settings, self.kafka = settings, kafka
         self.keep_outcomes = keep_outcomes
         self.publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
         proxy = ProxyAdmin(
@@ -247,7 +247,7 @@ class SandboxWorker:
                 if not waiting:
                     log.info("%s[%d]@%d: %s; waiting for it to end", *tp, offset, held)
                     waiting, self.waiting = True, self.waiting + 1
-                await asyncio.sleep(self.s.held_retry_s)
+                await asyncio.sleep(self.settings.held_retry_s)
         finally:
             if waiting:
                 self.waiting -= 1
@@ -267,7 +267,9 @@ class SandboxWorker:
     async def _dead_letter(self, msg, reason: str, error_type: str, rollout_id: str | None = None) -> None:  # noqa: ANN001
         record = dead_letter_of(msg, "sandbox_worker", reason, error_type, rollout_id=rollout_id or None)
         key = (msg.key() or b"").decode(errors="replace")
-        await self.publisher.publish(self.kafka.topic(DEADLETTER), key, record.to_bytes(), self.s.publish_timeout_s)
+        await self.publisher.publish(
+            self.kafka.topic(DEADLETTER), key, record.to_bytes(), self.settings.publish_timeout_s
+        )
 
     async def _settle_failed(self, req: RolloutRequest, reason: str) -> None:
         """FAILED + an INFRA_FAILURE reward for a request that was never started (as a failed setup publishes)."""
@@ -339,17 +341,17 @@ class SandboxWorker:
                     log.info("swept %d stale sandbox(es) of dead workers", removed)
             except (OSError, ClawstreamError) as exc:
                 log.warning("sandbox sweep failed: %s", exc)
-            await asyncio.sleep(self.s.sweep_interval_s)
+            await asyncio.sleep(self.settings.sweep_interval_s)
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
         consumer = make_consumer(
             self.kafka,
-            self.s.group_id,
+            self.settings.group_id,
             **{
                 "partition.assignment.strategy": "cooperative-sticky",
-                "session.timeout.ms": self.s.session_timeout_ms,
-                "heartbeat.interval.ms": max(500, min(3000, self.s.session_timeout_ms // 3)),
+                "session.timeout.ms": self.settings.session_timeout_ms,
+                "heartbeat.interval.ms": max(500, min(3000, self.settings.session_timeout_ms // 3)),
                 "client.id": f"sandbox-worker-{self.ctx.worker_id}",
             },
         )
@@ -363,7 +365,7 @@ class SandboxWorker:
         sweeper = asyncio.create_task(self._sweep_loop())
         try:
             while not stop.is_set() and self.fatal is None:
-                full = len(self.tasks) - self.waiting >= self.s.concurrency
+                full = len(self.tasks) - self.waiting >= self.settings.concurrency
                 if (full != self._paused or self._reassigned) and consumer.assignment():
                     (consumer.pause if full else consumer.resume)(consumer.assignment())
                     self._paused, self._reassigned = full, False

@@ -112,7 +112,7 @@ class SchedulerSettings(BaseSettings):
 
 class Scheduler:
     def __init__(self, settings: SchedulerSettings, kafka: KafkaSettings, catalog: SuiteCatalog | None = None) -> None:
-        self.s, self.kafka = settings, kafka
+        self.settings, self.kafka = settings, kafka
         self.catalog = catalog or SuiteCatalog(settings.suites)
         self.version = settings.initial_version
         self.outstanding = Outstanding(settings.max_attempts)  # train mode's keeps no settled reward (_resume)
@@ -141,7 +141,7 @@ class Scheduler:
         """Connect. The rewards consumer starts at the ends of ``clawstream.rewards`` taken now: with ``read_log``
         (train mode) after reading this run's requests and rewards up to ends taken before any read, returned in
         log order (undecodable records logged and skipped)."""
-        self.publisher = KafkaPublisher(self.kafka, self.s.publish_timeout_s)
+        self.publisher = KafkaPublisher(self.kafka, self.settings.publish_timeout_s)
         tag = uuid.uuid4().hex[:8]
         self.weights = make_consumer(self.kafka, f"scheduler-weights-{tag}")
         self.weights.subscribe([self.kafka.topic(WEIGHTS)])
@@ -213,7 +213,10 @@ class Scheduler:
         assert self.publisher is not None
         topic = self.kafka.topic(ROLLOUT_REQUESTS)
         await asyncio.gather(
-            *(self.publisher.publish(topic, r.rollout_id, r.to_bytes(), self.s.publish_timeout_s) for r in requests)
+            *(
+                self.publisher.publish(topic, r.rollout_id, r.to_bytes(), self.settings.publish_timeout_s)
+                for r in requests
+            )
         )
         for r in requests:
             if r.eval:
@@ -257,14 +260,14 @@ class Scheduler:
 
     async def train(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
-        tasks = self.catalog.suite(self.s.suite).split(self.s.split)
+        tasks = self.catalog.suite(self.settings.suite).split(self.settings.split)
         log_read = await asyncio.to_thread(self._open, read_log=True)
         try:
             step = await self._resume(tasks, *log_read)
             del log_read  # the run's log as read: not held for the rest of the run
-            while step < self.s.steps and not stop.is_set():
+            while step < self.settings.steps and not stop.is_set():
                 await self._drain()
-                if may_issue(step, self.version, self.s.max_policy_lag):
+                if may_issue(step, self.version, self.settings.max_policy_lag):
                     requests = plan_step(step, tasks, self.plan, self.rng, self.version)
                     await self.publish(requests)
                     fault_point("scheduler.after_publish")  # the step is on the log, the next one not (docs/faults.md)
@@ -272,7 +275,7 @@ class Scheduler:
                     step += 1
                 else:
                     await asyncio.sleep(0.2)
-            deadline = time.monotonic() + self.s.drain_timeout_s
+            deadline = time.monotonic() + self.settings.drain_timeout_s
             while self.outstanding.pending and time.monotonic() < deadline and not stop.is_set():
                 await self._drain()
                 await asyncio.sleep(0.2)
@@ -282,11 +285,11 @@ class Scheduler:
 
     async def _resume(self, tasks: list[Task], requests: list[RolloutRequest], rewards: list[RewardEvent]) -> int:
         """Take over the state the run's log holds (``plan.rebuild``); publish what is owed; the step to go on at."""
-        found = rebuild(requests, rewards, self.s.max_attempts, self.s.start_step)
+        found = rebuild(requests, rewards, self.settings.max_attempts, self.settings.start_step)
         # Only what is still in flight goes on: the rewards of settled rollouts stay on the log (keep_settled off).
-        self.outstanding = Outstanding(self.s.max_attempts, found.outstanding.pending, keep_settled=False)
+        self.outstanding = Outstanding(self.settings.max_attempts, found.outstanding.pending, keep_settled=False)
         cut_short: list[RolloutRequest] = []
-        for step in range(self.s.start_step, found.next_step):
+        for step in range(self.settings.start_step, found.next_step):
             planned = plan_step(step, tasks, self.plan, self.rng, self.version)  # the RNG moves as when it was issued
             missing = missing_requests(planned, found.steps.get(step, []))
             if missing is None:
@@ -310,34 +313,34 @@ class Scheduler:
         return found.next_step
 
     def eval_requests(self) -> list[RolloutRequest]:
-        tasks = self.catalog.suite(self.s.suite).split(self.s.eval_split)
-        if self.s.eval_limit:
-            tasks = tasks[: self.s.eval_limit]
+        tasks = self.catalog.suite(self.settings.suite).split(self.settings.eval_split)
+        if self.settings.eval_limit:
+            tasks = tasks[: self.settings.eval_limit]
         out = []
-        for mode in dict.fromkeys(self.s.eval_modes):
+        for mode in dict.fromkeys(self.settings.eval_modes):
             greedy = mode == "greedy"
             plan = StepPlan(
                 len(tasks),
-                1 if greedy else self.s.eval_repeats,
+                1 if greedy else self.settings.eval_repeats,
                 {},
-                self.s.timeout_s,
-                0.0 if greedy else self.s.temperature,
-                1.0 if greedy else self.s.top_p,
-                self.s.max_tokens,
-                self.s.max_attempts,
-                0 if greedy else self.s.top_k,
+                self.settings.timeout_s,
+                0.0 if greedy else self.settings.temperature,
+                1.0 if greedy else self.settings.top_p,
+                self.settings.max_tokens,
+                self.settings.max_attempts,
+                0 if greedy else self.settings.top_k,
             )
             for task in tasks:
-                for h in self.s.eval_harnesses:
+                for h in self.settings.eval_harnesses:
                     for i, r in enumerate(instance_requests(task, h, -1, plan, self.version, eval_mode=True)):
                         r.metadata[EVAL_MODE_KEY] = mode
-                        if self.s.eval_seed is not None:
-                            r.seed = eval_seed(self.s.eval_seed, task.suite, task.task_id, h, mode, i)
+                        if self.settings.eval_seed is not None:
+                            r.seed = eval_seed(self.settings.eval_seed, task.suite, task.task_id, h, mode, i)
                         out.append(r)
         return out
 
     def sampling_note(self) -> str:
-        return f"temperature {self.s.temperature:g}, top_p {self.s.top_p:g}, top_k {self.s.top_k or 'off'}"
+        return f"temperature {self.settings.temperature:g}, top_p {self.settings.top_p:g}, top_k {self.settings.top_k or 'off'}"
 
     async def evaluate_scores(self, progress: Callable[[int, int], None] | None = None) -> list[EvalScore]:
         """Publish the eval requests, wait for their rewards (or ``eval_timeout_s``); rows per harness and mode.
@@ -349,7 +352,7 @@ class Scheduler:
             await self._drain()
             requests = self.eval_requests()
             await self.publish(requests)
-            deadline = time.monotonic() + self.s.eval_timeout_s
+            deadline = time.monotonic() + self.settings.eval_timeout_s
             while self.outstanding.pending and time.monotonic() < deadline:
                 await self._drain()
                 if progress is not None:

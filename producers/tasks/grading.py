@@ -182,7 +182,7 @@ def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: st
     values = {"python": python, "grader_dir": grader_dir, "workspace": workspace, "transcript": transcript_path}
     argv = [string.Template(a).substitute(values) for a in g.argv]
     if g.argv[:1] == ("${python}",):
-        # Defence in depth (#29): the grader's Python ignores PYTHON* variables and the user site-packages. HOME is
+        # Defence in depth: the grader's Python ignores PYTHON* variables and the user site-packages. HOME is
         # the sandbox's, so a Python outside a venv would run a usercustomize.py or .pth a rollout planted there.
         argv[1:1] = ["-E", "-s"]
     env = {"WORKSPACE": workspace, "CLAWGYM_WORKSPACE": workspace, "PYTHONDONTWRITEBYTECODE": "1"}

@@ -140,12 +140,12 @@ def _sampled_logprobs(model, trees: list) -> list[Any]:  # noqa: ANN001
     import torch
 
     from learner.forward import packed_logprobs
-    from learner.hparams import LearnerConfig
+    from learner.hparams import Hyperparams
     from learner.pack import pack_trees
 
     per: list[list[torch.Tensor]] = [[] for _ in trees]
     with torch.no_grad():
-        for row in pack_trees([t.segments for t in trees], LearnerConfig().token_budget, None):
+        for row in pack_trees([t.segments for t in trees], Hyperparams().token_budget, None):
             lp = packed_logprobs(model, row, only_trainable=True)[row.loss_mask]  # (K,) the row's sampled tokens
             index = row.rollout_index[row.loss_mask]  # (K,) the rollout of each, in row order
             for r in index.unique().tolist():

@@ -114,7 +114,7 @@ def test_two_steps_train_and_the_engine_serves_each_version(
 
     from clawbase.settings import clawstream_home
     from clawstream.demo.run import DemoConfig, prepare_model
-    from learner.config import LearnerConfig
+    from learner.hparams import Hyperparams
     from learner.step import train_step
 
     warm = prepare_model(clawstream_home() / "models", DemoConfig(progress=False))
@@ -177,7 +177,7 @@ def test_two_steps_train_and_the_engine_serves_each_version(
     for version, trees in sorted(batches.items()):
         model = _model_at(result["model"], weights, version - 1)
         recomputed = train_step(
-            model, torch.optim.SGD(model.parameters(), lr=0.0), trees, LearnerConfig(lr=LR, seed=SEED)
+            model, torch.optim.SGD(model.parameters(), lr=0.0), trees, Hyperparams(lr=LR, seed=SEED)
         )
         assert printed[version] == pytest.approx(recomputed["policy_loss"], rel=2e-4, abs=1e-9), (version, out)
 

@@ -28,8 +28,8 @@ from consumers.inference.engine import Engine
 from consumers.inference.generation import GenerationResult, SamplingParams
 from consumers.inference.server import InferenceWorkerSettings, load_policy
 from consumers.inference.weight_follower import EngineWeightsTarget
-from learner.config import LearnerConfig
 from learner.forward import packed_logprobs
+from learner.hparams import Hyperparams
 from learner.pack import pack_trees
 from learner.precision import load_policy as load_trainable
 from learner.step import ScoredTree, train_step
@@ -267,7 +267,7 @@ def test_learner_step_reproduces_engine_logprobs_then_swaps_into_the_engine(epis
     assert gap < LOGPROB_TOL
 
     old = {k: v.clone() for k, v in model.state_dict().items()}
-    config = LearnerConfig(lr=1e-2)
+    config = Hyperparams(lr=1e-2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     metrics = train_step(model, optimizer, [ScoredTree(segments, 1.0, 1.0, "matrix")], config)
     moved = [k for k, v in model.state_dict().items() if not torch.equal(v, old[k])]

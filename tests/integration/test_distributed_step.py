@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from learner.hparams import Hyperparams
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
@@ -56,13 +56,13 @@ def _flat(trees: list[ScoredTree]) -> list[ScoredTree]:
     return [ScoredTree(t.segments, 0.0, t.reward, t.harness) for t in trees]
 
 
-def _optimizer(kind: str, params: list[torch.nn.Parameter], config: LearnerConfig) -> torch.optim.Optimizer:
+def _optimizer(kind: str, params: list[torch.nn.Parameter], config: Hyperparams) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(params, lr=config.lr)
     return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def _head(model: torch.nn.Module, config: LearnerConfig) -> ValueHead | None:
+def _head(model: torch.nn.Module, config: Hyperparams) -> ValueHead | None:
     return ValueHead.for_model(model) if config.algorithm == "ppo" else None  # zero-initialised: the same everywhere
 
 
@@ -90,7 +90,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     out = Path(out_dir)
 
-    def fresh(mode: str, kind: str, config: LearnerConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def fresh(mode: str, kind: str, config: Hyperparams) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = load_policy(model_dir)
         if mode == "fsdp2":
             shard_policy(model)
@@ -105,7 +105,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     try:
         for mode in ("dp", "fsdp2"):
             for case, (hp, kind) in CASES.items():
-                config = LearnerConfig(**hp)
+                config = Hyperparams(**hp)
                 model = load_policy(model_dir)
                 if mode == "fsdp2":
                     shard_policy(model)
@@ -114,18 +114,18 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                 metrics = distributed_train_step(model, optimizer, _trees(0), config, head)
                 keep(f"{mode}-{case}", model, metrics, head)
         # Nothing to learn (every advantage 0) after a real step: FSDP2 + AdamW skip all four optimizer steps alike.
-        config = LearnerConfig(**CASES["adamw"][0])
+        config = Hyperparams(**CASES["adamw"][0])
         model, optimizer = fresh("fsdp2", "adamw", config)
         distributed_train_step(model, optimizer, _trees(0), config)
         keep("fsdp2-adamw-flat", model, distributed_train_step(model, optimizer, _flat(_trees(0)), config))
-        config = LearnerConfig(**CASES["sgd"][0])  # FSDP2 with an untied head (kept whole on every rank)
+        config = Hyperparams(**CASES["sgd"][0])  # FSDP2 with an untied head (kept whole on every rank)
         model = load_policy(out / "untied")
         shard_policy(model)
         optimizer = _optimizer("sgd", list(model.parameters()), config)
         keep("fsdp2-untied", model, distributed_train_step(model, optimizer, _trees(0), config))
         # Resume (FSDP2, AdamW): batch 0, a sharded checkpoint and the published full weights, then batch 1; a
         # fresh model and optimizer loaded from the checkpoint train batch 1 again.
-        config = LearnerConfig(**CASES["adamw"][0])
+        config = Hyperparams(**CASES["adamw"][0])
         model, optimizer = fresh("fsdp2", "adamw", config)
         distributed_train_step(model, optimizer, _trees(0), config)
         save_sharded(model, optimizer, out / "ckpt-v1")
@@ -184,7 +184,7 @@ def test_fsdp2_with_an_untied_head_equals_one_rank(ranks: Path) -> None:
 
 def _one_rank(model_dir: Path, case: str, batches: tuple[int, ...] = (0,)) -> tuple[dict, dict[str, float]]:
     hp, kind = CASES[case]
-    config = LearnerConfig(**hp)
+    config = Hyperparams(**hp)
     torch.set_num_threads(1)
     model = load_policy(model_dir)
     head = _head(model, config)
@@ -261,7 +261,7 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(ranks: Path, model_d
     assert diff < TOLERANCE and _max_diff(uninterrupted, reference) < TOLERANCE
     # The checkpoint's AdamW moments matter: batch 1 from v1's weights with fresh moments lands elsewhere.
     after_first, _ = _one_rank(model_dir, "adamw", (0,))
-    config = LearnerConfig(**CASES["adamw"][0])
+    config = Hyperparams(**CASES["adamw"][0])
     model = load_policy(model_dir)
     model.load_state_dict(after_first)
     train_step(model, _optimizer("adamw", list(model.parameters()), config), _trees(1), config)

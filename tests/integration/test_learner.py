@@ -388,7 +388,7 @@ def test_a_batch_that_cannot_fit_is_dead_lettered_and_one_that_fits_only_checkpo
     from safetensors.torch import load_file
 
     from clawbase.kafka.clients import create_topics
-    from learner.config import LearnerConfig
+    from learner.hparams import Hyperparams
     from learner.memory import GIB, step_memory
     from learner.pack import pack_trees
     from learner.precision import load_policy
@@ -404,7 +404,7 @@ def test_a_batch_that_cannot_fit_is_dead_lettered_and_one_that_fits_only_checkpo
     # The first step's estimate both ways (no gradients, no AdamW moments yet: the learner's state at b-1).
     model = load_policy(model_dir)
     trajectories = [Trajectory.from_bytes(r.trajectory) for r in batch_records("b-1", 1, 4, seed=1) if r.trajectory]
-    rows = pack_trees([t.segments for t in trajectories], LearnerConfig().token_budget)
+    rows = pack_trees([t.segments for t in trajectories], Hyperparams().token_budget)
     shapes = [(r.num_tokens, not r.is_chain, r.uses_top_k or r.uses_top_p) for r in rows]
     optimizer = torch.optim.AdamW(model.parameters())
     plain, ckpt = (step_memory(model, optimizer, shapes, checkpointing=c, chunk=256).needed for c in (False, True))

@@ -18,7 +18,7 @@ import torch
 from clawbase import faults
 from clawbase.kafka.clients import bootstrap_servers
 from clawbase.settings import KafkaSettings
-from learner.config import parse_hparams
+from learner.hparams import parse_hparams
 from learner.logit_scale import LogitScale
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step

@@ -321,7 +321,7 @@ async def test_proxy_and_cpu_engine_work_together_with_default_settings(kafka_se
     try:
         assert f"cpu engine serving '{DEFAULT_MODEL_NAME}'" in worker.log()
         async with running_proxy(kafka_settings, worker.url or "") as (proxy, url), aiohttp.ClientSession() as http:
-            assert proxy.s.engine_model == DEFAULT_MODEL_NAME
+            assert proxy.settings.engine_model == DEFAULT_MODEL_NAME
             reg = await register(http, url, rollout_id="defaults", max_tokens=8, temperature=0.0)
             body = request_body("chat", [], False)
             raws = []

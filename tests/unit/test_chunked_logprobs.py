@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' 
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from clawbase.errors import ConfigError  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
 from learner.forward import gather_token_logprobs, packed_forward, packed_logprobs  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.pack import MicroBatch, PackError, pack_trees  # noqa: E402
 from learner.precision import load_policy  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
@@ -174,7 +174,7 @@ def test_train_step_with_small_chunks_equals_one_chunk(hp: dict) -> None:
     def step(chunk: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         torch.manual_seed(0)
         model = _model("qwen2")
-        config = LearnerConfig(lr=1e-3, logprob_chunk=chunk, **hp)
+        config = Hyperparams(lr=1e-3, logprob_chunk=chunk, **hp)
         params = list(model.parameters())
         head = None
         if config.algorithm == "ppo":
@@ -214,5 +214,5 @@ def test_a_model_that_transforms_its_logits_is_refused() -> None:
 
 def test_logprob_chunk_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="logprob_chunk"):
-        LearnerConfig(logprob_chunk=0)
-    assert LearnerConfig().logprob_chunk == 256
+        Hyperparams(logprob_chunk=0)
+    assert Hyperparams().logprob_chunk == 256

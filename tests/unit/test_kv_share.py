@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 
-from learner.config import LearnerConfig  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.kv_share import plan_groups, suffix_row  # noqa: E402
 from learner.pack import pack_trees  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
@@ -52,7 +52,7 @@ def _step(
     kv_share_min: int, batch: list[ScoredTree] | None = None, **hp: object
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     model = tiny_model(0, "sdpa")
-    config = LearnerConfig(max_grad_norm=0.0, token_budget=24, kv_share_min=kv_share_min, **hp)
+    config = Hyperparams(max_grad_norm=0.0, token_budget=24, kv_share_min=kv_share_min, **hp)
     ref = tiny_model(1, "sdpa") if config.kl_coef > 0 else None
     batch = trees() if batch is None else batch
     metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.05), batch, config, ref_model=ref)

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' 
 
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from learner.config import LearnerConfig  # noqa: E402
 from learner.forward import packed_logprobs  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.memory import SAFETY, ModelShape, activation_bytes, plan_step, step_memory  # noqa: E402
 from learner.pack import pack_trees  # noqa: E402
 from learner.precision import load_policy  # noqa: E402
@@ -95,7 +95,7 @@ def test_gradients_and_moments_count_until_they_exist() -> None:
     params = sum(p.numel() for p in model.parameters())
     first = step_memory(model, optimizer, shapes, checkpointing=False, chunk=256)
     assert (first.gradients, first.optimizer) == (4 * params, 8 * params)
-    train_step(model, optimizer, _trees(), LearnerConfig(lr=1e-3))
+    train_step(model, optimizer, _trees(), Hyperparams(lr=1e-3))
     later = step_memory(model, optimizer, shapes, checkpointing=False, chunk=256)
     assert (later.gradients, later.optimizer) == (0, 0)  # train_step leaves its gradients; AdamW keeps its moments
     assert later.activations == first.activations and later.row_tokens == max(s[0] for s in shapes)
@@ -130,7 +130,7 @@ def test_activation_checkpointing_gives_the_same_step() -> None:
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        config = LearnerConfig(lr=1e-2, mini_batches=2)  # two updates: π_old from no-grad passes, then gradients
+        config = Hyperparams(lr=1e-2, mini_batches=2)  # two updates: π_old from no-grad passes, then gradients
         metrics = train_step(model, optimizer, _trees(3), config)
         results.append((metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}))
     (m0, s0), (m1, s1) = results
@@ -144,7 +144,7 @@ def test_a_bf16_checkpoint_trains_with_fp32_master_weights_and_moments(tmp_path:
     model = load_policy(tmp_path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    train_step(model, optimizer, _trees(4), LearnerConfig(lr=1e-4))
+    train_step(model, optimizer, _trees(4), Hyperparams(lr=1e-4))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert {t.dtype for s in optimizer.state.values() for k, t in s.items() if k != "step"} == {torch.float32}
     # An update far below bf16's spacing survives in the fp32 master weights (pure bf16 would round it away).

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from clawbase.kafka.clients import consumer_config
 from clawbase.settings import KafkaSettings
-from learner.config import LearnerSettings
+from learner.settings import LearnerSettings
 
 
 def test_a_step_may_take_hours_before_the_group_drops_the_learner(tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.config import LearnerConfig
 from learner.forward import packed_logprobs
+from learner.hparams import Hyperparams
 from learner.pack import pack_trees
 from learner.step import ScoredTree, train_step
 from learner.train import BatchCollector, parse_hparams
@@ -99,7 +99,7 @@ def test_train_step_moves_logprobs_with_the_advantage(model_dir: Path) -> None:
         return float(lp[row.loss_mask].mean())
 
     before = mean_lp(good), mean_lp(bad)
-    config = LearnerConfig(lr=3e-3, mini_batches=2)
+    config = Hyperparams(lr=3e-3, mini_batches=2)
     metrics = train_step(model, torch.optim.AdamW(model.parameters(), lr=config.lr), trees, config)
     after = mean_lp(good), mean_lp(bad)
     assert after[0] > before[0] and after[1] < before[1]
@@ -135,7 +135,7 @@ def test_value_pretraining_fits_rewards_and_ppo_step_trains_policy_and_head(mode
     assert losses[-1] < 0.5 * losses[0]  # V(s) ≈ R: from 0.25 (V = 0) down
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in frozen.items())  # the policy stayed frozen
 
-    config = LearnerConfig(algorithm="ppo", lr=1e-3)
+    config = Hyperparams(algorithm="ppo", lr=1e-3)
     head_before = head.proj.weight.detach().clone()
     optimizer = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=config.lr)
     trees = [ScoredTree(t.segments, 0.0, r, "h") for t, r in zip(trajs, rewards, strict=True)]
@@ -169,7 +169,7 @@ def test_kl_term_pulls_the_policy_back_toward_the_reference(model_dir: Path) -> 
 
     # Zero advantage: the policy-gradient term is 0, so only the KL term can move the policy.
     trees = [ScoredTree(traj.segments, 0.0, 1.0, "h")]
-    config = LearnerConfig(lr=1e-3, kl_coef=1.0, is_mode="none")
+    config = Hyperparams(lr=1e-3, kl_coef=1.0, is_mode="none")
     with pytest.raises(ConfigError, match="reference policy"):
         train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), trees, config)
     before = ref_gap()
@@ -180,9 +180,9 @@ def test_kl_term_pulls_the_policy_back_toward_the_reference(model_dir: Path) -> 
 
 
 def test_lr_warmup_is_linear_then_constant() -> None:
-    config = LearnerConfig(lr=1e-3, lr_warmup_steps=4)
+    config = Hyperparams(lr=1e-3, lr_warmup_steps=4)
     assert [config.lr_at(k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
-    assert LearnerConfig(lr=1e-3).lr_at(0) == 1e-3
+    assert Hyperparams(lr=1e-3).lr_at(0) == 1e-3
     assert parse_hparams(["lr_warmup_steps=3"]).lr_warmup_steps == 3
 
 
@@ -196,7 +196,7 @@ def test_neg_adv_scale_zero_trains_as_if_negative_advantages_were_zero(model_dir
         torch.manual_seed(0)
         model = _load(model_dir)
         trees = [ScoredTree(good.segments, advantages[0], 1.0, "h"), ScoredTree(bad.segments, advantages[1], 0.0, "h")]
-        config = LearnerConfig(lr=1e-2, is_mode="none", **hp)
+        config = Hyperparams(lr=1e-2, is_mode="none", **hp)
         train_step(model, torch.optim.SGD(model.parameters(), lr=config.lr), trees, config)
         return model.state_dict()
 
@@ -204,7 +204,7 @@ def test_neg_adv_scale_zero_trains_as_if_negative_advantages_were_zero(model_dir
     assert all(torch.allclose(scaled[k], zeroed[k]) for k in scaled)
     assert any(not torch.allclose(scaled[k], plain[k]) for k in scaled)  # the negative rollout did count in GRPO
     with pytest.raises(ConfigError, match="neg_adv_scale"):
-        LearnerConfig(neg_adv_scale=-1.0)
+        Hyperparams(neg_adv_scale=-1.0)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -215,7 +215,7 @@ def test_a_mini_batch_with_nothing_to_learn_moves_no_weight(model_dir: Path, ski
     model = _load(model_dir)
     rng = np.random.default_rng(0)
     good, bad = branching_trajectory("good", rng), branching_trajectory("bad", rng)
-    config = LearnerConfig(lr=1e-3, skip_zero_grad=skip)
+    config = Hyperparams(lr=1e-3, skip_zero_grad=skip)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     learned = [ScoredTree(good.segments, 1.0, 1.0, "agentloop"), ScoredTree(bad.segments, -1.0, 0.0, "agentloop")]
     assert train_step(model, optimizer, learned, config)["optimizer_steps"] == 1  # momentum now non-zero

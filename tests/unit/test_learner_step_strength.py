@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
-from learner.config import LearnerConfig  # noqa: E402
 from learner.forward import packed_logprobs  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.losses import grpo_loss  # noqa: E402
 from learner.pack import MicroBatch, pack_tree, pack_trees  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
@@ -82,7 +82,7 @@ def _relative_update_error(got: torch.nn.Module, want: torch.nn.Module, start: t
 
 
 def _reference_grpo_step(
-    trees: list[ScoredTree], config: LearnerConfig, *, recompute_old: bool
+    trees: list[ScoredTree], config: Hyperparams, *, recompute_old: bool
 ) -> tuple[torch.nn.Module, float]:
     """A hand-written mini-batched GRPO step: parts trees[0::2], trees[1::2], each packed into ONE row (no gradient
     accumulation), π_old from the initial weights (or, ``recompute_old``, from the weights before each part — the
@@ -113,7 +113,7 @@ def _reference_grpo_step(
 
 def test_pi_old_is_computed_once_with_the_initial_weights_for_every_mini_batch() -> None:
     """Catches π_old being recomputed (after the first optimizer step) before the second mini-batch's update."""
-    config = LearnerConfig(lr=1e-2, mini_batches=2, token_budget=16)  # 11-token trees: one tree per row
+    config = Hyperparams(lr=1e-2, mini_batches=2, token_budget=16)  # 11-token trees: one tree per row
     model = _model()
     start = _flat(model)
     advantages = [1.0, -1.0, -0.5, 0.7]
@@ -193,7 +193,7 @@ def test_tis_weight_min_ratio_cap_multiplies_each_tokens_loss() -> None:
             if s.trainable:
                 s.logprobs = [next(rollout) for _ in s.tokens]
 
-    config = LearnerConfig(max_grad_norm=0.0)  # no clipping: the recorded gradient is the loss's own
+    config = Hyperparams(max_grad_norm=0.0)  # no clipping: the recorded gradient is the loss's own
     recorder = _GradRecorder(list(model.parameters()))
     scored = [ScoredTree(tree, adv, None, "h") for tree, adv in zip(trees, advantages, strict=True)]
     metrics = train_step(model, recorder, scored, config)
@@ -293,7 +293,7 @@ def test_model_is_fed_the_unique_tree_tokens_at_their_root_path_depths() -> None
 
         calls.clear()
         scored = [ScoredTree(tree, adv, None, "h") for tree, adv in zip(trees, [1.0, -1.0], strict=True)]
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), scored, LearnerConfig(token_budget=64))
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), scored, Hyperparams(token_budget=64))
         assert len(calls) == 2  # the gradient pass (its policy is π_old), then π_new (no grad: update stats)
         for call in calls:
             _check_fed(call)
@@ -334,7 +334,7 @@ def test_ppo_step_moves_values_to_returns_and_policy_with_the_advantage() -> Non
         ]
     )
     scored = [ScoredTree(good, 0.0, returns["good"], "h"), ScoredTree(bad, 0.0, returns["bad"], "h")]
-    metrics = train_step(model, optimizer, scored, LearnerConfig(algorithm="ppo"), head)
+    metrics = train_step(model, optimizer, scored, Hyperparams(algorithm="ppo"), head)
     after = measure()
     assert metrics["optimizer_steps"] == 1
     assert metrics["value_loss"] == pytest.approx(0.5 * 0.5**2, rel=1e-5)  # 0.5 (V - R)^2 at V_old = 1.5
@@ -360,7 +360,7 @@ def test_loss_metrics_do_not_depend_on_how_many_rows_a_part_is_packed_into() -> 
             _set_rollout_logprobs(model, tree, [0.3, -0.2, 0.0, 1.0])  # one above the cap: is_weight_max is 2
             trees.append(ScoredTree(tree, adv, None, "h"))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        results[budget] = train_step(model, optimizer, trees, LearnerConfig(token_budget=budget))
+        results[budget] = train_step(model, optimizer, trees, Hyperparams(token_budget=budget))
     assert results[11]["micro_batches"] > 1 == results[1000]["micro_batches"]
     for key in ("loss", "policy_loss", "ratio_mean", "is_weight_mean", "is_weight_max"):
         assert abs(results[11][key] - results[1000][key]) < 1e-5, key

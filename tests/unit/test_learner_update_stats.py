@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
-from learner.config import LearnerConfig  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
 from tests.support.segments import Seg  # noqa: E402
 from tests.support.tiny_model import tiny_model  # noqa: E402
@@ -51,7 +51,7 @@ def test_step_reports_entropy_kl_and_the_direction_it_moved(sign: float) -> None
     advantages = [sign * 1.2, -sign * 0.8, 0.0]
     scored = [ScoredTree(t, a, None, "h") for t, a in zip(trees, advantages, strict=True)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    metrics = train_step(model, optimizer, scored, LearnerConfig(token_budget=64, max_grad_norm=0.0))
+    metrics = train_step(model, optimizer, scored, Hyperparams(token_budget=64, max_grad_norm=0.0))
 
     old = [_by_hand(before, t) for t in trees]
     new = [_by_hand(model, t) for t in trees]
@@ -75,7 +75,7 @@ def test_a_step_that_does_nothing_reports_no_movement() -> None:
     model = tiny_model(3, "sdpa")
     trees = [_on_policy(model, 10), _on_policy(model, 40)]
     scored = [ScoredTree(t, a, None, "h") for t, a in zip(trees, [1.0, -1.0], strict=True)]
-    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), scored, LearnerConfig(token_budget=64))
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), scored, Hyperparams(token_budget=64))
     assert metrics["update_kl"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["update_adv_dot"] == pytest.approx(0.0, abs=1e-7)
     assert metrics["update_sign_agreement"] == 0.0  # nothing moved, so nothing moved the right way
@@ -94,7 +94,7 @@ def test_one_update_per_batch_reuses_the_gradient_pass_as_pi_old(monkeypatch: py
         trees = [_on_policy(model, 10), _on_policy(model, 40), _chain(70, [-20.0] * 4)]  # 3rd: off-policy (capped)
         scored = [ScoredTree(t, a, None, "h") for t, a in zip(trees, [1.0, -0.5, 0.7], strict=True)]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
-        metrics = train_step(model, optimizer, scored, LearnerConfig(token_budget=64))
+        metrics = train_step(model, optimizer, scored, Hyperparams(token_budget=64))
         results.append((metrics, torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
     (fused_m, fused_w), (plain_m, plain_w) = results
     for key in ("loss", "policy_loss", "is_weight_mean", "is_truncated_frac", "entropy", "update_kl", "ratio_mean"):

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' 
 pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
 from clawbase.errors import ConfigError  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
 from learner.forward import packed_logprobs  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.logit_scale import LogitScale  # noqa: E402
 from learner.pack import MicroBatch, pack_tree  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
@@ -65,7 +65,7 @@ def test_a_step_sharpens_when_the_better_rollout_took_the_likelier_tokens(better
     model = tiny_model(4)
     worse = "min" if better == "max" else "max"
     trees = [ScoredTree(_tree(model, better), 1.0, 1.0, "h"), ScoredTree(_tree(model, worse), -1.0, 0.0, "h")]
-    config = LearnerConfig(lr=1e-9, logit_scale_lr=0.05)
+    config = Hyperparams(lr=1e-9, logit_scale_lr=0.05)
     scale = LogitScale(model)
     groups = [{"params": list(model.parameters())}, {"params": [scale.log_scale], "lr": config.logit_scale_lr}]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, weight_decay=0.0)
@@ -80,6 +80,6 @@ def test_a_step_sharpens_when_the_better_rollout_took_the_likelier_tokens(better
 
 def test_a_negative_lr_and_a_model_without_a_final_norm_are_refused() -> None:
     with pytest.raises(ConfigError, match="logit_scale_lr must be >= 0"):
-        LearnerConfig(logit_scale_lr=-1.0)
+        Hyperparams(logit_scale_lr=-1.0)
     with pytest.raises(ConfigError, match="final norm"):
         LogitScale(torch.nn.Linear(2, 2))

@@ -297,11 +297,11 @@ def test_global_denominators_make_micro_batches_add_up() -> None:
 def test_default_aggregation_is_the_papers_per_rollout_mean() -> None:
     # ClawGym II Eq. 6: (1/G) sum_i (1/|y_i|) sum_t (...), a mean per trajectory (here: per rollout tree), then over
     # trajectories. Every way the learner gets its loss config must default to it.
-    from learner.config import LearnerConfig
+    from learner.hparams import Hyperparams
 
     assert LossConfig().aggregation == "seq_mean_token_mean"
-    assert LearnerConfig().aggregation == "seq_mean_token_mean"
-    assert LearnerConfig().loss_config().aggregation == "seq_mean_token_mean"
+    assert Hyperparams().aggregation == "seq_mean_token_mean"
+    assert Hyperparams().loss_config().aggregation == "seq_mean_token_mean"
 
 
 def test_default_loss_is_mean_of_per_rollout_token_means_by_hand() -> None:

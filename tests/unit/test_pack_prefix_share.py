@@ -16,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 transformers = pytest.importorskip("transformers", reason="learner tests need transformers (the 'ml' extra)")
 
-from learner.config import LearnerConfig  # noqa: E402
 from learner.forward import packed_logprobs  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.pack import MicroBatch, pack_tree, pack_trees  # noqa: E402
 from learner.prefix_share import (  # noqa: E402
     DEFAULT_MIN_TOKENS,
@@ -383,7 +383,7 @@ def scored(trees: list[list[Seg]]) -> list[ScoredTree]:
 
 
 def step_on_copy(
-    model: torch.nn.Module, trees: list[ScoredTree], config: LearnerConfig, ppo: bool = False
+    model: torch.nn.Module, trees: list[ScoredTree], config: Hyperparams, ppo: bool = False
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     """One train_step with SGD(lr=1) and no clipping on a copy of the model: (metrics, -gradient of every param)."""
     m = copy.deepcopy(model)
@@ -413,9 +413,9 @@ def test_learner_step_loss_and_gradients_equal_with_and_without_sharing(
         "max_grad_norm": 0.0,
         "token_budget": 400,
     }
-    m_on, g_on = step_on_copy(model, trees, LearnerConfig(**common, share_prefix_min=8), ppo=algorithm == "ppo")
-    m_off, g_off = step_on_copy(model, trees, LearnerConfig(**common, share_prefix_min=0), ppo=algorithm == "ppo")
-    assert LearnerConfig().share_prefix_min == DEFAULT_MIN_TOKENS > 0  # on by default
+    m_on, g_on = step_on_copy(model, trees, Hyperparams(**common, share_prefix_min=8), ppo=algorithm == "ppo")
+    m_off, g_off = step_on_copy(model, trees, Hyperparams(**common, share_prefix_min=0), ppo=algorithm == "ppo")
+    assert Hyperparams().share_prefix_min == DEFAULT_MIN_TOKENS > 0  # on by default
     assert m_on["trainable_tokens"] == m_off["trainable_tokens"] > 0
     assert m_on["tokens"] < m_off["tokens"]
     for key in ("loss", "policy_loss", "value_loss", "grad_norm", "update_kl", "entropy", "update_adv_dot"):

@@ -77,7 +77,7 @@ async def graded(task, tmp_path: Path, edit=None, stdout: str = "", home=None, *
             edit(Path(box.host_path(box.workspace)))
         if home:
             home(Path(box.host_path(box.home)))
-        return await grade(task, box, stdout, backend.s, **grade_kw)
+        return await grade(task, box, stdout, backend.settings, **grade_kw)
     finally:
         report = await box.destroy()
         assert report.clean, report

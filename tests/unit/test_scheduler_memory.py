@@ -100,7 +100,7 @@ def _settle_all(s: Scheduler, requests: list[RolloutRequest], rng: random.Random
 
 async def test_train_state_stays_within_the_rollouts_in_flight() -> None:
     s, rng = _scheduler(), random.Random(1)
-    tasks = s.catalog.suite(s.s.suite).split(s.s.split)
+    tasks = s.catalog.suite(s.settings.suite).split(s.settings.split)
     issued, step, peak = 0, 0, 0
     await s._resume(tasks, [], [])  # an empty log: train mode's state from the start
     while issued < ROLLOUTS:
@@ -125,8 +125,8 @@ async def test_train_state_stays_within_the_rollouts_in_flight() -> None:
 
 async def test_resume_keeps_only_the_pending_rollouts_of_the_log() -> None:
     s, rng = _scheduler(start_step=0), random.Random(2)
-    tasks = s.catalog.suite(s.s.suite).split(s.s.split)
-    plan_rng = random.Random(s.s.seed)  # the log a run with this seed wrote: the re-plan on resume matches it
+    tasks = s.catalog.suite(s.settings.suite).split(s.settings.split)
+    plan_rng = random.Random(s.settings.seed)  # the log a run with this seed wrote: the re-plan on resume matches it
     requests = [r for step in range(100) for r in plan_step(step, tasks, s.plan, plan_rng, 0)]
     open_ids = {r.rollout_id for r in requests[-IN_FLIGHT:]}  # the last step's rollouts have no reward yet
     rewards = [_reward(r, RewardStatus.OK) for r in requests if r.rollout_id not in open_ids]

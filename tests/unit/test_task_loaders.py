@@ -42,7 +42,7 @@ async def graded(
     try:
         if edit:
             edit(Path(box.host_path(box.workspace)))
-        result = await grade(task, box, stdout, backend.s, messages=messages)
+        result = await grade(task, box, stdout, backend.settings, messages=messages)
         if left is not None:
             left.append(sorted(p.name for p in Path(box.host_path(box.workspace)).iterdir()))
         return result

@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="learner tests need torch (the 'ml' extra)")
 
-from learner.config import LearnerConfig  # noqa: E402
+from learner.hparams import Hyperparams  # noqa: E402
 from learner.pack import pack_trees  # noqa: E402
 from learner.step import ScoredTree, train_step  # noqa: E402
 from learner.tree_split import is_chain, split_into_paths  # noqa: E402
@@ -59,7 +59,7 @@ def test_training_path_by_path_gives_the_packed_trees_gradient_and_loss() -> Non
             model,
             torch.optim.SGD(model.parameters(), lr=0.0),
             trees,
-            LearnerConfig(max_grad_norm=0.0, token_budget=budget),
+            Hyperparams(max_grad_norm=0.0, token_budget=budget),
         )
         results[budget] = (len(rows), metrics, [p.grad.clone() for p in model.parameters()])
     (one, packed, g_packed), (many, split, g_split) = results[64], results[10]

@@ -1,5 +1,4 @@
-"""Learner configuration: the service's settings (pydantic), and the hyperparameters re-exported from
-``learner.hparams``.
+"""The learner service's settings (pydantic); its hyperparameters are ``learner.hparams.Hyperparams``.
 
 Hyperparameters change what is learned; settings change where the learner reads, writes and logs. Both are printed
 by ``clawstream learner --help``. The hyperparameters live apart so that the pure training step imports no pydantic
@@ -14,10 +13,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from learner.hparams import LearnerConfig, parse_hparams
 from policy import DEFAULT_MODEL_NAME
-
-__all__ = ["LearnerConfig", "LearnerSettings", "parse_hparams"]
 
 
 class LearnerSettings(BaseSettings):
