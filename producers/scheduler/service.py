@@ -340,7 +340,8 @@ class Scheduler:
         return out
 
     def sampling_note(self) -> str:
-        return f"temperature {self.settings.temperature:g}, top_p {self.settings.top_p:g}, top_k {self.settings.top_k or 'off'}"
+        s = self.settings
+        return f"temperature {s.temperature:g}, top_p {s.top_p:g}, top_k {s.top_k or 'off'}"
 
     async def evaluate_scores(self, progress: Callable[[int, int], None] | None = None) -> list[EvalScore]:
         """Publish the eval requests, wait for their rewards (or ``eval_timeout_s``); rows per harness and mode.
