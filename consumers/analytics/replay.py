@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaException, Message, Producer
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawbase.errors import ClawstreamError, CodecError, ConfigError, TopicError
 from clawbase.kafka.clients import create_topics, make_admin, make_producer, where
@@ -51,6 +49,7 @@ from consumers.analytics.replay_plan import (
     resolve_topic,
     summary_text,
 )
+from consumers.analytics.settings import ReplaySettings
 from schemas.events import BatchRecord, BatchRecordKind
 from schemas.topics import BATCHES, BY_NAME, DEADLETTER, METRICS, WEIGHTS, TopicSpec
 
@@ -58,25 +57,6 @@ from schemas.topics import BATCHES, BY_NAME, DEADLETTER, METRICS, WEIGHTS, Topic
 LEARNER_OUTPUTS = (WEIGHTS, METRICS, DEADLETTER)
 # librdkafka aborts a transaction open longer than transaction.timeout.ms (60 s by default): commit well before.
 MAX_TRANSACTION_S = 20.0
-
-
-class ReplaySettings(BaseSettings):
-    """What to replay where (env prefix ``CLAWSTREAM_REPLAY_``; the flags of ``clawstream replay`` set the same)."""
-
-    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_REPLAY_", frozen=True, extra="forbid")
-
-    to_prefix: str = Field(description="Destination topic prefix (must differ from the source's).")
-    topics: list[str] = Field(default_factory=lambda: [BATCHES], description="Catalog topics to copy, in order.")
-    from_offsets: list[str] = Field(default_factory=list, description="--from: OFFSET or PARTITION:OFFSET (first).")
-    to_offsets: list[str] = Field(default_factory=list, description="--to: OFFSET or PARTITION:OFFSET (exclusive).")
-    since: str | None = Field(default=None, description="First record time: epoch ms, ISO 8601, or an age (2h).")
-    until: str | None = Field(default=None, description="Records before this time: epoch ms, ISO 8601, or an age.")
-    rate: float | None = Field(default=None, description="Records per second (None = as fast as possible).")
-    append: bool = Field(default=False, description="Copy into destination topics that already hold records.")
-    keep_timestamps: bool = Field(default=False, description="Keep the source records' timestamps.")
-    dry_run: bool = Field(default=False, description="Resolve the ranges and plan the batches; write nothing.")
-    commit_every: int = Field(default=500, gt=0, description="Records per transaction outside the batches topic.")
-    stall_timeout_s: float = Field(default=60.0, gt=0, description="Give up when a read makes no progress this long.")
 
 
 @dataclass

@@ -26,7 +26,8 @@ from transformers import AutoTokenizer
 
 from consumers.inference.engine import Engine
 from consumers.inference.generation import GenerationResult, SamplingParams
-from consumers.inference.server import InferenceWorkerSettings, load_policy
+from consumers.inference.server import load_policy
+from consumers.inference.settings import InferenceWorkerSettings
 from consumers.inference.weight_follower import EngineWeightsTarget
 from learner.forward import packed_logprobs
 from learner.hparams import Hyperparams

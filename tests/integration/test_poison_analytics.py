@@ -27,7 +27,8 @@ from consumers.analytics.dashboard.feed import LiveFeed
 from consumers.analytics.dashboard.state import DashboardState
 from consumers.analytics.examples import harness_report
 from consumers.analytics.export import main as export_main
-from consumers.analytics.replay import ReplaySettings, replay
+from consumers.analytics.replay import replay
+from consumers.analytics.settings import ReplaySettings
 from consumers.analytics.tail import TailRequest, tail
 from schemas.codec import default_codec
 from schemas.events import (

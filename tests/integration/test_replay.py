@@ -26,8 +26,9 @@ from clawbase.kafka.clients import (
     read_to_end,
 )
 from clawbase.settings import KafkaSettings
-from consumers.analytics.replay import ReplaySettings, replay
+from consumers.analytics.replay import replay
 from consumers.analytics.replay_plan import summary_text
+from consumers.analytics.settings import ReplaySettings
 from policy.weight_store import verify_file
 from schemas.events import BatchRecord, WeightVersion
 from schemas.topics import BATCHES, BY_NAME, CATALOG, METRICS, TRAJECTORIES, WEIGHTS

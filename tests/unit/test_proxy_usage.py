@@ -136,7 +136,7 @@ def test_openai_responses_reports_input_tokens_details() -> None:
 
 
 def test_engine_model_defaults_to_the_engines_served_name(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from consumers.inference.server import InferenceWorkerSettings
+    from consumers.inference.settings import InferenceWorkerSettings
     from learner.settings import LearnerSettings
 
     for var in (

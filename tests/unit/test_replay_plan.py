@@ -146,7 +146,8 @@ def test_summary_names_offsets_on_both_sides_and_skipped_batches() -> None:
 
 def test_bad_requests_are_refused_before_any_broker_is_contacted() -> None:
     from clawbase.settings import KafkaSettings
-    from consumers.analytics.replay import Replayer, ReplaySettings
+    from consumers.analytics.replay import Replayer
+    from consumers.analytics.settings import ReplaySettings
 
     kafka = KafkaSettings(bootstrap_servers="127.0.0.1:1", topic_prefix="runA.")  # nothing listens there
     bad = {
