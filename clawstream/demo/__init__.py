@@ -18,10 +18,12 @@
 Everything lands in ``$CLAWSTREAM_HOME/demo/<run>/``: ``logs/`` (one per service), ``weights/``, ``tensorboard/``,
 ``final-model/``, ``eval-before/``, ``eval-after/``, ``timeline.md``, ``before_after.md``, ``learning.png``,
 ``summary.json`` (rewritten as results arrive), ``state.json`` (for ``--resume``). Topics: the whole catalog under the
-run's prefix (``demo-<run>.``), evaluations under their own. Modules: ``run`` (the sequence above), ``watch`` (live
+run's prefix (``demo-<run>.``), evaluations under their own. Modules: ``run`` (the sequence above, a function per
+phase), ``config`` (the sizes and their check), ``models`` (the warm start, the exported final policy), ``watch`` (live
 output), ``report`` (table, plot, TensorBoard), ``timeline``, ``costs`` (per harness), ``state`` (harnesses, resume).
 """
 
-from clawstream.demo.run import DemoConfig, run_demo
+from clawstream.demo.config import DemoConfig
+from clawstream.demo.run import run_demo
 
 __all__ = ["DemoConfig", "run_demo"]

@@ -40,7 +40,8 @@ def test_one_step_through_opencode_and_agentloop_then_resume(
 ) -> None:
     from clawbase.settings import clawstream_home
     from clawstream.demo import run_demo
-    from clawstream.demo.run import DemoConfig, prepare_model
+    from clawstream.demo.config import DemoConfig
+    from clawstream.demo.models import prepare_model
     from producers.harnesses.install import harness_root
 
     _install_or_skip()

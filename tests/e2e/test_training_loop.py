@@ -113,7 +113,8 @@ def test_two_steps_train_and_the_engine_serves_each_version(
     import torch
 
     from clawbase.settings import clawstream_home
-    from clawstream.demo.run import DemoConfig, prepare_model
+    from clawstream.demo.config import DemoConfig
+    from clawstream.demo.models import prepare_model
     from learner.hparams import Hyperparams
     from learner.step import train_step
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from clawstream.cli import main
-from clawstream.demo.run import DemoConfig
+from clawstream.demo.config import DemoConfig
 from clawstream.stack.evaluate import EvalConfig
 
 
@@ -52,7 +52,7 @@ def test_eval_help_states_the_configs_defaults() -> None:
 
 def test_demo_passes_learner_hyperparameters_by_name_and_refuses_unknown_ones() -> None:
     from clawbase.errors import ClawstreamError
-    from clawstream.demo.run import check
+    from clawstream.demo.config import check
 
     check(DemoConfig(hp=("mini_batches=2", "kl_coef=0.01")))
     for bad in ("bogus=1", "mini_batches", "lr=1e-4"):  # unknown; no value; has its own flag

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from clawbase.errors import ClawstreamError
 from clawstream.cli import main
+from clawstream.demo.config import HARNESS_MIX, DemoConfig, check
 from clawstream.demo.costs import rollout_costs
 from clawstream.demo.report import before_after_rows, paired_gain
-from clawstream.demo.run import HARNESS_MIX, DemoConfig, check
 from clawstream.demo.state import Summary, check_harnesses, harness_mix, load_state, parse_harnesses, save_state
 from clawstream.stack.evaluate import EvalConfig, EvalResult
 from producers.harnesses.install import HARNESSES, MARKER

@@ -1,0 +1,63 @@
+"""The quickstart's sizes (``DemoConfig``: every ``clawstream demo`` flag) and the check that refuses sizes that cannot
+work before anything starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from clawbase.errors import ClawstreamError
+from clawstream.demo.state import check_harnesses
+from learner.hparams import Hyperparams
+
+HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Every size of the quickstart. RL: ``steps`` × ``tasks_per_step`` GRPO groups of ``group_size`` rollouts."""
+
+    steps: int = 20
+    tasks_per_step: int = 4
+    group_size: int = 8
+    lr: float = 2e-5  # learner AdamW learning rate
+    logit_scale_lr: float = 0.1  # learner's learned logit scale (learner/logit_scale.py); --hp logit_scale_lr=X
+    hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (Hyperparams; `clawstream learner --help`)
+    max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
+    temperature: float = 1.0
+    max_tokens: int = 256  # per model call
+    concurrency: int = 8  # rollouts at once (sandbox worker)
+    rollout_timeout_s: float | None = None  # every task's rollout timeout (None: the task's own, 60 s on builtin:cpu)
+    settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
+    seed: int = 0  # scheduler's task sampling and the learner's torch seed
+    harnesses: tuple[str, ...] = tuple(HARNESS_MIX)  # mixed in equal shares; evaluated each (--harnesses)
+    model: Path | None = None  # start RL from this model directory instead of the tiny model's warm start below
+    sft_steps: int | None = None  # None: the shipped warm start (its recipe: sft.SHIPPED_RECIPE); N: an N-step
+    # single-stage recipe with the sizes below; 0: RL from the random model
+    sft_seed: int = 0
+    sft_batch_size: int = 16
+    sft_n_tasks: int = 1024
+    eval_tasks: int = 256  # held-out tasks per harness and mode, before and after (0: no evaluation)
+    eval_modes: tuple[str, ...] = ("greedy", "sampled")
+    timeout_s: float = 3600.0  # for the RL part
+    engine: str = "cpu"
+    progress: bool = True
+
+
+def check(cfg: DemoConfig) -> None:
+    """Refuse sizes that cannot work, with the flag to change."""
+    if cfg.steps < 1 or cfg.tasks_per_step < 1 or cfg.group_size < 1:
+        raise ClawstreamError("--steps, --tasks-per-step and --group-size must be >= 1")
+    if cfg.rollout_timeout_s is not None and cfg.rollout_timeout_s <= 0:
+        raise ClawstreamError(f"--rollout-timeout must be > 0 seconds, got {cfg.rollout_timeout_s}")
+    if cfg.group_size < 2:
+        raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
+    check_harnesses(cfg.harnesses, cfg.tasks_per_step)
+    known = {f.name for f in fields(Hyperparams)} - {"lr", "seed"}
+    for h in cfg.hp:
+        name = h.split("=", 1)[0]
+        if "=" not in h or name not in known:
+            raise ClawstreamError(
+                f"--hp {h!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(known))} "
+                "(--lr and --seed have their own flags)"
+            )
