@@ -16,7 +16,7 @@ Without ``--model`` it builds the project's tiny Qwen3 (``policy.tiny_model`` de
 is measured in-process (scheduler thread, no HTTP): ``k`` requests submitted at once, each generating exactly
 ``--max-tokens`` tokens (eos ignored) at temperature 1; tokens/s = generated tokens / wall time, median of
 ``--rounds``. The naive baseline runs the same requests one after another with ``model.generate(do_sample=True)``
-(its own KV cache, batch 1). The swap part starts ``clawbase.kafka.local.LocalKafka`` in a temp home, follows
+(its own KV cache, batch 1). The swap part starts ``clawstream.local_kafka.LocalKafka`` in a temp home, follows
 the weights topic with ``consumers.inference.weight_follower.WeightsFollower``, publishes perturbed weights and times
 publish →
 ``engine.policy_version`` changing, idle and with 8 requests in flight (those finish on the old weights first).
@@ -150,8 +150,8 @@ def swap_latency(model_dir: Path, model: Any, tokenizer: Any, max_tokens: int, r
     from safetensors.torch import load_file, save_file
 
     from clawbase.kafka.clients import create_topics, make_producer
-    from clawbase.kafka.local import LocalKafka
     from clawbase.settings import KafkaSettings
+    from clawstream.local_kafka import LocalKafka
     from consumers.inference.weight_follower import EngineWeightsTarget, Reporter, WeightsFollower
     from schemas.events import WeightVersion, now_ms
     from schemas.topics import WEIGHTS

@@ -277,7 +277,7 @@ async def main_async(args) -> list[HarnessResult]:
     broker = engine = None
     try:
         if not bootstrap:
-            from clawbase.kafka.local import LocalKafka
+            from clawstream.local_kafka import LocalKafka
 
             broker = LocalKafka(home=tmp / "kafka")
             bootstrap = (await asyncio.to_thread(broker.up, timeout=120, quiet=True)).bootstrap

@@ -103,7 +103,7 @@ async def main_async(levels: list[tuple[int, int]]) -> list[dict]:
     bootstrap = os.environ.get("CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS")
     broker = None
     if not bootstrap:
-        from clawbase.kafka.local import LocalKafka
+        from clawstream.local_kafka import LocalKafka
 
         broker = LocalKafka(home=tmp / "kafka")
         bootstrap = (await asyncio.to_thread(broker.up, timeout=120, quiet=True)).bootstrap

@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     broker = None
     bootstrap = args.bootstrap
     if not bootstrap:
-        from clawbase.kafka.local import LocalKafka
+        from clawstream.local_kafka import LocalKafka
 
         broker = LocalKafka(home=work / "kafka")
         bootstrap = broker.up(timeout=120, quiet=True).bootstrap

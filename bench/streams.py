@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from clawbase.kafka.clients import consumer_config, create_topics, make_producer  # noqa: E402
-from clawbase.kafka.local import LocalKafka  # noqa: E402
 from clawbase.settings import KafkaSettings  # noqa: E402
+from clawstream.local_kafka import LocalKafka  # noqa: E402
 from schemas.events import CallEvent, Trajectory  # noqa: E402
 from schemas.topics import CALLS, CATALOG, TRAJECTORIES  # noqa: E402
 from streams.settings import StreamsSettings  # noqa: E402

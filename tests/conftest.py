@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from clawbase.kafka.clients import create_topics
-from clawbase.kafka.local import LocalKafka
 from clawbase.settings import KafkaSettings
+from clawstream.local_kafka import LocalKafka
 from producers.sandbox import bwrap
 from schemas.topics import CATALOG
 

@@ -18,7 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from clawbase.errors import ClawstreamError, ConfigError, TopicError
-from clawbase.kafka.local import LocalKafka
+from clawbase.kafka.local_state import LocalHome
 from clawbase.kafka.topic_spec import MAX_MESSAGE_BYTES, Replication, TopicSpec, co_partition_groups, replication_for
 from clawbase.settings import KafkaSettings
 
@@ -29,7 +29,7 @@ def bootstrap_servers(settings: KafkaSettings) -> str:
     """The bootstrap address: configured, else the local broker's (``clawstream kafka up``), else a clear error."""
     if settings.bootstrap_servers:
         return settings.bootstrap_servers
-    local = LocalKafka()
+    local = LocalHome()
     bootstrap = local.running_bootstrap()
     if bootstrap is None:
         raise ConfigError(
@@ -47,7 +47,7 @@ def check_broker(settings: KafkaSettings, timeout: float = 15.0) -> str:
     source = (
         "--bootstrap / CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS"
         if settings.bootstrap_servers
-        else (f"the local broker's state in {LocalKafka().home}")
+        else (f"the local broker's state in {LocalHome().home}")
     )
     try:
         AdminClient(client_config(settings)).list_topics(timeout=timeout)

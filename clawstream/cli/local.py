@@ -23,7 +23,7 @@ def kafka() -> None:
 
 
 def _local(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
-    from clawbase.kafka.local import LocalKafka
+    from clawstream.local_kafka import LocalKafka
 
     return LocalKafka(home=home)
 

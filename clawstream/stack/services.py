@@ -17,8 +17,8 @@ from pathlib import Path
 
 from clawbase.errors import ClawstreamError
 from clawbase.kafka.clients import bootstrap_servers, create_topics
-from clawbase.kafka.local import LocalKafka
 from clawbase.settings import KafkaSettings, load_settings
+from clawstream.local_kafka import LocalKafka
 from clawstream.stack.process import Service, Stack
 from schemas.topics import CATALOG
 

@@ -30,9 +30,9 @@ import pytest
 
 from clawbase import faults
 from clawbase.kafka.clients import create_topics
-from clawbase.kafka.local import LocalKafka
 from clawbase.settings import KafkaSettings
 from clawstream.demo.config import HARNESS_MIX
+from clawstream.local_kafka import LocalKafka
 from clawstream.stack.process import Service, Stack
 from clawstream.stack.services import stack_for, start_learner, start_rollout_side, start_scheduler, start_streams
 from consumers.analytics.audit import format_report, read_run

@@ -41,8 +41,9 @@ from clawbase.kafka.clients import (
     producer_config,
     read_to_end,
 )
-from clawbase.kafka.local import LocalKafka, _pid_alive
+from clawbase.kafka.local_state import pid_alive
 from clawbase.settings import KafkaSettings
+from clawstream.local_kafka import LocalKafka
 from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory
 from schemas.topics import BATCHES, BY_NAME, CALLS, CATALOG, METRICS, ROLLOUT_PARTITIONS, TRAJECTORIES
 from tests.support.fault_report import FaultRow, record, stall_after
@@ -192,10 +193,10 @@ def cluster(tmp_path: Path) -> Iterator[tuple[LocalKafka, float, set[int]]]:
         seen.update(n["pid"] for n in local.status().get("nodes", []) if n["pid"])  # type: ignore[union-attr]
         down = cli("down", home=home)
         for pid in seen:
-            if _pid_alive(pid):
+            if pid_alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
-        assert not [pid for pid in seen if _pid_alive(pid)], f"broker processes left behind; down said {down}"
+        assert not [pid for pid in seen if pid_alive(pid)], f"broker processes left behind; down said {down}"
         assert down.stdout.strip() == "stopped", down
         assert cli("status", home=home).returncode == 3  # not running
 

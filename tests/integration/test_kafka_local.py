@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from clawbase.kafka.clients import create_topics, make_admin
-from clawbase.kafka.local import LocalKafka, _pid_alive
+from clawbase.kafka.local_state import pid_alive
 from clawbase.settings import KafkaSettings
+from clawstream.local_kafka import LocalKafka
 from schemas.topics import CATALOG
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,7 @@ def test_up_reuse_restart_down(tmp_path: Path) -> None:
     try:
         status = json.loads(cli("status", "--json", home=home).stdout)
         pid = status["pid"]
-        assert status["running"] and status["bootstrap"] == bootstrap and _pid_alive(pid)
+        assert status["running"] and status["bootstrap"] == bootstrap and pid_alive(pid)
 
         again = cli("up", home=home)  # a second `up` reuses the running broker
         assert again.returncode == 0 and again.stdout.strip() == bootstrap
@@ -48,7 +49,7 @@ def test_up_reuse_restart_down(tmp_path: Path) -> None:
         settings = KafkaSettings(bootstrap_servers=bootstrap, topic_prefix="persist.")
         create_topics(settings, CATALOG)
         assert cli("down", home=home).stdout.strip() == "stopped"
-        assert not _pid_alive(pid)
+        assert not pid_alive(pid)
         assert cli("status", home=home).returncode == 3
 
         restarted = cli("up", home=home)  # same port, same data dir: the topics survive

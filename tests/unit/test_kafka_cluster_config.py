@@ -11,9 +11,10 @@ import pytest
 
 from clawbase.errors import ConfigError, KafkaLocalError, TopicError
 from clawbase.kafka.clients import _replication
-from clawbase.kafka.local import ClusterState, LocalKafka, NodeState
+from clawbase.kafka.local_state import ClusterState, NodeState
 from clawbase.kafka.topic_spec import Replication, replication_for
 from clawbase.settings import KafkaSettings, load_settings
+from clawstream.local_kafka import LocalKafka
 
 
 def _props(text: str) -> dict[str, str]:
@@ -68,7 +69,7 @@ def test_state_of_a_single_broker_written_before_clusters_is_read(tmp_path: Path
     )
     local = LocalKafka(home=tmp_path)
     assert local.brokers() == 1
-    state = local._read_state()
+    state = local.read_state()
     assert state == ClusterState("abc", [NodeState(1, 9092, 9093)])
     assert state.bootstrap == "127.0.0.1:9092" and local.status()["bootstrap"] == "127.0.0.1:9092"
 
