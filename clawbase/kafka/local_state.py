@@ -1,10 +1,7 @@
-"""The local Kafka cluster as its clients find it: the recorded state in ``<home>/state.json`` (cluster id; per node
-its ports and pid), which recorded nodes still run, and their bootstrap address (:meth:`LocalHome.running_bootstrap`,
-what ``clawbase.kafka.clients.bootstrap_servers`` falls back to). ``clawstream kafka up`` writes the state; the
-launcher (provision, format, start, stop) is ``clawstream.local_kafka``.
-
-The home is ``$CLAWSTREAM_HOME/kafka`` (default ``~/.cache/clawstream/kafka``). A single node keeps its files in
-``<home>`` itself (``data/``, ``kafka.log``, ``server.properties``), node N of a cluster in ``<home>/node-N``.
+"""The local Kafka cluster as its clients find it: the state ``clawstream kafka up`` records in ``<home>/state.json``
+(cluster id; per node its ports and pid), which nodes still run, and their address (:meth:`LocalHome.running_bootstrap`,
+what ``clawbase.kafka.clients`` falls back to). The launcher is ``clawstream.local_kafka``. The home is
+``$CLAWSTREAM_HOME/kafka``; a single node keeps its files there, node N of a cluster in ``<home>/node-N``.
 """
 
 from __future__ import annotations
