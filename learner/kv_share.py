@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 
 from learner.pack import MicroBatch
+from policy.token_prefix import common_prefix_len_all, leading_run
 
 __all__ = ["PrefixKV", "plan_groups", "suffix_row"]
 
@@ -34,16 +35,15 @@ def _shareable(row: MicroBatch) -> torch.Tensor:
     return ~row.loss_mask & (row.rollout_logprobs == 0) & (row.temperature == 1) & (row.top_p == 1) & (row.top_k == 0)
 
 
+def _chain_context(row: MicroBatch) -> torch.Tensor:
+    """(T,) bool: pure context at its chain position (position i holds the row's i-th token)."""
+    return _shareable(row) & (row.position_ids == torch.arange(len(row.position_ids), device=row.position_ids.device))
+
+
 def _common_length(rows: Sequence[MicroBatch]) -> int:
     """Leading tokens every row has alike (same ids at positions 0, 1, ...) and as pure context, less one."""
-    first = rows[0]
-    limit = min(r.num_tokens for r in rows)
-    same = torch.ones(limit, dtype=torch.bool, device=first.input_ids.device)
-    for r in rows:
-        same &= (r.input_ids[:limit] == first.input_ids[:limit]) & _shareable(r)[:limit]
-        same &= r.position_ids[:limit] == torch.arange(limit, device=same.device)
-    differs = (~same).nonzero()
-    run = int(differs[0]) if len(differs) else limit
+    alike = common_prefix_len_all([r.input_ids.cpu().numpy() for r in rows])
+    run = min(alike, *(leading_run(_chain_context(r).cpu().numpy()) for r in rows))
     # The token right after the prefix is predicted from the prefix's last position: it stays in the suffix, so the
     # prefix ends one token before the shared run does (that token is then context in every row).
     return max(run - 1, 0)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from policy.token_prefix import common_prefix_len, leading_run
+
 __all__ = ["DEFAULT_MIN_TOKENS", "fill_rows", "root_prefixes", "shared_lengths", "shared_row", "shared_savings"]
 
 # Below this many common tokens two roots keep their own copies (a shared segment for a chat-template header of a
@@ -54,24 +56,9 @@ def root_prefixes(tree: Any) -> list[Prefix]:
     plain = _plain_context(tree)
     out = []
     for _, start, n in _roots(tree):
-        run = plain[start : start + n]
-        stop = int((~run).nonzero()[0, 0]) if not bool(run.all()) else n
+        stop = leading_run(plain[start : start + n].cpu().numpy())
         out.append(tuple(tree.input_ids[start : start + stop].tolist()))
     return out
-
-
-def _lcp(a: Prefix, b: Prefix) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slice equality (C-speed comparisons)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def shared_lengths(prefixes: Sequence[Prefix], min_tokens: int) -> list[int]:
@@ -81,7 +68,7 @@ def shared_lengths(prefixes: Sequence[Prefix], min_tokens: int) -> list[int]:
     order = sorted(range(len(prefixes)), key=lambda i: prefixes[i])
     out = [0] * len(prefixes)
     for a, b in zip(order, order[1:], strict=False):
-        common = _lcp(prefixes[a], prefixes[b])
+        common = common_prefix_len(prefixes[a], prefixes[b])
         if common >= max(min_tokens, 1):
             out[a], out[b] = max(out[a], common), max(out[b], common)
     return out
@@ -95,7 +82,7 @@ def _shared_strings(prefixes: Sequence[Prefix], min_tokens: int) -> tuple[list[i
 def shared_savings(prefixes: Sequence[Prefix], min_tokens: int) -> int:
     """Tokens that sharing removes from a row with these items (Σ P minus the tokens of the radix tree)."""
     ordered = sorted(prefixes)
-    return _sorted_savings([_lcp(a, b) for a, b in zip(ordered, ordered[1:], strict=False)], min_tokens)
+    return _sorted_savings([common_prefix_len(a, b) for a, b in zip(ordered, ordered[1:], strict=False)], min_tokens)
 
 
 def _sorted_savings(adjacent: Sequence[int], min_tokens: int) -> int:
@@ -140,7 +127,8 @@ def _radix_tree(strings: Sequence[Prefix]) -> tuple[list[_Node], list[int]]:
     ends: list[int] = []
     stack: list[int] = []  # nodes along the previous string's path, shallowest first
     for k, s in enumerate(strings):
-        h = _lcp(strings[k - 1], s) if k else 0  # < len(s): sorted and distinct, so s is no prefix of its predecessor
+        # h < len(s): the strings are sorted and distinct, so s is no prefix of its predecessor.
+        h = common_prefix_len(strings[k - 1], s) if k else 0
         while stack and nodes[stack[-1]].start >= h:
             stack.pop()
         if stack and nodes[stack[-1]].end > h:
@@ -158,111 +146,181 @@ def _radix_tree(strings: Sequence[Prefix]) -> tuple[list[_Node], list[int]]:
 def shared_row(trees: Sequence[Any], tree_indices: Sequence[int], min_tokens: int) -> dict[str, Any] | None:
     """The tensor fields of a ``learner.pack.MicroBatch`` holding ``trees`` with their common context stored once
     (see the module docstring), plus ``shared_tokens`` (tokens of the virtual segments); None if nothing is shared."""
-    items: list[tuple[int, int, int]] = []  # (tree, root segment, first token of the root in its tree)
-    prefixes: list[Prefix] = []
-    for k, tree in enumerate(trees):
-        roots = _roots(tree)
-        items += [(k, seg, start) for seg, start, _ in roots]
-        prefixes += root_prefixes(tree)
+    items, prefixes = _items(trees)
     lengths, strings = _shared_strings(prefixes, min_tokens)
     if not strings:
         return None
-    nodes, ends = _radix_tree(strings)
-    order = sorted(range(len(nodes)), key=lambda v: nodes[v].start)  # parents start shallower: topological
-    seg_of = {v: i for i, v in enumerate(order)}  # radix node -> its virtual segment id
-    offset: dict[int, int] = {}  # radix node -> packed index of its first token
-    v_tokens = 0
-    for v in order:
-        offset[v] = v_tokens
-        v_tokens += nodes[v].end - nodes[v].start
-    n_virtual = len(nodes)
+    virtual = _Virtual.of(strings)
+    owners = {v: int(tree_indices[k]) for v, k in _node_owners(virtual, items, prefixes, lengths).items()}
+    head = _virtual_fields(virtual, owners)
+    parts = {name: [head[name]] for name in _TOKEN_FIELDS}
+    cuts = _cuts(virtual, items, prefixes, lengths)
+    n_virtual = len(virtual.nodes)
+    n_segments = n_virtual + sum(t.num_segments for t in trees)
+    ancestors = torch.zeros(n_segments, n_segments, dtype=torch.bool)  # (S_total, S_total)
+    ancestors[:n_virtual, :n_virtual] = virtual.ancestors
+    token_offset, segment_offset = virtual.tokens, n_virtual
+    for k, (tree, index) in enumerate(zip(trees, tree_indices, strict=True)):
+        placed = _Placed(tree, int(index), token_offset, segment_offset)
+        token_offset += _append_tree(parts, ancestors, placed, cuts.get(k, []), virtual)
+        segment_offset += tree.num_segments
+    out: dict[str, Any] = {name: torch.cat(p) for name, p in parts.items()}
+    out["segment_ancestors"] = ancestors
+    out["shared_tokens"] = virtual.tokens
+    return out
 
-    # The virtual segments: tokens, depths, predictors (the previous token on the radix path), ancestors, owner.
-    ids: list[int] = []
-    pred: list[int] = []
-    owner: list[int] = []
-    v_anc = torch.zeros(n_virtual, n_virtual, dtype=torch.bool)  # (V, V)
-    # string -> the first item whose shared prefix it is (its tree owns the virtual tokens)
-    first_item: dict[Prefix, int] = {}
+
+def _items(trees: Sequence[Any]) -> tuple[list[tuple[int, int, int]], list[Prefix]]:
+    """Every root segment of the row's trees as (tree, root segment, first token of the root in its tree), and its
+    shareable tokens (``root_prefixes``)."""
+    items: list[tuple[int, int, int]] = []
+    prefixes: list[Prefix] = []
+    for k, tree in enumerate(trees):
+        items += [(k, seg, start) for seg, start, _ in _roots(tree)]
+        prefixes += root_prefixes(tree)
+    return items, prefixes
+
+
+@dataclass
+class _Virtual:
+    """The radix tree of a row's shared strings laid out as the row's first segments: node ``order[i]`` is virtual
+    segment i, its tokens at packed indices [offset[v], offset[v] + length(v))."""
+
+    strings: list[Prefix]  # sorted, distinct
+    nodes: list[_Node]
+    ends: list[int]  # string -> the node it ends at
+    order: list[int]  # the nodes by depth (parents start shallower: topological)
+    seg_of: dict[int, int]  # node -> its virtual segment id
+    offset: dict[int, int]  # node -> packed index of its first token
+    tokens: int  # tokens of all the virtual segments
+    ancestors: torch.Tensor  # (V, V) bool, by virtual segment id
+
+    @classmethod
+    def of(cls, strings: list[Prefix]) -> _Virtual:
+        nodes, ends = _radix_tree(strings)
+        order = sorted(range(len(nodes)), key=lambda v: nodes[v].start)
+        seg_of = {v: i for i, v in enumerate(order)}
+        offset: dict[int, int] = {}
+        tokens = 0
+        for v in order:
+            offset[v] = tokens
+            tokens += nodes[v].end - nodes[v].start
+        ancestors = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)  # (V, V)
+        for v in order:
+            ancestors[seg_of[v], seg_of[v]] = True
+            if nodes[v].parent >= 0:
+                ancestors[seg_of[v]] |= ancestors[seg_of[nodes[v].parent]]
+        return cls(strings, nodes, ends, order, seg_of, offset, tokens, ancestors)
+
+    def length(self, v: int) -> int:
+        return self.nodes[v].end - self.nodes[v].start
+
+    def path_index(self, v: int) -> torch.Tensor:
+        """(P,) packed indices of the radix path ending at node v, by depth: the shared copy of an item's P tokens."""
+        parts = []
+        while v != -1:
+            parts.append(torch.arange(self.offset[v], self.offset[v] + self.length(v)))
+            v = self.nodes[v].parent
+        return torch.cat(parts[::-1])
+
+
+def _node_owners(
+    virtual: _Virtual, items: Sequence[tuple[int, int, int]], prefixes: Sequence[Prefix], lengths: Sequence[int]
+) -> dict[int, int]:
+    """Radix node -> the tree (position in the row) that owns its tokens: the first tree with an item through it."""
+    first_item: dict[Prefix, int] = {}  # string -> the first item whose shared prefix it is
     for i, n in enumerate(lengths):
         if n:
             first_item.setdefault(prefixes[i][:n], i)
-    # A node's owner: the first item through it, i.e. the first among the strings of its subtree.
-    node_owner: dict[int, int] = {}
-    for s, v in enumerate(ends):
-        tree_k = items[first_item[strings[s]]][0]
+    owner: dict[int, int] = {}
+    for s, v in enumerate(virtual.ends):
+        tree_k = items[first_item[virtual.strings[s]]][0]
         while v != -1:
-            node_owner[v] = min(node_owner.get(v, tree_k), tree_k)
-            v = nodes[v].parent
-    for v in order:
-        node = nodes[v]
-        length = node.end - node.start
-        ids += strings[node.string][node.start : node.end]
-        before = offset[node.parent] + nodes[node.parent].end - nodes[node.parent].start - 1 if node.parent >= 0 else -1
-        pred += [before] + list(range(offset[v], offset[v] + length - 1))
-        owner += [int(tree_indices[node_owner[v]])] * length
-        v_anc[seg_of[v], seg_of[v]] = True
-        if node.parent >= 0:
-            v_anc[seg_of[v]] |= v_anc[seg_of[node.parent]]
-    v_depth = torch.cat([torch.arange(nodes[v].start, nodes[v].end) for v in order])  # (V_tok,)
+            owner[v] = min(owner.get(v, tree_k), tree_k)
+            v = virtual.nodes[v].parent
+    return owner
 
-    # Each item's radix path as packed indices by depth: (P,) tensor, the shared copy of its first P tokens.
-    def path_index(v: int) -> torch.Tensor:
-        parts = []
-        while v != -1:
-            parts.append(torch.arange(offset[v], offset[v] + nodes[v].end - nodes[v].start))
-            v = nodes[v].parent
-        return torch.cat(parts[::-1])
 
-    string_of = {s: j for j, s in enumerate(strings)}
-    cut: dict[int, list[tuple[int, int, int, int]]] = {}  # tree -> (root segment, first token, P, end node)
+def _virtual_fields(virtual: _Virtual, owners: dict[int, int]) -> dict[str, torch.Tensor]:
+    """The per-token fields of the virtual segments: their tokens, depths as positions, predictors (the previous
+    token on the radix path), the owning rollout (``owners``: node -> rollout index); out of the loss, plain
+    sampling."""
+    ids: list[int] = []
+    pred: list[int] = []
+    owner: list[int] = []
+    segment: list[int] = []
+    for v in virtual.order:
+        node, length = virtual.nodes[v], virtual.length(v)
+        ids += virtual.strings[node.string][node.start : node.end]
+        before = virtual.offset[node.parent] + virtual.length(node.parent) - 1 if node.parent >= 0 else -1
+        pred += [before] + list(range(virtual.offset[v], virtual.offset[v] + length - 1))
+        owner += [owners[v]] * length
+        segment += [virtual.seg_of[v]] * length
+    n = virtual.tokens
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "position_ids": torch.cat([torch.arange(virtual.nodes[v].start, virtual.nodes[v].end) for v in virtual.order]),
+        "predictor": torch.tensor(pred, dtype=torch.long),
+        "loss_mask": torch.zeros(n, dtype=torch.bool),
+        "rollout_logprobs": torch.zeros(n, dtype=torch.float32),
+        "rollout_index": torch.tensor(owner, dtype=torch.long),
+        "segment_ids": torch.tensor(segment, dtype=torch.long),
+        "temperature": torch.ones(n, dtype=torch.float32),
+        "top_p": torch.ones(n, dtype=torch.float32),
+        "top_k": torch.zeros(n, dtype=torch.long),
+    }
+
+
+def _cuts(
+    virtual: _Virtual, items: Sequence[tuple[int, int, int]], prefixes: Sequence[Prefix], lengths: Sequence[int]
+) -> dict[int, list[tuple[int, int, int, int]]]:
+    """Tree (position in the row) -> its shared roots as (root segment, first token, P, the radix node P ends at)."""
+    string_of = {s: j for j, s in enumerate(virtual.strings)}
+    cut: dict[int, list[tuple[int, int, int, int]]] = {}
     for (k, seg, start), p, n in zip(items, prefixes, lengths, strict=True):
         if n:
-            cut.setdefault(k, []).append((seg, start, n, ends[string_of[p[:n]]]))
+            cut.setdefault(k, []).append((seg, start, n, virtual.ends[string_of[p[:n]]]))
+    return cut
 
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in _TOKEN_FIELDS}
-    parts["input_ids"].append(torch.tensor(ids, dtype=torch.long))
-    parts["position_ids"].append(v_depth)
-    parts["predictor"].append(torch.tensor(pred, dtype=torch.long))
-    parts["loss_mask"].append(torch.zeros(v_tokens, dtype=torch.bool))
-    parts["rollout_logprobs"].append(torch.zeros(v_tokens, dtype=torch.float32))
-    parts["rollout_index"].append(torch.tensor(owner, dtype=torch.long))
-    parts["segment_ids"].append(
-        torch.tensor([seg_of[v] for v in order for _ in range(nodes[v].end - nodes[v].start)], dtype=torch.long)
-    )
-    parts["temperature"].append(torch.ones(v_tokens, dtype=torch.float32))
-    parts["top_p"].append(torch.ones(v_tokens, dtype=torch.float32))
-    parts["top_k"].append(torch.zeros(v_tokens, dtype=torch.long))
 
-    n_segments = n_virtual + sum(t.num_segments for t in trees)
-    ancestors = torch.zeros(n_segments, n_segments, dtype=torch.bool)  # (S_total, S_total)
-    ancestors[:n_virtual, :n_virtual] = v_anc
-    token_offset, segment_offset = v_tokens, n_virtual
-    for k, (tree, index) in enumerate(zip(trees, tree_indices, strict=True)):
-        keep = torch.ones(tree.num_tokens, dtype=torch.bool)  # (L,)
-        shared_copy = torch.full((tree.num_tokens,), -1, dtype=torch.long)  # (L,): packed index of a removed token
-        s = tree.num_segments
-        ancestors[segment_offset : segment_offset + s, segment_offset : segment_offset + s] = tree.segment_ancestors
-        for seg, start, n, end_node in cut.get(k, []):
-            keep[start : start + n] = False
-            shared_copy[start : start + n] = path_index(end_node)
-            under = tree.segment_ancestors[:, seg].nonzero(as_tuple=True)[0] + segment_offset  # the root's subtree
-            ancestors[under, :n_virtual] |= v_anc[seg_of[end_node]]
-        # Where each token of the tree is now: its own new index if kept, else its shared copy's.
-        moved = torch.where(keep, token_offset + torch.cumsum(keep, 0) - 1, shared_copy)  # (L,)
-        old_pred = tree.predictor[keep]  # (L_kept,)
-        parts["predictor"].append(torch.where(old_pred >= 0, moved[old_pred.clamp(min=0)], old_pred))
-        for name in ("input_ids", "position_ids", "loss_mask", "rollout_logprobs", "temperature", "top_p", "top_k"):
-            parts[name].append(getattr(tree, name)[keep])
-        parts["segment_ids"].append(tree.segment_ids[keep] + segment_offset)
-        kept = int(keep.sum())
-        parts["rollout_index"].append(torch.full((kept,), int(index), dtype=torch.long))
-        token_offset += kept
-        segment_offset += s
-    out: dict[str, Any] = {name: torch.cat(p) for name, p in parts.items()}
-    out["segment_ancestors"] = ancestors
-    out["shared_tokens"] = v_tokens
-    return out
+@dataclass(frozen=True)
+class _Placed:
+    """A tree as it goes into the row: its rollout index, and where its tokens and segments start."""
+
+    tree: Any
+    index: int
+    token_offset: int
+    segment_offset: int
+
+
+def _append_tree(
+    parts: dict[str, list[torch.Tensor]],
+    ancestors: torch.Tensor,
+    placed: _Placed,
+    cuts: Sequence[tuple[int, int, int, int]],
+    virtual: _Virtual,
+) -> int:
+    """Append a tree's tokens less its shared roots' first P to ``parts``, its segments' ancestry (the virtual path
+    above each shared root included) to ``ancestors`` (S_total, S_total); returns the tokens it kept."""
+    tree, s0, n_virtual = placed.tree, placed.segment_offset, len(virtual.nodes)
+    keep = torch.ones(tree.num_tokens, dtype=torch.bool)  # (L,)
+    shared_copy = torch.full((tree.num_tokens,), -1, dtype=torch.long)  # (L,): packed index of a removed token
+    ancestors[s0 : s0 + tree.num_segments, s0 : s0 + tree.num_segments] = tree.segment_ancestors
+    for seg, start, n, end_node in cuts:
+        keep[start : start + n] = False
+        shared_copy[start : start + n] = virtual.path_index(end_node)
+        under = tree.segment_ancestors[:, seg].nonzero(as_tuple=True)[0] + s0  # the root's subtree
+        ancestors[under, :n_virtual] |= virtual.ancestors[virtual.seg_of[end_node]]
+    # Where each token of the tree is now: its own new index if kept, else its shared copy's.
+    moved = torch.where(keep, placed.token_offset + torch.cumsum(keep, 0) - 1, shared_copy)  # (L,)
+    old_pred = tree.predictor[keep]  # (L_kept,)
+    parts["predictor"].append(torch.where(old_pred >= 0, moved[old_pred.clamp(min=0)], old_pred))
+    for name in ("input_ids", "position_ids", "loss_mask", "rollout_logprobs", "temperature", "top_p", "top_k"):
+        parts[name].append(getattr(tree, name)[keep])
+    parts["segment_ids"].append(tree.segment_ids[keep] + s0)
+    kept = int(keep.sum())
+    parts["rollout_index"].append(torch.full((kept,), placed.index, dtype=torch.long))
+    return kept
 
 
 # The per-token (T,) fields of a micro-batch row.
@@ -295,8 +353,8 @@ class _Row:
         ordered, adjacent = list(self.ordered), list(self.adjacent)
         for p in prefixes:
             at = bisect.bisect_right(ordered, p)
-            left = [_lcp(ordered[at - 1], p)] if at else []
-            right = [_lcp(p, ordered[at])] if at < len(ordered) else []
+            left = [common_prefix_len(ordered[at - 1], p)] if at else []
+            right = [common_prefix_len(p, ordered[at])] if at < len(ordered) else []
             if left and right:  # between two items: their pair (adjacent[at - 1]) becomes two
                 adjacent[at - 1 : at] = left + right
             else:  # first (a pair in front) or last (a pair at the end) or alone (none)

@@ -20,7 +20,7 @@ calls enter the tree (other kinds count in ``stats`` and ``excluded_calls``; the
 parents); per compaction segment the winner (longest valid accumulated path) and, with ``prune="carried"`` (the
 default), the calls whose answers it carried forward are kept and every other branch is pruned (``"strict"``: winners
 only; ``"none"``: every main call); a rollout over ``max_leaves`` branch leaves, or without trainable tokens, is
-dropped (``dropped_reason``, no segments). Pure: standard library only, no Kafka.
+dropped (``dropped_reason``, no segments). Pure: no Kafka.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from clawbase.errors import ClawstreamError
+from policy.token_prefix import common_prefix_len
 
 MAIN = "main"
 COMPACTION = "compaction"
@@ -181,22 +182,6 @@ def rebuild_prompts(calls: Iterable[TreeCall]) -> dict[str, list[int]]:
     return prompts
 
 
-def _lcp(seq: list[int], pos: int, tokens: list[int]) -> int:
-    """Length of the common prefix of seq[pos:] and tokens; compares slices in C before scanning token by token."""
-    n = min(len(tokens), len(seq) - pos)
-    if seq[pos : pos + n] == tokens[:n]:
-        return n
-    i, step = 0, 256
-    while i < n:
-        j = min(i + step, n)
-        if seq[pos + i : pos + j] != tokens[i:j]:
-            while seq[pos + i] == tokens[i]:
-                i += 1
-            return i
-        i = j
-    return n
-
-
 def _split(node: _Node, k: int) -> _Node:
     """Cut node after k tokens; returns the new head. The old node keeps the tail, so call ends stay valid."""
     assert node.parent is not None and 0 < k < len(node.tokens)
@@ -221,7 +206,7 @@ def _descend(node: _Node, seq: list[int], *, trainable_only: bool) -> tuple[_Nod
         for child in node.children:
             if (trainable_only and not child.trainable) or child.tokens[0] != seq[pos]:
                 continue
-            k = _lcp(seq, pos, child.tokens)
+            k = common_prefix_len(seq, child.tokens, start=pos)
             key = (k == len(child.tokens), k)
             if key > best_key:
                 best, best_key = child, key
@@ -296,7 +281,7 @@ def _chosen_calls(
         for call in valid:
             if call.seq >= winner.seq or not call.generated_tokens:
                 continue
-            branch = _lcp(winner_prompt, 0, prompts[call.call_id])
+            branch = common_prefix_len(winner_prompt, prompts[call.call_id])
             end = branch + CARRY_WINDOW + len(call.generated_tokens)
             if _contains(history, _packed(call.generated_tokens), branch, end):
                 carried.add(call.call_id)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from clawbase.errors import ClawstreamError
-from producers.proxy.render import common_prefix_len
+from policy.token_prefix import common_prefix_len_all
 from warmstart.demos import build_episodes, train_tasks
 from warmstart.episodes import DIALECTS
 from warmstart.evaluate import evaluate, evaluate_model, format_report, progress_bar
@@ -375,9 +375,7 @@ def verify_recorded_sha256(model_dir: Path) -> str:
 
 def _common_prefix(seqs: list[Sequence]) -> int:
     """Tokens every sequence starts with, minus one so the shared part never reaches a target (P >= 0)."""
-    n = min(len(s.ids) for s in seqs)
-    for s in seqs[1:]:
-        n = min(n, common_prefix_len(seqs[0].ids, s.ids))
+    n = common_prefix_len_all([s.ids for s in seqs])
     first_target = min(s.mask.index(1) for s in seqs)
     return max(0, min(n, first_target) - 1)
 

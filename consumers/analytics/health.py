@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from policy.token_prefix import common_prefix_len
 from schemas.events import (
     CallEvent,
     CallKind,
@@ -112,14 +113,6 @@ def _full_sequences(calls: list[CallEvent]) -> tuple[dict[str, np.ndarray], set[
     return prompts, unresolved
 
 
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
 def _contains(haystack: bytes, needle: bytes) -> bool:
     """Whether ``needle`` occurs in ``haystack`` at a whole-token offset (both packed int32)."""
     i = haystack.find(needle)
@@ -184,7 +177,7 @@ def rollout_health(
         best: tuple[int, bool, int] | None = None  # (shared tokens, extends entirely, seq)
         best_call: CallEvent | None = None
         for earlier in main[:i]:
-            shared = _lcp(prompt, fulls[earlier.call_id])
+            shared = common_prefix_len(prompt, fulls[earlier.call_id])
             key = (shared, shared == len(fulls[earlier.call_id]), earlier.seq)
             if best is None or key > best:
                 best, best_call = key, earlier

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from policy.token_prefix import common_prefix_len
 from producers.proxy.conversation import Conversation, Message, ToolCall
 from producers.proxy.tool_parse import TOOL_START, parse_turn
 
@@ -64,22 +65,6 @@ class _PrefixDigests:
         while len(self.chain) <= n:
             self.chain.append(_digest(self.chain[-1], self.messages[len(self.chain) - 1]))
         return self.chain[n]
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix; compares chunks in C before scanning token by token."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, step = 0, 1024
-    while lo < n:
-        hi = min(lo + step, n)
-        if a[lo:hi] != b[lo:hi]:
-            while a[lo] == b[lo]:
-                lo += 1
-            return lo
-        lo = hi
-    return n
 
 
 class TemplateRenderer:

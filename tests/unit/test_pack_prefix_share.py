@@ -478,7 +478,7 @@ def real_rollouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
 def test_real_agent_loop_rollouts_share_their_dialects_system_prompt(real_rollouts: tuple[Path, list[list]]) -> None:
     from transformers import AutoModelForCausalLM
 
-    from producers.proxy.render import common_prefix_len
+    from policy.token_prefix import common_prefix_len
 
     model_dir, trees = real_rollouts
     on = pack_trees(trees, token_budget=8192, share_prefix_min=DEFAULT_MIN_TOKENS)

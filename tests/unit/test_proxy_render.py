@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from policy.token_prefix import common_prefix_len
 from producers.proxy.conversation import Conversation, Message, ToolCall, function_tool
 from producers.proxy.dialects import parse_anthropic, parse_openai_chat
-from producers.proxy.render import FULL_RENDER, RolloutRenderer, TemplateRenderer, common_prefix_len
+from producers.proxy.render import FULL_RENDER, RolloutRenderer, TemplateRenderer
 from producers.proxy.tool_parse import parse_turn
 from tests.support import proxy_helpers as H
 from tests.support.scripted_engine import tool_call_text
@@ -210,12 +211,3 @@ def test_unknown_assistant_turn_is_rendered_by_the_template(tok, renderer) -> No
     conv = Conversation((Message("user", "a"), Message("assistant", "made up by the harness"), Message("user", "b")))
     result = rr.render(conv)
     assert result.prompt_ids == reference(tok, conv)
-
-
-def test_common_prefix_len() -> None:
-    a = list(range(5000))
-    assert common_prefix_len(a, a) == 5000
-    b = a[:3000] + [-1] + a[3001:]
-    assert common_prefix_len(a, b) == 3000
-    assert common_prefix_len(a, a[:10]) == 10
-    assert common_prefix_len([], a) == 0
