@@ -42,8 +42,9 @@ from clawbase.settings import KafkaSettings
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
 from producers.harnesses.install import HARNESSES, HarnessInstallError, harness_root, install_harness
-from producers.sandbox.base import SandboxError, SandboxSettings
+from producers.sandbox.base import SandboxError
 from producers.sandbox.local_backend import LocalBackend
+from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import exe_resolver
 from producers.tasks.cpu import cpu_suite
 from schemas.events import CallEvent, CallKind

@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from clawbase.kafka.clients import create_topics  # noqa: E402
 from clawbase.settings import KafkaSettings  # noqa: E402
-from producers.sandbox.base import SandboxSettings  # noqa: E402
+from producers.sandbox.settings import SandboxSettings  # noqa: E402
 from producers.sandbox.worker import SandboxWorker  # noqa: E402
 from producers.tasks.cpu import cpu_suite  # noqa: E402
 from schemas.events import RolloutRequest  # noqa: E402

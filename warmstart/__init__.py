@@ -1,5 +1,5 @@
 """Warm start: supervised fine-tuning of the policy on demonstrations produced by the real built-in agent loop,
-and an offline evaluation that grades through the one set of grading rules (``producers.tasks.grading``).
+and an offline evaluation that grades through the one set of grading rules (``producers.tasks.grading_rules``).
 
 Topics: none (offline). Run: ``clawstream model sft --model-dir DIR --out DIR`` or ``python -m warmstart``.
 Modules: ``episodes`` (the agent loop against an in-process proxy, graded), ``demos`` (scripted correct episodes,

@@ -7,7 +7,7 @@ request body the loop builds is parsed with ``producers.proxy.dialects``, render
 ``producers.proxy.render.RolloutRenderer`` (TITO, exactly as the proxy does), answered by a *policy* (a callable
 ``prompt ids -> generated ids``), parsed back with ``producers.proxy.tool_parse`` and returned in the dialect's JSON
 (``producers.proxy.emit``). The loop's tools run against a temporary copy of the task's workspace, and the task's own
-grader scores it through the one set of grading rules (``producers.tasks.grading``).
+grader scores it through the one set of grading rules (``producers.tasks.grading_rules``).
 
 Topics: none (offline). Not run on its own: ``python -m warmstart.sft`` (training, or ``--eval-only``).
 """
@@ -31,7 +31,7 @@ from producers.proxy.conversation import Message, ToolCall
 from producers.proxy.dialects import PARSERS
 from producers.proxy.render import RolloutRenderer, TemplateRenderer
 from producers.proxy.tool_parse import parse_turn
-from producers.tasks.grading import GraderFailure, grader_invocation, parse_grader_output
+from producers.tasks.grading_rules import GraderFailure, grader_invocation, parse_grader_output
 from producers.tasks.model import Task
 from schemas.events import Dialect
 
@@ -86,8 +86,8 @@ class EpisodeResult:
 def grade_workspace(task: Task, workspace: Path, timeout_s: float = 60.0) -> tuple[float, dict[str, float]]:
     """(reward, sub-scores) of the task's grader run as a local subprocess in a temporary grader directory.
 
-    Invocation and output parsing come from ``producers.tasks.grading``, the same rules the sandbox's grading uses;
-    raises :class:`GraderFailure` when the grader crashes, times out or reports nothing usable.
+    Invocation and output parsing come from ``producers.tasks.grading_rules``, the same rules the sandbox's grading
+    uses; raises :class:`GraderFailure` when the grader crashes, times out or reports nothing usable.
     """
     with tempfile.TemporaryDirectory(prefix="sft-grader-") as gdir:
         inv = grader_invocation(task, python=sys.executable, grader_dir=gdir, workspace=str(workspace))

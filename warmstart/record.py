@@ -41,7 +41,7 @@ from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings
 from clawbase.signals import sigterm_interrupts
 from producers.harnesses.install import install_harness
 from producers.proxy.app import Proxy, ProxySettings
-from producers.sandbox.base import SandboxSettings
+from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
 from producers.tasks.native import write_native_task
 from schemas.events import CallEvent, RewardEvent, RolloutRequest, Trajectory

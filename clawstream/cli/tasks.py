@@ -86,9 +86,9 @@ def tasks_grade(
     import asyncio
     import tempfile
 
-    from producers.sandbox.base import SandboxSettings
-    from producers.sandbox.grade import grade_directory
     from producers.sandbox.local_backend import LocalBackend
+    from producers.sandbox.run_grader import grade_directory
+    from producers.sandbox.settings import SandboxSettings
     from producers.tasks.describe import find_task
 
     found = find_task(task, suite)

@@ -175,7 +175,8 @@ def run_eval(
     """Evaluate ``model``: start engine + proxy + sandbox worker under a fresh topic prefix, run the scheduler's eval
     mode, stop them. ``kafka``: the broker to use (its prefix is replaced); default: as ``clawstream demo`` finds
     one. Logs and ``eval.json`` go to ``run_dir`` (default ``$CLAWSTREAM_HOME/eval/<time>``)."""
-    from producers.scheduler.service import Scheduler, SchedulerSettings
+    from producers.scheduler.service import Scheduler
+    from producers.scheduler.settings import SchedulerSettings
 
     if not (Path(model) / "config.json").exists():
         raise ClawstreamError(f"--model {model}: not a model directory (no config.json)")

@@ -35,11 +35,11 @@ from producers.sandbox.base import (
     Sandbox,
     SandboxBackend,
     SandboxError,
-    SandboxSettings,
     file_size_limit,
     over_quota,
     watch_disk,
 )
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.model import Task
 
 log = logging.getLogger("clawstream.sandbox.docker")

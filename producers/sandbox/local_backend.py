@@ -48,7 +48,6 @@ from producers.sandbox.base import (
     Sandbox,
     SandboxBackend,
     SandboxError,
-    SandboxSettings,
     file_size_limit,
     inside,
     over_quota,
@@ -56,6 +55,7 @@ from producers.sandbox.base import (
     watch_disk,
 )
 from producers.sandbox.relay import unix_server
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.model import Task
 
 TAIL = 16_000

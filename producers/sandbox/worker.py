@@ -35,7 +35,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from clawbase.errors import ClawstreamError, CodecError
 from clawbase.kafka.clients import check_broker, make_consumer, where
@@ -43,11 +43,13 @@ from clawbase.kafka.publisher import KafkaPublisher
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.harnesses.base import HarnessAdapter
 from producers.harnesses.catalog import ADAPTERS
-from producers.sandbox.base import SandboxBackend, SandboxError, SandboxSettings
+from producers.sandbox.base import SandboxBackend, SandboxError
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests
-from producers.sandbox.rollout import Outcome, ProxyAdmin, RolloutContext, execute, new_attempt_id
+from producers.sandbox.proxy_admin import ProxyAdmin
+from producers.sandbox.rollout import Outcome, RolloutContext, execute, new_attempt_id
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.model import TaskError
 from schemas.dead_letter import dead_letter_of
@@ -343,8 +345,7 @@ class SandboxWorker:
                 log.warning("sandbox sweep failed: %s", exc)
             await asyncio.sleep(self.settings.sweep_interval_s)
 
-    async def run(self, stop: asyncio.Event | None = None) -> int:
-        stop = stop or asyncio.Event()
+    def _subscribe(self) -> Consumer:
         consumer = make_consumer(
             self.kafka,
             self.settings.group_id,
@@ -362,6 +363,49 @@ class SandboxWorker:
             on_revoke=self._on_revoke,
             on_lost=self._on_lost,
         )
+        return consumer
+
+    def _start(self, msg: Message, req: RolloutRequest) -> None:
+        """Run the request's attempt as a task of its own (unless its attempt, redelivered, still runs here)."""
+        tp, offset = (msg.topic(), msg.partition()), msg.offset()
+        log.info(
+            "%s: rollout %s (%s/%s, %s, attempt %d)",
+            where(msg),
+            req.rollout_id,
+            req.suite,
+            req.task_id,
+            req.harness,
+            req.attempt,
+        )
+        # _take started its offset (a redelivered one's is committed when its attempt here finishes)
+        mine = self.running.get((tp, offset))
+        if mine is not None and not mine.done():  # redelivered (the partition went and came back)
+            log.info("%s: its attempt still runs here: not started again", where(msg))
+            return
+        task = asyncio.create_task(self._run_one(req, tp, offset))
+        self.tasks.add(task)
+        self.running[(tp, offset)] = task
+        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda _t, key=(tp, offset): self.running.pop(key, None))
+
+    async def _close(self, consumer: Consumer, sweeper: asyncio.Task[None]) -> None:
+        """Cancel what still runs, then close the consumer, the backend and the publisher."""
+        sweeper.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        consumer.close()
+        self._consumer = None
+        try:
+            await self.ctx.backend.close()
+        except (OSError, ClawstreamError) as exc:
+            log.warning("sandbox backend close failed: %s", exc)
+        self.publisher.close()
+
+    async def run(self, stop: asyncio.Event | None = None) -> int:
+        stop = stop or asyncio.Event()
+        consumer = self._subscribe()
         sweeper = asyncio.create_task(self._sweep_loop())
         try:
             while not stop.is_set() and self.fatal is None:
@@ -377,29 +421,9 @@ class SandboxWorker:
                 if msg.error():
                     log.warning("consumer error: %s", msg.error())
                     continue
-                tp, offset = (msg.topic(), msg.partition()), msg.offset()
                 req = await self._take(msg)
-                if req is None:
-                    continue
-                log.info(
-                    "%s: rollout %s (%s/%s, %s, attempt %d)",
-                    where(msg),
-                    req.rollout_id,
-                    req.suite,
-                    req.task_id,
-                    req.harness,
-                    req.attempt,
-                )
-                # _take started its offset (a redelivered one's is committed when its attempt here finishes)
-                mine = self.running.get((tp, offset))
-                if mine is not None and not mine.done():  # redelivered (the partition went and came back)
-                    log.info("%s: its attempt still runs here: not started again", where(msg))
-                    continue
-                task = asyncio.create_task(self._run_one(req, tp, offset))
-                self.tasks.add(task)
-                self.running[(tp, offset)] = task
-                task.add_done_callback(self.tasks.discard)
-                task.add_done_callback(lambda _t, key=(tp, offset): self.running.pop(key, None))
+                if req is not None:
+                    self._start(msg, req)
             self._stopping = True
             if self.tasks:  # graceful stop: finish what runs (each rollout has its own timeout)
                 log.info("stopping: waiting for %d rollout(s)", len(self.tasks))
@@ -407,18 +431,7 @@ class SandboxWorker:
             if self.fatal is None:
                 self._commit()
         finally:
-            sweeper.cancel()
-            for task in list(self.tasks):
-                task.cancel()
-            if self.tasks:
-                await asyncio.gather(*list(self.tasks), return_exceptions=True)
-            consumer.close()
-            self._consumer = None
-            try:
-                await self.ctx.backend.close()
-            except (OSError, ClawstreamError) as exc:
-                log.warning("sandbox backend close failed: %s", exc)
-            self.publisher.close()
+            await self._close(consumer, sweeper)
         return 1 if self.fatal is not None else 0
 
 

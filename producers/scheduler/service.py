@@ -31,11 +31,9 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from clawbase.errors import ClawstreamError, CodecError
 from clawbase.faults import fault_point
@@ -56,6 +54,7 @@ from producers.scheduler.plan import (
     plan_step,
     rebuild,
 )
+from producers.scheduler.settings import SchedulerSettings
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.model import Task
 from schemas.events import Event, RewardEvent, RolloutRequest, WeightVersion
@@ -63,51 +62,6 @@ from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
 
 log = logging.getLogger("clawstream.scheduler")
 E = TypeVar("E", bound=Event)
-
-
-class SchedulerSettings(BaseSettings):
-    """Rollout scheduler configuration (env prefix ``CLAWSTREAM_SCHEDULER_``)."""
-
-    model_config = SettingsConfigDict(env_prefix="CLAWSTREAM_SCHEDULER_", frozen=True, extra="forbid")
-
-    suite: str = Field(default="cpu_builtin", description="Suite name (a key of suites).")
-    suites: dict[str, str] = Field(
-        default_factory=lambda: {"cpu_builtin": "builtin:cpu"},
-        description="Suite name → spec, as the sandbox workers have them (JSON in env).",
-    )
-    split: str = Field(default="train", description="Split sampled for training steps.")
-    steps: int = Field(default=1, ge=0, description="Train until this step (exclusive).")
-    start_step: int = Field(default=0, ge=0, description="First step to issue.")
-    tasks_per_step: int = Field(default=32, ge=1, description="Training instances (task × harness) per step.")
-    group_size: int = Field(default=8, ge=1, description="Rollouts per instance (the GRPO group).")
-    harness_mix: dict[str, float] = Field(
-        default_factory=lambda: {"agentloop": 1.0}, description="Harness → ratio of a step's instances (JSON in env)."
-    )
-    max_policy_lag: int = Field(default=1, ge=0, description="Issue step s once weight version ≥ s − lag.")
-    initial_version: int = Field(default=0, description="Policy version assumed before any weights are published.")
-    max_attempts: int = Field(default=3, ge=1, description="Attempts per rollout incl. infra-failure re-issues.")
-    timeout_s: float | None = Field(default=None, description="Wall-clock limit per rollout (default: the task's).")
-    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature of rollouts (0 = greedy).")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling of rollouts (1 = off).")
-    top_k: int = Field(default=0, ge=0, description="Top-k sampling of rollouts (0 = off).")
-    max_tokens: int = Field(default=2048, description="Generation cap per model call.")
-    seed: int = Field(default=0, description="Task / harness sampling seed.")
-    drain_timeout_s: float = Field(default=0.0, description="Train mode: wait this long for the last rewards.")
-    eval_split: str = Field(default="heldout", description="Split run by eval mode.")
-    eval_harnesses: list[str] = Field(default_factory=lambda: ["agentloop"], description="Harnesses eval runs.")
-    eval_limit: int = Field(default=0, ge=0, description="Eval only the first N tasks (0: all).")
-    eval_repeats: int = Field(default=1, ge=1, description="Rollouts per eval task × harness × mode.")
-    eval_modes: list[Literal["greedy", "sampled"]] = Field(
-        default_factory=lambda: ["sampled"],
-        description="Decoding modes eval runs: greedy (temperature 0) and/or sampled (temperature/top_p/top_k).",
-    )
-    eval_timeout_s: float = Field(default=1800.0, description="Eval gives up waiting for rewards after this.")
-    eval_seed: int | None = Field(
-        default=0,
-        description="Base of the eval rollouts' sampling seeds, one per task × harness × mode × sample, so a rerun "
-        "draws the same (plan.eval_seed); null: unseeded.",
-    )
-    publish_timeout_s: float = Field(default=30.0, description="Delivery deadline of one request.")
 
 
 class Scheduler:

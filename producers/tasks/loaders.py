@@ -11,7 +11,7 @@ Graded as the benchmark's own harness grades: after the agent finished, ``reward
 ``<workspace>/reward/`` (replacing anything the agent left there), the run payload to
 ``<workspace>/.openclaw_reward_payload.json`` ($OPENCLAW_REWARD_PAYLOAD), then ``bash <workspace>/reward/reward.sh``
 runs in the workspace; its last stdout line is the reward, and ``check.py``'s own stdout (which ``reward.sh`` pipes
-away) is captured for the sub-scores; both are removed afterwards (``producers.tasks.grading``). The scripts
+away) is captured for the sub-scores; both are removed afterwards (``producers.tasks.grading_rules``). The scripts
 hard-code the mount dir: every occurrence of it in the grader files and the prompt is rewritten to the sandbox's
 real workspace path (``Grader.mount_dir_rewrite``); a container backend that mounts the workspace there makes that
 a no-op.

@@ -2,8 +2,8 @@
 
 A :class:`Task` holds a prompt, a wall-clock timeout, its workspace files (relative path → bytes), where a
 container backend mounts the workspace (``mount_dir``), and a :class:`Grader` (its files, its command line and how
-to read its output). Graders always run *inside the sandbox* as a subprocess (``producers.sandbox.grade``), never
-in the worker's process. Suite formats: ``producers.tasks.native``, ``producers.tasks.loaders`` (ClawGym-Bench,
+to read its output). Graders always run *inside the sandbox* as a subprocess (``producers.sandbox.run_grader``),
+never in the worker's process. Suite formats: ``producers.tasks.native``, ``producers.tasks.loaders`` (ClawGym-Bench,
 PinchBench), ``producers.tasks.cpu`` (built-in); ``producers.tasks.catalog`` resolves a suite spec.
 """
 
@@ -30,7 +30,7 @@ class TaskError(ClawstreamError):
 class Grader:
     """How a task is graded. ``argv`` is templated (``string.Template``) with ``python``, ``grader_dir``,
     ``workspace`` and ``transcript`` (a JSON file of the run's transcript, see ``transcript``) by
-    ``producers.tasks.grading``."""
+    ``producers.tasks.grading_rules``."""
 
     name: str
     files: Mapping[str, bytes]

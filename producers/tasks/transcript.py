@@ -2,7 +2,7 @@
 
 The proxy's seal reports the last main-agent call's messages plus the model's answer (OpenAI Chat shaped:
 ``producers.proxy.conversation.transcript_messages``); graders read that, never what the harness or a process it
-started could write (``producers.sandbox.grade.run_transcript``, docs/security.md). Two shapes:
+started could write (``producers.sandbox.run_grader.run_transcript``, docs/security.md). Two shapes:
 :func:`session_transcript` writes OpenClaw's session records (what PinchBench's checks and judge and ClawGym-Bench's
 payload read; system messages left out, as OpenClaw leaves them out; format:
 docs/task_suites.md#transcripts-openclaws-session-format); :func:`stream_transcript` writes the records a harness's
@@ -162,7 +162,7 @@ def stream_transcript(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, A
     ``thinking``, ``tool_use`` with its ``input``, tool results as ``tool_result`` items of a user record; system
     messages left out), closed by ``{"type": "result", "result": <answer>}``: the text of the conversation's last
     assistant message, i.e. the model's last answer ("" when it gave only tool calls or nothing), where Claude Code
-    and Qwen Code put their final text and where ``producers.tasks.grading.final_message`` looks first."""
+    and Qwen Code put their final text and where ``producers.tasks.grading_rules.final_message`` looks first."""
     records: list[dict[str, Any]] = []
     answer = ""
     for msg in messages:

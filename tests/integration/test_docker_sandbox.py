@@ -37,8 +37,8 @@ import pytest
 from clawbase.kafka.clients import create_topics
 from clawbase.settings import KafkaSettings
 from producers.harnesses.catalog import ADAPTERS
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.docker_backend import WORKER_LABEL, DockerBackend, bridge_gateway
+from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
 from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardStatus, RolloutState

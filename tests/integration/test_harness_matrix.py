@@ -34,8 +34,8 @@ from typing import Any
 
 import pytest
 
-from producers.sandbox import grade as grade_module
-from producers.sandbox.grade import run_transcript
+from producers.sandbox import run_grader as grade_module
+from producers.sandbox.run_grader import run_transcript
 from producers.tasks.transcript import find_openclaw_session, parse_session_jsonl
 from schemas.events import RewardStatus, RolloutState
 from tests.support import sandbox_helpers as S

@@ -34,8 +34,8 @@ from consumers.inference import vllm_server
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
 from producers.harnesses.install import HarnessInstallError, install_harness
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.local_backend import LocalBackend, default_path
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.cpu import cpu_suite
 from schemas.events import CallEvent, CallKind
 from tests.support import proxy_helpers as H

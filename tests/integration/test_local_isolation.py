@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from clawbase.settings import clawstream_home
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.local_backend import LocalBackend, LocalSandbox
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.cpu import cpu_suite
 from tests.support import sandbox_helpers as S
 

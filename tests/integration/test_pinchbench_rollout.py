@@ -14,9 +14,10 @@ from aiohttp import web
 
 from producers.harnesses.catalog import ADAPTERS
 from producers.proxy.app import Proxy, ProxySettings
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.rollout import ProxyAdmin, RolloutContext, execute
+from producers.sandbox.proxy_admin import ProxyAdmin
+from producers.sandbox.rollout import RolloutContext, execute
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardStatus
 from tests.support import proxy_helpers as H

@@ -30,7 +30,7 @@ import pytest
 
 from clawbase.kafka.clients import create_topics
 from clawbase.settings import KafkaSettings
-from producers.sandbox.rollout import ProxyAdmin
+from producers.sandbox.proxy_admin import ProxyAdmin
 from schemas.events import CallEvent
 from schemas.topics import CATALOG
 from tests.integration.test_proxy_restart import TOKEN, ProxyProcess, _admin, _call, _free_port, _prompts, _register

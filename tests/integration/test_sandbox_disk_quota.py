@@ -24,9 +24,10 @@ from aiohttp import web
 
 from producers.harnesses.catalog import ADAPTERS
 from producers.proxy.app import Proxy, ProxySettings
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.rollout import ProxyAdmin, RolloutContext, execute
+from producers.sandbox.proxy_admin import ProxyAdmin
+from producers.sandbox.rollout import RolloutContext, execute
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.cpu import cpu_suite
 from schemas.events import RewardStatus, RolloutState

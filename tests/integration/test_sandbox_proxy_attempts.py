@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from producers.sandbox.rollout import ProxyAdmin, ProxyError, RolloutHeld
+from producers.sandbox.proxy_admin import ProxyAdmin, ProxyError, RolloutHeld
 from tests.support import proxy_helpers as H
 from tests.support.proxy_server import admin_url, register, running_proxy
 from tests.support.scripted_engine import ScriptedEngine

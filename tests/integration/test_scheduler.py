@@ -15,7 +15,8 @@ import uuid
 import pytest
 
 from clawbase.kafka.clients import make_consumer, make_producer
-from producers.scheduler.service import Scheduler, SchedulerSettings
+from producers.scheduler.service import Scheduler
+from producers.scheduler.settings import SchedulerSettings
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, WeightVersion, now_ms
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
 from tests.support.sandbox_stack import stack

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from producers.harnesses.catalog import ADAPTERS
-from producers.sandbox.base import SandboxSettings
+from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
 from tests.support import proxy_helpers as H
 from tests.support import sandbox_helpers as S

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from clawbase.settings import KafkaSettings
 from producers.scheduler.plan import eval_seed
-from producers.scheduler.service import Scheduler, SchedulerSettings
+from producers.scheduler.service import Scheduler
+from producers.scheduler.settings import SchedulerSettings
 from schemas.events import RolloutRequest
 
 

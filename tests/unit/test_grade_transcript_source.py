@@ -6,7 +6,7 @@ a forged answer to stdout and a forged session file in HOME while the proxy reco
 else: the transcript file of both formats, ClawGym-Bench's payload (``final_message``, ``transcript``) and the
 PinchBench judge prompt carry the model's conversation. The harness-written sources are used only when the proxy
 reported no conversation, with a warning. No processes: a local sandbox's directories, the transcript built from
-them (``producers.sandbox.grade.run_transcript``), and the pure payload and prompt builders.
+them (``producers.sandbox.run_grader.run_transcript``), and the pure payload and prompt builders.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import pytest
 
 from producers.proxy.conversation import Message, transcript_messages
 from producers.proxy.dialects import parse_openai_chat
-from producers.sandbox.base import Sandbox, SandboxSettings
-from producers.sandbox.grade import run_transcript
+from producers.sandbox.base import Sandbox
 from producers.sandbox.local_backend import LocalBackend
+from producers.sandbox.run_grader import run_transcript
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks import pinchbench
-from producers.tasks.grading import final_message, reward_payload, transcript_from_stdout
+from producers.tasks.grading_rules import final_message, reward_payload, transcript_from_stdout
 from producers.tasks.model import Grader, Task
 from producers.tasks.transcript import OPENCLAW_AGENTS_DIR, parse_session_jsonl, session_transcript, stream_transcript
 
@@ -156,7 +157,7 @@ def test_stream_transcript_shape() -> None:
 
 def test_stdout_graders_read_the_model_not_the_harness_stdout(box: Sandbox, caplog: pytest.LogCaptureFixture) -> None:
     messages = proxy_messages()
-    with caplog.at_level(logging.WARNING, logger="producers.sandbox.grade"):
+    with caplog.at_level(logging.WARNING, logger="producers.sandbox.run_grader"):
         transcript = run_transcript(task_of("stdout"), box, FORGED_STDOUT, messages=messages)
     assert transcript == stream_transcript(messages)
     assert transcript[-1] == {"type": "result", "result": MODEL}
@@ -193,7 +194,7 @@ def test_harness_written_only_when_the_proxy_reported_nothing(
     """An older proxy, or no main-agent call: the harness's stdout, OpenClaw's own session file (OpenClaw only),
     else the final answer the harness printed — each with a warning that the transcript is harness-written."""
     stdout_task, session_task = task_of("stdout"), task_of("openclaw_session")
-    with caplog.at_level(logging.WARNING, logger="producers.sandbox.grade"):
+    with caplog.at_level(logging.WARNING, logger="producers.sandbox.run_grader"):
         assert run_transcript(stdout_task, box, FORGED_STDOUT, messages=reported) == transcript_from_stdout(
             FORGED_STDOUT
         )

@@ -23,13 +23,14 @@ from aiohttp import web
 from producers.harnesses.catalog import ADAPTERS
 from producers.proxy.conversation import Message, ToolCall, transcript_messages
 from producers.proxy.dialects import parse_anthropic, parse_openai_chat
-from producers.sandbox.base import SandboxSettings
-from producers.sandbox.grade import grade
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.rollout import ProxyAdmin, RolloutContext, execute
+from producers.sandbox.proxy_admin import ProxyAdmin
+from producers.sandbox.rollout import RolloutContext, execute
+from producers.sandbox.run_grader import grade
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks import pinchbench
 from producers.tasks.catalog import SuiteCatalog, detect_layout, load_suite
-from producers.tasks.grading import GraderFailure
+from producers.tasks.grading_rules import GraderFailure
 from producers.tasks.model import TaskError
 from producers.tasks.transcript import session_transcript
 from schemas.events import RewardStatus

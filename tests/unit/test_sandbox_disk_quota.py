@@ -9,8 +9,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from producers.sandbox.base import SandboxSettings, file_size_limit, over_quota, tree_bytes
+from producers.sandbox.base import file_size_limit, over_quota, tree_bytes
 from producers.sandbox.docker_backend import container_spec
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.cpu import cpu_suite
 
 MIB = 1 << 20

@@ -18,7 +18,6 @@ import pytest
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox import bwrap
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.docker_backend import (
     DockerSandbox,
     container_spec,
@@ -30,7 +29,9 @@ from producers.sandbox.docker_backend import (
 )
 from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker
-from producers.sandbox.rollout import ProxyAdmin, ProxyError, RolloutContext, execute
+from producers.sandbox.proxy_admin import ProxyAdmin, ProxyError
+from producers.sandbox.rollout import RolloutContext, execute
+from producers.sandbox.settings import SandboxSettings
 from producers.scheduler.plan import (
     Outstanding,
     StepPlan,

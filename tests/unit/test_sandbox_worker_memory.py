@@ -11,9 +11,9 @@ from collections import OrderedDict
 
 from clawbase.settings import KafkaSettings
 from producers.sandbox import worker as worker_module
-from producers.sandbox.base import SandboxSettings
 from producers.sandbox.offsets import SeenRequests
 from producers.sandbox.rollout import Outcome
+from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
 from schemas.events import RolloutRequest
 

@@ -14,7 +14,8 @@ import random
 
 from clawbase.settings import KafkaSettings
 from producers.scheduler.plan import plan_step
-from producers.scheduler.service import Scheduler, SchedulerSettings
+from producers.scheduler.service import Scheduler
+from producers.scheduler.settings import SchedulerSettings
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, now_ms
 
 IN_FLIGHT = 64  # tasks_per_step × group_size: the soak's 64 concurrent rollouts

@@ -17,7 +17,7 @@ from policy.tiny_model import init_tiny_model  # noqa: E402
 from producers.harnesses import builtin_loop  # noqa: E402
 from producers.proxy.render import TemplateRenderer  # noqa: E402
 from producers.proxy.tool_parse import parse_turn  # noqa: E402
-from producers.tasks.grading import GraderFailure  # noqa: E402
+from producers.tasks.grading_rules import GraderFailure  # noqa: E402
 from producers.tasks.model import Grader, GraderOutput, Task  # noqa: E402
 from warmstart import sft  # noqa: E402
 from warmstart.demos import (  # noqa: E402

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from producers.sandbox.base import SandboxSettings
-from producers.sandbox.grade import grade
 from producers.sandbox.local_backend import LocalBackend
+from producers.sandbox.run_grader import grade
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog, detect_layout, load_suite
 from producers.tasks.cpu import cpu_suite
-from producers.tasks.grading import (
+from producers.tasks.grading_rules import (
     GraderFailure,
     grader_invocation,
     parse_captured_subscores,

@@ -1,6 +1,6 @@
 """Grading rules, pure: how a task's grader is invoked and how its output becomes a reward; the LLM-judge call.
 
-This is the one place that knows a grader's contract; ``producers.sandbox.grade`` runs it inside a rollout's
+This is the one place that knows a grader's contract; ``producers.sandbox.run_grader`` runs it inside a rollout's
 sandbox and the warm start (``warmstart``) runs it in a temporary directory, both through
 :func:`grader_invocation` and :func:`parse_grader_output`. The grader files are laid out in a grader directory
 outside the workspace, with the task's hard-coded mount dir rewritten to the workspace path where the task asks for
@@ -111,7 +111,7 @@ def parse_reward_float(stdout: str) -> tuple[float, dict[str, float]]:
 
 def transcript_from_stdout(stdout: str) -> list[dict[str, Any]]:
     """The harness's machine-readable output as a list of dicts (JSON lines, or one JSON document). Harness-written:
-    graders get it only when the proxy reported no conversation (``producers.sandbox.grade.run_transcript``)."""
+    graders get it only when the proxy reported no conversation (``producers.sandbox.run_grader.run_transcript``)."""
     try:
         whole = json.loads(stdout)
         return [x for x in whole if isinstance(x, dict)] if isinstance(whole, list) else [whole]

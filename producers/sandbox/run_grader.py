@@ -5,7 +5,7 @@ sandbox's grader directory, emptied first (nothing a rollout planted there survi
 expects them inside the workspace (ClawGym-Bench's ``reward/``) — into that folder of the workspace, after clearing
 whatever the agent left under that name, and removed again once graded. The command runs with the same backend
 and isolation as the harness, with ``grader_timeout_s``; a Python grader with ``-E -s``. The grading rules
-themselves (invocation, output parsing, judge) are ``producers.tasks.grading``; a grader that fails is a
+themselves (invocation, output parsing, judge) are ``producers.tasks.grading_rules``; a grader that fails is a
 :class:`GraderFailure` (an infrastructure failure of the attempt, never a 0). What graders read about the
 conversation is built from the one the proxy recorded, never from what the harness wrote (:func:`run_transcript`).
 :func:`grade_directory` grades a workspace directory the same way, in a fresh local sandbox (``clawstream tasks
@@ -25,9 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from producers.sandbox.base import Sandbox, SandboxBackend, SandboxError, SandboxSettings, inside
+from producers.sandbox.base import Sandbox, SandboxBackend, SandboxError, inside
+from producers.sandbox.settings import SandboxSettings
 from producers.tasks import pinchbench
-from producers.tasks.grading import (
+from producers.tasks.grading_rules import (
     GradeResult,
     GraderFailure,
     Judge,
@@ -52,7 +53,8 @@ from schemas.events import RewardStatus, now_ms
 log = logging.getLogger(__name__)
 
 
-async def run_grader(task: Task, box: Sandbox, transcript: list[dict[str, Any]], timeout_s: float) -> GradeResult:
+async def run_in_sandbox(task: Task, box: Sandbox, transcript: list[dict[str, Any]], timeout_s: float) -> GradeResult:
+    """Lay the task's grader out in ``box`` and run it there; its output scored by the grading rules."""
     inv = grader_invocation(task, python=box.python, grader_dir=box.grader_dir, workspace=box.workspace)
     host_ws = box.host_path(box.workspace)
     try:
@@ -167,7 +169,7 @@ async def grade(
     g = task.grader
     auto = None
     if g.grading_type != "llm_judge":
-        auto = await run_grader(task, box, transcript, settings.grader_timeout_s)
+        auto = await run_in_sandbox(task, box, transcript, settings.grader_timeout_s)
         if g.grading_type == "automated":
             return auto
     if not settings.judge_url:
