@@ -1,4 +1,5 @@
-"""The proxy's rollouts and its admin API (``Authorization: Bearer <admin token>``).
+"""The proxy's rollouts and its admin API (``Authorization: Bearer <admin token>``); each rollout's state, and what
+may happen to it, is ``producers.proxy.rollout_state.Rollout``.
 
 ``POST /admin/rollouts`` registers a rollout ({rollout_id?, ttl_s?, temperature?, top_p?, top_k?, max_tokens?,
 seed?, attempt_id?, attempt?, lease_s?} → {rollout_id, secret, base_url, expires_at_ms}); ``GET /admin/rollouts/{id}``
@@ -6,7 +7,7 @@ shows its state; ``POST /admin/rollouts/{id}/seal`` revokes the secret, waits fo
 {calls_served, status: ok | infra_failure | quota_exceeded, infra_failure, quota_exceeded, usage, messages};
 ``POST .../renew`` extends the lease; ``DELETE`` forgets it (``?finished=1``: the attempt's terminal events are
 out, so the same request attempt is not registered again). The sandbox worker is the client
-(``producers.sandbox.rollout.ProxyAdmin``); the routes are served only on the admin listener (``Proxy.admin_app``).
+(``producers.sandbox.proxy_admin.ProxyAdmin``); the routes are served only on the admin listener (``Proxy.admin_app``).
 
 One registration per rollout id, held by one attempt. A registration with ``lease_s`` is *live* while its holder
 renews it; a second registration of the id gets 409 naming the holder and whether it is live (or finished), and the
@@ -26,10 +27,7 @@ import hmac
 import json
 import logging
 import math
-import secrets
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,83 +35,13 @@ from aiohttp import web
 
 from clawbase.errors import ClawstreamError
 from clawbase.kafka.publisher import PublishError
-from producers.proxy.conversation import Conversation, Message, transcript_messages
 from producers.proxy.metrics import ProxyMetrics
-from producers.proxy.quota import QUOTA_STATUS_NAME, Usage
 from producers.proxy.render import RolloutRenderer, TemplateRenderer
-from producers.proxy.restore import Replayed, secret_matches, secret_sha256
+from producers.proxy.restore import Replayed
+from producers.proxy.rollout_state import Rollout
 from schemas.events import ProxyRegistration, now_ms
 
 log = logging.getLogger("clawstream.proxy")
-
-
-@dataclass
-class Rollout:
-    rollout_id: str
-    secret: str | None  # None: restored after a restart, known by ``secret_sha256`` only
-    expires_at_ms: int
-    temperature: float
-    top_p: float
-    top_k: int  # 0 = off
-    max_tokens: int
-    seed: int | None
-    renderer: RolloutRenderer
-    attempt_id: str | None = None  # the sandbox worker's attempt: every call event carries it
-    attempt: int | None = None  # the request's attempt number (a re-issue after an infra failure has a higher one)
-    lease_s: float | None = None  # None: no lease (an older client): a conflicting registration may revoke it
-    lease_expires_at_ms: int | None = None
-    main_fingerprint: str | None = None
-    next_seq: int = 0
-    calls_served: int = 0
-    in_flight: int = 0
-    sealed: bool = False
-    infra_failure: str | None = None
-    errors: dict[int, int] = field(default_factory=dict)
-    # The last main-agent call's conversation and the answer it got: the run's transcript, reported at seal.
-    last_main: tuple[Conversation, Message] | None = None
-    secret_sha256: str = ""
-    registered_at_ms: int = 0
-    calls_offsets: dict[str, int] = field(default_factory=dict)  # where its call events start (registrations topic)
-    restored: bool = False  # put back after a proxy restart
-    refused: str | None = None  # its state could not be restored: calls get 401 with this reason
-    usage: Usage = field(default_factory=Usage)  # what its quotas count (producers.proxy.quota)
-    quota_exceeded: str | None = None  # the first call a quota refused: the policy's doing, graded as usual
-
-    def accepts(self, key: str) -> bool:
-        """Whether ``key`` is this rollout's secret (constant-time; a restored rollout compares sha256 digests)."""
-        if not key:
-            return False
-        if self.secret is not None:
-            return hmac.compare_digest(key.encode(), self.secret.encode())
-        return secret_matches(key, self.secret_sha256)
-
-    def live(self, now: int) -> bool:
-        """Its holder renewed the lease in time (a registration without a lease is never presumed alive)."""
-        return self.lease_expires_at_ms is not None and now < self.lease_expires_at_ms
-
-    def holder(self) -> dict[str, Any]:
-        return {
-            "attempt_id": self.attempt_id,
-            "attempt": self.attempt,
-            "live": self.live(now_ms()),
-            "lease_expires_at_ms": self.lease_expires_at_ms,
-        }
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "rollout_id": self.rollout_id,
-            **self.holder(),
-            "calls_served": self.calls_served,
-            "in_flight": self.in_flight,
-            "sealed": self.sealed,
-            "expires_at_ms": self.expires_at_ms,
-            "status": "infra_failure" if self.infra_failure else QUOTA_STATUS_NAME if self.quota_exceeded else "ok",
-            "infra_failure": self.infra_failure,
-            "quota_exceeded": self.quota_exceeded,
-            "usage": {"calls": self.usage.calls, "prompt_tokens": self.usage.prompt_tokens},
-            "errors": {str(k): v for k, v in self.errors.items()},
-            "restored": self.restored,
-        }
 
 
 @dataclass(frozen=True)
@@ -146,7 +74,7 @@ class _KeyLock:
 
 
 def _json_error(status: int, message: str, **fields: Any) -> web.HTTPException:
-    cls = {404: web.HTTPNotFound, 409: web.HTTPConflict}[status]
+    cls = {404: web.HTTPNotFound, 409: web.HTTPConflict, 503: web.HTTPServiceUnavailable}[status]
     return cls(text=json.dumps({"error": message, **fields}), content_type="application/json")
 
 
@@ -174,6 +102,17 @@ def sampling_settings(body: dict[str, Any]) -> tuple[float, float, int]:
     return temperature, top_p, max(top_k, 0)
 
 
+class ReplicaSync(Protocol):
+    """What makes this proxy's state of a rollout the latest before a request of it is handled: the replicas
+    (``producers.proxy.replicas.Replicas``, handed over with :meth:`Admin.follow`). Without one, this proxy's own
+    memory is the only state."""
+
+    async def current(self, rid: str, key: str | None = None) -> None:
+        """Bring ``rid`` up to date (taken over if need be); ``key``: a harness call's API key (None: an admin
+        request, already authorized). ``ClawstreamError`` when it cannot: the request is answered 503."""
+        ...
+
+
 class Admin:
     """The registered rollouts (shared with the model-call handlers) and the admin routes over them."""
 
@@ -197,11 +136,18 @@ class Admin:
         self.rollouts: dict[str, Rollout] = {}
         self.finished: dict[str, Finished] = {}  # rollout id → its last finished attempt (forgotten with finished=1)
         self.store, self.replica = store, replica
-        # Replicas (producers.proxy.replicas): makes a rollout's state current before any request of it is handled.
-        # Its second argument: the API key a harness call presented (None: an admin request, already authorized).
-        self.before: Callable[[str, str | None], Awaitable[None]] | None = None
+        self._replicas: ReplicaSync | None = None
         self._locks: dict[str, _KeyLock] = {}  # one writer of a rollout id's record at a time
         self._background: set[asyncio.Task[None]] = set()
+
+    def follow(self, replicas: ReplicaSync) -> None:
+        """From now on, make each rollout's state current through ``replicas`` before a request of it is handled."""
+        self._replicas = replicas
+
+    async def make_current(self, rid: str, key: str | None = None) -> None:
+        """With replicas: this replica's state of ``rid`` made the latest (``ReplicaSync.current``); else nothing."""
+        if self._replicas is not None:
+            await self._replicas.current(rid, key)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/admin/rollouts", self._register)
@@ -215,17 +161,15 @@ class Admin:
         if not hmac.compare_digest(given.encode(), self.token.encode()):
             raise web.HTTPUnauthorized(text=json.dumps({"error": "bad admin token"}), content_type="application/json")
 
-    async def current(self, rid: str) -> None:
-        """With replicas: this replica's state of ``rid`` made the latest (taken over if need be); 503 if not."""
-        if self.before is not None:
-            try:
-                await self.before(rid, None)
-            except ClawstreamError as exc:
-                raise _json_error(503, f"rollout {rid}: {exc}; retry later") from exc
+    async def _current_or_503(self, rid: str) -> None:
+        try:
+            await self.make_current(rid)
+        except ClawstreamError as exc:
+            raise _json_error(503, f"rollout {rid}: {exc}; retry later") from exc
 
     async def _rollout_or_404(self, request: web.Request) -> Rollout:
         self._check_admin(request)
-        await self.current(request.match_info["rid"])
+        await self._current_or_503(request.match_info["rid"])
         rollout = self.rollouts.get(request.match_info["rid"])
         if rollout is None:
             raise _json_error(404, "unknown rollout")
@@ -243,81 +187,28 @@ class Admin:
             )
         return rollout
 
+    # --- the routes -----------------------------------------------------------------------------------------------
+
     async def _register(self, request: web.Request) -> web.Response:
         self._check_admin(request)
         try:
             body = await request.json() if request.can_read_body else {}
-            rid = str(body.get("rollout_id") or uuid.uuid4().hex)
-            ttl = float(body.get("ttl_s") or self.default_ttl_s)
-            seed = body.get("seed")
-            attempt_id = body.get("attempt_id")
-            if attempt_id is not None and not isinstance(attempt_id, str):
-                raise TypeError(f"attempt_id must be a string, got {type(attempt_id).__name__}")
-            attempt = _optional_int(body, "attempt")
-            lease_s = None if body.get("lease_s") is None else float(body["lease_s"])
-            if lease_s is not None and not (math.isfinite(lease_s) and lease_s > 0):
-                raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
-            temperature, top_p, top_k = sampling_settings(body)
-            secret = secrets.token_urlsafe(32)
-            rollout = Rollout(
-                rollout_id=rid,
-                secret=secret,
-                secret_sha256=secret_sha256(secret),
-                registered_at_ms=now_ms(),
-                expires_at_ms=now_ms() + int(ttl * 1000),
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                max_tokens=int(body.get("max_tokens") or self.default_max_tokens),
-                seed=None if seed is None else int(seed),
-                renderer=RolloutRenderer(self.template),
-                attempt_id=attempt_id or None,
-                attempt=attempt,
-                lease_s=lease_s,
-                lease_expires_at_ms=None if lease_s is None else now_ms() + int(lease_s * 1000),
-            )
+            rollout = self._new_rollout(body)
         except (ValueError, TypeError, AttributeError) as exc:
             return web.json_response({"error": f"bad registration: {exc}"}, status=400)
+        rid = rollout.rollout_id
         if not all(c.isalnum() or c in "-_." for c in rid):
             return web.json_response({"error": "rollout_id allows letters, digits, '-', '_', '.'"}, status=400)
-        await self.current(rid)
+        await self._current_or_503(rid)
         for swept in self._sweep():
             self.sync_later(swept)
-        held = self.rollouts.get(rid)
-        if held is not None:  # the client waits for a live holder, revokes a dead one (scoped to its attempt id)
-            live = "live" if held.live(now_ms()) else "not renewed"
-            return web.json_response(
-                {"error": f"rollout {rid} is already registered (attempt {held.attempt_id}, {live})", **held.holder()},
-                status=409,
-            )
-        done = self.finished.get(rid)
-        if done is not None and attempt is not None and done.attempt >= attempt:  # this request attempt is done
-            return web.json_response(
-                {
-                    "error": f"rollout {rid} attempt {done.attempt} already finished (attempt id {done.attempt_id})",
-                    "attempt_id": done.attempt_id,
-                    "attempt": done.attempt,
-                    "live": False,
-                    "finished": True,
-                },
-                status=409,
-            )
-        self.rollouts[rid] = rollout
-        self.metrics.rollouts.set(len(self.rollouts))
-        if self.store is not None:  # recorded before the secret is handed out, or not registered at all
-            rollout.calls_offsets = self.store.calls_offsets()
-            try:
-                await self.sync(rid)
-            except PublishError as exc:
-                if self.rollouts.get(rid) is rollout:
-                    del self.rollouts[rid]
-                    self.metrics.rollouts.set(len(self.rollouts))
-                self.sync_later(rid)
-                log.error("rollout %s: registration not recorded: %s", rid, exc)
-                return web.json_response(
-                    {"error": f"the registration could not be recorded (Kafka unavailable); retry later: {exc}"},
-                    status=503,
-                )
+        refused = self._conflict(rid, rollout.attempt)
+        if refused is None:
+            self.rollouts[rid] = rollout
+            self.metrics.rollouts.set(len(self.rollouts))
+            refused = await self._record_registration(rollout)
+        if refused is not None:
+            return refused
         return web.json_response(
             {
                 "rollout_id": rid,
@@ -328,23 +219,84 @@ class Admin:
             status=201,
         )
 
+    def _new_rollout(self, body: dict[str, Any]) -> Rollout:
+        """The rollout a registration's body asks for; ValueError, TypeError or AttributeError name what is wrong."""
+        rid = str(body.get("rollout_id") or uuid.uuid4().hex)
+        ttl = float(body.get("ttl_s") or self.default_ttl_s)
+        seed = body.get("seed")
+        attempt_id = body.get("attempt_id")
+        if attempt_id is not None and not isinstance(attempt_id, str):
+            raise TypeError(f"attempt_id must be a string, got {type(attempt_id).__name__}")
+        attempt = _optional_int(body, "attempt")
+        lease_s = None if body.get("lease_s") is None else float(body["lease_s"])
+        if lease_s is not None and not (math.isfinite(lease_s) and lease_s > 0):
+            raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
+        sampling = sampling_settings(body)
+        return Rollout.register(
+            rid,
+            RolloutRenderer(self.template),
+            ttl_s=ttl,
+            sampling=sampling,
+            max_tokens=int(body.get("max_tokens") or self.default_max_tokens),
+            seed=None if seed is None else int(seed),
+            attempt_id=attempt_id,
+            attempt=attempt,
+            lease_s=lease_s,
+        )
+
+    def _conflict(self, rid: str, attempt: int | None) -> web.Response | None:
+        """409 when ``rid`` is held (the client waits for a live holder, revokes a dead one, scoped to its attempt
+        id) or this request attempt already finished; else None."""
+        held = self.rollouts.get(rid)
+        if held is not None:
+            live = "live" if held.live(now_ms()) else "not renewed"
+            return web.json_response(
+                {"error": f"rollout {rid} is already registered (attempt {held.attempt_id}, {live})", **held.holder()},
+                status=409,
+            )
+        done = self.finished.get(rid)
+        if done is not None and attempt is not None and done.attempt >= attempt:
+            return web.json_response(
+                {
+                    "error": f"rollout {rid} attempt {done.attempt} already finished (attempt id {done.attempt_id})",
+                    "attempt_id": done.attempt_id,
+                    "attempt": done.attempt,
+                    "live": False,
+                    "finished": True,
+                },
+                status=409,
+            )
+        return None
+
+    async def _record_registration(self, rollout: Rollout) -> web.Response | None:
+        """Write the new registration before its secret is handed out, or undo it: 503 (None: written, or no
+        store)."""
+        if self.store is None:
+            return None
+        rid = rollout.rollout_id
+        rollout.starts_calls_at(self.store.calls_offsets())
+        try:
+            await self.sync(rid)
+        except PublishError as exc:
+            if self.rollouts.get(rid) is rollout:
+                del self.rollouts[rid]
+                self.metrics.rollouts.set(len(self.rollouts))
+            self.sync_later(rid)
+            log.error("rollout %s: registration not recorded: %s", rid, exc)
+            return web.json_response(
+                {"error": f"the registration could not be recorded (Kafka unavailable); retry later: {exc}"},
+                status=503,
+            )
+        return None
+
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response((await self._rollout_or_404(request)).status())
 
     async def _seal(self, request: web.Request) -> web.Response:
         rollout = await self._held_rollout(request)
-        rollout.sealed = True
-        deadline = time.monotonic() + self.seal_wait_s
-        while rollout.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if rollout.in_flight and not rollout.infra_failure:
-            rollout.infra_failure = f"{rollout.in_flight} call(s) still in flight at seal"
-        rollout.renderer = RolloutRenderer(self.template)  # free the token state; the rollout is over
+        await rollout.seal(self.seal_wait_s, self.template)
         await self._sync_quietly(rollout.rollout_id)
-        body = rollout.status()
-        if rollout.last_main is not None:  # what the grader's transcript is built from (producers.tasks.transcript)
-            body["messages"] = transcript_messages(*rollout.last_main)
-        return web.json_response(body)
+        return web.json_response(rollout.seal_report())
 
     async def _renew(self, request: web.Request) -> web.Response:
         """Extend the lease by its length (or by ``lease_s`` of the body, which becomes its length)."""
@@ -356,7 +308,7 @@ class Admin:
                 raise ValueError(f"lease_s must be a finite number > 0, got {lease_s}")
         except (ValueError, TypeError, AttributeError) as exc:
             return web.json_response({"error": f"bad renewal: {exc}"}, status=400)
-        rollout.lease_s, rollout.lease_expires_at_ms = lease_s, now_ms() + int(lease_s * 1000)
+        rollout.renew(lease_s)
         return web.json_response(rollout.status())
 
     async def _forget(self, request: web.Request) -> web.Response:
@@ -387,27 +339,7 @@ class Admin:
         now = now_ms()
         ro = self.rollouts.get(rid)
         if ro is not None:
-            return ProxyRegistration(
-                rollout_id=rid,
-                timestamp_ms=now,
-                proxy=self.public_url,
-                replica=self.replica,
-                expires_at_ms=ro.expires_at_ms,
-                attempt_id=ro.attempt_id,
-                attempt=ro.attempt,
-                secret_sha256=ro.secret_sha256,
-                registered_at_ms=ro.registered_at_ms,
-                temperature=ro.temperature,
-                top_p=ro.top_p,
-                top_k=ro.top_k,
-                max_tokens=ro.max_tokens,
-                seed=ro.seed,
-                lease_s=ro.lease_s,
-                sealed=ro.sealed,
-                calls_served=ro.calls_served,
-                infra_failure=ro.infra_failure,
-                calls_offsets=dict(ro.calls_offsets),
-            )
+            return ro.to_record(proxy=self.public_url, replica=self.replica, timestamp_ms=now)
         done = self.finished.get(rid)
         if done is not None and done.expires_at_ms >= now:
             return ProxyRegistration(
@@ -451,41 +383,35 @@ class Admin:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def fail(self, rollout: Rollout, reason: str) -> None:
+        """A call of ``rollout`` failed for the infrastructure's sake: flagged, logged, and recorded in the
+        background (a restart must not forget it)."""
+        rollout.fail(reason)
+        log.error("rollout %s: %s", rollout.rollout_id, reason)
+        self.sync_later(rollout.rollout_id)
+
+    # --- rollouts put back, or dropped, from the registrations topic ---------------------------------------------
+
     def restore(self, reg: ProxyRegistration, replayed: Replayed | None) -> Rollout:
         """Put back a registration read after a restart (``replayed``: its calls; None for a sealed one), with a
         fresh lease of its length."""
-        now = now_ms()
         state = replayed or Replayed(RolloutRenderer(self.template), reg.calls_served, reg.calls_served)
-        rollout = Rollout(
-            rollout_id=reg.rollout_id,
-            secret=None,
-            secret_sha256=reg.secret_sha256,
-            expires_at_ms=reg.expires_at_ms,
-            temperature=reg.temperature,
-            top_p=reg.top_p,
-            top_k=reg.top_k,
-            max_tokens=reg.max_tokens,
-            seed=reg.seed,
-            renderer=state.renderer,
-            attempt_id=reg.attempt_id,
-            attempt=reg.attempt,
-            lease_s=reg.lease_s,
-            lease_expires_at_ms=None if reg.lease_s is None else now + int(reg.lease_s * 1000),
-            main_fingerprint=state.main_fingerprint,
-            next_seq=state.next_seq,
-            calls_served=state.calls_served,
-            sealed=reg.sealed,
-            infra_failure=reg.infra_failure or state.infra_failure,
-            registered_at_ms=reg.registered_at_ms,
-            calls_offsets=dict(reg.calls_offsets),
-            restored=True,
-            refused=state.infra_failure,
-            usage=Usage(calls=state.calls_served, prompt_tokens=state.prompt_tokens),  # the replayed calls' counts
-        )
+        rollout = Rollout.from_record(reg, state)
         self.rollouts[reg.rollout_id] = rollout
         self.metrics.rollouts.set(len(self.rollouts))
         return rollout
 
     def restore_finished(self, reg: ProxyRegistration) -> None:
+        """Remember the finished attempt ``reg`` names (a redelivery of it is refused)."""
         if reg.attempt is not None:
             self.finished[reg.rollout_id] = Finished(reg.attempt_id, reg.attempt, reg.expires_at_ms)
+
+    def forget_finished(self, rid: str) -> None:
+        self.finished.pop(rid, None)
+
+    def drop(self, rid: str) -> None:
+        """Forget ``rid``'s state held here (another replica's is newer), unless a call of it is in flight."""
+        rollout = self.rollouts.get(rid)
+        if rollout is not None and not rollout.in_flight:
+            del self.rollouts[rid]
+            self.metrics.rollouts.set(len(self.rollouts))

@@ -31,6 +31,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +44,21 @@ from clawbase.kafka.publisher import KafkaPublisher, Publisher, PublishError
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy import emit
-from producers.proxy.admin import Admin, RegistrationStore, Rollout
+from producers.proxy.admin import Admin, RegistrationStore
 from producers.proxy.call_event import call_event
-from producers.proxy.conversation import CallKindRules, Message, ToolCall, classify_call
+from producers.proxy.conversation import CallKindRules, Message, ToolCall
 from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custom_tool_names
 from producers.proxy.emit import EMITTERS, ApiError
+from producers.proxy.engine_client import EngineReply
 from producers.proxy.engine_pool import EnginePool
 from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.quota import QUOTA_STATUS, Quotas
 from producers.proxy.registry import RegistrationLog, restore_registrations
-from producers.proxy.render import RenderError, TemplateRenderer
+from producers.proxy.render import RenderError, RenderResult, TemplateRenderer
 from producers.proxy.replicas import Replicas, start_replicas
+from producers.proxy.rollout_state import Rollout
 from producers.proxy.settings import ProxySettings
-from producers.proxy.tool_parse import parse_turn
+from producers.proxy.tool_parse import ParsedTurn, parse_turn
 from schemas.events import CallKind, Dialect, now_ms
 from schemas.topics import CALLS, PROXY_REGISTRATIONS
 
@@ -66,6 +69,23 @@ log = logging.getLogger("clawstream.proxy")
 # json.loads decodes with "surrogatepass": a lone one is a string UTF-8 cannot encode
 # (the call event's encoding would fail after the engine had answered: a 500).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+
+
+@dataclass
+class _Call:
+    """One admitted model call of a rollout, from its rendered prompt to its answer."""
+
+    rollout: Rollout
+    dialect: Dialect
+    parsed: ParsedRequest
+    body: dict[str, Any]  # the request as sent (its custom tools are named in the answer)
+    rendered: RenderResult
+    kind: CallKind
+    call_id: str
+    head: emit.StreamHead
+    received_ms: int  # wall clock when it arrived: the call event's timestamp
+    t0: float  # perf_counter when it arrived
+    times: dict[str, float]  # received_ms, render_ms, engine_ms, total_ms (durations, as the call event has them)
 
 
 class Proxy:
@@ -177,8 +197,8 @@ class Proxy:
             except ApiError as exc:
                 self.metrics.errors.labels(dialect.value, str(exc.status)).inc()
                 rollout = self.rollouts.get(request.match_info["rid"])
-                if rollout is not None and exc.status != 401:
-                    rollout.errors[exc.status] = rollout.errors.get(exc.status, 0) + 1
+                if rollout is not None and exc.status != 401:  # a stranger's 401 is not the rollout's
+                    rollout.count_error(exc.status)
                 body = EMITTERS[dialect].error_body(exc.status, exc.message)
                 return web.json_response(body, status=exc.status)
             finally:
@@ -189,11 +209,10 @@ class Proxy:
     async def _authenticate(self, request: web.Request) -> Rollout:
         given = request.headers.get("x-api-key") or request.headers.get("Authorization", "").removeprefix("Bearer ")
         given = given.strip()
-        if self.admin.before is not None:  # replicas: this one's state of the rollout made current first
-            try:
-                await self.admin.before(request.match_info["rid"], given)
-            except ClawstreamError as exc:
-                raise ApiError(503, f"{exc}; retry later") from exc
+        try:  # replicas: this one's state of the rollout made current first
+            await self.admin.make_current(request.match_info["rid"], given)
+        except ClawstreamError as exc:
+            raise ApiError(503, f"{exc}; retry later") from exc
         rollout = self.rollouts.get(request.match_info["rid"])
         # One message for every failure: a caller learns nothing about which rollouts exist.
         if rollout is None or not rollout.accepts(given):
@@ -256,131 +275,148 @@ class Proxy:
             )
 
     @staticmethod
-    def _over_quota(rollout: Rollout, refused: str | None) -> None:
-        """Refuse the call (no engine call, no call event) when a quota says so; the rollout is flagged."""
+    def _refuse(refused: str | None) -> None:
+        """Refuse the call (no engine call, no call event) when a quota says so (the rollout flagged itself)."""
         if refused is not None:
-            if rollout.quota_exceeded is None:
-                rollout.quota_exceeded = refused
-                log.warning("rollout %s: %s", rollout.rollout_id, refused)
             raise ApiError(QUOTA_STATUS, refused)
 
     async def _call(self, request: web.Request, dialect: Dialect, t0: float) -> web.StreamResponse:
+        """Authenticate → quotas → read and parse → render → admit → serve in a task → its answer, or a stream of
+        keep-alives while it runs."""
         received_ms = now_ms()
         rollout = await self._authenticate(request)
-        self._over_quota(rollout, rollout.usage.calls_left(self.quotas))  # before the body is read
+        self._refuse(rollout.calls_left(self.quotas))  # before the body is read
         parsed, body = await self._read(request, dialect)
         t_parsed = time.perf_counter()
         self._check_fits(parsed)
-        try:
-            rendered = await self._off_loop(rollout.renderer.render, parsed.conversation)
-        except RenderError as exc:
-            raise ApiError(400, f"cannot render the conversation: {exc}") from exc
+        rendered = await self._render(rollout, parsed)
         t_rendered = time.perf_counter()
-        if self.max_prompt_tokens is not None and len(rendered.prompt_ids) >= self.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"the prompt is {len(rendered.prompt_ids)} tokens; the model's context is {self.max_prompt_tokens}",
-            )
-        self._over_quota(rollout, rollout.usage.admit(self.quotas, len(rendered.prompt_ids)))  # counted from here
-        kind, rollout.main_fingerprint = classify_call(
-            parsed.conversation, parsed.model, rollout.main_fingerprint, self.rules
-        )
-        emitter = EMITTERS[dialect]
+        self._check_prompt(rendered)
+        self._refuse(rollout.admit(self.quotas, len(rendered.prompt_ids)))  # counted from here
+        kind = rollout.classify(parsed.conversation, parsed.model, self.rules)
         call_id = uuid.uuid4().hex
-        prompt_len = len(rendered.prompt_ids)
         head = emit.StreamHead(
-            emitter.response_id(call_id), parsed.model, int(time.time()), prompt_len, parsed.include_usage
+            EMITTERS[dialect].response_id(call_id),
+            parsed.model,
+            int(time.time()),
+            len(rendered.prompt_ids),
+            parsed.include_usage,
         )
         times = {"received_ms": (t_parsed - t0) * 1000, "render_ms": (t_rendered - t_parsed) * 1000}
-
-        async def work() -> emit.Answer:
-            max_tokens = min(parsed.max_tokens or rollout.max_tokens, rollout.max_tokens)
-            t_engine = time.perf_counter()
-            try:  # the client asks again, the same payload, while the engine is away (engine_retries)
-                reply = await self.engine.complete(
-                    rendered.prompt_ids,
-                    max_tokens,
-                    temperature=rollout.temperature,
-                    top_p=rollout.top_p,
-                    top_k=rollout.top_k,
-                    seed=None if rollout.seed is None else rollout.seed + rollout.next_seq,
-                    rollout_id=rollout.rollout_id,
-                )
-            except ApiError as exc:
-                if exc.status >= 500:  # the engine failed, not the harness: never graded as the policy's zero
-                    rollout.infra_failure = f"engine call: {exc.message}"
-                    log.error("rollout %s: %s", rollout.rollout_id, exc.message)
-                    self.admin.sync_later(rollout.rollout_id)  # a restart must not forget it
-                raise
-            gen = reply.token_ids
-            times["engine_ms"] = (time.perf_counter() - t_engine) * 1000
-            turn = parse_turn(self.template.decode(gen), bare_json=self.template.tool_calls_bare_json)
-            ids = [f"{emitter.tool_call_prefix}{uuid.uuid4().hex[:24]}" for _ in turn.tool_calls]
-            calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
-            answer_msg = Message("assistant", turn.text, turn.reasoning, calls)
-            conversation = rendered.answered(answer_msg.key())  # what a follow-up extends (recorded on the event)
-            seq = rollout.next_seq
-            rollout.next_seq += 1
-            times["total_ms"] = (time.perf_counter() - t0) * 1000
-            event = call_event(
-                rollout,
-                parsed,
-                rendered,
-                reply,
-                turn,
-                call_id=call_id,
-                seq=seq,
-                kind=kind,
-                timestamp_ms=received_ms,
-                times_ms=times,
-                conversation=conversation,
-            )
-            try:
-                await self.publisher.publish(
-                    self.topic, rollout.rollout_id, event.to_bytes(), self.settings.publish_timeout_s
-                )
-            except PublishError as exc:
-                rollout.infra_failure = f"call {seq}: {exc}"
-                log.error("rollout %s: %s", rollout.rollout_id, exc)
-                self.admin.sync_later(rollout.rollout_id)
-                raise ApiError(503, "the call could not be recorded (Kafka unavailable); retry later") from exc
-            await self._off_loop(rollout.renderer.record, call_id, seq, rendered, gen, answer_msg)
-            if kind == CallKind.MAIN:
-                rollout.last_main = (parsed.conversation, answer_msg)
-            rollout.calls_served += 1
-            self.metrics.record_call(
-                dialect.value,
-                kind.value,
-                prompt_len,
-                len(rendered.new_tokens),
-                len(gen),
-                rendered.rendered_tokens,
-                times["render_ms"] / 1000,
-                cached=reply.cached_tokens or 0,
-            )
-            return emit.Answer(
-                turn,
-                reply.finish,
-                prompt_len,
-                len(gen),
-                parsed.model,
-                head.response_id,
-                head.created,
-                ids,
-                custom_tool_names(body),
-                cached_tokens=min(reply.cached_tokens or 0, prompt_len),
-            )
-
-        rollout.in_flight += 1
-        task = asyncio.ensure_future(work())
-        task.add_done_callback(lambda _t: setattr(rollout, "in_flight", rollout.in_flight - 1))
+        call = _Call(rollout, dialect, parsed, body, rendered, kind, call_id, head, received_ms, t0, times)
+        task = rollout.track(asyncio.ensure_future(self._serve(call)))
         # Answer with a plain status if the outcome is known before a keep-alive is due (engine down → 502, ...).
         await asyncio.wait({task}, timeout=self.settings.keepalive_s if parsed.stream else None)
         if task.done():
             answer = task.result()  # raises ApiError
             if not parsed.stream:
-                return web.json_response(emitter.body(answer))
-        return await self._stream(request, dialect, emitter.stream(head), task)
+                return web.json_response(EMITTERS[dialect].body(answer))
+        return await self._stream(request, dialect, EMITTERS[dialect].stream(head), task)
+
+    async def _render(self, rollout: Rollout, parsed: ParsedRequest) -> RenderResult:
+        try:
+            rendered: RenderResult = await self._off_loop(rollout.renderer.render, parsed.conversation)
+        except RenderError as exc:
+            raise ApiError(400, f"cannot render the conversation: {exc}") from exc
+        return rendered
+
+    def _check_prompt(self, rendered: RenderResult) -> None:
+        """400 for a rendered prompt that leaves the model no room to answer."""
+        if self.max_prompt_tokens is not None and len(rendered.prompt_ids) >= self.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"the prompt is {len(rendered.prompt_ids)} tokens; the model's context is {self.max_prompt_tokens}",
+            )
+
+    async def _serve(self, call: _Call) -> emit.Answer:
+        """One admitted call: engine → parsed turn → call event published → the rollout records it → the answer
+        (``ApiError`` for a failed engine call or publish)."""
+        reply = await self._generate(call)
+        gen = reply.token_ids
+        turn = parse_turn(self.template.decode(gen), bare_json=self.template.tool_calls_bare_json)
+        ids = [f"{EMITTERS[call.dialect].tool_call_prefix}{uuid.uuid4().hex[:24]}" for _ in turn.tool_calls]
+        calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
+        answer_msg = Message("assistant", turn.text, turn.reasoning, calls)
+        seq = await self._publish(call, reply, turn, answer_msg)
+        rollout, rendered = call.rollout, call.rendered
+        await self._off_loop(
+            rollout.record_call, call.call_id, seq, rendered, gen, answer_msg, call.kind, call.parsed.conversation
+        )
+        prompt_len = len(rendered.prompt_ids)
+        self.metrics.record_call(
+            call.dialect.value,
+            call.kind.value,
+            prompt_len,
+            len(rendered.new_tokens),
+            len(gen),
+            rendered.rendered_tokens,
+            call.times["render_ms"] / 1000,
+            cached=reply.cached_tokens or 0,
+        )
+        return emit.Answer(
+            turn,
+            reply.finish,
+            prompt_len,
+            len(gen),
+            call.parsed.model,
+            call.head.response_id,
+            call.head.created,
+            ids,
+            custom_tool_names(call.body),
+            cached_tokens=min(reply.cached_tokens or 0, prompt_len),
+        )
+
+    async def _generate(self, call: _Call) -> EngineReply:
+        """The engine's answer, sampled with the rollout's settings; a 5xx (the engine failed, not the harness: never
+        graded as the policy's zero) flags the rollout."""
+        rollout = call.rollout
+        max_tokens = rollout.max_tokens_for(call.parsed.max_tokens)
+        t_engine = time.perf_counter()
+        try:  # the client asks again, the same payload, while the engine is away (engine_retries)
+            reply = await self.engine.complete(
+                call.rendered.prompt_ids,
+                max_tokens,
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
+                top_k=rollout.top_k,
+                seed=rollout.engine_seed(),
+                rollout_id=rollout.rollout_id,
+            )
+        except ApiError as exc:
+            if exc.status >= 500:
+                self.admin.fail(rollout, f"engine call: {exc.message}")
+            raise
+        call.times["engine_ms"] = (time.perf_counter() - t_engine) * 1000
+        return reply
+
+    async def _publish(self, call: _Call, reply: EngineReply, turn: ParsedTurn, answer_msg: Message) -> int:
+        """Number the call and publish its event (acks=all) before the answer is released; its seq. A failed
+        publish is a 503 and flags the rollout."""
+        rollout = call.rollout
+        conversation = call.rendered.answered(answer_msg.key())  # what a follow-up extends (recorded on the event)
+        seq = rollout.take_seq()
+        call.times["total_ms"] = (time.perf_counter() - call.t0) * 1000
+        event = call_event(
+            rollout,
+            call.parsed,
+            call.rendered,
+            reply,
+            turn,
+            call_id=call.call_id,
+            seq=seq,
+            kind=call.kind,
+            timestamp_ms=call.received_ms,
+            times_ms=call.times,
+            conversation=conversation,
+        )
+        try:
+            await self.publisher.publish(
+                self.topic, rollout.rollout_id, event.to_bytes(), self.settings.publish_timeout_s
+            )
+        except PublishError as exc:
+            self.admin.fail(rollout, f"call {seq}: {exc}")
+            raise ApiError(503, "the call could not be recorded (Kafka unavailable); retry later") from exc
+        return seq
 
     async def _stream(
         self, request: web.Request, dialect: Dialect, stream: emit.SseStream, task: asyncio.Future[emit.Answer]

@@ -8,11 +8,11 @@ prompt tokens and GPU readings: null when the engine did not report them).
 
 from __future__ import annotations
 
-from producers.proxy.admin import Rollout
 from producers.proxy.conversation import system_fingerprint
 from producers.proxy.dialects import ParsedRequest
 from producers.proxy.engine_client import EngineReply
 from producers.proxy.render import RenderResult
+from producers.proxy.rollout_state import Rollout
 from producers.proxy.tool_parse import ParsedTurn
 from schemas.events import CallEvent, CallKind
 

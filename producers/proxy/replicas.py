@@ -30,7 +30,7 @@ from clawbase.errors import ClawstreamError, CodecError
 from clawbase.kafka.clients import assign_from_beginning, make_consumer, where
 from clawbase.kafka.publisher import PublishError
 from clawbase.settings import KafkaSettings
-from producers.proxy.admin import Admin, Finished
+from producers.proxy.admin import Admin
 from producers.proxy.registry import RegistrationLog, _partition_offsets
 from producers.proxy.restore import replay_calls, secret_matches
 from schemas.events import ProxyRegistration, now_ms
@@ -160,17 +160,16 @@ class Replicas:
         record = self.tail.latest.get(rid)
         if record is None:  # never registered, or forgotten with nothing to remember
             if rid in self.tail.latest:
-                self.admin.finished.pop(rid, None)
-                self._drop(rid)
+                self.admin.forget_finished(rid)
+                self.admin.drop(rid)
             return
         if record.finished:
-            self._drop(rid)
-            if record.attempt is not None:
-                self.admin.finished[rid] = Finished(record.attempt_id, record.attempt, record.expires_at_ms)
+            self.admin.drop(rid)
+            self.admin.restore_finished(record)
             return
         if record.replica == self.replica_id and rid in self.admin.rollouts:
             return
-        self._drop(rid)  # what this replica holds of it is stale: another replica's state is the latest
+        self.admin.drop(rid)  # what this replica holds of it is stale: another replica's state is the latest
         if record.expires_at_ms < now_ms() or (key is not None and not secret_matches(key, record.secret_sha256)):
             return  # expired (swept later), or not this rollout's key: the call is refused as unknown
         t0 = time.perf_counter()
@@ -181,12 +180,12 @@ class Replicas:
             except (ClawstreamError, KafkaException) as exc:
                 raise ReplicaUnavailable(f"cannot read rollout {rid}'s call events: {exc}") from exc
             state = replay_calls(self.admin.template, record, events)
-        self.admin.finished.pop(rid, None)
+        self.admin.forget_finished(rid)
         rollout = self.admin.restore(record, state)
         try:
             await self.admin.sync(rid)
         except PublishError as exc:
-            self.admin.rollouts.pop(rid, None)
+            self.admin.drop(rid)
             raise ReplicaUnavailable(f"rollout {rid}: the takeover could not be recorded: {exc}") from exc
         self.takeovers += 1
         self.admin.metrics.takeovers.inc()
@@ -199,21 +198,13 @@ class Replicas:
             f"; not served: {rollout.refused}" if rollout.refused else "",
         )
 
-    def _drop(self, rid: str) -> None:
-        rollout = self.admin.rollouts.get(rid)
-        if rollout is not None and not rollout.in_flight:
-            del self.admin.rollouts[rid]
-            self.admin.metrics.rollouts.set(len(self.admin.rollouts))
-
     def forget_stale(self) -> list[str]:
         """Drop rollouts another replica took over since (their memory); tombstone-worthy expired records' ids."""
         now = now_ms()
-        for rid, rollout in list(self.admin.rollouts.items()):
+        for rid in list(self.admin.rollouts):
             record = self.tail.latest.get(rid)
             if rid in self.tail.latest and (record is None or record.replica != self.replica_id):
-                if not rollout.in_flight:
-                    del self.admin.rollouts[rid]
-        self.admin.metrics.rollouts.set(len(self.admin.rollouts))
+                self.admin.drop(rid)
         return [rid for rid, rec in list(self.tail.latest.items()) if rec is not None and rec.expires_at_ms < now]
 
     async def sweep(self, every_s: float = 30.0) -> None:
@@ -230,8 +221,8 @@ class Replicas:
 async def start_replicas(
     admin: Admin, store: RegistrationLog, kafka: KafkaSettings, replica_id: str, wait_s: float
 ) -> Replicas:
-    """Follow the registrations topic, read it to its end, hook :meth:`Replicas.current` into ``admin`` and start
-    the sweep; :meth:`Replicas.close` stops both."""
+    """Follow the registrations topic, read it to its end, have ``admin`` make each rollout current through the
+    replicas before a request of it (:meth:`Admin.follow`) and start the sweep; :meth:`Replicas.close` stops both."""
     tail = RegistrationTail(kafka, store.topic)
     try:
         await asyncio.to_thread(tail.start)
@@ -241,7 +232,7 @@ async def start_replicas(
     except BaseException:
         tail.close()
         raise
-    admin.before = replicas.current
+    admin.follow(replicas)
     replicas.sweeping = asyncio.ensure_future(replicas.sweep())
     known = sum(r is not None for r in tail.latest.values())
     log.info("replica %r: %d registrations known; a rollout is taken over on its first request here", replica_id, known)

@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from producers.proxy.admin import Admin, Rollout
+from producers.proxy.admin import Admin
 from producers.proxy.call_event import call_event
-from producers.proxy.conversation import CallKindRules, Conversation, Message, ToolCall, classify_call, function_tool
+from producers.proxy.conversation import CallKindRules, Conversation, Message, ToolCall, function_tool
 from producers.proxy.dialects import ParsedRequest, parse_anthropic
 from producers.proxy.engine_client import EngineReply
 from producers.proxy.metrics import ProxyMetrics
@@ -24,6 +24,7 @@ from producers.proxy.restore import (
     secret_matches,
     secret_sha256,
 )
+from producers.proxy.rollout_state import Rollout
 from producers.proxy.tool_parse import parse_turn
 from schemas.events import CallEvent, Dialect, ProxyRegistration, now_ms
 from tests.support import proxy_helpers as H
@@ -78,12 +79,11 @@ class LiveProxy:
     def call(self, conv: Conversation, gen: list[int], model: str = "policy") -> Message:
         r = self.rollout
         rendered = r.renderer.render(conv)
-        kind, r.main_fingerprint = classify_call(conv, model, r.main_fingerprint, CallKindRules())
+        kind = r.classify(conv, model, CallKindRules())
         turn = parse_turn(self.template.decode(gen))
         calls = tuple(ToolCall(f"call_{r.next_seq}{i}", c.name, c.arguments) for i, c in enumerate(turn.tool_calls))
         answer = Message("assistant", turn.text, turn.reasoning, calls)
-        seq = r.next_seq
-        r.next_seq += 1
+        seq = r.take_seq()
         event = call_event(
             r,
             ParsedRequest(Dialect.OPENAI_CHAT, model, conv, False, None),
@@ -98,8 +98,7 @@ class LiveProxy:
             conversation=rendered.answered(answer.key()),
         )
         self.events.append(CallEvent.from_bytes(event.to_bytes()))
-        r.renderer.record(f"c{seq}", seq, rendered, gen, answer)
-        r.calls_served += 1
+        r.record_call(f"c{seq}", seq, rendered, gen, answer, kind, conv)
         return answer
 
     def registration(self) -> ProxyRegistration:
