@@ -1,14 +1,13 @@
-"""The training step on N ranks (torch.distributed): data parallel, or FSDP2 for a policy larger than one device.
+"""The training step's N-rank pieces (torch.distributed): data parallel, or FSDP2 for a policy larger than one device.
 
-``distributed_train_step`` is ``learner.step.train_step`` over the process group: the batch is split into the same
-``mini_batches`` parts, each part's whole trees are dealt to the ranks by size (``deal_trees``), every rank packs
-and runs its own rows with train_step's pieces, and the update equals the 1-rank step on the whole batch
-(docs/method.md#the-distributed-step): the loss is normalised by the WHOLE part's trainable-token and rollout
-counts (all-reduced first), gradients are SUMMED (never averaged), clipping uses the global norm, metrics are
-reduced across ranks. Data parallel: every rank holds the whole model, gradients are all-reduced. FSDP2
-(``shard_policy``: ``fully_shard`` on each decoder layer and on the body): parameters, gradients and AdamW moments
-are sharded; every rank runs the same number of passes (a rank short of rows runs copies with zero weight), as
-FSDP's all-gathers require.
+``learner.step.train_step`` is the one training step for any number of ranks; ``GroupReduction`` is what it does
+differently on a process group, and the update equals the 1-rank step on the whole batch
+(docs/method.md#the-distributed-step): each part's whole trees are dealt to the ranks by size (``deal_trees``), the
+loss is normalised by the WHOLE part's trainable-token and rollout counts (all-reduced first), gradients are SUMMED
+(never averaged), clipping uses the global norm, metrics are reduced across ranks. Data parallel: every rank holds the
+whole model, gradients are all-reduced. FSDP2 (``shard_policy``: ``fully_shard`` on each decoder layer and on the
+body): parameters, gradients and AdamW moments are sharded; every rank runs the same number of passes (a rank short
+of rows runs copies with zero weight), as FSDP's all-gathers require.
 
 Checkpoints: ``save_sharded`` / ``load_sharded`` write and read model + optimizer + RNG with
 ``torch.distributed.checkpoint`` (one shard file per rank, atomic rename); ``full_state_dict`` gathers the full
@@ -16,16 +15,14 @@ weights on rank 0 for the published safetensors file (``policy.weight_store``). 
 imports no Kafka client.
 
 Run: on every rank, after ``torch.distributed.init_process_group`` (gloo on CPU, nccl on GPUs), call
-``distributed_train_step`` with the same batch (``shard_policy`` first for FSDP2, then build the optimizer). Tested on
-2 gloo CPU ranks against the 1-rank step: tests/integration/test_distributed_step.py.
+``train_step(..., reduction=GroupReduction())`` with the same batch (``shard_policy`` first for FSDP2, then build the
+optimizer). Tested on 2 gloo CPU ranks against the 1-rank step: tests/integration/test_distributed_step.py.
 """
 
 from __future__ import annotations
 
 import shutil
-import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -40,34 +37,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from clawbase.errors import ConfigError
-from clawbase.faults import fault_point
-from learner.forward import packed_hidden
-from learner.hparams import Hyperparams
-from learner.pack import MicroBatch, pack_trees
-from learner.step import (
-    _MAXIMA,
-    _MINIMA,
-    ScoredTree,
-    _autocast,
-    _combine,
-    _fused_old,
-    _logprobs,
-    _old_forward,
-    _reward,
-    _reward_metrics,
-    _row_backward,
-    max_path_tokens,
-    update_stats,
-)
-from learner.value import ValueHead
+from learner.pack import MicroBatch
+from learner.reduce import Reduction, combine
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "GroupReduction",
     "deal_trees",
-    "distributed_train_step",
     "full_state_dict",
     "is_sharded",
     "load_sharded",
@@ -86,10 +64,6 @@ def deal_trees(sizes: Sequence[int], world: int) -> list[list[int]]:
         loads[rank] += sizes[i]
         shares[rank].append(i)
     return [sorted(s) for s in shares]
-
-
-def _tree_tokens(tree: ScoredTree) -> int:
-    return sum(len(s.tokens) for s in tree.segments)
 
 
 class _TiedHead(torch.nn.Module):
@@ -137,160 +111,37 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def distributed_train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trees: Sequence[ScoredTree],
-    config: Hyperparams,
-    value_head: ValueHead | None = None,
-    ref_model: torch.nn.Module | None = None,
-) -> dict[str, float]:
-    """``train_step`` on this process group: every rank passes the whole batch (same ``trees``, same order) and
-    trains its share; returns the same metrics as the 1-rank step, reduced over the ranks (equal on every rank)."""
-    if config.algorithm == "ppo" and value_head is None:
-        raise ValueError("PPO needs a value head")
-    if config.kl_coef > 0 and ref_model is None:
-        raise ConfigError("kl_coef > 0 needs a reference policy (ref_model): the learner loads its initial model")
-    started = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sharded = is_sharded(model)
-    device = next(model.parameters()).device
-    # The same parts as train_step (trees[i::mini_batches]), then each part's trees dealt to the ranks.
-    global_parts = [list(range(len(trees)))[i :: config.mini_batches] for i in range(config.mini_batches)]
-    global_parts = [p for p in global_parts if p]
-    shares = [deal_trees([_tree_tokens(trees[i]) for i in gp], world)[rank] for gp in global_parts]
-    parts = [[trees[gp[j]] for j in share] for gp, share in zip(global_parts, shares, strict=True)]
-    max_path = max_path_tokens(model, config)
+class GroupReduction(Reduction):
+    """``learner.step.train_step``'s reduction over this process group (docs/method.md#the-distributed-step): each
+    part's whole trees dealt to the ranks by size, counts and statistics all-reduced, gradients SUMMED (never
+    averaged) and clipped by the whole gradient's norm; under FSDP2 every rank runs as many rows as the busiest."""
 
-    def pack(part: Sequence[ScoredTree]) -> list[MicroBatch]:
-        if not part:
-            return []
-        rows = pack_trees(
-            [t.segments for t in part], config.token_budget, max_path, share_prefix_min=config.share_prefix_min
-        )
-        return [r.to(device) for r in rows]
+    def share(self, sizes: Sequence[int]) -> list[int]:
+        return deal_trees(sizes, dist.get_world_size())[dist.get_rank()]
 
-    rows = [pack(part) for part in parts]
-    real = [len(rs) for rs in rows]  # rows past these are padding (FSDP2)
-    if sharded:  # FSDP's all-gathers pair up across ranks: every rank runs as many passes as the busiest one
-        most = _all_reduce([float(n) for n in real], dist.ReduceOp.MAX)
-        for i, gp in enumerate(global_parts):
-            if len(rows[i]) < int(most[i]):
-                spare = rows[i][0] if rows[i] else pack([trees[gp[0]]])[0]
-                rows[i] += [spare] * (int(most[i]) - len(rows[i]))
+    def sum(self, values: list[float]) -> list[float]:
+        return _all_reduce(values, dist.ReduceOp.SUM)
 
-    entropy = [0.0, 0]
-    scratch = [0.0, 0]  # padding rows' entropy: dropped
-    fused = _fused_old(model, config, len(parts))
-    old: list[list[tuple[torch.Tensor, torch.Tensor | None] | None]]
-    if fused:
-        old = [[None] * len(rs) for rs in rows]
-    else:
-        model.eval()
-        with torch.no_grad(), _autocast(device):
-            old = [
-                [_old_forward(model, value_head, r, config, entropy if j < n else scratch) for j, r in enumerate(rs)]
-                for rs, n in zip(rows, real, strict=True)
-            ]
-    ref: list[list[torch.Tensor | None]] = [[None] * len(rs) for rs in rows]
-    if config.kl_coef > 0 and ref_model is not None:
-        with torch.no_grad(), _autocast(device):
-            ref = [[_logprobs(ref_model, r, config) for r in rs] for rs in rows]
+    def stats(self, stats: dict[str, float]) -> dict[str, float]:
+        return _reduce_stats(stats)
 
-    model.train()
-    sums: dict[str, float] = defaultdict(float)
-    steps = skipped = 0
-    per_rollout_of: list[torch.Tensor] = []
-    for part, part_rows, n_real, part_old, part_ref, gp in zip(parts, rows, real, old, ref, global_parts, strict=True):
-        # (R_part,) a rollout's trainable tokens over its rows: all on this rank (a tree is never split over ranks)
-        per_rollout = torch.zeros(len(part), dtype=torch.float32, device=device)
-        for row in part_rows[:n_real]:
-            per_rollout.index_add_(0, row.rollout_index, row.loss_mask.float())
-        per_rollout_of.append(per_rollout)
-        local_tokens = int(per_rollout.sum())
-        n_tokens = int(_all_reduce([float(local_tokens)], dist.ReduceOp.SUM)[0])  # the WHOLE part's count
-        if n_tokens == 0:
-            continue  # on every rank alike: the count is global
-        n_rollouts = len(gp)  # the whole part's rollouts, as train_step's len(part)
-        if config.algorithm == "ppo":
-            targets = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
-        else:
-            targets = torch.tensor(
-                [t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale for t in part],
-                dtype=torch.float32,
-                device=device,
-            )  # (R_part,)
-        optimizer.zero_grad(set_to_none=True)
-        part_stats: dict[str, float] = {}
-        for i, row in enumerate(part_rows):
-            if i >= n_real:  # padding: the body's passes and FSDP's collectives of a row, with zero gradient
-                with _autocast(device):
-                    (packed_hidden(model, row).sum() * 0.0).backward()  # (T, H) -> scalar 0
-                continue
-            stats, used_old = _row_backward(
-                model,
-                value_head,
-                row,
-                part_old[i],
-                targets,
-                config,
-                n_tokens,
-                n_rollouts,
-                per_rollout,
-                entropy,
-                part_ref[i],
-            )
-            part_old[i] = used_old
-            _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
-        for key, value in _reduce_stats(part_stats).items():
-            sums[key] += value
+    def clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         _sum_replicated_grads(optimizer)
-        norm = _clip_global(optimizer, config.max_grad_norm)  # the whole gradient's: one decision on every rank
-        sums["grad_norm"] += norm
-        if config.skip_zero_grad and norm == 0.0:
-            skipped += 1  # as train_step: a zero gradient would still move every weight through AdamW's momentum
-        else:
-            optimizer.step()
-        fault_point("learner.in_step")
-        steps += 1
+        return _clip_global(optimizer, max_norm)
 
-    metrics = {key: value / max(steps, 1) for key, value in sums.items()}
-    trained_s = time.perf_counter() - started
-    model.eval()
-    with torch.no_grad(), _autocast(device):
-        after = [[_logprobs(model, r, config) for r in rs] for rs in rows]
-    metrics.update(_update_stats(parts, rows, real, old, after, per_rollout_of, config.algorithm == "grpo"))
-    counts = _all_reduce(
-        [
-            entropy[0],
-            float(entropy[1]),
-            float(sum(r.num_tokens for rs, n in zip(rows, real, strict=True) for r in rs[:n])),
-            float(sum(int(r.loss_mask.sum()) for rs, n in zip(rows, real, strict=True) for r in rs[:n])),
-            float(sum(real)),
-        ],
-        dist.ReduceOp.SUM,
-    )
-    if counts[1]:
-        metrics["entropy"] = counts[0] / counts[1]
-    if sharded:  # the root stays gathered after a forward pass: give the memory back between steps
-        _reshard(model)
-    elapsed = time.perf_counter() - started
-    metrics.update(
-        {
-            "optimizer_steps": float(steps - skipped),
-            "skipped_steps": float(skipped),
-            "rollouts": float(len(trees)),
-            "micro_batches": counts[4],
-            "tokens": counts[2],
-            "trainable_tokens": counts[3],
-            "tokens_per_s": counts[2] / trained_s,
-            "step_seconds": elapsed,
-            "update_stats_seconds": elapsed - trained_s,
-            "ranks": float(world),
-        }
-    )
-    metrics.update(_reward_metrics(trees))
-    return metrics
+    def lockstep(self, model: torch.nn.Module) -> bool:
+        return is_sharded(model)
+
+    def pad(self, rows: list[MicroBatch], spare: Callable[[], list[MicroBatch]]) -> list[MicroBatch]:
+        most = int(_all_reduce([float(len(rows))], dist.ReduceOp.MAX)[0])
+        if len(rows) >= most:
+            return []
+        return [rows[0] if rows else spare()[0]] * (most - len(rows))
+
+    def finish(self, model: torch.nn.Module) -> dict[str, float]:
+        if is_sharded(model):  # the root stays gathered after a forward pass: give the memory back between steps
+            _reshard(model)
+        return {"ranks": float(dist.get_world_size())}
 
 
 def _all_reduce(values: list[float], op: dist.ReduceOp.RedOpType) -> list[float]:
@@ -308,13 +159,7 @@ def _reduce_stats(stats: dict[str, float]) -> dict[str, float]:
     dist.all_gather_object(gathered, stats)
     out: dict[str, float] = {}
     for one in gathered:
-        for key, value in (one or {}).items():
-            if key in _MAXIMA:
-                out[key] = max(out.get(key, value), value)
-            elif key in _MINIMA:
-                out[key] = min(out.get(key, value), value)
-            else:
-                out[key] = out.get(key, 0.0) + value
+        combine(out, one or {})
     return out
 
 
@@ -361,47 +206,6 @@ def _clip_global(optimizer: torch.optim.Optimizer, max_norm: float) -> float:
         for g in grads:
             g.mul_(coef)
     return norm
-
-
-def _update_stats(
-    parts: Sequence[Sequence[ScoredTree]],
-    rows: Sequence[Sequence[MicroBatch]],
-    real: Sequence[int],
-    old: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None] | None]],
-    after: Sequence[Sequence[torch.Tensor]],
-    per_rollout: Sequence[torch.Tensor],  # per part: (R_part,) trainable tokens of each local rollout
-    grpo: bool,
-) -> dict[str, float]:
-    """train_step's update statistics over all ranks: each rank's means, weighted by what they average over."""
-    local = update_stats(
-        parts,
-        [rs[:n] for rs, n in zip(rows, real, strict=True)],
-        [cast(list[tuple[torch.Tensor, torch.Tensor | None]], list(o[:n])) for o, n in zip(old, real, strict=True)],
-        [a[:n] for a, n in zip(after, real, strict=True)],
-        grpo=grpo,
-    )
-    n_tok = float(sum(float(c.sum()) for c in per_rollout))
-    n_dots = float(sum(int((c > 0).sum()) for c in per_rollout))
-    n_signed = float(
-        sum(
-            sum(1 for t, k in zip(part, c.tolist(), strict=True) if k > 0 and t.advantage != 0.0)
-            for part, c in zip(parts, per_rollout, strict=True)
-        )
-    )
-    weights = {"update_kl": n_tok, "update_kl_k3": n_tok, "update_adv_dot": n_dots, "update_sign_agreement": n_signed}
-    keys = list(weights)
-    totals = _all_reduce(
-        [local.get(k, 0.0) * weights[k] for k in keys] + [weights[k] if k in local else 0.0 for k in keys],
-        dist.ReduceOp.SUM,
-    )
-    out = {}
-    for i, key in enumerate(keys):
-        weight = totals[len(keys) + i]
-        if key.startswith("update_kl"):
-            out[key] = totals[i] / max(weight, 1.0)  # train_step's kl_sum / max(n_tok, 1)
-        elif weight > 0:  # train_step leaves them out when nothing was averaged
-            out[key] = totals[i] / weight
-    return out
 
 
 def _reshard(model: torch.nn.Module) -> None:

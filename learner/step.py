@@ -16,6 +16,10 @@ measurement: docs/method.md#the-training-step):
 
 Every pass projects only the trainable positions through the LM head, ``logprob_chunk`` at a time (learner/forward.py:
 no row's (T, V) logits are ever held).
+
+The same step runs on any number of ranks: a ``learner.reduce.Reduction`` says how its numbers combine (on one rank
+they do not; on a process group, ``learner.distributed.GroupReduction``: each rank trains its share of every part,
+counts, statistics and gradients are summed over the ranks, docs/method.md#the-distributed-step).
 """
 
 from __future__ import annotations
@@ -24,18 +28,20 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from clawbase.errors import ConfigError
 from clawbase.faults import fault_point
-from learner.forward import packed_logprobs
+from learner.forward import packed_hidden, packed_logprobs
 from learner.hparams import Hyperparams
 from learner.kv_share import PrefixKV, plan_groups, suffix_row
 from learner.losses import grpo_loss, ppo_loss
 from learner.pack import MicroBatch, pack_trees
+from learner.reduce import Reduction, combine
 from learner.value import ValueHead, policy_and_values
 
 
@@ -54,6 +60,23 @@ def _autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+@dataclass
+class _Part:
+    """One mini-batch as this rank trains it: its share of the part's trees, their rows, and what the passes give."""
+
+    trees: list[ScoredTree]  # this rank's share (whole trees: a rollout's rows are all on one rank)
+    n_rollouts: int  # the whole part's rollouts, over every rank
+    rows: list[MicroBatch]
+    pads: list[MicroBatch]  # run with zero weight, in lockstep only
+    lockstep: bool
+    old: list[tuple[torch.Tensor, torch.Tensor | None] | None] = field(default_factory=list)  # π_old, V_old per row
+    ref: list[torch.Tensor | None] = field(default_factory=list)  # (T,) reference logprobs per row
+
+    @property
+    def trainable(self) -> int:
+        return sum(int(r.loss_mask.sum()) for r in self.rows)
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -61,97 +84,34 @@ def train_step(
     config: Hyperparams,
     value_head: ValueHead | None = None,
     ref_model: torch.nn.Module | None = None,
+    reduction: Reduction | None = None,
 ) -> dict[str, float]:
     """Train on one batch; returns scalar metrics (loss, clip fractions, IS weight stats, reward per harness, ...).
 
     PPO (``config.algorithm == "ppo"``) needs ``value_head`` (its parameters must be in ``optimizer``);
-    ``kl_coef > 0`` needs ``ref_model``, the frozen reference policy of the KL term."""
+    ``kl_coef > 0`` needs ``ref_model``, the frozen reference policy of the KL term. On N ranks every rank passes the
+    same batch and the process group's ``reduction`` (``learner.distributed.GroupReduction``): each trains its share,
+    the update is the 1-rank step's on the whole batch, and the metrics are the same on every rank."""
     if config.algorithm == "ppo" and value_head is None:
         raise ValueError("PPO needs a value head")
     if config.kl_coef > 0 and ref_model is None:
         raise ConfigError("kl_coef > 0 needs a reference policy (ref_model): the learner loads its initial model")
+    ranks = reduction or Reduction()
     started = time.perf_counter()
-    device = next(model.parameters()).device
-    # Mini-batches are sets of whole trees; each is packed into rows (a tree never spans two rows).
-    parts = [list(trees[i :: config.mini_batches]) for i in range(config.mini_batches)]
-    parts = [p for p in parts if p]
-    max_path = max_path_tokens(model, config)
-    rows = [
-        [
-            r.to(device)
-            for r in pack_trees(
-                [t.segments for t in part], config.token_budget, max_path, share_prefix_min=config.share_prefix_min
-            )
-        ]
-        for part in parts
-    ]
-
+    parts = _parts(model, trees, config, ranks)
     entropy = [0.0, 0]  # summed over trainable tokens, and their count (GRPO's π_old)
-    old: list[list[tuple[torch.Tensor, torch.Tensor | None] | None]]
-    if _fused_old(model, config, len(parts)):
-        old = [[None] * len(rs) for rs in rows]  # filled by the gradient pass
-    else:
-        model.eval()  # π_old (and V_old for PPO): the current weights, before this step's updates
-        with torch.no_grad(), _autocast(device):
-            old = [[_old_forward(model, value_head, r, config, entropy) for r in rs] for rs in rows]
-
-    ref: list[list[torch.Tensor | None]] = [[None] * len(rs) for rs in rows]
-    if config.kl_coef > 0 and ref_model is not None:
-        with torch.no_grad(), _autocast(device):
-            ref = [_shared_logprobs(ref_model, rs, config) for rs in rows]  # (T,) each
-
+    _before_update(model, value_head, ref_model, parts, config, entropy)
     model.train()
     sums: dict[str, float] = defaultdict(float)
     steps = skipped = 0
-    for part, part_rows, part_old, part_ref in zip(parts, rows, old, ref, strict=True):
-        n_tokens = int(sum(int(r.loss_mask.sum()) for r in part_rows))
+    for part in parts:
+        n_tokens = int(ranks.sum([float(part.trainable)])[0])  # the WHOLE part's: the loss's normaliser
         if n_tokens == 0:
-            continue
-        if config.algorithm == "ppo":  # returns R (γ = λ = 1); the advantage R - V_old(s_t) is formed per token
-            advantages = torch.tensor([_reward(t) for t in part], dtype=torch.float32, device=device)  # (R_part,)
-        else:
-            # neg_adv_scale < 1 departs from the paper (Hyperparams's help): negative advantages weigh less.
-            advantages = torch.tensor(
-                [t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale for t in part],
-                dtype=torch.float32,
-                device=device,
-            )  # (R_part,)
-        # A rollout's trainable tokens over all its rows (a tree over the token budget spans several): (R_part,)
-        per_rollout = torch.zeros(len(part), dtype=torch.float32, device=device)
-        for row in part_rows:
-            per_rollout.index_add_(0, row.rollout_index, row.loss_mask.float())
+            continue  # on every rank alike: the count is global
         optimizer.zero_grad(set_to_none=True)
-        part_stats: dict[str, float] = {}
-        for group, m in _kv_plan(model, part_rows, config):  # rows sharing a prefix run one after another
-            prefix = None
-            if m:
-                with _autocast(device):
-                    prefix = PrefixKV(model, part_rows[group[0]], m)
-                sums["kv_shared_tokens"] += m * (len(group) - 1)  # tokens not computed again
-            for i in group:
-                row, row_old, ref_i = part_rows[i], part_old[i], part_ref[i]
-                stats, used_old = _row_backward(
-                    model,
-                    value_head,
-                    suffix_row(row, m) if m else row,
-                    _tail(row_old, m),  # (logprobs, values | None)
-                    advantages,
-                    config,
-                    n_tokens,
-                    len(part),
-                    per_rollout,
-                    entropy,
-                    None if ref_i is None else ref_i[m:],
-                    past=prefix.cache() if prefix is not None else None,
-                )
-                part_old[i] = _padded(used_old, m)
-                _combine(part_stats, stats, float(row.loss_mask.sum()) / n_tokens)
-            if prefix is not None:
-                with _autocast(device):
-                    prefix.backward()
-        for key, value in part_stats.items():
+        for key, value in ranks.stats(_part_backward(model, value_head, part, config, n_tokens, entropy)).items():
             sums[key] += value
-        norm = _clip(optimizer, config.max_grad_norm)
+        norm = ranks.clip(optimizer, config.max_grad_norm)  # the whole gradient's: one decision on every rank
         sums["grad_norm"] += norm
         if config.skip_zero_grad and norm == 0.0:
             skipped += 1  # nothing to learn here: AdamW's momentum alone would still move every weight
@@ -162,24 +122,14 @@ def train_step(
 
     metrics = {key: value / max(steps, 1) for key, value in sums.items()}
     trained_s = time.perf_counter() - started
-    model.eval()  # what the step did: π_new's logprobs of the same tokens
-    with torch.no_grad(), _autocast(device):
-        after = [_shared_logprobs(model, rs, config) for rs in rows]
-    metrics.update(update_stats(parts, rows, old, after, grpo=config.algorithm == "grpo"))
-    if entropy[1]:
-        metrics["entropy"] = entropy[0] / entropy[1]
-    tokens = sum(r.num_tokens for rs in rows for r in rs)
-    trainable = sum(int(r.loss_mask.sum()) for rs in rows for r in rs)
+    metrics.update(_after_update(model, parts, config, ranks, entropy, trained_s))
+    metrics.update(ranks.finish(model))
     elapsed = time.perf_counter() - started
     metrics.update(
         {
             "optimizer_steps": float(steps - skipped),
             "skipped_steps": float(skipped),
             "rollouts": float(len(trees)),
-            "micro_batches": float(sum(map(len, rows))),
-            "tokens": float(tokens),
-            "trainable_tokens": float(trainable),
-            "tokens_per_s": tokens / trained_s,
             "step_seconds": elapsed,
             "update_stats_seconds": elapsed - trained_s,
         }
@@ -188,23 +138,159 @@ def train_step(
     return metrics
 
 
-def update_stats(
-    parts: Sequence[Sequence[ScoredTree]],
-    rows: Sequence[Sequence[MicroBatch]],
-    old: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]],  # per part, per row: (logp_old (T,), values)
-    after: Sequence[Sequence[torch.Tensor]],  # per part, per row: logp_new (T,) after the step
-    *,
-    grpo: bool = True,
+def _parts(model: torch.nn.Module, trees: Sequence[ScoredTree], config: Hyperparams, ranks: Reduction) -> list[_Part]:
+    """The batch in ``mini_batches`` parts of whole trees (``trees[i::mini_batches]``), this rank's share of each
+    packed into rows on the model's device (a tree never spans two rows, unless it is over the budget: then its
+    paths are rows of their own)."""
+    device = next(model.parameters()).device
+    max_path = max_path_tokens(model, config)
+    lockstep = ranks.lockstep(model)
+
+    def pack(part: Sequence[ScoredTree]) -> list[MicroBatch]:
+        segments = [t.segments for t in part]
+        rows = pack_trees(segments, config.token_budget, max_path, share_prefix_min=config.share_prefix_min)
+        return [r.to(device) for r in rows]
+
+    out = []
+    for i in range(config.mini_batches):
+        whole = list(trees[i :: config.mini_batches])
+        if not whole:
+            continue
+        mine = [whole[j] for j in ranks.share([_tree_tokens(t) for t in whole])]
+        rows = pack(mine) if mine else []
+        pads = ranks.pad(rows, partial(pack, whole[:1])) if lockstep else []
+        out.append(_Part(mine, len(whole), rows, pads, lockstep))
+    return out
+
+
+def _before_update(
+    model: torch.nn.Module,
+    head: ValueHead | None,
+    ref_model: torch.nn.Module | None,
+    parts: Sequence[_Part],
+    config: Hyperparams,
+    entropy: list,
+) -> None:
+    """Each part's π_old (and V_old for PPO) under the current weights, before any update — left None where the
+    gradient pass gives it (``_fused_old``) — and the reference policy's logprobs with ``kl_coef > 0``."""
+    device = next(model.parameters()).device
+    fused = _fused_old(model, config, len(parts))
+    scratch = [0.0, 0]  # padding rows' entropy: dropped
+    if not fused:
+        model.eval()
+    with torch.no_grad(), _autocast(device):
+        for part in parts:
+            part.old = [None] * len(part.rows)
+            part.ref = [None] * len(part.rows)
+            if not fused:
+                part.old = [_old_forward(model, head, r, config, entropy) for r in part.rows]
+                for row in part.pads:
+                    _old_forward(model, head, row, config, scratch)
+        if config.kl_coef > 0 and ref_model is not None:
+            for part in parts:
+                part.ref = list(_shared_logprobs(ref_model, part, config))  # (T,) each
+
+
+def _part_backward(
+    model: torch.nn.Module, head: ValueHead | None, part: _Part, config: Hyperparams, n_tokens: int, entropy: list
 ) -> dict[str, float]:
-    """How far the step moved the policy on its own samples (see the module docstring, item 4)."""
-    kl_sum, kl3_sum, n_tok = 0.0, 0.0, 0
-    dots, agree, signed = [], 0, 0
-    for part, part_rows, part_old, part_after in zip(parts, rows, old, after, strict=True):
-        delta_sum = torch.zeros(len(part), dtype=torch.float64)  # (R_part,) Σ_t (log π_new − log π_old)
-        count = torch.zeros(len(part), dtype=torch.float64)  # (R_part,) trainable tokens
-        for row, (logp_old, _), logp_new in zip(part_rows, part_old, part_after, strict=True):
+    """Accumulates this rank's rows' gradient of the part's loss (normalised by the whole part's counts, so the
+    ranks' gradients add up to the part's); returns the rows' statistics, combined (``learner.reduce.combine``)."""
+    device = next(model.parameters()).device
+    if config.algorithm == "ppo":  # returns R (γ = λ = 1); the advantage R - V_old(s_t) is formed per token
+        targets = torch.tensor([_reward(t) for t in part.trees], dtype=torch.float32, device=device)  # (R_part,)
+    else:
+        # neg_adv_scale < 1 departs from the paper (Hyperparams's help): negative advantages weigh less.
+        targets = torch.tensor(
+            [t.advantage if t.advantage >= 0 else t.advantage * config.neg_adv_scale for t in part.trees],
+            dtype=torch.float32,
+            device=device,
+        )  # (R_part,)
+    # A rollout's trainable tokens over all its rows (a tree over the token budget spans several): (R_part,)
+    per_rollout = torch.zeros(len(part.trees), dtype=torch.float32, device=device)
+    for row in part.rows:
+        per_rollout.index_add_(0, row.rollout_index, row.loss_mask.float())
+    stats: dict[str, float] = {}
+    for group, m in _kv_plan(model, part, config):  # rows sharing a prefix run one after another
+        prefix = None
+        if m:
+            with _autocast(device):
+                prefix = PrefixKV(model, part.rows[group[0]], m)
+            stats["kv_shared_tokens"] = stats.get("kv_shared_tokens", 0.0) + m * (len(group) - 1)  # not recomputed
+        for i in group:
+            row, ref = part.rows[i], part.ref[i]
+            row_stats, used_old = _row_backward(
+                model,
+                head,
+                suffix_row(row, m) if m else row,
+                _tail(part.old[i], m),  # (logprobs, values | None)
+                targets,
+                config,
+                n_tokens,
+                part.n_rollouts,
+                per_rollout,
+                entropy,
+                None if ref is None else ref[m:],
+                past=prefix.cache() if prefix is not None else None,
+            )
+            part.old[i] = _padded(used_old, m)
+            combine(stats, row_stats, float(row.loss_mask.sum()) / n_tokens)
+        if prefix is not None:
+            with _autocast(device):
+                prefix.backward()
+    for row in part.pads:  # the body's passes and FSDP's collectives of a row, with zero gradient
+        with _autocast(device):
+            (packed_hidden(model, row).sum() * 0.0).backward()  # (T, H) -> scalar 0
+    return stats
+
+
+def _after_update(
+    model: torch.nn.Module,
+    parts: Sequence[_Part],
+    config: Hyperparams,
+    ranks: Reduction,
+    entropy: list,
+    trained_s: float,
+) -> dict[str, float]:
+    """What the step did (π_new's logprobs of the same tokens: ``update_stats``), π_old's entropy, and what it ran
+    on, each summed over the ranks."""
+    device = next(model.parameters()).device
+    model.eval()
+    with torch.no_grad(), _autocast(device):
+        after = [_shared_logprobs(model, part, config) for part in parts]
+    sums = _update_sums(parts, after, grpo=config.algorithm == "grpo")
+    rows = [r for part in parts for r in part.rows]
+    counts = [
+        entropy[0],
+        float(entropy[1]),
+        float(sum(r.num_tokens for r in rows)),
+        float(sum(int(r.loss_mask.sum()) for r in rows)),
+        float(len(rows)),
+    ]
+    totals = ranks.sum(sums + counts)
+    metrics = update_stats(totals[: len(sums)], grpo=config.algorithm == "grpo")
+    ent, n_ent, tokens, trainable, n_rows = totals[len(sums) :]
+    if n_ent:
+        metrics["entropy"] = ent / n_ent
+    metrics.update(
+        {"micro_batches": n_rows, "tokens": tokens, "trainable_tokens": trainable, "tokens_per_s": tokens / trained_s}
+    )
+    return metrics
+
+
+def _update_sums(parts: Sequence[_Part], after: Sequence[Sequence[torch.Tensor]], *, grpo: bool) -> list[float]:
+    """What :func:`update_stats` averages, as sums over this rank's rows (they add up over the ranks): Σ −δ, Σ k3,
+    trainable tokens, Σ adv · mean δ, rollouts in it, rollouts that moved their advantage's way, signed rollouts
+    (δ = log π_new − log π_old per trainable token; ``after``: per part, per row, logp_new (T,))."""
+    kl_sum, kl3_sum, n_tok, dot_sum, n_dots, agree, signed = 0.0, 0.0, 0, 0.0, 0, 0, 0
+    for part, part_after in zip(parts, after, strict=True):
+        delta_sum = torch.zeros(len(part.trees), dtype=torch.float64)  # (R_part,) Σ_t (log π_new − log π_old)
+        count = torch.zeros(len(part.trees), dtype=torch.float64)  # (R_part,) trainable tokens
+        for row, old, logp_new in zip(part.rows, part.old, part_after, strict=True):
+            if old is None:  # fused π_old, and the part had no trainable token: the gradient pass never ran
+                continue
             mask = row.loss_mask.to(logp_new.device)
-            delta = (logp_new - logp_old).double()[mask]  # (K,)
+            delta = (logp_new - old[0]).double()[mask]  # (K,)
             kl_sum += float(-delta.sum())
             kl3_sum += float((torch.exp(delta) - 1.0 - delta).sum())
             n_tok += int(mask.sum())
@@ -213,40 +299,53 @@ def update_stats(
             count.index_add_(0, index, torch.ones_like(delta, device="cpu"))
         if not grpo:
             continue
-        for tree, total, k in zip(part, delta_sum.tolist(), count.tolist(), strict=True):
+        for tree, total, k in zip(part.trees, delta_sum.tolist(), count.tolist(), strict=True):
             if k == 0:
                 continue
             mean_delta = total / k
-            dots.append(tree.advantage * mean_delta)
+            dot_sum += tree.advantage * mean_delta
+            n_dots += 1
             if tree.advantage != 0.0:
                 signed += 1
                 agree += int(mean_delta != 0.0 and (mean_delta > 0) == (tree.advantage > 0))
+    return [kl_sum, kl3_sum, float(n_tok), dot_sum, float(n_dots), float(agree), float(signed)]
+
+
+def update_stats(sums: Sequence[float], *, grpo: bool = True) -> dict[str, float]:
+    """How far the step moved the policy on its own samples (see the module docstring, item 4), from
+    :func:`_update_sums` (summed over the ranks)."""
+    kl_sum, kl3_sum, n_tok, dot_sum, n_dots, agree, signed = sums
     out = {"update_kl": kl_sum / max(n_tok, 1), "update_kl_k3": kl3_sum / max(n_tok, 1)}
-    if grpo and dots:
-        out["update_adv_dot"] = sum(dots) / len(dots)
+    if grpo and n_dots:
+        out["update_adv_dot"] = dot_sum / n_dots
     if grpo and signed:
         out["update_sign_agreement"] = agree / signed
     return out
 
 
-def _kv_plan(model: torch.nn.Module, rows: Sequence[MicroBatch], config: Hyperparams) -> list[tuple[list[int], int]]:
-    """Every row once, as (rows, shared prefix length): groups sharing a prefix (``learner.kv_share``), then the rest
-    alone with 0. Off for PPO (its value rows) and under activation checkpointing (recomputation re-appends)."""
+def _kv_plan(model: torch.nn.Module, part: _Part, config: Hyperparams) -> list[tuple[list[int], int]]:
+    """Every row of the part once, as (rows, shared prefix length): groups sharing a prefix (``learner.kv_share``),
+    then the rest alone with 0. Off for PPO (its value rows), under activation checkpointing (recomputation
+    re-appends), and in lockstep (FSDP2: a group's passes — prefix, suffixes, the prefix's backward — would not pair
+    up with another rank's rows)."""
     checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
-    on = config.kv_share_min > 0 and config.algorithm == "grpo" and not checkpointing
-    groups = plan_groups(rows, config.kv_share_min) if on else []
+    on = config.kv_share_min > 0 and config.algorithm == "grpo" and not checkpointing and not part.lockstep
+    groups = plan_groups(part.rows, config.kv_share_min) if on else []
     grouped = {i for members, _ in groups for i in members}
-    return groups + [([i], 0) for i in range(len(rows)) if i not in grouped]
+    return groups + [([i], 0) for i in range(len(part.rows)) if i not in grouped]
 
 
-def _shared_logprobs(model: torch.nn.Module, rows: Sequence[MicroBatch], config: Hyperparams) -> list[torch.Tensor]:
-    """:func:`_logprobs` of every row (T,) each, a shared prefix computed once per group (no gradient here)."""
-    out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-    for group, m in _kv_plan(model, rows, config):
-        prefix = PrefixKV(model, rows[group[0]], m) if m else None
+def _shared_logprobs(model: torch.nn.Module, part: _Part, config: Hyperparams) -> list[torch.Tensor]:
+    """:func:`_logprobs` of every row (T,) each, a shared prefix computed once per group (no gradient here); the
+    padding rows run too (their passes pair up with other ranks'), their logprobs dropped."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(part.rows)
+    for group, m in _kv_plan(model, part, config):
+        prefix = PrefixKV(model, part.rows[group[0]], m) if m else None
         for i in group:
-            row, past = (suffix_row(rows[i], m), prefix.cache()) if prefix is not None else (rows[i], None)
+            row, past = (suffix_row(part.rows[i], m), prefix.cache()) if prefix is not None else (part.rows[i], None)
             out[i] = _padded((_logprobs(model, row, config, past=past), None), m)[0]
+    for row in part.pads:
+        _logprobs(model, row, config)
     return out
 
 
@@ -298,6 +397,10 @@ def max_path_tokens(model: torch.nn.Module, config: Hyperparams) -> int | None:
     return config.max_path_tokens or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
+def _tree_tokens(tree: ScoredTree) -> int:
+    return sum(len(s.tokens) for s in tree.segments)
+
+
 def _reward(tree: ScoredTree) -> float:
     if tree.reward is None:
         raise ValueError("PPO needs every trajectory's reward; got one without (ungraded rollouts must not be batched)")
@@ -340,7 +443,7 @@ def _row_backward(
         with _autocast(device):
             logp_new, values = _forward(model, head, row, config, past)  # (T,), (T,) | None
     logp_old, values_old = old
-    common = {
+    common: dict[str, Any] = {
         "num_tokens": n_tokens,
         "num_rollouts": n_rollouts,
         "rollout_tokens": rollout_tokens,
@@ -373,32 +476,6 @@ def _row_backward(
         )
     loss.backward()
     return {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(float(v))}, old
-
-
-# A row's loss terms are its share of the part's loss (normalised by the part's token and rollout counts): they add
-# up over rows. Extremes combine as extremes; every other statistic is a token-weighted mean over rows.
-_ADDITIVE = frozenset({"loss", "policy_loss", "value_loss", "ref_kl"})
-_MAXIMA = frozenset({"is_weight_max", "is_raw_ratio_max"})
-_MINIMA = frozenset({"is_raw_ratio_min"})
-
-
-def _combine(into: dict[str, float], stats: dict[str, float], token_share: float) -> None:
-    for key, value in stats.items():
-        if key in _MAXIMA:
-            into[key] = max(into.get(key, value), value)
-        elif key in _MINIMA:
-            into[key] = min(into.get(key, value), value)
-        else:
-            into[key] = into.get(key, 0.0) + (value if key in _ADDITIVE else value * token_share)
-
-
-def _clip(optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not params:
-        return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
 
 
 def _reward_metrics(trees: Sequence[ScoredTree]) -> dict[str, float]:

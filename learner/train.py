@@ -53,6 +53,7 @@ from learner.logit_scale import LogitScale
 from learner.memory import GIB, available_bytes, plan_step, set_checkpointing
 from learner.pack import MicroBatch, PackError, pack_trees
 from learner.precision import load_policy
+from learner.reduce import Reduction
 from learner.segment_sampling import UnreproducibleSampling
 from learner.settings import LearnerSettings
 from learner.step import ScoredTree, max_path_tokens, train_step
@@ -77,6 +78,8 @@ TXN_DEADLINE_S = 90.0  # transactional calls time out at 60 s; past this one the
 
 class Learner:
     """Owns the model, optimizer and Kafka clients; ``run`` is the top loop."""
+
+    reduction: Reduction | None = None  # how the step combines over ranks (learner.train_ranks); None: one rank
 
     def __init__(self, settings: LearnerSettings, config: Hyperparams, kafka: KafkaSettings) -> None:
         self.settings, self.config, self.kafka = settings, config, kafka
@@ -252,7 +255,9 @@ class Learner:
         warm = lr / self.config.lr if self.config.lr else 1.0  # the warm-up applies to the logit scale too
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.logit_scale_lr * warm if group.get("logit_scale") else lr
-        metrics = train_step(self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model)
+        metrics = train_step(
+            self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model, self.reduction
+        )
         if self.logit_scale is not None:  # the published weights are a plain model: exp(s) goes into the norm's gain
             metrics["logit_scale_step"] = self.logit_scale.fold()
             metrics["logit_scale"] = self.logit_scale.relative_gain()  # since the initial model (≈ 1/temperature)

@@ -2,15 +2,16 @@
 
 Rank 0 owns the consumer, the producer and the transaction exactly as ``learner.train.Learner`` does (same exactly-
 once, dead letters, resume); before each step it broadcasts the batch's decoded trees to the other ranks
-(``broadcast_object_list``), every rank runs ``learner.distributed.distributed_train_step`` on its share, and rank 0
-publishes (its model and AdamW state are whole: data parallel). Whenever rank 0 loads a version (resume, rollback) it
-broadcasts weights, optimizer and RNG state, so every rank holds the same state. A step that raises cannot be rolled
-back in the process (the other ranks may be waiting in a collective): the rank exits, the launcher stops the others,
-and the restarted group resumes from the last published version — a SIGKILL's path, counted by the step attempts
-(docs/method.md#the-distributed-step). A rank killed -9 (mid-collective or not) ends the group the same way: the
-launcher stops the others and exits 1 (tests/integration/test_learner_ranks.py); no rank outlives the launcher
-(parent-death signal); a collective that waits past ``CLAWSTREAM_LEARNER_COLLECTIVE_TIMEOUT_S`` (600 s) fails its
-rank, and an idle rank 0 sends the others a no-op well within it. A learned logit scale folds on every rank.
+(``broadcast_object_list``), every rank runs ``learner.step.train_step`` on its share with the process group's
+reduction (``learner.distributed.GroupReduction``), and rank 0 publishes (its model and AdamW state are whole: data
+parallel). Whenever rank 0 loads a version (resume, rollback) it broadcasts weights, optimizer and RNG state, so
+every rank holds the same state. A step that raises cannot be rolled back in the process (the other ranks may be
+waiting in a collective): the rank exits, the launcher stops the others, and the restarted group resumes from the
+last published version — a SIGKILL's path, counted by the step attempts (docs/method.md#the-distributed-step). A
+rank killed -9 (mid-collective or not) ends the group the same way: the launcher stops the others and exits 1
+(tests/integration/test_learner_ranks.py); no rank outlives the launcher (parent-death signal); a collective that
+waits past ``CLAWSTREAM_LEARNER_COLLECTIVE_TIMEOUT_S`` (600 s) fails its rank, and an idle rank 0 sends the others a
+no-op well within it. A learned logit scale folds on every rank.
 
 Run: ``clawstream learner-ranks --nproc-per-node 2 --model-dir DIR --weight-store DIR ...`` or ``python -m
 learner.train_ranks ...`` (the rest as ``clawstream learner``); gloo on CPU. FSDP2 in the service is not wired yet
@@ -33,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from clawbase.faults import fault_point
-from learner.distributed import distributed_train_step
+from learner.distributed import GroupReduction
 from learner.hparams import Hyperparams
 from learner.logit_scale import LogitScale
 from learner.memory import set_checkpointing
 from learner.precision import load_policy
 from learner.settings import LearnerSettings
-from learner.step import ScoredTree
+from learner.step import ScoredTree, train_step
 from learner.train import Learner
 from learner.value import ValueHead
 from schemas.events import WeightVersion
@@ -97,6 +98,8 @@ def _set_lr(optimizer: torch.optim.Optimizer, config: Hyperparams, version: int)
 class LeadLearner(Learner):
     """Rank 0: ``Learner`` whose step runs on every rank and whose loads reach every rank."""
 
+    reduction = GroupReduction()
+
     def __init__(self, settings: LearnerSettings, config: Hyperparams, kafka: Any) -> None:
         super().__init__(settings, config, kafka)
         self.consumer = _KeepAlive(self.consumer, _timeout_s() / 4)  # type: ignore[assignment]
@@ -116,19 +119,12 @@ class LeadLearner(Learner):
     def _step(self, trees: list[ScoredTree]) -> dict[str, float]:
         # The plan (learner.memory, in rank 0's dry run) is for the whole batch: every rank follows its checkpointing.
         _send(("step", (trees, self.version, bool(self.model.is_gradient_checkpointing))))
-        lr = _set_lr(self.optimizer, self.config, self.version)
         try:
             fault_point("learner.rank0.step")  # a hold here leaves the other ranks in the step's first collective
-            metrics = distributed_train_step(
-                self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model
-            )
+            return super()._step(trees)  # every rank folds the same all-reduced logit scale step: the ranks stay equal
         except BaseException:
             log.exception("the step raised on rank 0: the group cannot go on; exiting for a restart")
             os._exit(1)  # no rollback here: the batch's attempt stays counted (learner.attempts)
-        if self.logit_scale is not None:  # every rank folds the same all-reduced step: the ranks stay equal
-            metrics["logit_scale_step"] = self.logit_scale.fold()
-            metrics["logit_scale"] = self.logit_scale.relative_gain()
-        return {**metrics, "lr": lr}
 
     def _load(self, version: WeightVersion | None) -> None:
         super()._load(version)
@@ -159,7 +155,7 @@ def follow(settings: LearnerSettings, config: Hyperparams) -> None:
             fault_point(f"learner.rank{dist.get_rank()}.step")
             set_checkpointing(model, checkpointing)
             _set_lr(optimizer, config, version)
-            distributed_train_step(model, optimizer, trees, config, head, ref)
+            train_step(model, optimizer, trees, config, head, ref, GroupReduction())
             if scale is not None:
                 scale.fold()
 

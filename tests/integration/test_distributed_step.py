@@ -1,11 +1,12 @@
-"""The training step on 2 gloo CPU ranks equals the 1-rank step (learner/distributed.py): data parallel and FSDP2,
-and a resume from a sharded checkpoint continues exactly as an uninterrupted run.
+"""The training step on 2 gloo CPU ranks (learner.step.train_step with learner.distributed.GroupReduction) equals the
+1-rank step: data parallel and FSDP2, and a resume from a sharded checkpoint continues exactly as an uninterrupted run.
 
 One spawn of 2 ranks runs every case and writes the gathered full weights; the 1-rank references run in this
 process. Cases: SGD without clipping (a gradient's scale error shows one to one: e.g. ranks that average instead of
 summing, or normalise by their own counts), SGD with token_mean and clipping active in two mini-batches (the global
 token count, the global norm), AdamW in four mini-batches (the optimizer the learner uses), PPO with its value head
-(a replicated parameter beside the FSDP shards).
+(a replicated parameter beside the FSDP shards), and rows that share their prompt's keys and values (kv_share: each
+rank trains its paths' groups; FSDP2, whose ranks run in lockstep, trains them row by row).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ CASES: dict[str, tuple[dict, str]] = {
     "sgd_clip_token_mean": ({"lr": 50.0, "max_grad_norm": 1e-3, "aggregation": "token_mean", "mini_batches": 2}, "sgd"),
     "adamw": ({"lr": 1e-3, "mini_batches": 4}, "adamw"),
     "ppo": ({"algorithm": "ppo", "lr": 5.0, "max_grad_norm": 0.0, "mini_batches": 2}, "sgd"),  # + a value head
+    # The 5-segment trees (2 and 5: one on each rank) are over the budget: their two paths are rows of their own
+    # that share the 24-token prompt, one kv_share group per rank.
+    "kv_share": ({"lr": 50.0, "max_grad_norm": 0.0, "token_budget": 40, "kv_share_min": 16}, "sgd"),
 }
 
 
@@ -82,13 +86,23 @@ def _untie(model_dir: Path, out: Path) -> Path:
 def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from learner.distributed import distributed_train_step, full_state_dict, load_sharded, save_sharded, shard_policy
+    from learner.distributed import GroupReduction, full_state_dict, load_sharded, save_sharded, shard_policy
     from policy.weight_store import save_state_dict
 
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     out = Path(out_dir)
+    group = GroupReduction()
+
+    def step(
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        trees: list[ScoredTree],
+        config: Hyperparams,
+        head: ValueHead | None = None,
+    ) -> dict[str, float]:
+        return train_step(model, optimizer, trees, config, head, reduction=group)
 
     def fresh(mode: str, kind: str, config: Hyperparams) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = load_policy(model_dir)
@@ -111,31 +125,31 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                     shard_policy(model)
                 head = _head(model, config)
                 optimizer = _optimizer(kind, _params(model, head), config)
-                metrics = distributed_train_step(model, optimizer, _trees(0), config, head)
+                metrics = step(model, optimizer, _trees(0), config, head)
                 keep(f"{mode}-{case}", model, metrics, head)
         # Nothing to learn (every advantage 0) after a real step: FSDP2 + AdamW skip all four optimizer steps alike.
         config = Hyperparams(**CASES["adamw"][0])
         model, optimizer = fresh("fsdp2", "adamw", config)
-        distributed_train_step(model, optimizer, _trees(0), config)
-        keep("fsdp2-adamw-flat", model, distributed_train_step(model, optimizer, _flat(_trees(0)), config))
+        step(model, optimizer, _trees(0), config)
+        keep("fsdp2-adamw-flat", model, step(model, optimizer, _flat(_trees(0)), config))
         config = Hyperparams(**CASES["sgd"][0])  # FSDP2 with an untied head (kept whole on every rank)
         model = load_policy(out / "untied")
         shard_policy(model)
         optimizer = _optimizer("sgd", list(model.parameters()), config)
-        keep("fsdp2-untied", model, distributed_train_step(model, optimizer, _trees(0), config))
+        keep("fsdp2-untied", model, step(model, optimizer, _trees(0), config))
         # Resume (FSDP2, AdamW): batch 0, a sharded checkpoint and the published full weights, then batch 1; a
         # fresh model and optimizer loaded from the checkpoint train batch 1 again.
         config = Hyperparams(**CASES["adamw"][0])
         model, optimizer = fresh("fsdp2", "adamw", config)
-        distributed_train_step(model, optimizer, _trees(0), config)
+        step(model, optimizer, _trees(0), config)
         save_sharded(model, optimizer, out / "ckpt-v1")
         state = full_state_dict(model)
         if rank == 0:
             save_state_dict(state, out / "store", "policy", 1)
-        keep("uninterrupted", model, distributed_train_step(model, optimizer, _trees(1), config))
+        keep("uninterrupted", model, step(model, optimizer, _trees(1), config))
         model, optimizer = fresh("fsdp2", "adamw", config)
         load_sharded(model, optimizer, out / "ckpt-v1")
-        keep("resumed", model, distributed_train_step(model, optimizer, _trees(1), config))
+        keep("resumed", model, step(model, optimizer, _trees(1), config))
     finally:
         dist.destroy_process_group()
 
@@ -215,7 +229,9 @@ def test_two_ranks_equal_one_rank(ranks: Path, model_dir: Path, mode: str, case:
     print(f"{mode} {case}: max |2 ranks - 1 rank| = {diff:.2e} (the step moved weights up to {moved:.2e})")
     assert diff < TOLERANCE
     metrics = got["metrics"]
-    assert set(metrics) - {"ranks"} == set(ref_metrics)
+    assert metrics["ranks"] == WORLD
+    lockstep_only = {"kv_shared_tokens"} if mode == "fsdp2" else set()  # FSDP2 trains kv_share groups row by row
+    assert set(metrics) - {"ranks"} == set(ref_metrics) - lockstep_only
     for key in (
         "loss",
         "policy_loss",
@@ -228,11 +244,13 @@ def test_two_ranks_equal_one_rank(ranks: Path, model_dir: Path, mode: str, case:
     ):
         if key in ref_metrics:
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), key
-    for key in ("trainable_tokens", "rollouts", "optimizer_steps", "update_sign_agreement"):
-        if key in ref_metrics:
+    for key in ("trainable_tokens", "rollouts", "optimizer_steps", "update_sign_agreement", "kv_shared_tokens"):
+        if key in metrics:
             assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-9, abs=1e-7), key
     if case == "ppo":
         assert float(reference["value_head.proj.weight"].abs().max()) > 100 * TOLERANCE  # the value head learned
+    if case == "kv_share":
+        assert ref_metrics["kv_shared_tokens"] == 2 * 23  # 2 groups, each sharing the prompt less one token
     if case == "sgd_clip_token_mean":
         assert ref_metrics["grad_norm"] > 2 * CASES[case][0]["max_grad_norm"]  # clipping was active
 

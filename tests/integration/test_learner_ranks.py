@@ -1,7 +1,7 @@
 """The learner service on 2 data-parallel gloo ranks (learner/train_ranks.py) on the real broker: its versions equal
-the 1-rank step's on the same batches; a step that raises, or one rank killed -9 while the other waits for it in the
-step's first collective, stops the group (the launcher exits non-zero within seconds, no rank left behind), and the
-restarted group trains the batch once."""
+the 1-rank step's on the same batches (also with kv_share: rows of their own sharing their prompt); a step that
+raises, or one rank killed -9 while the other waits for it in the step's first collective, stops the group (the
+launcher exits non-zero within seconds, no rank left behind), and the restarted group trains the batch once."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,8 @@ from tests.support.learner_data import batch_records, small_model
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 SCALE_LR = 0.1  # the compose learners' learned logit scale (docs/quickstart.md), in the kill test
+# Every tree (50 tokens) over the token budget: its two paths are rows of their own sharing the 24-token prompt.
+KV_SHARE = ["token_budget=40", "kv_share_min=16"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,12 @@ def _trees(batch_id: str, step: int) -> list[ScoredTree]:
 
 
 def _command(
-    settings: KafkaSettings, model_dir: Path, store: Path, fault: str | None = None, scale_lr: float = 0.0
+    settings: KafkaSettings,
+    model_dir: Path,
+    store: Path,
+    fault: str | None = None,
+    scale_lr: float = 0.0,
+    hp: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(
         os.environ,
@@ -61,21 +69,26 @@ def _command(
         env.update(faults.fault_env(store.parent / "faults", **dict([fault.split("=")])))
     cmd = [sys.executable, "-m", "learner.train_ranks", "--nproc", "2", "--model-dir", str(model_dir)]
     cmd += ["--weight-store", str(store), "--max-steps", "2", "--idle-exit", "20", "--hp", "lr=1e-3"]
-    return cmd + ["--hp", f"logit_scale_lr={scale_lr}"], env
+    return cmd + [a for h in [f"logit_scale_lr={scale_lr}", *hp] for a in ("--hp", h)], env
 
 
 def _run(
-    settings: KafkaSettings, model_dir: Path, store: Path, fault: str | None = None, scale_lr: float = 0.0
+    settings: KafkaSettings,
+    model_dir: Path,
+    store: Path,
+    fault: str | None = None,
+    scale_lr: float = 0.0,
+    hp: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
-    cmd, env = _command(settings, model_dir, store, fault, scale_lr)
+    cmd, env = _command(settings, model_dir, store, fault, scale_lr, hp)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
-def _check_v2(version: WeightVersion, model_dir: Path, scale_lr: float = 0.0) -> None:
+def _check_v2(version: WeightVersion, model_dir: Path, scale_lr: float = 0.0, hp: Sequence[str] = ()) -> None:
     """v2 equals two 1-rank steps on b-1 and b-2 with the learner's AdamW (and its logit scale, folded after each)."""
     from safetensors.torch import load_file
 
-    config = parse_hparams(["lr=1e-3", f"logit_scale_lr={scale_lr}"])
+    config = parse_hparams(["lr=1e-3", f"logit_scale_lr={scale_lr}", *hp])
     model = load_policy(model_dir)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     groups: list[dict] = [{"params": list(model.parameters())}]
@@ -84,7 +97,8 @@ def _check_v2(version: WeightVersion, model_dir: Path, scale_lr: float = 0.0) ->
         groups.append({"params": [scale.log_scale], "lr": scale_lr, "logit_scale": True})
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     for batch_id, step in (("b-1", 1), ("b-2", 2)):
-        train_step(model, optimizer, _trees(batch_id, step), config)
+        metrics = train_step(model, optimizer, _trees(batch_id, step), config)
+        assert metrics.get("kv_shared_tokens", 0) == (4 * 23 if hp == KV_SHARE else 0)  # 4 trees, 2 paths each
         if scale is not None:
             scale.fold()
     published = load_file(str(verify_file(version)))
@@ -95,14 +109,17 @@ def _check_v2(version: WeightVersion, model_dir: Path, scale_lr: float = 0.0) ->
 
 
 def test_two_ranks_publish_the_versions_of_one(kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path) -> None:
+    """With kv_share: each rank computes its trees' shared prompts once (the other tests pack trees into rows)."""
     _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
     store = tmp_path / "store"
-    result = _run(kafka_settings, model_dir, store)
+    result = _run(kafka_settings, model_dir, store, hp=KV_SHARE)
     assert result.returncode == 0, result.stderr[-3000:]
     versions = _versions(kafka_settings, "check-ranks")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]
     assert trainer_state_path(store, "policy", 2).exists()  # rank 0 keeps AdamW's state for the resume
-    _check_v2(versions[-1], model_dir)
+    for v in versions:  # both ranks computed each of their trees' prompts once: the 1-rank step's count
+        assert v.metrics["ranks"] == 2 and v.metrics["kv_shared_tokens"] == 4 * 23, v.metrics
+    _check_v2(versions[-1], model_dir, hp=KV_SHARE)
 
 
 def test_a_step_that_raises_stops_the_group_and_the_restart_trains_the_batch_once(
@@ -138,7 +155,8 @@ def _is_rank(pid: int) -> bool:  # the launcher's other child is multiprocessing
     return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-@pytest.mark.parametrize("rank", [1, 0])
+# rank 1 in `make test-long`: `make test` kills it in the compose scale smoke (tests/e2e/test_compose_scale.py)
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.long)])
 def test_a_rank_killed_mid_step_stops_the_group_and_the_restart_trains_the_batch_once(
     kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path, rank: int
 ) -> None:
