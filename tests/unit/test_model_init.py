@@ -24,6 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from policy import tiny_model as model_init  # noqa: E402
+from policy.architectures import MAX_POSITIONS, ModelInitError, is_current  # noqa: E402
 from policy.chat_template import (  # noqa: E402
     ADDED_TOKENS,
     ASSISTANT_TURN_SUFFIX,
@@ -161,6 +162,21 @@ def test_default_build_is_fast_and_complete(built: tuple[Path, float]) -> None:
     info = json.loads((out / "clawstream_model.json").read_text())
     assert info["assistant_turn_suffix"] == ASSISTANT_TURN_SUFFIX
     assert info["generation_prompt"] == GENERATION_PROMPT
+    assert is_current(out) and not is_current(out, "llama")
+
+
+def test_default_build_is_the_shipped_warm_starts_base(model_dir: Path) -> None:
+    """The shipped warm start was trained from this build: its record, tokenizer and config are byte for byte the
+    same, and the weights are the base its sft_summary.json records (a change here would orphan the checkpoint)."""
+    shipped = Path(__file__).resolve().parents[2] / "models" / "warmstart"
+    if not (shipped / "sft_summary.json").is_file():
+        pytest.skip("no shipped warm start in this checkout")
+    from warmstart.sft import weights_sha256
+
+    for name in ("clawstream_model.json", "tokenizer.json", "config.json"):
+        assert (model_dir / name).read_bytes() == (shipped / name).read_bytes(), name
+    stages = json.loads((shipped / "sft_summary.json").read_text())["stages"]
+    assert weights_sha256(model_dir) == stages[0]["base_sha256"]
 
 
 def test_config_is_small_qwen3(model_dir: Path, model: Any, tok: Any) -> None:
@@ -179,13 +195,13 @@ def test_config_is_small_qwen3(model_dir: Path, model: Any, tok: Any) -> None:
 
 def test_context_covers_the_longest_harness_prompts(model: Any, tok: Any) -> None:
     """Real harness prompts reach ~40k tokens with this tokenizer: model and tokenizer both allow 128k (≥ 64k)."""
-    assert model.config.max_position_embeddings == tok.model_max_length == model_init.MAX_POSITIONS == 131072
+    assert model.config.max_position_embeddings == tok.model_max_length == MAX_POSITIONS == 131072
 
 
 def test_bad_shapes_raise(tmp_path: Path) -> None:
-    with pytest.raises(model_init.ModelInitError):
+    with pytest.raises(ModelInitError):
         init_tiny_model(tmp_path, hidden_size=100, num_heads=3, progress=None)
-    with pytest.raises(model_init.ModelInitError):
+    with pytest.raises(ModelInitError):
         init_tiny_model(tmp_path, vocab_size=100, progress=None)
 
 
