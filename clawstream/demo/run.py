@@ -1,6 +1,7 @@
 """The quickstart run: warm start → RL through the whole system → held-out before/after → table, plot, timeline.
 
-See the package docstring for what a user sees; ``DemoConfig`` for every size (``clawstream demo --help``).
+``run_demo`` is the list of phases (open the run, start the services, train, evaluate, report), each a function below
+it. See the package docstring for what a user sees; ``config.DemoConfig`` for every size (``clawstream demo --help``).
 """
 
 from __future__ import annotations
