@@ -32,7 +32,8 @@ def prepare_model(models: Path, cfg: DemoConfig, say: Any = print) -> Path:
     """The warm start RL begins from: by default the repository's shipped checkpoint (when intact; else its recipe
     is trained once and cached), or the single-stage recipe of ``cfg.sft_steps`` (trained once; cached; 0: the tiny
     base model itself)."""
-    from policy.tiny_model import init_tiny_model, is_current
+    from policy.architectures import is_current
+    from policy.tiny_model import init_tiny_model
     from warmstart import sft
 
     if cfg.sft_steps is None:  # the shipped checkpoint: RL starts at once
