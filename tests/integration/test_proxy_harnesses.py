@@ -284,6 +284,9 @@ def _openclaw_command(exe: Path, node: Path, base: str, secret: str, home: Path,
 
 
 @pytest.mark.timeout(900)
+# ~2 min; `make test` runs the real OpenClaw in test_harness_matrix.py and its reordered history's branch at the
+# longest common token prefix in tests/unit/test_proxy_render.py
+@pytest.mark.long
 async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp_path: Path) -> None:
     """OpenClaw moves its internal-context user message to the end on every call (docs/harnesses.md#openclaw), so call
     2 is

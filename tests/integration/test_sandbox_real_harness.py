@@ -23,7 +23,9 @@ from tests.support import sandbox_helpers as S
 from tests.support.sandbox_stack import assert_clean, assert_solved_by_harness, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial]  # its leftover check is machine-wide
+# its leftover check is machine-wide; long: `make test` runs both harnesses through the worker, graded, with a clean
+# sandbox root, on ClawGym and PinchBench tasks in tests/integration/test_harness_matrix.py
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.long]
 
 
 def installed(name: str) -> None:

@@ -208,6 +208,9 @@ def test_a_short_request_is_not_stuck_behind_a_long_prefill(model: torch.nn.Modu
     assert long_result.outputs[0].token_ids[0] == int(reference[0].argmax())
 
 
+# ~2 min on 2 cores; `make test` serves Claude Code's ~37k-token prompt through this engine's chunked prefill
+# (tests/integration/test_harness_prefix_cache.py, across rollouts) and checks a chunked prefill's answer above
+@pytest.mark.long
 def test_a_40k_token_prompt_is_served_without_a_quadratic_mask() -> None:
     big = tiny_model(0, max_position_embeddings=65536)
     engine = Engine(big, eos_token_ids=[EOS], prefill_chunk_tokens=4096, max_prefill_tokens=4096)
