@@ -227,6 +227,19 @@ def parse_openai_responses(body: Any) -> ParsedRequest:
         out.append(Message("system", instructions))
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
+    _responses_input(items, out)
+    return ParsedRequest(
+        Dialect.OPENAI_RESPONSES,
+        model,
+        Conversation(tuple(out), tuple(_responses_tools(body))),
+        stream,
+        _max_tokens(body, "max_output_tokens"),
+    )
+
+
+def _responses_input(items: list[Any], out: list[Message]) -> None:
+    """Append the messages of a Responses ``input`` list to ``out``: consecutive reasoning, text and tool-call
+    items form one assistant turn."""
     pending: dict[str, Any] | None = None  # the assistant turn being assembled from consecutive items
 
     def flush() -> None:
@@ -278,6 +291,9 @@ def parse_openai_responses(body: Any) -> ParsedRequest:
             out.append(Message("tool", _text_of(item.get("output"), where), tool_call_id=str(item.get("call_id", ""))))
         # other item kinds (web_search_call, item_reference, ...) carry nothing this model reads
     flush()
+
+
+def _responses_tools(body: Any) -> list[Any]:
     tools = []
     flat: list[Any] = []
     for tool in body.get("tools") or []:
@@ -291,13 +307,7 @@ def parse_openai_responses(body: Any) -> ParsedRequest:
             tools.append(function_tool(tool["name"], tool.get("description", ""), tool.get("parameters")))
         elif tool.get("type") == "custom" and isinstance(tool.get("name"), str):
             tools.append(function_tool(tool["name"], tool.get("description", ""), CUSTOM_TOOL_PARAMETERS))
-    return ParsedRequest(
-        Dialect.OPENAI_RESPONSES,
-        model,
-        Conversation(tuple(out), tuple(tools)),
-        stream,
-        _max_tokens(body, "max_output_tokens"),
-    )
+    return tools
 
 
 PARSERS = {

@@ -101,21 +101,7 @@ class EngineClient:
         same request again while the engine is away, up to ``retries`` times (default the client's; module
         docstring). ``rollout_id`` names the retries' logs."""
         retries = self.retries if retries is None else retries
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "stop_token_ids": [self.stop_token_id],
-            "logprobs": 1,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-        }
-        if top_k > 0:
-            payload["top_k"] = top_k
-        if seed is not None:
-            payload["seed"] = seed
+        payload = self._payload(prompt, max_tokens, temperature, top_p, top_k, seed)
         url = self.engine_url.rstrip("/") + "/v1/completions"
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -150,6 +136,26 @@ class EngineClient:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
+
+    def _payload(
+        self, prompt: list[int], max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "stop_token_ids": [self.stop_token_id],
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if top_k > 0:
+            payload["top_k"] = top_k
+        if seed is not None:
+            payload["seed"] = seed
+        return payload
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         """Does ``GET {engine_url}/health`` answer 200 now (the CPU engine's and vLLM's readiness route)?"""
