@@ -37,8 +37,7 @@ from warmstart.sft_rows import build_rows
 from warmstart.sft_topics import TopicSFTConfig, sft_from_topics
 from warmstart.teacher import Teacher
 
-# serial: assert_clean checks that no sandbox process is left anywhere on the machine (`make test` phase 3)
-pytestmark = [pytest.mark.e2e, pytest.mark.integration, pytest.mark.serial]
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 TASKS = ("train-000-write", "train-003-replace")  # a new file (write tool), an existing one changed (bash tool)
 
 
@@ -67,6 +66,7 @@ def _read(kafka, topic: str, decode, until, timeout: float) -> list:  # noqa: AN
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.serial  # assert_clean checks that no sandbox process is left anywhere on the machine (`make test` phase 3)
 async def test_teacher_demos_through_opencode_then_sft_from_topics(kafka_settings, group_id, tmp_path) -> None:
     await asyncio.to_thread(_install_or_skip)
     from policy.tiny_model import init_tiny_model
