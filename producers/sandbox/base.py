@@ -131,8 +131,20 @@ def file_size_limit(s: SandboxSettings) -> int:
     return min(caps) if caps else 0
 
 
+# Bounds of one disk-quota walk: a tree past either is reported as UNMEASURED (over any quota), so a rollout cannot
+# stall the worker's walk with millions of entries, nor make it hold a file descriptor per level of a deep tree.
+WALK_MAX_ENTRIES = 500_000  # a large node_modules holds ~100k; a walk lists ~70k a second (2 busy cores)
+WALK_MAX_DEPTH = 256  # directories open at once along the walked path
+UNMEASURED = 1 << 62  # what tree_bytes reports for a tree past its bounds
+
+
 def over_quota(used: int, max_bytes: int) -> str | None:
     """Why a sandbox holding ``used`` bytes is over its disk quota, or None."""
+    if max_bytes and used >= UNMEASURED:
+        return (
+            f"rollout quota exceeded: max_workspace_bytes {max_bytes} (its sandbox holds too many files to measure: "
+            f"over {WALK_MAX_ENTRIES} or nested over {WALK_MAX_DEPTH} directories deep)"
+        )
     if max_bytes and used > max_bytes:
         return f"rollout quota exceeded: max_workspace_bytes {max_bytes} (its sandbox holds {used} bytes on disk)"
     return None
@@ -147,33 +159,128 @@ async def watch_disk(box: Sandbox, max_bytes: int, every_s: float) -> str:
         await asyncio.sleep(every_s)
 
 
-def tree_bytes(root: Path) -> int:
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _open_dir(name: str, parent: int) -> int | None:
+    """A listable fd of the directory ``name`` in ``parent`` (a symlink there is refused, never followed), or None.
+    A directory its owner shut (``chmod 0``) is opened again for its owner through its own inode: ``O_PATH``, then
+    ``chmod`` of ``/proc/self/fd/N`` (the magic link is that inode, whatever the name now points to)."""
+    try:
+        return os.open(name, _DIR, dir_fd=parent)
+    except PermissionError:
+        pass  # the worker is not root and the directory is shut
+    except OSError:
+        return None  # gone, or no longer a directory (a symlink: ELOOP)
+    try:
+        handle = os.open(name, os.O_PATH | _DIR, dir_fd=parent)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(handle)
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        proc = f"/proc/self/fd/{handle}"
+        os.chmod(proc, stat.S_IMODE(st.st_mode) | 0o700)
+        return os.open(proc, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        os.close(handle)
+
+
+class _Walk:
+    """The running total of one walk: bytes, inodes seen, entries listed."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.total, self.entries, self.max_entries = 0, 0, max_entries
+        self.seen: set[tuple[int, int]] = set()
+
+    def count(self, st: os.stat_result) -> bool:
+        """Add one inode (once); False when it was counted already."""
+        if (st.st_dev, st.st_ino) in self.seen:
+            return False
+        self.seen.add((st.st_dev, st.st_ino))
+        blocks = st.st_blocks * 512
+        self.total += max(st.st_size, blocks) if stat.S_ISREG(st.st_mode) else blocks
+        return True
+
+    def scan(self, fd: int) -> list[str]:
+        """Count what directory ``fd`` lists but subdirectories (``fstatat``, links not followed); those, by name."""
+        subdirs: list[str] = []
+        try:
+            listing = os.scandir(fd)
+        except OSError:
+            return subdirs
+        with listing:
+            for entry in listing:
+                self.entries += 1
+                if self.entries > self.max_entries:
+                    raise _TooLarge
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        subdirs.append(entry.name)
+                    else:
+                        self.count(entry.stat(follow_symlinks=False))
+                except OSError:
+                    continue
+        return subdirs
+
+    def enter(self, name: str, parent: int) -> int | None:
+        """Open, count and (when its owner shut it) reopen subdirectory ``name``: its fd, or None (skipped)."""
+        fd = _open_dir(name, parent)
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            if self.count(st):
+                if st.st_mode & 0o700 != 0o700:
+                    os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o700)  # this inode, never a path
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+
+def tree_bytes(root: Path, *, max_entries: int = WALK_MAX_ENTRIES, max_depth: int = WALK_MAX_DEPTH) -> int:
     """Bytes a directory tree holds on disk, links not followed, each inode once: a regular file at the larger of
     its size and its allocated blocks (a sparse file at its size: a copy writes it whole), anything else at its
     blocks. A directory its owner made unreadable or unsearchable (``chmod 0``) is made so again first: the
-    sandbox's files are the worker's, and a directory it cannot list would hide its bytes."""
-    total, todo = 0, [root]
-    seen: set[tuple[int, int]] = set()
-    while todo:
-        try:
-            entries = list(os.scandir(todo.pop()))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
+    sandbox's files are the worker's, and a directory it cannot list would hide its bytes.
+
+    The tree is the rollout's and may change under the walk, so every step is relative to an open directory fd:
+    ``openat(O_DIRECTORY | O_NOFOLLOW)``, ``fstat``/``fchmod`` on that fd, listing it by fd; no path is looked up
+    twice, so a directory swapped for a symlink mid-walk is skipped, never followed. Past ``max_entries`` listed or
+    ``max_depth`` levels: :data:`UNMEASURED`."""
+    try:
+        top = os.open(root, _DIR)
+    except OSError:
+        return 0
+    walk = _Walk(max_entries)
+    stack: list[tuple[int, list[str]]] = [(top, [])]  # the open directories along the walked path, and what is left
+    try:
+        stack[-1] = (top, walk.scan(top))
+        while stack:
+            fd, subdirs = stack[-1]
+            if not subdirs:
+                stack.pop()
+                os.close(fd)
                 continue
-            if (st.st_dev, st.st_ino) in seen:
+            child = walk.enter(subdirs.pop(), fd)
+            if child is None:
                 continue
-            seen.add((st.st_dev, st.st_ino))
-            blocks = st.st_blocks * 512
-            total += max(st.st_size, blocks) if stat.S_ISREG(st.st_mode) else blocks
-            if stat.S_ISDIR(st.st_mode):
-                if st.st_mode & 0o700 != 0o700:
-                    try:
-                        os.chmod(entry.path, stat.S_IMODE(st.st_mode) | 0o700)
-                    except OSError:
-                        pass
-                todo.append(Path(entry.path))
-    return total
+            stack.append((child, []))
+            if len(stack) > max_depth:
+                raise _TooLarge
+            stack[-1] = (child, walk.scan(child))
+    except _TooLarge:
+        return UNMEASURED
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+    return walk.total
