@@ -262,7 +262,12 @@ class LocalSandbox(Sandbox):
             return None
         if self._server is None:
             self._socket_dir = Path(tempfile.mkdtemp(prefix="clawstream-px-"))  # short: a socket path is < 108 bytes
-            self._server = await unix_server(str(self._socket_dir / "proxy.sock"), *self._proxy)
+            self._server = await unix_server(
+                str(self._socket_dir / "proxy.sock"),
+                *self._proxy,
+                max_connections=self.settings.relay_max_connections,
+                idle_timeout_s=self.settings.relay_idle_timeout_s,
+            )
         assert self._socket_dir is not None
         return self._socket_dir / "proxy.sock"
 

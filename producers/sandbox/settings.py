@@ -72,6 +72,19 @@ class SandboxSettings(BaseSettings):
     bwrap_proxy_port: int = Field(
         default=8100, ge=1024, description="Port on 127.0.0.1 inside an isolated sandbox that leads to the proxy."
     )
+    relay_max_connections: int = Field(
+        default=64,
+        ge=1,
+        description="Connections one isolated sandbox may hold open to the proxy through the worker's relay at once; "
+        "more wait, unaccepted, until one ends (a harness holds a few: its calls, a side model's, subagents'), so one "
+        "rollout cannot take the worker's file descriptors.",
+    )
+    relay_idle_timeout_s: float = Field(
+        default=960.0,
+        gt=0,
+        description="A relayed connection that carried no byte either way for this long is closed; keep it above the "
+        "proxy's engine_timeout_s (900 s), the longest a non-streaming call waits silently.",
+    )
     bwrap_read_only: list[str] = Field(
         default_factory=list,
         description="Extra host paths an isolated sandbox sees read-only (beyond /usr, /etc, /lib*, the Python, venv, "

@@ -48,6 +48,7 @@ from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests
 from producers.sandbox.proxy_admin import ProxyAdmin
+from producers.sandbox.relay import raise_open_files_limit
 from producers.sandbox.rollout import Outcome, RolloutContext, execute, new_attempt_id
 from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog
@@ -459,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.unsafe_no_isolation:
         overrides["isolation"] = "none"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    raise_open_files_limit()  # every sandbox's relayed connections are this process's fds
     settings = load_settings(SandboxSettings, **overrides)
     try:
         backend = make_backend(settings)  # refuses an unisolated local backend unless told (bubblewrap missing)
