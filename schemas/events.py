@@ -226,6 +226,7 @@ class RewardEvent(Event):
     reward: float | None = None
     sub_scores: dict[str, float] = field(default_factory=dict)
     reason: str | None = None
+    grader_error_by_rollout: bool = False  # graded 0: the grader failed on what the rollout left (see the .avsc)
 
 
 @dataclass

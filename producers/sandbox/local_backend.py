@@ -32,6 +32,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -176,13 +177,20 @@ def terminate_inside(marker: str) -> None:
 
 
 def _tail(path: Path) -> str:
+    """The end of a command's output file: never through a link, never blocking on anything but a regular file."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - TAIL))
-            return f.read().decode(errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
+    try:
+        size = os.fstat(fd).st_size
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.pread(fd, min(size, TAIL), max(0, size - TAIL)).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 class LocalSandbox(Sandbox):

@@ -10,8 +10,9 @@ Statuses (docs/method.md#infrastructure-failures; every state change goes throug
   (``max_workspace_bytes``) → the harness stopped at once, HARNESS_EXITED(exit_code -9), graded, its ``reason``
   ``quota_exceeded: rollout quota exceeded: max_workspace_bytes …``;
 * harness killed at its wall-clock limit → TIMED_OUT(calls_served), graded;
-* sandbox creation, proxy (register/seal, or the proxy flags the rollout infra_failure), grader crash, unknown
-  task/harness → FAILED(reason) and a RewardEvent with status INFRA_FAILURE and reward null (never a 0).
+* a grader failing on what the rollout left (not on the task's untouched workspace) → graded 0, flagged
+  ``grader_error_by_rollout``; sandbox creation, proxy (register/seal, or its infra_failure flag), a grader failing
+  on the untouched workspace too, the judge, unknown task/harness → FAILED(reason), INFRA_FAILURE, reward null.
 
 Exactly one RewardEvent per attempt; the attempt id (``{rollout_id}.a{attempt}.{random}``) is new on every
 execution, so a request re-run after a worker died is a different attempt. The sandbox is destroyed in every case.
@@ -41,10 +42,10 @@ from clawbase.errors import ClawstreamError
 from producers.harnesses.base import HarnessAdapter, LaunchContext, LaunchSpec, launch_spec
 from producers.sandbox.base import CleanupReport, RunResult, Sandbox, SandboxBackend, SandboxError
 from producers.sandbox.proxy_admin import ProxyAdmin, ProxyError, RolloutHeld
-from producers.sandbox.run_grader import grade
+from producers.sandbox.run_grader import blame, grade
 from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog
-from producers.tasks.grading_rules import GraderFailure
+from producers.tasks.grading_rules import GraderRunFailure
 from producers.tasks.model import Task, TaskError
 from schemas.events import RewardEvent, RewardStatus, RolloutEvent, RolloutRequest, RolloutState, now_ms
 from schemas.lifecycle import transition
@@ -126,6 +127,8 @@ class _Attempt:
         reward: float | None = None,
         sub_scores: dict[str, float] | None = None,
         reason: str | None = None,
+        *,
+        by_rollout: bool = False,
     ) -> None:
         if self.reward is not None:
             raise ClawstreamError(f"attempt {self.attempt_id} already has a reward")
@@ -139,6 +142,7 @@ class _Attempt:
             reward=reward,
             sub_scores=sub_scores or {},
             reason=reason,
+            grader_error_by_rollout=by_rollout,
         )
         await self.ctx.sink.reward(event)
         self.reward = event
@@ -357,7 +361,9 @@ async def _seal(a: _Attempt, run: _Launch, result: RunResult) -> dict[str, Any]:
 
 
 async def _grade(a: _Attempt, run: _Launch, result: RunResult, sealed: dict[str, Any], t: dict[str, float]) -> None:
-    """Grade the rollout in its sandbox and publish the reward; a grader crash is an :class:`_AttemptFailed`."""
+    """Grade the rollout in its sandbox and publish the reward. A grader that fails on the rollout's workspace but
+    grades the task's untouched one: a graded 0 flagged ``grader_error_by_rollout``; any other failure of grading
+    (whatever it raises) is an :class:`_AttemptFailed`, never the worker's end."""
     t["grade_start"] = time.monotonic()
     try:
         messages = sealed.get("messages")  # the conversation the proxy saw, when it reports it
@@ -369,7 +375,14 @@ async def _grade(a: _Attempt, run: _Launch, result: RunResult, sealed: dict[str,
             session_dir=run.adapter.session_dir,
             messages=messages if isinstance(messages, list) else None,
         )
-    except (GraderFailure, SandboxError, OSError) as exc:
+    except GraderRunFailure as failed:
+        try:
+            graded = await blame(run.task, a.ctx.backend, a.ctx.settings, failed)
+        except Exception as exc:
+            raise _AttemptFailed(f"grader: {exc}") from exc
+    except Exception as exc:  # the judge, the sandbox, or a bug: this attempt's infrastructure failure
         raise _AttemptFailed(f"grader: {exc}") from exc
     t["grade_end"] = time.monotonic()
-    await a.give_reward(graded.status, graded.grader, graded.reward, graded.sub_scores, graded.reason)
+    await a.give_reward(
+        graded.status, graded.grader, graded.reward, graded.sub_scores, graded.reason, by_rollout=graded.by_rollout
+    )

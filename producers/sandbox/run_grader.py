@@ -4,10 +4,14 @@ The grader files are copied in only now, after the harness ended, so the harness
 sandbox's grader directory, emptied first (nothing a rollout planted there survives), or — for a grader that
 expects them inside the workspace (ClawGym-Bench's ``reward/``) — into that folder of the workspace, after clearing
 whatever the agent left under that name, and removed again once graded. The command runs with the same backend
-and isolation as the harness, with ``grader_timeout_s``; a Python grader with ``-E -s``. The grading rules
-themselves (invocation, output parsing, judge) are ``producers.tasks.grading_rules``; a grader that fails is a
-:class:`GraderFailure` (an infrastructure failure of the attempt, never a 0). What graders read about the
-conversation is built from the one the proxy recorded, never from what the harness wrote (:func:`run_transcript`).
+and isolation as the harness (whose processes are all dead by then), with ``grader_timeout_s``, in an empty
+directory with every Python isolated (``grading_rules.grader_invocation``); its capture file is read back without
+following a link, without blocking, bounded and off the event loop (:func:`read_grader_output`). The grading rules
+themselves (invocation, output parsing, judge) are ``producers.tasks.grading_rules``. A grader that fails on the
+rollout's workspace is a :class:`GraderRunFailure`; :func:`blame` then grades the task's untouched workspace: a
+graded 0 flagged ``grader_error_by_rollout`` when that works, an infrastructure failure when it fails too. What
+graders read about the conversation is built from the one the proxy recorded, never from what the harness wrote
+(:func:`run_transcript`).
 :func:`grade_directory` grades a workspace directory the same way, in a fresh local sandbox (``clawstream tasks
 grade``).
 """
@@ -20,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +36,7 @@ from producers.tasks import pinchbench
 from producers.tasks.grading_rules import (
     GradeResult,
     GraderFailure,
+    GraderRunFailure,
     Judge,
     final_message,
     grader_invocation,
@@ -54,7 +60,17 @@ log = logging.getLogger(__name__)
 
 
 async def run_in_sandbox(task: Task, box: Sandbox, transcript: list[dict[str, Any]], timeout_s: float) -> GradeResult:
-    """Lay the task's grader out in ``box`` and run it there; its output scored by the grading rules."""
+    """Lay the task's grader out in ``box`` and run it there; its output scored by the grading rules. Raises
+    :class:`GraderRunFailure` when the grader fails."""
+    try:
+        return await _run_in_sandbox(task, box, transcript, timeout_s)
+    except GraderRunFailure:
+        raise
+    except GraderFailure as exc:
+        raise GraderRunFailure(str(exc)) from exc
+
+
+async def _run_in_sandbox(task: Task, box: Sandbox, transcript: list[dict[str, Any]], timeout_s: float) -> GradeResult:
     inv = grader_invocation(task, python=box.python, grader_dir=box.grader_dir, workspace=box.workspace)
     host_ws = box.host_path(box.workspace)
     try:
@@ -65,13 +81,15 @@ async def run_in_sandbox(task: Task, box: Sandbox, transcript: list[dict[str, An
             _remove(host_ws / name)
         box.write_files(inv.files_dir, inv.files)
         box.write_files(box.grader_dir, inv.support_files)
+        box.host_path(inv.cwd).mkdir(parents=True, exist_ok=True)
         for rel in inv.support_files:
             box.host_path(inside(box.grader_dir, rel)).chmod(0o755)
         box.write_text(inv.transcript_path, json.dumps(transcript))
         if inv.payload_path:
             box.host_path(inv.payload_path).write_bytes(reward_payload(task, transcript))
         result = await box.run(inv.argv, inv.env, inv.cwd, timeout_s, extra_path=inv.extra_path)
-        captured = _tail(box.host_path(inv.capture_path)) if inv.capture_path else None
+        capture = box.host_path(inv.capture_path) if inv.capture_path else None
+        captured = await asyncio.to_thread(read_grader_output, capture) if capture else None
     finally:
         for name in inv.workspace_entries:  # the grader's files never outlive grading
             with contextlib.suppress(OSError):
@@ -96,14 +114,32 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _tail(path: Path, limit: int = 1 << 20) -> str | None:
+def read_grader_output(path: Path, limit: int = 1 << 20) -> str | None:
+    """The last ``limit`` bytes of a file a grader wrote (None when there is none). Opened without following a
+    link (its directory too) and without blocking; anything but a regular file is a :class:`GraderRunFailure`
+    (a FIFO would block the reader, a link would read another file). Blocking I/O: call it in a thread."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode(errors="replace")
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise GraderRunFailure(f"grader output folder {path.parent}: {exc.strerror}") from exc
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a symlink
+        raise GraderRunFailure(f"grader output {path.name}: {exc.strerror} (not a regular file)") from exc
+    finally:
+        os.close(parent)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise GraderRunFailure(f"grader output {path.name} is not a regular file (mode {st.st_mode:o})")
+        start = max(0, st.st_size - limit)
+        return os.pread(fd, min(limit, st.st_size), start).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def run_transcript(
@@ -163,9 +199,13 @@ async def grade(
     messages: list[dict[str, Any]] | None = None,
     session_dir: str | None = None,
 ) -> GradeResult:
-    """Grade a rollout (raises :class:`GraderFailure` on a grader/judge crash); ``messages`` / ``session_dir``: where
-    the transcript comes from (:func:`run_transcript`)."""
-    transcript = run_transcript(task, box, stdout, messages=messages, session_dir=session_dir)
+    """Grade a rollout (raises :class:`GraderRunFailure` when the grader fails on it or its transcript cannot be
+    built, :class:`GraderFailure` when the judge fails); ``messages`` / ``session_dir``: where the transcript comes
+    from (:func:`run_transcript`)."""
+    try:
+        transcript = run_transcript(task, box, stdout, messages=messages, session_dir=session_dir)
+    except Exception as exc:  # built from what the rollout sent and wrote: whatever it raises is the rollout's
+        raise GraderRunFailure(f"the transcript could not be built: {exc!r}"[:2000]) from exc
     g = task.grader
     auto = None
     if g.grading_type != "llm_judge":
@@ -181,6 +221,32 @@ async def grade(
         return GradeResult(RewardStatus.OK, g.name, score, breakdown)
     reward, subs = pinchbench.combine(task, auto.reward or 0.0, auto.sub_scores, score, breakdown)
     return GradeResult(RewardStatus.OK, g.name, reward, subs)
+
+
+# Tasks whose grader graded their untouched workspace in this process (bounded: cleared when full).
+_SOUND: set[str] = set()
+
+
+async def blame(
+    task: Task, backend: SandboxBackend, settings: SandboxSettings, failure: GraderRunFailure
+) -> GradeResult:
+    """Whose failure ``failure`` (the grader on a rollout's workspace) is: the grader runs on the task's untouched
+    workspace in a fresh sandbox (once per task and process). It grades that one: the rollout's doing — a graded 0
+    flagged ``by_rollout``, the reason saying so. Raises :class:`GraderFailure` when it fails there too (a broken
+    grader or sandbox: infrastructure) and :class:`SandboxError` when no sandbox can be made."""
+    if task.ref not in _SOUND:
+        box = await backend.create(f"ctl-{task.task_id[:24]}-{uuid.uuid4().hex[:8]}", task)
+        try:
+            await run_in_sandbox(task, box, run_transcript(task, box, ""), settings.grader_timeout_s)
+        except GraderFailure as exc:
+            raise GraderFailure(f"{failure}; on the task's untouched workspace too: {exc}") from exc
+        finally:
+            await box.destroy()
+        if len(_SOUND) > 4096:
+            _SOUND.clear()
+        _SOUND.add(task.ref)
+    reason = f"grader_error_by_rollout: {failure}"[:2000]
+    return GradeResult(RewardStatus.OK, task.grader.name, 0.0, {}, reason, by_rollout=True)
 
 
 async def grade_directory(

@@ -1,27 +1,27 @@
 """Grading rules, pure: how a task's grader is invoked and how its output becomes a reward; the LLM-judge call.
 
 This is the one place that knows a grader's contract; ``producers.sandbox.run_grader`` runs it inside a rollout's
-sandbox and the warm start (``warmstart``) runs it in a temporary directory, both through
-:func:`grader_invocation` and :func:`parse_grader_output`. The grader files are laid out in a grader directory
-outside the workspace, with the task's hard-coded mount dir rewritten to the workspace path where the task asks for
-it; the command runs with cwd = the grader dir and ``WORKSPACE`` / ``CLAWGYM_WORKSPACE`` set. Outputs:
-
-* ``subscores_json``: the last stdout line that is a JSON object → sub-scores; reward = their mean.
-* ``reward_float``: the last stdout line that is a number → reward; any dict line (JSON or Python literal) →
-  sub-scores.
+sandbox and the warm start (``warmstart``) in a temporary directory, both through :func:`grader_invocation` and
+:func:`parse_grader_output`. The grader files go to a grader directory outside the workspace, the task's hard-coded
+mount dir rewritten to the workspace path where the task asks for it. The command runs out of the rollout's reach:
+HOME and cwd an empty directory of the grader dir (cwd the workspace for ClawGym-Bench, as its harness runs it),
+every Python isolated (``-I``, added for shell graders by a ``python3`` shim first on PATH; ``PYTHONSAFEPATH=1``),
+``WORKSPACE`` / ``CLAWGYM_WORKSPACE`` set. Outputs: ``subscores_json``: the last stdout line that is a JSON object →
+sub-scores, reward = their mean; ``reward_float``: the last stdout line that is a number → reward, any dict line
+(JSON or Python literal) → sub-scores.
 
 ClawGym-Bench, as its own harness grades (``Grader.workspace_folder`` / ``subscores_script`` / ``reward_payload``):
 the files go to ``<workspace>/reward/`` (cleared first: nothing the agent put there survives), the run payload
 ``{final_message, metadata, transcript}`` to ``<workspace>/.openclaw_reward_payload.json`` ($OPENCLAW_REWARD_PAYLOAD),
-``bash <workspace>/reward/reward.sh`` runs in the workspace and prints the reward; ``check.py``'s sub-scores, which
-``reward.sh`` pipes into its averaging one-liner, are captured by a stand-in ``python3`` first on PATH
-(:data:`SUBSCORES_SHIM`) that tees that script's stdout; reward folder and payload are removed after grading.
+``bash <workspace>/reward/reward.sh`` prints the reward; ``check.py``'s sub-scores, which ``reward.sh`` pipes into
+its averaging one-liner, are captured by the shim (:data:`PYTHON_SHIM`), which tees that script's stdout; reward
+folder and payload are removed after grading.
 
 Every score must lie in [0, 1]. A grader that exits non-zero, times out, prints nothing usable or out-of-range
-values raises :class:`GraderFailure` — the attempt is then an infrastructure failure, never a 0.
-LLM judge (PinchBench ``llm_judge`` / ``hybrid``): an OpenAI-compatible chat call (``judge_url``) given the
-benchmark's judge prompt and read as the benchmark reads the reply (:func:`judge_score`); without a judge URL such
-tasks are UNGRADED (hybrid keeps the automated sub-scores for reference).
+values is a :class:`GraderFailure` (the runner's :class:`GraderRunFailure`: a graded 0 flagged
+``grader_error_by_rollout`` when the grader grades the task's untouched workspace, else an infrastructure failure).
+LLM judge (PinchBench ``llm_judge`` / ``hybrid``): an OpenAI-compatible chat call (``judge_url``) read as the
+benchmark reads the reply (:func:`judge_score`); without a judge URL such tasks are UNGRADED.
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ from schemas.events import RewardStatus
 
 
 class GraderFailure(ClawstreamError):
-    """The grader crashed, timed out or printed nothing usable (infrastructure failure of the attempt)."""
+    """The grader or the judge crashed, timed out or gave nothing usable."""
+
+
+class GraderRunFailure(GraderFailure):
+    """The grader failed on a rollout's workspace (exit, timeout, output unusable or not a regular file): the
+    rollout's doing when the grader grades the task's untouched workspace, the infrastructure's otherwise."""
 
 
 @dataclass
@@ -53,6 +58,7 @@ class GradeResult:
     reward: float | None
     sub_scores: dict[str, float] = field(default_factory=dict)
     reason: str | None = None
+    by_rollout: bool = False  # a graded 0: the grader failed on what the rollout left
 
 
 def _score(value: Any, what: str) -> float:
@@ -133,7 +139,8 @@ class GraderInvocation:
     """What to lay out and run for one grading, as paths inside the sandbox.
 
     ``files`` go under ``files_dir`` (the grader dir, or a folder inside the workspace); ``support_files`` under the
-    grader dir; the command ``argv`` runs in ``cwd`` with ``env`` and ``extra_path`` in front of PATH.
+    grader dir; the command ``argv`` runs in ``cwd`` (an empty directory, created by the runner) with ``env`` and
+    ``extra_path`` in front of PATH.
     ``workspace_entries`` (names relative to the workspace) are what grading puts into the workspace: cleared before
     (so nothing the agent left under those names survives) and removed after. ``capture_path`` is where the
     sub-scores script's own stdout is kept, ``payload_path`` where the run payload goes (both None when unused).
@@ -152,23 +159,25 @@ class GraderInvocation:
     payload_path: str | None = None
 
 
-# Stands in for python3 on PATH while a grader runs that prints its sub-scores only through a pipe (ClawGym-Bench's
-# reward.sh: `python3 …/reward/check.py … | python3 -c '<mean>'`). It runs the real python3 (the next one on PATH)
-# unchanged; when the script is the sub-scores script, it also appends that script's stdout to a capture file.
-SUBSCORES_SHIM = """#!/usr/bin/env bash
+# Stands in for python3 (and python) first on a grader's PATH: it runs the real one (the next on PATH) isolated
+# (-I: no script dir, cwd, PYTHON* variable or user site-packages on sys.path), whatever a shell grader calls. When
+# the script is the sub-scores script (ClawGym-Bench's reward.sh: `python3 …/reward/check.py … | python3 -c
+# '<mean>'`), it also appends that script's stdout to a capture file.
+PYTHON_SHIM = """#!/usr/bin/env bash
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 IFS=: read -r -a dirs <<< "$PATH"
 rest=""
 for d in "${dirs[@]}"; do [ "$d" = "$here" ] || rest="${rest:+$rest:}$d"; done
 export PATH="$rest"
-case "${1:-}" in
-  "$CLAWSTREAM_SUBSCORES_SCRIPT")
-    set -o pipefail
-    python3 "$@" | tee -a "$CLAWSTREAM_SUBSCORES_OUT"
-    exit $? ;;
-esac
-exec python3 "$@"
+py="$(basename "$0")"
+if [ -n "${CLAWSTREAM_SUBSCORES_SCRIPT:-}" ] && [ "${1:-}" = "$CLAWSTREAM_SUBSCORES_SCRIPT" ]; then
+  set -o pipefail
+  "$py" -I "$@" | tee -a "$CLAWSTREAM_SUBSCORES_OUT"
+  exit $?
+fi
+exec "$py" -I "$@"
 """
+SHIMS = ("bin/python3", "bin/python")
 
 
 def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: str) -> GraderInvocation:
@@ -182,18 +191,27 @@ def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: st
     values = {"python": python, "grader_dir": grader_dir, "workspace": workspace, "transcript": transcript_path}
     argv = [string.Template(a).substitute(values) for a in g.argv]
     if g.argv[:1] == ("${python}",):
-        # Defence in depth: the grader's Python ignores PYTHON* variables and the user site-packages. HOME is
-        # the sandbox's, so a Python outside a venv would run a usercustomize.py or .pth a rollout planted there.
-        argv[1:1] = ["-E", "-s"]
-    env = {"WORKSPACE": workspace, "CLAWGYM_WORKSPACE": workspace, "PYTHONDONTWRITEBYTECODE": "1"}
+        # Isolated: neither the workspace (a planted json.py), PYTHON* variables nor HOME's user site-packages
+        # (a planted .pth or usercustomize.py) reach the grader's Python; the shims do the same for shell graders.
+        argv[1:1] = ["-I"]
+    # cwd and HOME: an empty directory (nothing the rollout wrote is read from where a grader starts, no dotfile of
+    # the rollout's HOME configures a tool it runs); created by the runner.
+    empty = inside(grader_dir, "cwd")
+    env = {
+        "WORKSPACE": workspace,
+        "CLAWGYM_WORKSPACE": workspace,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONSAFEPATH": "1",
+        "PYTHONNOUSERSITE": "1",
+        "HOME": empty,
+    }
+    support = {rel: PYTHON_SHIM.encode() for rel in SHIMS}
+    extra_path = inside(grader_dir, "bin")
     if not g.workspace_folder:
-        return GraderInvocation(files, argv, env, transcript_path, files_dir=grader_dir, cwd=grader_dir)
+        return GraderInvocation(files, argv, env, transcript_path, grader_dir, empty, support, extra_path)
     entries = [g.workspace_folder]
-    support: dict[str, bytes] = {}
-    extra_path, capture_path, payload_path = "", None, None
+    capture_path, payload_path = None, None
     if g.subscores_script:
-        support["bin/python3"] = SUBSCORES_SHIM.encode()
-        extra_path = inside(grader_dir, "bin")
         capture_path = inside(grader_dir, "subscores.out")
         env["CLAWSTREAM_SUBSCORES_SCRIPT"] = inside(workspace, g.workspace_folder, g.subscores_script)
         env["CLAWSTREAM_SUBSCORES_OUT"] = capture_path
@@ -207,7 +225,7 @@ def grader_invocation(task: Task, *, python: str, grader_dir: str, workspace: st
         env,
         transcript_path,
         files_dir=inside(workspace, g.workspace_folder),
-        cwd=workspace,
+        cwd=workspace,  # as the benchmark runs reward.sh (check.py may read relative paths); -I keeps it off sys.path
         support_files=support,
         extra_path=extra_path,
         workspace_entries=tuple(entries),
