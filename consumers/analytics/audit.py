@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO
@@ -25,6 +27,7 @@ from consumers.analytics.reader import open_reader, read_range, watermarks
 from consumers.analytics.reconcile import (
     AuditReport,
     BatchEntry,
+    Letter,
     Lifecycle,
     Reward,
     RunLog,
@@ -49,7 +52,19 @@ from schemas.topics import (
 
 
 def _settled(rec: dict[str, Any], where: Where) -> Settled:
-    return Settled(rec["rollout_id"], rec["attempt_id"], rec["status"], rec["reward"], where)
+    evaluation = rec["step"] < 0 or (rec.get("metadata") or {}).get("eval", "").lower() == "true"
+    trainable = rec["status"] in TRAINABLE and rec["reward"] is not None and bool(rec["segments"]) and not evaluation
+    return Settled(
+        rec["rollout_id"],
+        rec["attempt_id"],
+        rec["status"],
+        rec["reward"],
+        where,
+        group_id=None if evaluation else rec["group_id"] or None,
+        trainable=trainable,
+        drop_reason=rec.get("drop_reason"),
+        timestamp_ms=rec["timestamp_ms"],
+    )
 
 
 def _batch_entry(rec: dict[str, Any], where: Where) -> BatchEntry:
@@ -57,7 +72,35 @@ def _batch_entry(rec: dict[str, Any], where: Where) -> BatchEntry:
     if rec["trajectory"] is not None:
         _, traj = default_codec().decode(rec["trajectory"], expected="Trajectory")
         inner = _settled(traj, where)
-    return BatchEntry(rec["batch_id"], rec["kind"], rec["index"], inner, where)
+    return BatchEntry(
+        rec["batch_id"],
+        rec["kind"],
+        rec["index"],
+        inner,
+        where,
+        group_id=rec.get("group_id"),
+        step=rec["step"],
+        harness=rec.get("harness") or "",
+        timestamp_ms=rec["timestamp_ms"],
+    )
+
+
+_DROPPED_GROUP = re.compile(r"^(?:stale )?group (.+?): ")
+
+
+def _letter(rec: dict[str, Any], where: Where) -> Letter:
+    """A dead letter; the group a batcher's drop names (its reason says, whatever record it was processing)."""
+    key = rec.get("original_key")
+    group = _DROPPED_GROUP.match(rec["reason"] or "") if rec["source"] == "streams.batcher" else None
+    return Letter(
+        rec["source"],
+        rec["reason"] or "",
+        where,
+        error_type=rec.get("error_type") or "",
+        rollout_id=rec.get("rollout_id"),
+        key=key.decode("utf-8", "replace") if isinstance(key, bytes) else key,
+        group_id=group.group(1) if group else None,
+    )
 
 
 # topic → (schema, what to keep, the RunLog list it goes to); calls and requests are only decoded and counted.
@@ -77,42 +120,76 @@ KEEP: dict[str, tuple[str, Callable[[dict[str, Any], Where], Any] | None, str | 
     TRAJECTORIES: ("Trajectory", _settled, "trajectories"),
     BATCHES: ("BatchRecord", _batch_entry, "batches"),
     WEIGHTS: ("WeightVersion", lambda r, w: Version(r["policy_version"], r["batch_id"], w), "versions"),
-    DEADLETTER: ("DeadLetter", lambda r, w: (r["source"], r["reason"], w), "dead_letters"),
+    DEADLETTER: ("DeadLetter", _letter, "dead_letters"),
 }
+TRAINABLE = frozenset({"COMPLETE", "TIMED_OUT"})  # the statuses that carry tree segments (streams.state)
+SCORED_GROUPS = "-scored-groups"  # the streams app's internal topic of scored groups: the batcher's input
 
 
 def read_run(settings: KafkaSettings, *, progress: TextIO | None = None) -> RunLog:
     """Every record of the run's topics, reduced to what :func:`reconcile` checks."""
     log = RunLog()
-    found = 0
-    for topic, (schema, keep, target) in KEEP.items():
-        try:
-            consumer, ref = open_reader(settings, topic)
-        except EventLogError:
-            continue  # a topic the run never created: nothing of it to reconcile
-        found += 1
-        try:
-            marks = watermarks(consumer, ref.name)
-            n = 0
-            for msg in _records(consumer, ref.name, marks):
-                n += 1
-                where = Where(ref.name, msg.partition(), msg.offset())
-                try:  # every record is decoded (calls and requests too): one that is not is listed
-                    if msg.value() is None:
-                        raise CodecError(f"a tombstone (no value), not a {schema}")
-                    _, rec = default_codec().decode(msg.value(), expected=schema)
-                    if keep is not None:
-                        getattr(log, target).append(keep(rec, where))  # type: ignore[arg-type]
-                except (ClawstreamError, KeyError, ValueError, TypeError) as exc:
-                    log.undecodable.append((f"{type(exc).__name__}: {exc}", where))
-            log.counts[ref.name] = n
-            if progress is not None:
-                print(f"read {n:>7} records of {ref.name}", file=progress, flush=True)
-        finally:
-            consumer.close()
+    found = sum(_read_topic(settings, topic, *how, log, progress) for topic, how in KEEP.items())
     if not found:
         raise EventLogError(f"no topics of the run with prefix {settings.topic_prefix!r} on the broker")
+    for topic in scored_topics(settings):
+        _read_topic(settings, topic, "BatchRecord", _batch_entry, "scored", log, progress)
     return log
+
+
+def scored_topics(settings: KafkaSettings) -> list[str]:
+    """The streams app's scored-groups topic(s) of the run: ``{prefix}{app id}-scored-groups``, the app id from
+    ``CLAWSTREAM_STREAMS_APP_ID`` when set, else any whose longest run prefix (one with a weights topic) is ours."""
+    app_id = os.environ.get("CLAWSTREAM_STREAMS_APP_ID")
+    if app_id:
+        return [settings.topic_prefix + app_id + SCORED_GROUPS]
+    consumer, _ = open_reader(settings, settings.topic(WEIGHTS))
+    try:
+        names = consumer.list_topics(timeout=15).topics
+    finally:
+        consumer.close()
+    runs = {t[: -len(WEIGHTS)] for t in names if t.endswith(WEIGHTS)}
+
+    def owner(topic: str) -> str:
+        return max((p for p in runs if topic.startswith(p)), key=len, default="")
+
+    return sorted(t for t in names if t.endswith(SCORED_GROUPS) and owner(t) == settings.topic_prefix)
+
+
+def _read_topic(
+    settings: KafkaSettings,
+    topic: str,
+    schema: str,
+    keep: Callable[[dict[str, Any], Where], Any] | None,
+    target: str | None,
+    log: RunLog,
+    progress: TextIO | None,
+) -> int:
+    """Read one topic into ``log`` (1), or nothing when the run never created it (0)."""
+    try:
+        consumer, ref = open_reader(settings, topic)
+    except EventLogError:
+        return 0  # a topic the run never created: nothing of it to reconcile
+    try:
+        marks = watermarks(consumer, ref.name)
+        n = 0
+        for msg in _records(consumer, ref.name, marks):
+            n += 1
+            where = Where(ref.name, msg.partition(), msg.offset())
+            try:  # every record is decoded (calls and requests too): one that is not is listed
+                if msg.value() is None:
+                    raise CodecError(f"a tombstone (no value), not a {schema}")
+                _, rec = default_codec().decode(msg.value(), expected=schema)
+                if keep is not None:
+                    getattr(log, target).append(keep(rec, where))  # type: ignore[arg-type]
+            except (ClawstreamError, KeyError, ValueError, TypeError) as exc:
+                log.undecodable.append((f"{type(exc).__name__}: {exc}", where))
+        log.counts[ref.name] = n
+        if progress is not None:
+            print(f"read {n:>7} records of {ref.name}", file=progress, flush=True)
+    finally:
+        consumer.close()
+    return 1
 
 
 def _records(consumer: Any, topic: str, marks: dict[int, tuple[int, int]]) -> Iterator[Any]:
@@ -147,8 +224,19 @@ def format_report(report: AuditReport, prefix: str) -> str:
         lines += ["", "undecodable records:"] + [f"  {u}" for u in report.undecodable[:50]]
         if len(report.undecodable) > 50:
             lines.append(f"  … and {len(report.undecodable) - 50} more (--json lists all)")
+    if report.in_flight:
+        lines += ["", "in flight when the run stopped (not lost):"]
+        lines += [f"  {n:>6} {what}" for what, n in report.in_flight.items()]
+    for title, items in (
+        ("groups trained short, with the reason (not violations)", report.short_groups),
+        ("groups and batches set aside for a cause (not violations)", report.set_aside),
+    ):
+        if items:
+            lines += ["", f"{title}:"] + [f"  {s}" for s in items[:50]]
+            if len(items) > 50:
+                lines.append(f"  … and {len(items) - 50} more (--json lists all)")
     if report.dead_letters:
-        lines += ["", "dead letters (set aside with their reason; not violations):"]
+        lines += ["", "dead letters (a loss where a rule above says so):"]
         lines += [f"  {n:>6} × {reason}" for reason, n in report.dead_letters.items()]
     return "\n".join(lines)
 

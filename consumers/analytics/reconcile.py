@@ -1,32 +1,72 @@
 """Reconcile a run's event log (pure): was anything lost, doubled or trained twice?
 
-Input: the few fields of each record that the guarantees are about (:class:`RunLog`, filled by
-``consumers.analytics.audit`` from the topics, or by tests by hand). Output: an :class:`AuditReport` — counts per
-topic, and every violation with the record it is about. The rules, each a guarantee the system makes:
+Input: a :class:`RunLog` (``consumers.analytics.run_log``; filled by ``consumers.analytics.audit``). Output: an
+:class:`AuditReport`: every violation naming its rollout, group and batch, and what was in flight when the run
+stopped. The rules (``RULES``), each a guarantee the system makes, stage by stage:
 
-1. every started attempt has exactly one terminal status — its reward event, or, for an attempt whose worker died
-   before grading, the trajectory the streams settled it into — and its lifecycle moves are allowed ones;
-2. every settled attempt is in exactly one trajectory, and a trajectory's reward is that attempt's own reward — but
-   of two runs of one request (same rollout id and request attempt: a worker died after the first one's reward and
-   before releasing it, docs/faults.md) exactly one is trained, the other counted as a re-run set aside;
-3. every trajectory is in at most one batch; every sealed batch has exactly the records its seal announces;
-4. every batch is trained at most once, and only a sealed batch; weight versions are contiguous from 1;
-5. dead letters are listed with their reasons (not a violation: the system's way to set bad input aside).
+1. an attempt has one terminal status (its reward, or the trajectory the streams settled a dead worker's attempt
+   into) and moves as ``schemas.lifecycle`` allows (``lifecycle``, ``terminal status``);
+2. a graded attempt is in exactly one trajectory carrying its own reward; a second run of one request (a worker died
+   between reward and release, docs/faults.md) is a re-run set aside; a rollout's reward is trained at most once
+   across its runs (``one trajectory``, ``reward joined``, ``request trained once``);
+3. a batched group holds every trainable member that settled before its batch formed, unless a dead letter names it;
+   members left out for a reason make the group *short*, reported (``group whole``);
+4. a scored group is batched or dropped for a reason: a stale group is set aside, a consistency drop
+   (``IncompleteGroup``) is a loss, and so is one left while a younger group of its harness was batched — the batcher
+   takes each harness oldest first (``group batched``);
+5. a trajectory is in at most one batch, a seal announces its records, batch numbers have no gap (``one batch``,
+   ``sealed batch``, ``batches contiguous``);
+6. a sealed batch is trained once or refused for a cause; a kill (``TrainingStepKilled``) or a seal count refused is a
+   loss, as is a batch passed over for a later one (``batch trained``, ``trained once``); versions run from 1.
 
-Idempotent and order-free: the same records give the same report however often and in whatever order they come.
+In flight, not lost: groups not closed, groups the batcher holds, batches sealed after the last trained one.
+``reconcile(log, skip=...)`` leaves rules out (the mutation tests show each is needed). Idempotent and order-free.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
-from typing import Any
 
+from consumers.analytics.run_log import (
+    DUPLICATED,
+    INCONSISTENT,
+    LOST,
+    TRAINED_TWICE,
+    AuditReport,
+    BatchEntry,
+    Letter,
+    Lifecycle,
+    Reward,
+    RunLog,
+    Settled,
+    Version,
+    Violation,
+    Where,
+)
 from schemas.events import RolloutState
 from schemas.lifecycle import can_transition
 
-LOST, DUPLICATED, TRAINED_TWICE, INCONSISTENT = "lost", "duplicated", "trained twice", "inconsistent"
+__all__ = [  # the run log's names, re-exported: callers import them from here with reconcile()
+    "DUPLICATED",
+    "INCONSISTENT",
+    "LOST",
+    "RULES",
+    "TRAINED_TWICE",
+    "AuditReport",
+    "BatchEntry",
+    "Letter",
+    "Lifecycle",
+    "Reward",
+    "RunLog",
+    "Settled",
+    "Version",
+    "Violation",
+    "Where",
+    "reconcile",
+    "request_of",
+]
+
 _REQUEST_ATTEMPT = re.compile(r"\.a(\d+)\.[^.]*$")  # attempt ids are {rollout_id}.a{attempt}.{random}
 
 
@@ -36,132 +76,38 @@ def request_of(rollout_id: str, attempt_id: str) -> tuple[str, str]:
     return (rollout_id, match.group(1) if match else attempt_id)
 
 
-@dataclass(frozen=True)
-class Where:
-    """A record's place in the log: ``topic[partition]@offset``."""
-
-    topic: str
-    partition: int
-    offset: int
-
-    def __str__(self) -> str:
-        return f"{self.topic}[{self.partition}]@{self.offset}"
-
-
-@dataclass(frozen=True)
-class Lifecycle:
-    rollout_id: str
-    attempt_id: str
-    state: RolloutState
-    where: Where
-
-
-@dataclass(frozen=True)
-class Reward:
-    rollout_id: str
-    attempt_id: str
-    status: str
-    reward: float | None
-    where: Where
+RULES = (
+    "lifecycle",
+    "terminal status",
+    "one trajectory",
+    "reward joined",
+    "request trained once",
+    "group whole",
+    "group batched",
+    "one batch",
+    "sealed batch",
+    "batches contiguous",
+    "batch trained",
+    "trained once",
+    "versions contiguous",
+)
+# Refusals that are the system failing, not the batch: the learner killed in its step, a batch short of its seal.
+LOSS_REFUSALS = ("TrainingStepKilled", "IncompleteGroup")
+_SEAL_COUNT = re.compile(r"^seal says \d+ trajectories, \d+ arrived")
 
 
-@dataclass(frozen=True)
-class Settled:
-    """A trajectory (or a batch's copy of one): which attempt it is made of, and the reward it carries."""
-
-    rollout_id: str
-    attempt_id: str
-    status: str
-    reward: float | None
-    where: Where
-
-
-@dataclass(frozen=True)
-class BatchEntry:
-    batch_id: str
-    kind: str  # TRAJECTORY | SEAL
-    index: int
-    trajectory: Settled | None  # TRAJECTORY records only
-    where: Where
-
-
-@dataclass(frozen=True)
-class Version:
-    policy_version: int
-    batch_id: str | None
-    where: Where
-
-
-@dataclass
-class RunLog:
-    lifecycle: list[Lifecycle] = field(default_factory=list)
-    rewards: list[Reward] = field(default_factory=list)
-    trajectories: list[Settled] = field(default_factory=list)
-    batches: list[BatchEntry] = field(default_factory=list)
-    versions: list[Version] = field(default_factory=list)
-    dead_letters: list[tuple[str, str, Where]] = field(default_factory=list)  # (source, reason, where)
-    undecodable: list[tuple[str, Where]] = field(default_factory=list)  # (error, where)
-    counts: dict[str, int] = field(default_factory=dict)  # records read per topic
-
-
-@dataclass(frozen=True)
-class Violation:
-    kind: str  # LOST | DUPLICATED | TRAINED_TWICE | INCONSISTENT
-    rule: str
-    detail: str
-
-
-@dataclass
-class AuditReport:
-    counts: dict[str, int]
-    attempts: int
-    settled: int
-    batched: int
-    batches_sealed: int
-    batches_trained: int
-    versions: int
-    violations: list[Violation]
-    dead_letters: dict[str, int]  # "source: reason" → count
-    undecodable: list[str]
-    reruns_set_aside: int = 0  # second runs of a request whose first run was trained (rule 2)
-
-    @property
-    def clean(self) -> bool:
-        return not self.violations and not self.undecodable
-
-    def tally(self) -> dict[str, int]:
-        by_kind = Counter(v.kind for v in self.violations)
-        return {k: by_kind.get(k, 0) for k in (LOST, DUPLICATED, TRAINED_TWICE, INCONSISTENT)}
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "clean": self.clean,
-            **self.tally(),
-            "counts": self.counts,
-            "attempts": self.attempts,
-            "settled": self.settled,
-            "batched_trajectories": self.batched,
-            "batches_sealed": self.batches_sealed,
-            "batches_trained": self.batches_trained,
-            "versions": self.versions,
-            "violations": [vars(v) for v in self.violations],
-            "dead_letters": self.dead_letters,
-            "undecodable": self.undecodable,
-            "reruns_set_aside": self.reruns_set_aside,
-        }
-
-
-def reconcile(log: RunLog) -> AuditReport:
-    """Check every rule over ``log``; see the module docstring."""
+def reconcile(log: RunLog, *, skip: frozenset[str] | set[str] = frozenset()) -> AuditReport:
+    """Check every rule over ``log`` but those named in ``skip`` (see ``RULES``); see the module docstring."""
+    unknown = set(skip) - set(RULES)
+    if unknown:
+        raise ValueError(f"skip names no rule: {sorted(unknown)}; the rules are {list(RULES)}")
     out: list[Violation] = []
     attempts = _check_attempts(log, out)
     settled, reruns = _check_trajectories(log, attempts, out)
     batched, sealed = _check_batches(log, out)
     trained = _check_versions(log, sealed, out)
-    dead = Counter(
-        f"{source}: {reason.splitlines()[0][:160] if reason else ''}" for source, reason, _ in log.dead_letters
-    )
-    return AuditReport(
+    flow = _Flow(log)
+    report = AuditReport(
         counts=dict(log.counts),
         attempts=len(attempts),
         settled=settled,
@@ -170,10 +116,17 @@ def reconcile(log: RunLog) -> AuditReport:
         batches_trained=trained,
         versions=len({v.policy_version for v in log.versions}),
         violations=out,
-        dead_letters=dict(dead.most_common()),
+        dead_letters=dict(
+            Counter(
+                f"{d.source}: {d.reason.splitlines()[0][:160] if d.reason else ''}" for d in log.dead_letters
+            ).most_common()
+        ),
         undecodable=[f"{where}: {error}" for error, where in log.undecodable],
         reruns_set_aside=reruns,
     )
+    flow.check(report)
+    report.violations = [v for v in out if v.rule not in skip]
+    return report
 
 
 def _check_attempts(log: RunLog, out: list[Violation]) -> dict[str, list[Reward]]:
@@ -322,3 +275,207 @@ def _check_versions(log: RunLog, sealed: set[str], out: list[Violation]) -> int:
     if distinct and distinct[0] != 1:
         out.append(Violation(INCONSISTENT, "versions contiguous", f"first version is {distinct[0]}, not 1"))
     return len(by_batch)
+
+
+def _gid(entry: BatchEntry) -> str | None:
+    return entry.group_id or (entry.trajectory.group_id if entry.trajectory is not None else None)
+
+
+class _Flow:
+    """The rules that follow trajectories downstream: into whole groups, batches, trained versions (rules 3–6)."""
+
+    def __init__(self, log: RunLog) -> None:
+        self.log = log
+        self.trained = {v.batch_id: v for v in sorted(log.versions, key=lambda v: v.policy_version) if v.batch_id}
+        self.seals: dict[str, BatchEntry] = {}
+        self.members: dict[str, list[BatchEntry]] = defaultdict(list)
+        for e in sorted(log.batches, key=lambda e: (e.where.partition, e.where.offset)):
+            if e.kind == "SEAL":
+                self.seals.setdefault(e.batch_id, e)
+            elif e.trajectory is not None:
+                self.members[e.batch_id].append(e)
+        self.group_batches: dict[str, set[str]] = defaultdict(set)
+        for batch_id, entries in self.members.items():
+            for e in entries:
+                if (g := _gid(e)) is not None:
+                    self.group_batches[g].add(batch_id)
+        self.by_group: dict[str, dict[str, list[Settled]]] = defaultdict(lambda: defaultdict(list))
+        for t in log.trajectories:
+            if t.group_id is not None:
+                self.by_group[t.group_id][t.rollout_id].append(t)
+        self.letters: dict[str, list[Letter]] = defaultdict(list)  # by rollout id, group id (batcher) or key (learner)
+        for d in log.dead_letters:
+            for k in (d.rollout_id, d.group_id if d.source == "streams.batcher" else None, d.key):
+                if k:
+                    self.letters[k].append(d)
+
+    def check(self, report: AuditReport) -> None:
+        out = report.violations
+        self._request_trained_once(out)
+        self._groups_whole(report, out)
+        self._groups_batched(report, out)
+        self._batches_contiguous(out)
+        self._batches_trained(report, out)
+
+    def _trainable(self, group_id: str) -> list[str]:
+        members = self.by_group.get(group_id, {})
+        return sorted(r for r, ts in members.items() if any(t.trainable for t in ts))
+
+    def _request_trained_once(self, out: list[Violation]) -> None:
+        runs: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+        for batch_id, entries in self.members.items():
+            if batch_id in self.trained:
+                for e in entries:
+                    assert e.trajectory is not None
+                    runs[e.trajectory.rollout_id][e.trajectory.attempt_id].append(f"{batch_id}#{e.index}")
+        for rollout, by_attempt in sorted(runs.items()):
+            if len(by_attempt) > 1:
+                where = "; ".join(f"attempt {a} in {', '.join(b)}" for a, b in sorted(by_attempt.items()))
+                out.append(
+                    Violation(
+                        TRAINED_TWICE,
+                        "request trained once",
+                        f"rollout {rollout} trained in {len(by_attempt)} runs: {where}",
+                    )
+                )
+
+    def _groups_whole(self, report: AuditReport, out: list[Violation]) -> None:
+        """Rule 3: a batched group holds every trainable member that settled before its batch formed."""
+        for group_id, batch_ids in sorted(self.group_batches.items()):
+            batch_id = min(batch_ids)
+            formed = self.seals[batch_id].timestamp_ms if batch_id in self.seals else 0
+            inside = {e.trajectory.rollout_id for b in batch_ids for e in self.members[b] if e.trajectory is not None}
+            short: list[str] = []
+            for rollout, ts in sorted(self.by_group.get(group_id, {}).items()):
+                if rollout in inside:
+                    continue
+                t = max(ts, key=lambda t: (t.trainable is True, t.where.offset))
+                if not t.trainable:
+                    short.append(f"{rollout} {t.status}" + (f" ({t.drop_reason})" if t.drop_reason else ""))
+                elif self.letters.get(rollout):
+                    short.append(f"{rollout} dead-lettered: {self.letters[rollout][0].reason.splitlines()[0][:120]}")
+                elif formed and t.timestamp_ms > formed:
+                    report.in_flight["late trajectories of trained groups"] = (
+                        report.in_flight.get("late trajectories of trained groups", 0) + 1
+                    )
+                else:
+                    out.append(
+                        Violation(
+                            LOST,
+                            "group whole",
+                            f"rollout {rollout} (attempt {t.attempt_id}, {t.status}, reward {t.reward}, settled at "
+                            f"{t.where}) of group {group_id} is not in the group's batch {batch_id}, and no dead "
+                            "letter names it",
+                        )
+                    )
+            if short:
+                report.short_groups.append(f"group {group_id} (batch {batch_id}) trained without {'; '.join(short)}")
+
+    def _groups_batched(self, report: AuditReport, out: list[Violation]) -> None:
+        """Rule 4: a scored group is batched, dropped for a reason, or still held by the batcher (FIFO per harness)."""
+        scored: dict[str, BatchEntry] = {}
+        for e in sorted(self.log.scored, key=lambda e: (e.where.partition, e.where.offset)):
+            scored.setdefault(e.group_id or e.batch_id, e)
+        dropped = {d.group_id for d in self.log.dead_letters if d.source == "streams.batcher" and d.group_id}
+        youngest: dict[str, tuple[Where, str]] = {}  # harness → the latest-scored group batched
+        for g in self.group_batches:
+            if g in scored and (g_at := scored[g].where) is not None:
+                h = scored[g].harness
+                if h not in youngest or (g_at.partition, g_at.offset) > _pos(youngest[h][0]):
+                    youngest[h] = (g_at, g)
+        held = 0
+        for g in sorted(set(scored) | dropped):
+            if g in self.group_batches:
+                continue
+            rollouts = ", ".join(self._trainable(g)) or "none settled here"
+            letter = next((d for d in self.letters.get(g, []) if d.source == "streams.batcher"), None)
+            if letter is not None and letter.error_type not in LOSS_REFUSALS:
+                report.set_aside.append(f"group {g} ({rollouts}): {letter.reason.splitlines()[0][:160]}")
+            elif letter is not None:
+                out.append(
+                    Violation(
+                        LOST,
+                        "group batched",
+                        f"group {g} dropped by the batcher ({letter.error_type}: {letter.reason.splitlines()[0]}, "
+                        f"dead letter at {letter.where}): rollouts {rollouts} never trained",
+                    )
+                )
+            elif g in scored and (y := youngest.get(scored[g].harness)) and _pos(y[0]) > _pos(scored[g].where):
+                out.append(
+                    Violation(
+                        LOST,
+                        "group batched",
+                        f"group {g} (harness {scored[g].harness or '-'}, scored at {scored[g].where}) is in no batch "
+                        f"and no dead letter, but the younger group {y[1]} (scored at {y[0]}) went into batch "
+                        f"{min(self.group_batches[y[1]])}: rollouts {rollouts} never trained",
+                    )
+                )
+            else:
+                held += 1
+        if held:
+            report.in_flight["groups held by the batcher"] = held
+
+    def _batches_contiguous(self, out: list[Violation]) -> None:
+        """Rule 5: batch ``{prefix}-{n:06d}`` is numbered n by its batcher, and n runs without a gap."""
+        steps: dict[str, set[int]] = defaultdict(set)
+        for batch_id, seal in self.seals.items():
+            prefix, _, n = batch_id.rpartition("-")
+            if seal.step is not None and prefix and n == f"{seal.step:06d}":
+                steps[prefix].add(seal.step)
+        for prefix, got in sorted(steps.items()):
+            gaps = sorted(set(range(min(got), max(got) + 1)) - got)
+            if gaps:
+                missing = ", ".join(f"{prefix}-{n:06d}" for n in gaps[:20])
+                out.append(
+                    Violation(
+                        LOST,
+                        "batches contiguous",
+                        f"batches {missing} missing between {prefix}-{min(got):06d} and "
+                        f"{prefix}-{max(got):06d} ({len(gaps)} in all)",
+                    )
+                )
+
+    def _batches_trained(self, report: AuditReport, out: list[Violation]) -> None:
+        """Rule 6: every sealed batch trained, refused for a cause, or sealed after the last trained one."""
+        last = max((_pos(s.where) for b, s in self.seals.items() if b in self.trained), default=None)
+        later = {b for b, s in self.seals.items() if b in self.trained and _pos(s.where) == last}
+        pending = 0
+        for batch_id, seal in sorted(self.seals.items(), key=lambda kv: _pos(kv[1].where)):
+            if batch_id in self.trained:
+                continue
+            entries = self.members.get(batch_id, [])
+            what = (
+                f"{len(entries)} trajectories of groups {sorted({g for e in entries if (g := _gid(e))}) or '-'}: "
+                f"rollouts {sorted(e.trajectory.rollout_id for e in entries if e.trajectory is not None)}"
+            )
+            refusal = next((d for d in self.letters.get(batch_id, []) if d.source == "learner"), None)
+            if refusal is not None and not (
+                refusal.error_type in LOSS_REFUSALS or _SEAL_COUNT.match(refusal.reason.split(": ", 1)[-1])
+            ):
+                report.set_aside.append(f"batch {batch_id} refused: {refusal.reason.splitlines()[0][:200]}")
+            elif refusal is not None:
+                out.append(
+                    Violation(
+                        LOST,
+                        "batch trained",
+                        f"batch {batch_id} (sealed at {seal.where}) dead-lettered by the learner "
+                        f"({refusal.error_type}: {refusal.reason.splitlines()[0][:200]}): {what} never trained",
+                    )
+                )
+            elif last is not None and _pos(seal.where) < last:
+                out.append(
+                    Violation(
+                        LOST,
+                        "batch trained",
+                        f"batch {batch_id} (sealed at {seal.where}) never trained nor refused, while the later batch "
+                        f"{min(later)} was trained as v{self.trained[min(later)].policy_version}: {what}",
+                    )
+                )
+            else:
+                pending += 1
+        if pending:
+            report.in_flight["batches sealed after the last trained one"] = pending
+
+
+def _pos(where: Where) -> tuple[int, int]:
+    return (where.partition, where.offset)

@@ -1,6 +1,7 @@
 """`clawstream audit` on the real broker: a run's topics written as the services write them reconcile clean; the
-same run with one trajectory batched twice, one batch trained twice and one undecodable reward does not, and the
-report names each (exit 1, human-readable and --json). A real demo run is audited in tests/e2e/test_training_loop.py.
+same run with one trajectory batched twice, one batch trained twice and one undecodable reward does not, nor does one
+whose learner was killed out of a batch or whose batcher dropped a group short of its seal, and the report names each
+(exit 1, human-readable and --json). A real demo run is audited in tests/e2e/test_training_loop.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from clawbase.kafka.clients import create_topics, make_producer
 from clawbase.settings import KafkaSettings
 from clawstream.stack.process import ROOT
 from consumers.analytics.audit import main as audit
+from schemas.dead_letter import dead_letter
 from schemas.events import (
     BatchRecord,
     BatchRecordKind,
@@ -26,7 +28,7 @@ from schemas.events import (
     RolloutState,
     WeightVersion,
 )
-from schemas.topics import BATCHES, CATALOG, REWARDS, ROLLOUT_EVENTS, TRAJECTORIES, WEIGHTS
+from schemas.topics import BATCHES, CATALOG, DEADLETTER, REWARDS, ROLLOUT_EVENTS, TRAJECTORIES, WEIGHTS
 from tests.support.factories import T0, sample_trajectory
 
 pytestmark = pytest.mark.integration
@@ -153,6 +155,29 @@ def test_a_clean_run_audits_clean_and_each_fault_is_named(kafka_settings: KafkaS
     assert code == 1 and got["clean"] is False
     assert (got["lost"], got["duplicated"], got["trained twice"]) == (0, 1, 1), got
     assert len(got["undecodable"]) == 1
+
+
+def test_a_killed_step_and_the_batchers_consistency_drop_are_losses(kafka_settings: KafkaSettings) -> None:
+    """Dead letters are not all footnotes: the learner killed in b-2's step every time (its version never comes) and
+    the batcher dropping a group short of its seal are losses, named by the command with their batch and group."""
+    create_topics(kafka_settings, CATALOG)
+    records = [r for r in _run(kafka_settings) if r[0] != WEIGHTS or WeightVersion.from_bytes(r[2]).batch_id != "b-2"]
+    killed = dead_letter(
+        "learner",
+        "batch b-2 (t.clawstream.batches[0]@9): attempted 2 times without finishing: the learner was killed",
+        "TrainingStepKilled",
+        topic=kafka_settings.topic(BATCHES),
+        key=b"b-2",
+    )
+    short = dead_letter(
+        "streams.batcher", "group g7: SEAL announces 8 records, 7 arrived", "IncompleteGroup", topic="scored-groups"
+    )
+    _publish(kafka_settings, [*records, (DEADLETTER, "b-2", killed.to_bytes()), (DEADLETTER, "g7", short.to_bytes())])
+    code, report = _audit(kafka_settings)
+    assert code == 1, report
+    assert "[lost] batch trained: batch b-2 (sealed at " in report, report
+    assert "TrainingStepKilled" in report and "rollouts ['r-2-0', 'r-2-1', 'r-2-2', 'r-2-3']" in report, report
+    assert "[lost] group batched: group g7 dropped by the batcher (IncompleteGroup" in report, report
 
 
 def test_the_command_names_a_prefix_with_no_topics(kafka_settings: KafkaSettings) -> None:

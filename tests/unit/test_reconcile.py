@@ -9,8 +9,10 @@ from consumers.analytics.reconcile import (
     DUPLICATED,
     INCONSISTENT,
     LOST,
+    RULES,
     TRAINED_TWICE,
     BatchEntry,
+    Letter,
     Lifecycle,
     Reward,
     RunLog,
@@ -131,7 +133,7 @@ def test_a_batch_trained_twice_and_a_version_published_twice_are_found() -> None
 def test_a_gap_in_versions_is_a_loss() -> None:
     log = clean_run(batches=3)
     log.versions = [v for v in log.versions if v.policy_version != 2]
-    assert kinds(log) == [(LOST, "versions contiguous")]
+    assert kinds(log) == [(LOST, "batch trained"), (LOST, "versions contiguous")]  # b1 also passed over for b2
 
 
 def test_a_disallowed_lifecycle_move_is_found() -> None:
@@ -143,7 +145,7 @@ def test_a_disallowed_lifecycle_move_is_found() -> None:
 
 def test_dead_letters_are_listed_not_violations() -> None:
     log = clean_run()
-    log.dead_letters.append(("streams", "undecodable value: bad magic", at("dead")))
+    log.dead_letters.append(Letter("streams", "undecodable value: bad magic", at("dead")))
     report = reconcile(log)
     assert report.clean and report.dead_letters == {"streams: undecodable value: bad magic": 1}
 
@@ -171,3 +173,112 @@ def test_a_second_run_of_a_trained_request_is_set_aside_but_a_lost_reissue_is_no
     reissue = "r0-1.a1.again"  # attempt 1 of r0-1: nothing trained it
     log.rewards.append(Reward("r0-1", reissue, "OK", 1.0, at("rewards")))
     assert kinds(log) == [(LOST, "one trajectory")]
+
+
+def grouped_run(batches: int = 3) -> RunLog:
+    """``clean_run`` with each batch one group (``g{b}``), batches numbered ``s-{n:06d}``, and the scored SEALs."""
+    log = clean_run(batches=batches)
+    batch_of = {f"b{b}": f"s-{b:06d}" for b in range(batches)}
+    log.trajectories = [
+        Settled(t.rollout_id, t.attempt_id, t.status, t.reward, t.where, "g" + t.rollout_id[1], True)
+        for t in log.trajectories
+    ]
+    log.batches = [
+        BatchEntry(
+            batch_of[e.batch_id],
+            e.kind,
+            e.index,
+            e.trajectory,
+            e.where,
+            group_id="g" + batch_of[e.batch_id][-1],
+            step=int(batch_of[e.batch_id][2:]),
+        )
+        for e in log.batches
+    ]
+    log.versions = [Version(v.policy_version, batch_of[v.batch_id or ""], v.where) for v in log.versions]
+    log.scored = [BatchEntry(f"g{b}", "SEAL", 4, None, at("scored"), group_id=f"g{b}", harness="h") for b in range(3)]
+    return log
+
+
+def test_a_group_trained_without_a_member_is_lost_unless_a_reason_names_it() -> None:
+    log = grouped_run()
+    assert reconcile(log).clean
+    log.batches = [e for e in log.batches if not (e.trajectory and e.trajectory.rollout_id == "r1-2")]
+    assert ("lost", "group whole") in kinds(log)
+    log.dead_letters.append(
+        Letter("streams.grouper", "late trajectory r1-2: group g1 closed", at("d"), rollout_id="r1-2")
+    )
+    report = reconcile(log)
+    assert (LOST, "group whole") not in kinds(log) and "r1-2 dead-lettered: late" in report.short_groups[0]
+
+
+def test_a_group_left_behind_by_the_batcher_is_lost_the_youngest_are_held() -> None:
+    log = grouped_run()
+    log.batches = [e for e in log.batches if e.batch_id != "s-000002"]
+    log.versions = [v for v in log.versions if v.batch_id != "s-000002"]
+    report = reconcile(log)
+    assert report.clean and report.in_flight == {"groups held by the batcher": 1}
+    log = grouped_run()
+    log.batches = [e for e in log.batches if e.batch_id != "s-000001"]
+    log.versions = [
+        Version(v.policy_version - (v.policy_version > 2), v.batch_id, v.where)
+        for v in log.versions
+        if v.batch_id != "s-000001"
+    ]
+    assert kinds(log) == [(LOST, "batches contiguous"), (LOST, "group batched")]
+    log.dead_letters.append(Letter("streams.batcher", "x", at("d"), "StaleGroup", group_id="g1"))
+    assert kinds(log) == [(LOST, "batches contiguous")]
+    log.dead_letters[-1] = Letter(
+        "streams.batcher", "group g1: SEAL announces 4 records, 3 arrived", at("d"), "IncompleteGroup", group_id="g1"
+    )
+    assert kinds(log) == [(LOST, "batches contiguous"), (LOST, "group batched")]
+
+
+def test_a_sealed_batch_is_trained_refused_for_a_cause_or_in_flight_a_killed_step_is_a_loss() -> None:
+    log = grouped_run()
+    log.versions = [v for v in log.versions if v.batch_id != "s-000002"]
+    report = reconcile(log)
+    assert report.clean and report.in_flight == {"batches sealed after the last trained one": 1}
+    log.dead_letters.append(
+        Letter("learner", "cannot pack the batch: too long", at("d"), "UntrainableBatch", key="s-000002")
+    )
+    assert reconcile(log).clean and reconcile(log).set_aside == [
+        "batch s-000002 refused: cannot pack the batch: too long"
+    ]
+    log.dead_letters[-1] = Letter("learner", "attempted 2 times", at("d"), "TrainingStepKilled", key="s-000002")
+    assert kinds(log) == [(LOST, "batch trained")]
+    log = grouped_run()
+    log.versions = [
+        Version(v.policy_version - (v.policy_version > 2), v.batch_id, v.where)
+        for v in log.versions
+        if v.batch_id != "s-000001"
+    ]
+    assert kinds(log) == [(LOST, "batch trained")]
+    assert reconcile(log, skip={"batch trained"}).clean
+
+
+def test_one_request_trained_through_two_runs_is_trained_twice() -> None:
+    log = grouped_run()
+    t = log.trajectories[0]
+    rerun = Settled(t.rollout_id, t.attempt_id + "-again", t.status, t.reward, at("trajectories"), t.group_id, True)
+    log.lifecycle.append(Lifecycle(t.rollout_id, rerun.attempt_id, RolloutState.STARTED, at("events")))
+    log.rewards.append(Reward(t.rollout_id, rerun.attempt_id, "OK", t.reward, at("rewards")))
+    log.trajectories.append(rerun)
+    log.batches.append(BatchEntry("s-000002", "TRAJECTORY", 4, rerun, at("batches"), group_id="g0", step=2))
+    log.batches = [
+        BatchEntry(e.batch_id, e.kind, 5, None, e.where, e.group_id, e.step)
+        if e.kind == "SEAL" and e.batch_id == "s-000002"
+        else e
+        for e in log.batches
+    ]
+    assert kinds(log) == [(TRAINED_TWICE, "request trained once")]
+
+
+def test_skip_names_rules() -> None:
+    assert "group whole" in RULES
+    try:
+        reconcile(clean_run(), skip={"no such rule"})
+    except ValueError as exc:
+        assert "no such rule" in str(exc)
+    else:
+        raise AssertionError("an unknown rule name was accepted")
