@@ -8,8 +8,9 @@ are on a second listener (``admin_host:admin_port``, default loopback), which ro
 listener answers 404 to an admin path. Per-rollout quotas on calls and prompt tokens (``producers.proxy.quota``).
 Out: engine calls (``producers.proxy.engine_pool``: one engine, or several behind the router) and one ``CallEvent`` to
 ``clawstream.calls`` per served call (``producers.proxy.call_event``), published *before* the answer is released.
-Errors come in the caller's dialect: 400 bad JSON/schema, 401 auth (also after the seal), 413 too large, 502
-engine (after ``engine_retries`` while it is away), 503 Kafka; a 502 or 503 flags the rollout infrastructure failure.
+Errors come in the caller's dialect: 400 bad JSON/schema or past a request limit (nesting, messages), 401 auth
+(also after the seal), 413 too large, 502 engine (after ``engine_retries`` while it is away), 503 Kafka; a 502 or
+503 flags the rollout infrastructure failure.
 Details: docs/method.md#the-proxys-http-interface.
 
 Registrations (``persist_registrations``, on by default) are written to ``clawstream.proxy.registrations``; a
@@ -47,11 +48,19 @@ from producers.proxy import emit
 from producers.proxy.admin import Admin, RegistrationStore
 from producers.proxy.call_event import call_event
 from producers.proxy.conversation import CallKindRules, Message, ToolCall
-from producers.proxy.dialects import PARSERS, DialectError, ParsedRequest, custom_tool_names
+from producers.proxy.dialects import (
+    PARSERS,
+    DialectError,
+    ParsedRequest,
+    RequestLimits,
+    custom_tool_names,
+    utf8_body,
+)
 from producers.proxy.emit import EMITTERS, ApiError
 from producers.proxy.engine_client import EngineReply
 from producers.proxy.engine_pool import EnginePool
 from producers.proxy.metrics import ProxyMetrics
+from producers.proxy.nesting import ECHO_DEPTH
 from producers.proxy.quota import QUOTA_STATUS, Quotas
 from producers.proxy.registry import RegistrationLog, restore_registrations
 from producers.proxy.render import RenderError, RenderResult, TemplateRenderer
@@ -133,6 +142,7 @@ class Proxy:
         self.rollouts = self.admin.rollouts
         self.admin_url = f"http://{settings.admin_host}:{settings.admin_port}"  # set by whoever learns a port 0
         self.quotas = Quotas(settings.max_calls_per_rollout, settings.max_prompt_tokens_per_rollout)
+        self.limits = RequestLimits(settings.max_json_depth, settings.max_messages)
         # Parsing, rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
         # request would hold every other rollout's calls, keep-alives and seals for seconds. One thread keeps the
         # renderers' state (per rollout, and the shared segment cache) touched by one thread only, as before.
@@ -236,13 +246,19 @@ class Proxy:
         result: tuple[ParsedRequest, dict[str, Any]] = await self._off_loop(self._parse, raw, dialect)
         return result
 
-    @staticmethod
-    def _parse(raw: bytes, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
+    def _parse(self, raw: bytes, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
+        """The body checked against the request limits (its nesting before it is decoded, its message count before
+        the dialect's parser, the conversation before it is rendered), decoded and parsed: ``ApiError`` 400."""
         try:
+            raw = utf8_body(raw)
+            self.limits.check_text(raw)
             body = json.loads(raw)
+            self.limits.check_body(body)
+        except DialectError as exc:
+            raise ApiError(400, str(exc)) from exc
         except ValueError as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:  # deep nesting is the client's error, never a 500
+        except RecursionError as exc:  # not past check_text; a client's error all the same, never a 500
             raise ApiError(400, "request body is nested too deeply") from exc
         if _SURROGATE_ESCAPE.search(raw):  # rare: only then check for a lone one (no UTF-8 for it: a 500 later)
             try:
@@ -252,7 +268,9 @@ class Proxy:
                     400, f"request body holds a lone UTF-16 surrogate escape (not a character): {exc}"
                 ) from exc
         try:
-            return PARSERS[dialect](body), body
+            parsed = PARSERS[dialect](body)
+            self.limits.check_parsed(parsed)
+            return parsed, body
         except DialectError as exc:
             raise ApiError(400, str(exc)) from exc
         except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
@@ -333,7 +351,11 @@ class Proxy:
         (``ApiError`` for a failed engine call or publish)."""
         reply = await self._generate(call)
         gen = reply.token_ids
-        turn = parse_turn(self.template.decode(gen), bare_json=self.template.tool_calls_bare_json)
+        turn = parse_turn(
+            self.template.decode(gen),
+            bare_json=self.template.tool_calls_bare_json,
+            max_depth=self.settings.max_json_depth - ECHO_DEPTH,
+        )
         ids = [f"{EMITTERS[call.dialect].tool_call_prefix}{uuid.uuid4().hex[:24]}" for _ in turn.tool_calls]
         calls = tuple(ToolCall(i, c.name, c.arguments) for i, c in zip(ids, turn.tool_calls, strict=True))
         answer_msg = Message("assistant", turn.text, turn.reasoning, calls)

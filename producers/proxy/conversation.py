@@ -21,7 +21,7 @@ Call kinds (:func:`classify_call`, rules configurable through :class:`CallKindRu
 4. same system fingerprint as the main agent                                  → MAIN
 5. different fingerprint with tools                                           → SUBAGENT; without tools → SIDE
 
-Pure: standard library only.
+Pure: standard library and ``producers.proxy.nesting``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from producers.proxy.nesting import loads_within
 from schemas.events import CallKind
 
 IMAGE_PLACEHOLDER = "[image]"
@@ -43,10 +44,11 @@ def canonical_json(value: Any) -> str:
 
 
 def canonical_arguments(arguments: Any) -> str:
-    """Tool-call arguments (a JSON string or an object) → canonical JSON; unparseable strings stay as they are."""
+    """Tool-call arguments (a JSON string or an object) → canonical JSON; unparseable strings, and strings nested past
+    ``SAFE_DEPTH`` (never parsed), stay as they are."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_within(arguments)
         except ValueError:
             return arguments
     return canonical_json(arguments)

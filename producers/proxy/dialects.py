@@ -9,16 +9,19 @@
 
 Unknown fields (``thinking``, ``context_management``, ``output_config``, ``metadata``, ``cache_control``,
 ``stream_options`` apart from ``include_usage``, ``reasoning``, ``include``, ``store``...) are ignored. A body that
-is not what the dialect requires raises :class:`DialectError` (the proxy answers 400). The error bodies of the two
-API families (:func:`anthropic_error`, :func:`openai_error`) are here too. Pure: no I/O.
+is not what the dialect requires raises :class:`DialectError` (the proxy answers 400), and so does one past the
+:class:`RequestLimits` (nesting depth, message count), checked before the work each bounds. The error bodies of the
+two API families (:func:`anthropic_error`, :func:`openai_error`) are here too. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from producers.proxy.conversation import IMAGE_PLACEHOLDER, Conversation, Message, ToolCall, function_tool
+from producers.proxy.nesting import json_depth
 from schemas.events import Dialect
 
 
@@ -322,6 +325,59 @@ def custom_tool_names(body: Any) -> frozenset[str]:
     tools = body.get("tools") if isinstance(body, dict) else None
     custom = [t for t in tools or [] if isinstance(t, dict) and t.get("type") == "custom"]
     return frozenset(t["name"] for t in custom if isinstance(t.get("name"), str))
+
+
+# --- limits -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may hold, each checked before the work it bounds (``ProxySettings.max_json_depth``,
+    ``max_messages``; the body's bytes are aiohttp's ``client_max_size``): :class:`DialectError` past one."""
+
+    max_json_depth: int = 64
+    max_messages: int = 4096
+
+    def check_text(self, raw: bytes) -> None:
+        """Before the body is decoded: its nesting."""
+        self._depth(json_depth(raw), "the request body")
+
+    def check_body(self, body: Any) -> None:
+        """Before the dialect's parser: the length of its message list (``messages``, Responses' ``input``)."""
+        for name in ("messages", "input"):
+            items = body.get(name) if isinstance(body, dict) else None
+            if isinstance(items, list) and len(items) > self.max_messages:
+                raise DialectError(f"'{name}' holds {len(items)} items; {self._most('max_messages')}")
+
+    def check_parsed(self, parsed: ParsedRequest) -> None:
+        """Before rendering: the conversation's length (content blocks can make more messages than the list) and
+        the nesting of each tool call's arguments given as JSON text (parsed again whenever calls are compared)."""
+        messages = parsed.conversation.messages
+        if len(messages) > self.max_messages:
+            raise DialectError(f"the conversation holds {len(messages)} messages; {self._most('max_messages')}")
+        for i, msg in enumerate(messages):
+            for call in msg.tool_calls:
+                if isinstance(call.arguments, str):
+                    self._depth(json_depth(call.arguments), f"the arguments of tool call {call.name!r} (message {i})")
+
+    def _depth(self, depth: int, what: str) -> None:
+        if depth > self.max_json_depth:
+            raise DialectError(f"{what}: JSON nested {depth} levels deep; {self._most('max_json_depth')}")
+
+    def _most(self, name: str) -> str:
+        return f"at most {getattr(self, name)} (the proxy's {name}, CLAWSTREAM_PROXY_{name.upper()})"
+
+
+def utf8_body(raw: bytes) -> bytes:
+    """A request body as UTF-8, the one encoding the byte-level checks read: JSON sent in UTF-16 or UTF-32 (which
+    ``json.loads`` accepts) re-encoded first; :class:`DialectError` if it does not decode."""
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8":
+        return raw
+    try:
+        return raw.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    except UnicodeError as exc:
+        raise DialectError(f"request body is not valid {encoding}: {exc}") from exc
 
 
 # --- errors -----------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ harness gets :data:`QUOTA_STATUS` in its dialect naming the quota, the engine is
 published, and the rollout is flagged (``Rollout.quota_exceeded``), so its seal reports ``status: quota_exceeded``.
 That is the policy's behaviour, not an infrastructure failure: the sandbox worker grades the rollout as usual and
 records the flag in its lifecycle event's ``reason`` (docs/method.md#the-proxys-http-interface).
+A call refused for what the rollout sent (bad JSON, past a request limit, a prompt too long: any 4xx but 401 and
+a quota's own) counts as a call too (:meth:`Usage.count_refused`): refusing is work the rollout made the proxy do.
 
 The status is 400 (invalid_request_error), not 429: the SDKs behind the harnesses retry 429 with backoff (Claude
 Code up to ten times), which would hold a rollout that can never be served again until its wall-clock limit.
@@ -43,6 +45,10 @@ class Usage:
         if quotas.max_calls and self.calls >= quotas.max_calls:
             return f"rollout quota exceeded: max_calls_per_rollout {quotas.max_calls} calls already made"
         return None
+
+    def count_refused(self) -> None:
+        """A call refused for what the rollout sent (not by a quota): one more call, no prompt tokens."""
+        self.calls += 1
 
     def admit(self, quotas: Quotas, prompt_tokens: int) -> str | None:
         """Count a call of ``prompt_tokens`` and return None, or return why it is refused (and count nothing)."""

@@ -241,8 +241,12 @@ class Rollout:
         self.calls_served += 1
 
     def count_error(self, status: int) -> None:
-        """A call answered with an error ``status`` (reported per status)."""
+        """A call answered with an error ``status`` (reported per status). One the rollout caused (a 4xx: bad JSON,
+        a body past the limits, a prompt too long), unless a quota refused it, counts as a call toward the call quota:
+        refusing costs the proxy work too, so a rollout that only sends refused calls is stopped like any other."""
         self.errors[status] = self.errors.get(status, 0) + 1
+        if 400 <= status < 500 and self.quota_exceeded is None:
+            self.usage.count_refused()
 
     def fail(self, reason: str) -> None:
         """The infrastructure failed it (the engine, Kafka): its seal reports ``infra_failure``, never the

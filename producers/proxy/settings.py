@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from policy import DEFAULT_MODEL_NAME
 from producers.proxy.conversation import CallKindRules
+from producers.proxy.nesting import SAFE_DEPTH
 from producers.proxy.router import POLICIES
 
 
@@ -78,6 +79,23 @@ class ProxySettings(BaseSettings):
         default=8 * 1024 * 1024,
         description="Larger request bodies get 413. 8 MiB holds a 40k-token conversation with its tools many times "
         "over (a 39k-token Claude Code call is ~0.3 MB); images are replaced by placeholders anyway.",
+    )
+    max_json_depth: int = Field(
+        default=64,
+        ge=16,
+        le=SAFE_DEPTH,
+        description="Deepest JSON nesting a request may hold, in its body and in each tool call's arguments sent as "
+        "JSON text: deeper is a 400 in the caller's dialect, measured before the body is parsed. Shipped harnesses "
+        "nest ~10 deep (their tool schemas); a tool call the model writes deeper than max_json_depth - 8 is served "
+        f"as text, so no harness echoes back one this refuses. At most {SAFE_DEPTH}: parsing, the chat template and "
+        "the grader's transcript recurse once per level.",
+    )
+    max_messages: int = Field(
+        default=4096,
+        ge=1,
+        description="Most messages one request may hold (its messages or input items, and the conversation they "
+        "make): more is a 400 in the caller's dialect before anything is rendered. Claude Code sends 100-odd after a "
+        "long task; a body of 280k tiny messages took 22 s to render.",
     )
     max_prompt_tokens: int | None = Field(
         default=None,

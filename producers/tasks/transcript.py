@@ -8,17 +8,21 @@ payload read; system messages left out, as OpenClaw leaves them out; format:
 docs/task_suites.md#transcripts-openclaws-session-format); :func:`stream_transcript` writes the records a harness's
 stream-json output holds, closed by a ``result`` record with the model's last answer (graders of a harness's
 stdout). OpenClaw's own session file (:func:`find_openclaw_session`) is read only when the proxy reported nothing.
+Nothing here recurses on what it reads: JSON text is measured before it is parsed and a value before it is
+stringified (``producers.proxy.nesting``); one nested past ``SAFE_DEPTH`` is kept as text or left out with a note, so
+the records are always writable as JSON.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import uuid
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from producers.proxy.nesting import SAFE_DEPTH, loads_within, value_depth
 
 SESSION_VERSION = 3
 ZERO_USAGE = {
@@ -35,28 +39,39 @@ def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
 
 
+LEFT_OUT = f"<nested deeper than {SAFE_DEPTH} levels: left out>"
+
+
+def _str(value: Any) -> str:
+    """Any value as text (``str``), but a value nested past ``SAFE_DEPTH`` (its repr recurses per level) as a note."""
+    if isinstance(value, str):
+        return value
+    return LEFT_OUT if value_depth(value) > SAFE_DEPTH else str(value)
+
+
 def _text(content: Any) -> str:
     """Message content as text: a string, or the text of OpenAI/Anthropic-style content parts."""
     if content is None:
         return ""
-    if isinstance(content, str):
-        return content
     if isinstance(content, list):
         return "\n".join(
-            p if isinstance(p, str) else str(p.get("text", ""))
+            p if isinstance(p, str) else _str(p.get("text", ""))
             for p in content
             if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
         )
-    return str(content)
+    return _str(content)
 
 
 def _arguments(value: Any) -> Any:
-    """Tool-call arguments as the object OpenClaw stores (JSON text is parsed; unparseable text kept as ``raw``)."""
+    """Tool-call arguments as the object OpenClaw stores (JSON text is parsed; unparseable text, or text nested past
+    ``SAFE_DEPTH``, kept as ``raw``; an object nested past it left out)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value) if value.strip() else {}
+            value = loads_within(value) if value.strip() else {}
         except ValueError:
             return {"raw": value}
+    if value_depth(value) > SAFE_DEPTH:
+        return {"raw": LEFT_OUT}
     return value if isinstance(value, dict) else {"value": value}
 
 
@@ -67,8 +82,8 @@ def _tool_calls(msg: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
         if not isinstance(call, Mapping):
             continue
         fn = call.get("function") if isinstance(call.get("function"), Mapping) else {}
-        name = str(fn.get("name", call.get("name", "")))
-        out.append((str(call.get("id", "")), name, _arguments(fn.get("arguments", call.get("arguments", {})))))
+        name = _str(fn.get("name", call.get("name", "")))
+        out.append((_str(call.get("id", "")), name, _arguments(fn.get("arguments", call.get("arguments", {})))))
     return out
 
 
@@ -138,8 +153,8 @@ def session_transcript(
                 }
             )
         elif role == "tool":
-            call_id = str(msg.get("tool_call_id", ""))
-            name = str(msg.get("name") or tool_names.get(call_id, ""))
+            call_id = _str(msg.get("tool_call_id", ""))
+            name = _str(msg.get("name") or tool_names.get(call_id, ""))
             add(
                 {
                     "type": "message",
@@ -182,7 +197,7 @@ def stream_transcript(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, A
                 content.append({"type": "tool_use", "id": call_id, "name": name, "input": arguments})
             records.append({"type": "assistant", "message": {"role": "assistant", "content": content}})
         elif role == "tool":
-            result = {"type": "tool_result", "tool_use_id": str(msg.get("tool_call_id", ""))}
+            result = {"type": "tool_result", "tool_use_id": _str(msg.get("tool_call_id", ""))}
             result["content"] = _text(msg.get("content"))
             records.append({"type": "user", "message": {"role": "user", "content": [result]}})
     records.append({"type": "result", "result": answer})
@@ -203,7 +218,7 @@ def parse_session_jsonl(text: str) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            out.append(loads_within(line))
         except ValueError as exc:
             out.append({"raw": line, "parse_error": str(exc)})
     return out
@@ -222,7 +237,7 @@ def find_openclaw_session(home: Path, agents_dir: str = OPENCLAW_AGENTS_DIR) -> 
     for agent_dir in sorted(p for p in agents.iterdir() if p.is_dir()):
         sessions = agent_dir / "sessions"
         try:
-            store = json.loads((sessions / "sessions.json").read_text())
+            store = loads_within((sessions / "sessions.json").read_text())
         except (OSError, ValueError):
             continue
         if not isinstance(store, dict):
