@@ -85,6 +85,11 @@ def _batch_entry(rec: dict[str, Any], where: Where) -> BatchEntry:
     )
 
 
+def _scored_seal(rec: dict[str, Any], where: Where) -> BatchEntry | None:
+    """A group's SEAL on the scored-groups topic: when the batcher got the group whole (its envelopes: not kept)."""
+    return _batch_entry(rec, where) if rec["kind"] == "SEAL" else None
+
+
 _DROPPED_GROUP = re.compile(r"^(?:stale )?group (.+?): ")
 
 
@@ -133,7 +138,7 @@ def read_run(settings: KafkaSettings, *, progress: TextIO | None = None) -> RunL
     if not found:
         raise EventLogError(f"no topics of the run with prefix {settings.topic_prefix!r} on the broker")
     for topic in scored_topics(settings):
-        _read_topic(settings, topic, "BatchRecord", _batch_entry, "scored", log, progress)
+        _read_topic(settings, topic, "BatchRecord", _scored_seal, "scored", log, progress)
     return log
 
 
@@ -180,8 +185,9 @@ def _read_topic(
                 if msg.value() is None:
                     raise CodecError(f"a tombstone (no value), not a {schema}")
                 _, rec = default_codec().decode(msg.value(), expected=schema)
-                if keep is not None:
-                    getattr(log, target).append(keep(rec, where))  # type: ignore[arg-type]
+                kept = keep(rec, where) if keep is not None else None
+                if kept is not None:
+                    getattr(log, target).append(kept)  # type: ignore[arg-type]
             except (ClawstreamError, KeyError, ValueError, TypeError) as exc:
                 log.undecodable.append((f"{type(exc).__name__}: {exc}", where))
         log.counts[ref.name] = n

@@ -303,11 +303,10 @@ class _Flow:
         for t in log.trajectories:
             if t.group_id is not None:
                 self.by_group[t.group_id][t.rollout_id].append(t)
-        self.letters: dict[str, list[Letter]] = defaultdict(list)  # by rollout id, group id (batcher) or key (learner)
-        for d in log.dead_letters:
-            for k in (d.rollout_id, d.group_id if d.source == "streams.batcher" else None, d.key):
-                if k:
-                    self.letters[k].append(d)
+        self.letters: dict[tuple[str, str], list[Letter]] = defaultdict(list)  # (source, what it names) → letters
+        for d in sorted(log.dead_letters, key=lambda d: (not _is_loss(d), _pos(d.where))):  # losses first
+            for k in {d.rollout_id, d.group_id, d.key} - {None, ""}:
+                self.letters[(d.source, k or "")].append(d)
 
     def check(self, report: AuditReport) -> None:
         out = report.violations
@@ -352,8 +351,8 @@ class _Flow:
                 t = max(ts, key=lambda t: (t.trainable is True, t.where.offset))
                 if not t.trainable:
                     short.append(f"{rollout} {t.status}" + (f" ({t.drop_reason})" if t.drop_reason else ""))
-                elif self.letters.get(rollout):
-                    short.append(f"{rollout} dead-lettered: {self.letters[rollout][0].reason.splitlines()[0][:120]}")
+                elif late := self.letters.get(("streams.grouper", rollout)):  # late, or a second trajectory
+                    short.append(f"{rollout} dead-lettered: {late[0].reason.splitlines()[0][:120]}")
                 elif formed and t.timestamp_ms > formed:
                     report.in_flight["late trajectories of trained groups"] = (
                         report.in_flight.get("late trajectories of trained groups", 0) + 1
@@ -388,8 +387,8 @@ class _Flow:
             if g in self.group_batches:
                 continue
             rollouts = ", ".join(self._trainable(g)) or "none settled here"
-            letter = next((d for d in self.letters.get(g, []) if d.source == "streams.batcher"), None)
-            if letter is not None and letter.error_type not in LOSS_REFUSALS:
+            letter = next(iter(self.letters.get(("streams.batcher", g), [])), None)
+            if letter is not None and not _is_loss(letter):
                 report.set_aside.append(f"group {g} ({rollouts}): {letter.reason.splitlines()[0][:160]}")
             elif letter is not None:
                 out.append(
@@ -448,10 +447,8 @@ class _Flow:
                 f"{len(entries)} trajectories of groups {sorted({g for e in entries if (g := _gid(e))}) or '-'}: "
                 f"rollouts {sorted(e.trajectory.rollout_id for e in entries if e.trajectory is not None)}"
             )
-            refusal = next((d for d in self.letters.get(batch_id, []) if d.source == "learner"), None)
-            if refusal is not None and not (
-                refusal.error_type in LOSS_REFUSALS or _SEAL_COUNT.match(refusal.reason.split(": ", 1)[-1])
-            ):
+            refusal = next(iter(self.letters.get(("learner", batch_id), [])), None)
+            if refusal is not None and not _is_loss(refusal):
                 report.set_aside.append(f"batch {batch_id} refused: {refusal.reason.splitlines()[0][:200]}")
             elif refusal is not None:
                 out.append(
@@ -475,6 +472,11 @@ class _Flow:
                 pending += 1
         if pending:
             report.in_flight["batches sealed after the last trained one"] = pending
+
+
+def _is_loss(letter: Letter) -> bool:
+    """A dead letter for the system failing, not the input: a killed step, a group or batch short of its seal."""
+    return letter.error_type in LOSS_REFUSALS or bool(_SEAL_COUNT.match(letter.reason.split(": ", 1)[-1]))
 
 
 def _pos(where: Where) -> tuple[int, int]:
