@@ -1,7 +1,7 @@
 """Grading rules, pure: how a task's grader is invoked and how its output becomes a reward; the LLM-judge call.
 
 This is the one place that knows a grader's contract; ``producers.sandbox.run_grader`` runs it inside a rollout's
-sandbox and the warm start (``warmstart``) in a temporary directory, both through :func:`grader_invocation` and
+sandbox (a fresh one for ``clawstream tasks grade``), through :func:`grader_invocation` and
 :func:`parse_grader_output`. The grader files go to a grader directory outside the workspace, the task's hard-coded
 mount dir rewritten to the workspace path where the task asks for it. The command runs out of the rollout's reach:
 HOME and cwd an empty directory of the grader dir (cwd the workspace for ClawGym-Bench, as its harness runs it),
