@@ -49,9 +49,10 @@ class LearnerSettings(BaseSettings):
     max_step_attempts: int = Field(
         default=2,
         ge=1,
-        description="Dead-letter a batch untrained once the learner was killed during its training this many times "
-        "in a row (an OOM kill is a SIGKILL; counts kept in <weight store>/<model>/trainer-state/step-attempts.json). "
-        "A step that raises is dead-lettered at once.",
+        description="Dead-letter a batch untrained once the learner died out of memory during its training this many "
+        "times, on evidence (the supervisor's record of the kernel's OOM kill, or the memory cgroup's oom_kill "
+        "counter; learner/attempts.py). Any other death in a step (SIGKILL, SIGTERM, preemption) trains the batch "
+        "again, however often. A step that raises is dead-lettered at once.",
     )
     activation_checkpointing: Literal["auto", "on", "off"] = Field(
         default="auto",

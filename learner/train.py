@@ -10,10 +10,12 @@ Untrainable batches never stop the learner: a seal that does not add up, a traje
 batch, a tree that cannot be packed or a trainable segment whose sampling settings are unknown goes to
 ``clawstream.deadletter`` with the reason, in the transaction that commits its offsets; packing is checked before any
 parameter changes. A step that raises is rolled back to the last published version and dead-lettered the same way; a
-batch the learner was killed in ``max_step_attempts`` times (``learner.attempts``: out of memory?) is dead-lettered
-untrained. Resume: the newest published version is loaded (sha256 verified) with the optimizer and RNG state saved
-beside it (``trainer-state/vNNNNNN.pt``), so a resumed run continues exactly as an uninterrupted one. Every case in
-detail: docs/method.md#exactly-once-dead-letters-resume.
+batch the learner died in out of memory ``max_step_attempts`` times, on evidence (``learner.attempts``), is
+dead-lettered untrained; any other death in a step (SIGKILL, SIGTERM, preemption) trains the batch again. Each
+attempt writes its version under a name of its own, which the transaction publishes (``policy.weight_store``): a
+fenced learner cannot change a published version. Resume: the newest published version is loaded (sha256 verified)
+with the optimizer and RNG state saved with it (verified against the sha256 the weights record), so a resumed run
+continues exactly as an uninterrupted one. Every case in detail: docs/method.md#exactly-once-dead-letters-resume.
 
 Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
 Fault points (``clawbase.faults``, docs/faults.md): ``learner.after_save``, after a version's files are saved and
@@ -27,7 +29,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
@@ -61,9 +64,17 @@ from learner.value import ValueHead
 from learner.weights_http import default_base_url, local_copy, published_uri, serving
 from policy import DEFAULT_MODEL_NAME
 from policy.weight_store import (
+    SavedWeights,
+    attempt_of,
+    checked_companion,
     copy_into,
+    link_published,
     load_checked,
+    new_attempt,
+    resolve_uri,
+    save_companion,
     save_weights,
+    sha256_file,
     trainer_state_path,
     value_head_path,
     verify_file,
@@ -146,6 +157,8 @@ class Learner:
             with deadline("commit of a step", TXN_DEADLINE_S):  # a broker restart mid-transaction hung here
                 self._commit_offsets(batch)
                 self.producer.commit_transaction(60)
+            if not problem:  # published: only now may vNNNNNN name this attempt's files
+                self._link(self.latest)
             self.attempts.forget(self._key(batch))  # a batch dead-lettered for its kills: done with
             steps += 1
             if self.settings.max_steps is not None and steps >= self.settings.max_steps:
@@ -181,25 +194,36 @@ class Learner:
                 yield sealed
 
     def _refused_untrained(self, batch: SealedBatch) -> Refusal | None:
-        """A batch a published version names, or one the learner was killed training ``max_step_attempts`` times."""
+        """A batch a published version names, or one whose training killed the learner out of memory (on evidence)
+        ``max_step_attempts`` times; a death without such evidence (SIGKILL, SIGTERM, preemption) retrains it."""
         if batch.batch_id in self.trained:
             return Refusal(f"batch {batch.batch_id} was already trained (published as v{self.trained[batch.batch_id]})")
-        died = self.attempts.count(self._key(batch))
-        if died < self.settings.max_step_attempts:
+        died = self.attempts.attempts.get(self._key(batch))
+        if died is not None and died.failures >= self.settings.max_step_attempts:
+            return Refusal(
+                f"batch {batch.batch_id} ({self._where(batch)}): the distributed step raised {died.failures} times "
+                f"(last: {died.failure}); the group cannot roll back in the process, so each raise restarted it",
+                "TrainingStepFailed",
+            )
+        if died is None or died.ooms < self.settings.max_step_attempts:
             return None
         return Refusal(
-            f"batch {batch.batch_id} ({self._where(batch)}): attempted {died} times without finishing: the learner "
-            "was killed during its step each time (out of memory?)",
-            "TrainingStepKilled",
+            f"batch {batch.batch_id} ({self._where(batch)}): the learner died out of memory in its step {died.ooms} "
+            f"times ({died.starts} attempts; last evidence: {died.evidence}); the memory plan estimated "
+            f"{died.estimate or 'nothing yet (killed before planning)'}: lower the token budget or max_path_tokens "
+            "(--hp), or set memory_limit_gib below what the device really has",
+            "TrainingStepOutOfMemory",
         )
 
     def _train(self, batch: SealedBatch, trees: list[ScoredTree]) -> tuple[dict[str, float], Refusal | None]:
         """One optimizer step, or why the batch is dead-lettered instead: packing fails before any update; a step
         that raises is rolled back to the last published version. A SIGKILL in here counts as an attempt."""
         key = self._key(batch)
-        self.attempts.start(key)  # on disk before anything that may be killed (the dry run, the step, a rollback)
+        n = self.attempts.start(key)  # on disk before anything that may be killed (the dry run, the step, a rollback)
+        if n > 1:
+            log.info("%s: batch %s: attempt %d (earlier ones died without evidence of OOM)", self._where(batch), key, n)
         try:
-            refusal = self._dry_run(trees)
+            refusal = self._dry_run(trees, key)
             if refusal is not None:
                 return {}, refusal
             try:
@@ -216,7 +240,7 @@ class Learner:
         finally:  # returned, raised or stopped (SIGTERM, Ctrl-C): not a kill by this batch
             self.attempts.forget(key)
 
-    def _dry_run(self, trees: list[ScoredTree]) -> Refusal | None:
+    def _dry_run(self, trees: list[ScoredTree], key: str) -> Refusal | None:
         try:  # the batch's own data (a tree over the token budget, inconsistent segments): a packing dry run
             rows = pack_trees(
                 [t.segments for t in trees], self.config.token_budget, max_path_tokens(self.model, self.config)
@@ -225,9 +249,9 @@ class Learner:
             return Refusal(f"cannot recompute the rollout logprobs' distribution: {exc}")
         except PackError as exc:
             return Refusal(f"cannot pack the batch: {exc}")
-        return self._plan_memory(rows)
+        return self._plan_memory(rows, key)
 
-    def _plan_memory(self, rows: list[MicroBatch]) -> Refusal | None:
+    def _plan_memory(self, rows: list[MicroBatch], key: str) -> Refusal | None:
         """Activation checkpointing on or off for this step, or the batch refused: it cannot fit (learner/memory.py)."""
         s = self.settings
         limit = int(s.memory_limit_gib * GIB) if s.memory_limit_gib else available_bytes(self.device)
@@ -242,6 +266,7 @@ class Learner:
         )
         if plan.refusal is not None:
             return Refusal(plan.refusal, "InsufficientMemory")
+        self.attempts.plan(key, f"{plan.estimate.explain()} of the {limit / GIB:.2f} GiB it may use")
         if set_checkpointing(self.model, plan.checkpointing):
             log.info(
                 "activation checkpointing %s: the step needs %s",
@@ -291,16 +316,21 @@ class Learner:
             return [], Refusal("empty batch")
         return trees, None
 
+    def _save_version(self, version: int) -> SavedWeights:
+        """The version's files under this attempt's own name (policy.weight_store): trainer state and value head
+        first, their sha256 in the weights file's header, so that the published sha256 vouches for all three."""
+        store, name, attempt = self.settings.weight_store, self.settings.model_name, new_attempt()
+        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        sums = {"trainer_state_sha256": save_companion(state, trainer_state_path(store, name, version, attempt))}
+        if self.value_head is not None:  # kept for resuming; inference never needs it
+            head = value_head_path(store, name, version, attempt)
+            self.value_head.save(head)
+            sums["value_head_sha256"] = sha256_file(head)
+        return save_weights(self.model, store, name, version, attempt, sums)
+
     def _publish_version(self, batch: SealedBatch, metrics: dict[str, float]) -> None:
         version = self.version + 1
-        saved = save_weights(self.model, self.settings.weight_store, self.settings.model_name, version)
-        if self.value_head is not None:  # kept beside the weights for resuming; inference never needs it
-            self.value_head.save(value_head_path(self.settings.weight_store, self.settings.model_name, version))
-        state_file = trainer_state_path(self.settings.weight_store, self.settings.model_name, version)
-        state_file.parent.mkdir(parents=True, exist_ok=True)
-        partial = state_file.with_suffix(".partial")
-        torch.save({"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}, partial)
-        partial.replace(state_file)  # a crash mid-write leaves no half file under the version's name
+        saved = self._save_version(version)
         fault_point("learner.after_save")  # saved, not yet published: a crash here must not train the batch twice
         event = WeightVersion(
             policy_version=version,
@@ -389,25 +419,30 @@ class Learner:
             )
             return
         self._load(self.latest)
+        self._link(self.latest)  # in case the last one died between its commit and its link
         self.version = self.latest.policy_version
         log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, self.latest.uri)
 
     def _load(self, version: WeightVersion | None) -> None:
         """Weights (sha256 verified), value head, optimizer and RNG state saved with ``version``; None: as started."""
-        store, name = self.settings.weight_store, self.settings.model_name
+        store = self.settings.weight_store
         state: dict | None = self._initial_state
+        weights = Path()
         if version is None:
             initial = load_policy(self.settings.model_dir)
             self.model.load_state_dict(initial.state_dict())
         else:
-            copy_into(self.model, load_checked(verify_file(local_copy(version, store)), self.model))
-            state_file = trainer_state_path(store, name, version.policy_version)
-            state = torch.load(state_file, map_location=self.device, weights_only=True) if state_file.exists() else None
+            weights = verify_file(local_copy(version, store))
+            copy_into(self.model, load_checked(weights, self.model))
+            state_file = self._companion(weights, version.policy_version, trainer_state_path, "trainer_state_sha256")
+            state = torch.load(state_file, map_location=self.device, weights_only=True) if state_file else None
             if state is None:
-                log.warning("no optimizer state for v%d (%s): fresh AdamW moments", version.policy_version, state_file)
+                log.warning("no optimizer state for v%d (%s): fresh AdamW moments", version.policy_version, weights)
         if self.value_head is not None:
-            head_file = value_head_path(store, name, version.policy_version) if version is not None else None
-            if head_file is not None and head_file.exists():
+            head_file = None
+            if version is not None:
+                head_file = self._companion(weights, version.policy_version, value_head_path, "value_head_sha256")
+            if head_file is not None:
                 self.value_head.load(head_file)
             else:
                 self.value_head.load_state_dict(self._initial_head)
@@ -416,6 +451,19 @@ class Learner:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["torch_rng"].cpu())
+
+    def _companion(self, weights: Path, version: int, path_of: Callable[..., Path], key: str) -> Path | None:
+        """The trainer state or value head saved with the verified ``weights``, checked against its sha256 there."""
+        attempt = attempt_of(weights)
+        path = path_of(self.settings.weight_store, self.settings.model_name, version, attempt)
+        if attempt is None:  # written before versions had attempts: no sha256 recorded to check against
+            log.warning("%s predates checksummed trainer state: loaded unchecked", path)
+            return path if path.exists() else None
+        return checked_companion(weights, path, key)
+
+    def _link(self, version: WeightVersion | None) -> None:
+        if version is not None:
+            link_published(resolve_uri(local_copy(version, self.settings.weight_store).uri))
 
 
 def published_versions(kafka: KafkaSettings, model_name: str, timeout: float = 30.0) -> list[WeightVersion]:
@@ -493,7 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     with serving(settings.weight_store, settings.weights_http_port):
-        steps = Learner(settings, config, kafka).run()
+        try:
+            steps = Learner(settings, config, kafka).run()
+        except ClawstreamError as exc:  # e.g. a published version's files changed since: the file and the fix
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     log.info("trained %d batches", steps)
     return 0
 

@@ -7,7 +7,8 @@ reduction (``learner.distributed.GroupReduction``), and rank 0 publishes (its mo
 parallel). Whenever rank 0 loads a version (resume, rollback) it broadcasts weights, optimizer and RNG state, so
 every rank holds the same state. A step that raises cannot be rolled back in the process (the other ranks may be
 waiting in a collective): the rank exits, the launcher stops the others, and the restarted group resumes from the
-last published version — a SIGKILL's path, counted by the step attempts (docs/method.md#the-distributed-step). A
+last published version — a SIGKILL's path; the rank that raised records it (``learner.attempts.record_failure``), and
+``max_step_attempts`` such raises dead-letter the batch (docs/method.md#the-distributed-step). A
 rank killed -9 (mid-collective or not) ends the group the same way: the launcher stops the others and exits 1
 (tests/integration/test_learner_ranks.py); no rank outlives the launcher (parent-death signal); a collective that
 waits past ``CLAWSTREAM_LEARNER_COLLECTIVE_TIMEOUT_S`` (600 s) fails its rank, and an idle rank 0 sends the others a
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from clawbase.faults import fault_point
+from learner.attempts import DEATHS, record_failure
 from learner.distributed import GroupReduction
 from learner.hparams import Hyperparams
 from learner.logit_scale import LogitScale
@@ -43,6 +45,7 @@ from learner.settings import LearnerSettings
 from learner.step import ScoredTree, train_step
 from learner.train import Learner
 from learner.value import ValueHead
+from policy.weight_store import trainer_state_path
 from schemas.events import WeightVersion
 
 log = logging.getLogger("clawstream.learner")
@@ -118,13 +121,15 @@ class LeadLearner(Learner):
 
     def _step(self, trees: list[ScoredTree]) -> dict[str, float]:
         # The plan (learner.memory, in rank 0's dry run) is for the whole batch: every rank follows its checkpointing.
-        _send(("step", (trees, self.version, bool(self.model.is_gradient_checkpointing))))
+        _send(("step", (trees, self.version, bool(self.model.is_gradient_checkpointing), os.getpid())))
         try:
             fault_point("learner.rank0.step")  # a hold here leaves the other ranks in the step's first collective
             return super()._step(trees)  # every rank folds the same all-reduced logit scale step: the ranks stay equal
-        except BaseException:
+        except BaseException as exc:
             log.exception("the step raised on rank 0: the group cannot go on; exiting for a restart")
-            os._exit(1)  # no rollback here: the batch's attempt stays counted (learner.attempts)
+            if isinstance(exc, Exception) and not _lost_peer(exc):  # a lost peer records its own raise, if it raised
+                record_failure(self.attempts.path.parent / DEATHS, os.getpid(), f"rank 0: {type(exc).__name__}: {exc}")
+            os._exit(1)  # no rollback here: the batch's attempt stays on disk (learner.attempts)
 
     def _load(self, version: WeightVersion | None) -> None:
         super()._load(version)
@@ -151,13 +156,26 @@ def follow(settings: LearnerSettings, config: Hyperparams) -> None:
         if kind == "sync":
             _sync(model, optimizer, head)
         elif kind == "step":
-            trees, version, checkpointing = payload
+            trees, version, checkpointing, lead = payload
             fault_point(f"learner.rank{dist.get_rank()}.step")
             set_checkpointing(model, checkpointing)
             _set_lr(optimizer, config, version)
-            train_step(model, optimizer, trees, config, head, ref, GroupReduction())
+            try:
+                train_step(model, optimizer, trees, config, head, ref, GroupReduction())
+            except Exception as exc:
+                if not _lost_peer(exc):  # the verdict for the lead's attempt: its next start reads it
+                    deaths = trainer_state_path(settings.weight_store, settings.model_name, 0).parent / DEATHS
+                    record_failure(deaths, lead, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}")
+                raise
             if scale is not None:
                 scale.fold()
+
+
+def _lost_peer(exc: Exception) -> bool:
+    """A collective that failed because another rank went away (killed, or raised itself): no verdict on the batch."""
+    text = str(exc).lower()
+    lost = ("gloo", "connection closed", "connection reset")
+    return isinstance(exc, dist.DistError) or any(word in text for word in lost)
 
 
 def _timeout_s() -> float:
@@ -207,9 +225,11 @@ def _settings(argv: Sequence[str]) -> tuple[LearnerSettings, Hyperparams]:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--weight-store", required=True)
+    parser.add_argument("--model-name", default=None)
     parser.add_argument("--hp", action="append", default=[])
     args, _ = parser.parse_known_args(list(argv))
-    settings = LearnerSettings(model_dir=args.model_dir, weight_store=args.weight_store)
+    named = {"model_name": args.model_name} if args.model_name else {}
+    settings = LearnerSettings(model_dir=args.model_dir, weight_store=args.weight_store, **named)
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     return settings, parse_hparams(args.hp)

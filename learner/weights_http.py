@@ -1,6 +1,6 @@
 """The learner's weight store over HTTP, so engines on other hosts need no shared filesystem.
 
-Read-only: GET and HEAD of ``/<model>/v<version:06d>/model.safetensors`` (the store's layout,
+Read-only: GET and HEAD of ``/<model>/v<version:06d>[-<attempt>]/model.safetensors`` (the store's layout,
 ``policy.weight_store.version_path``) and nothing else — no listings, no trainer state, no value heads, no path
 outside the store (symlinks resolved first). Anything else is 404 (405 for other methods). Threads from the stdlib's
 ``ThreadingHTTPServer``: a download of a big file never holds up the training loop. Engines fetch with
@@ -19,6 +19,7 @@ import re
 import shutil
 import socket
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -27,11 +28,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from policy.weight_fetch import is_remote
-from policy.weight_store import SavedWeights, version_path
+from policy.weight_store import SavedWeights
 from schemas.events import WeightVersion
 
 log = logging.getLogger("clawstream.learner.weights_http")
-SERVED = re.compile(r"^/[A-Za-z0-9._-]+/v\d{6}/model\.safetensors$")
+SERVED = re.compile(r"^/[A-Za-z0-9._-]+/v\d{6}(-[0-9a-f-]+)?/model\.safetensors$")  # a version or an attempt
 
 
 def published_uri(saved: SavedWeights, store: Path, base_url: str | None) -> str:
@@ -49,7 +50,8 @@ def local_copy(version: WeightVersion, store: Path) -> WeightVersion:
     """``version`` pointing at the learner's own file: a resuming learner reads its store, not its own server."""
     if not is_remote(version.uri):
         return version
-    return replace(version, uri=version_path(store, version.model_name, version.policy_version).resolve().as_uri())
+    *_, directory, name = urllib.parse.urlparse(version.uri).path.split("/")  # <model>/<vNNNNNN-attempt>/<file>
+    return replace(version, uri=(store / version.model_name / directory / name).resolve().as_uri())
 
 
 class WeightsServer:

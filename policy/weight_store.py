@@ -1,11 +1,14 @@
 """Weight store: save a policy version as one safetensors file with its sha256; verify and load one back.
 
 Weights never travel through Kafka; ``clawstream.weights`` carries only the file's URI and sha256. Pure (torch +
-safetensors, no Kafka). The layout is ``<store>/<model_name>/v<version:06d>/model.safetensors`` — one directory per
-version, because vLLM's reload loads every ``*.safetensors`` of a directory (consumers/inference/vllm_adapter.py);
-writes are
-atomic (temp file + rename) so a reader never sees half a file, and re-saving a version (after a learner crash
-before the version was published) overwrites the unpublished file. Verification (:func:`verify_file`,
+safetensors, no Kafka). The learner writes each training attempt of version N under a path of its own,
+``<store>/<model_name>/vNNNNNN-<attempt>/model.safetensors`` (one directory per version, because vLLM's reload loads
+every ``*.safetensors`` of a directory: consumers/inference/vllm_adapter.py), with its trainer state and value head
+under the same ``vNNNNNN-<attempt>`` name; the version's transaction publishes that path, and only then does
+``vNNNNNN`` become a link to it (:func:`link_published`, for readers that know only the number). A fenced learner's
+writes therefore land under its own attempt's name and can never change a published version. The weights file's
+metadata carries the trainer state's and value head's sha256, so the sha256 in the published event vouches for
+them too (:func:`checked_companion`). Writes are atomic (temp file + rename). Verification (:func:`verify_file`,
 :func:`load_checked`) raises :class:`WeightsRejected` whose ``kind`` names the reason (missing_file,
 checksum_mismatch, shape_mismatch, ...): inference workers dead-letter with it, the learner refuses to resume.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
@@ -38,28 +42,104 @@ class SavedWeights:
         return self.path.resolve().as_uri()
 
 
-def version_path(store: Path, model_name: str, version: int) -> Path:
-    return store / model_name / f"v{version:06d}" / "model.safetensors"
+def _name(version: int, attempt: str | None) -> str:
+    return f"v{version:06d}" if attempt is None else f"v{version:06d}-{attempt}"
 
 
-def value_head_path(store: Path, model_name: str, version: int) -> Path:
+def version_path(store: Path, model_name: str, version: int, attempt: str | None = None) -> Path:
+    """The weights of ``version`` (its published link without ``attempt``; one attempt's own file with it)."""
+    return store / model_name / _name(version, attempt) / "model.safetensors"
+
+
+def value_head_path(store: Path, model_name: str, version: int, attempt: str | None = None) -> Path:
     """PPO's value head of a version: outside the version directory, so vLLM never tries to load it."""
-    return store / model_name / "value-heads" / f"v{version:06d}.safetensors"
+    return store / model_name / "value-heads" / f"{_name(version, attempt)}.safetensors"
 
 
-def trainer_state_path(store: Path, model_name: str, version: int) -> Path:
+def trainer_state_path(store: Path, model_name: str, version: int, attempt: str | None = None) -> Path:
     """The learner's optimizer and RNG state after a version (for an exact resume); beside the value heads."""
-    return store / model_name / "trainer-state" / f"v{version:06d}.pt"
+    return store / model_name / "trainer-state" / f"{_name(version, attempt)}.pt"
 
 
-def save_weights(model: torch.nn.Module, store: Path, model_name: str, version: int) -> SavedWeights:
+def new_attempt() -> str:
+    """A name no other training attempt of any version has (this process and a random part)."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def attempt_of(weights: Path) -> str | None:
+    """The attempt a weights file was written by (its directory's ``vNNNNNN-<attempt>``); None for the old layout."""
+    _, _, attempt = weights.parent.name.partition("-")
+    return attempt or None
+
+
+def save_companion(value: object, path: Path) -> str:
+    """``torch.save`` of a version's trainer state (or any companion file), atomically; its sha256."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(value, partial)
+    partial.replace(path)
+    return sha256_file(path)
+
+
+def checked_companion(weights: Path, path: Path, key: str) -> Path | None:
+    """``path`` (a trainer state or value head of the version whose verified weights are ``weights``), after
+    checking it against the sha256 the weights file's metadata ``key`` records; None when it does not exist."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as f:
+        expected = (f.metadata() or {}).get(key)
+    if not path.exists():
+        return None
+    if expected is None:
+        raise WeightsRejected("missing_checksum", f"{weights} records no {key} to check {path} against")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise WeightsRejected(
+            "checksum_mismatch",
+            f"{path} has sha256 {actual}, but the published weights {weights} record {expected}: the file was "
+            "changed after its version was published. Restore it from a backup, or delete it to resume with fresh "
+            "optimizer moments",
+        )
+    return path
+
+
+def link_published(weights: Path) -> Path:
+    """Point ``vNNNNNN`` at the published attempt's directory (atomically; again after a restart is harmless)."""
+    directory = weights.parent
+    name, _, attempt = directory.name.partition("-")
+    link = directory.with_name(name)
+    if not attempt or (link.is_symlink() and os.readlink(link) == directory.name):
+        return link
+    partial = directory.with_name(f"{name}.link{os.getpid()}")
+    partial.unlink(missing_ok=True)
+    partial.symlink_to(directory.name, target_is_directory=True)
+    partial.replace(link)
+    return link
+
+
+def save_weights(
+    model: torch.nn.Module,
+    store: Path,
+    model_name: str,
+    version: int,
+    attempt: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> SavedWeights:
     """Write the model's state dict (tied weights once) atomically and return path + sha256."""
-    return save_state_dict(model.state_dict(), store, model_name, version)
+    return save_state_dict(model.state_dict(), store, model_name, version, attempt, metadata)
 
 
-def save_state_dict(tensors: Mapping[str, torch.Tensor], store: Path, model_name: str, version: int) -> SavedWeights:
-    """:func:`save_weights` of a state dict (e.g. the full weights a sharded learner gathers on its rank 0)."""
-    path = version_path(store, model_name, version)
+def save_state_dict(
+    tensors: Mapping[str, torch.Tensor],
+    store: Path,
+    model_name: str,
+    version: int,
+    attempt: str | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> SavedWeights:
+    """:func:`save_weights` of a state dict (e.g. the full weights a sharded learner gathers on its rank 0);
+    ``metadata`` (e.g. the companion files' sha256) goes into the file's header."""
+    path = version_path(store, model_name, version, attempt)
     path.parent.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -71,7 +151,7 @@ def save_state_dict(tensors: Mapping[str, torch.Tensor], store: Path, model_name
         seen.add(key)
         state[name] = tensor.detach().to("cpu").contiguous()
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(state, str(tmp), metadata={"model_name": model_name, "version": str(version)})
+    save_file(state, str(tmp), metadata={**(metadata or {}), "model_name": model_name, "version": str(version)})
     os.replace(tmp, path)
     return SavedWeights(path=path, sha256=sha256_file(path), size_bytes=path.stat().st_size)
 

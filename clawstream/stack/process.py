@@ -5,7 +5,10 @@ group with its output in ``<log_dir>/<name>.log``; readiness is a line it prints
 answering. ``Stack.stop`` sends SIGTERM to every group in reverse start order, then SIGKILL after a grace period.
 ``Stack.check`` is the supervisor: a service that exits with ``RESTART_EXIT`` (a streams worker evicted from its group:
 ``streams.eos.close_dirty``), or one marked ``restart`` that dies (a broker outage it did not ride out), is started
-again, up to ``MAX_RESTARTS`` times; any other death stops the run. Pure process plumbing: no Kafka.
+again, up to ``MAX_RESTARTS`` times; any other death stops the run. The supervisor is who sees a death: for a service
+with a ``deaths`` folder (the learner's), a SIGKILL with evidence of an out-of-memory kill (the kernel's record of the
+pid, or the cgroup's ``oom_kill`` counter risen since the start) is recorded there for the service's next start
+(``learner.attempts``); a SIGKILL alone is no evidence. Pure process plumbing: no Kafka.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clawbase.errors import ClawstreamError
+from learner.attempts import memory_cgroup, oom_evidence, oom_kills, record_oom
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository root: `python -m` runs from there
 RESTART_EXIT = 75  # EX_TEMPFAIL: "restart me" (streams.eos.EVICTED_EXIT; a unit test keeps them equal)
@@ -41,10 +45,13 @@ class Service:
     ready_url: str | None = None  # GET answering < 500
     may_finish: bool = False  # a job (not a server): exiting 0 is success, not a death
     restart: bool = False  # started again when it dies (every service resumes from the log), as compose's on-failure
+    deaths: Path | None = None  # where an out-of-memory death is recorded, with its evidence (learner.attempts)
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     found: str | None = None
     restarts: int = 0
+    cgroup: str = ""  # the process's memory cgroup and its oom_kill counter at the start (-1: unreadable)
+    oom_kills: int = -1
 
 
 class Stack:
@@ -82,6 +89,8 @@ class Stack:
             )
         finally:
             handle.close()
+        service.cgroup = memory_cgroup(service.proc.pid) or ""
+        service.oom_kills = oom_kills(service.cgroup) if service.cgroup else -1
 
     def restart(self, service: Service, *, timeout: float = 120.0, env: dict[str, str] | None = None) -> Service:
         """Start ``service`` again (after it died or was killed), its log appended; ``env`` replaces its own extra
@@ -139,6 +148,7 @@ class Stack:
             code = service.proc.poll() if service.proc is not None else None
             if code is None or (service.may_finish and code == 0):
                 continue
+            self._judge_death(service, code)
             if (code == RESTART_EXIT or service.restart) and service.restarts < MAX_RESTARTS:
                 service.restarts += 1
                 why = "restart me" if code == RESTART_EXIT else "died"
@@ -150,6 +160,15 @@ class Stack:
                 self._spawn(service, "ab")
             else:
                 raise StackError(f"{service.name} died with {code}:\n{self.tail(service)}")
+
+    def _judge_death(self, service: Service, code: int) -> None:
+        """Record an out-of-memory death of a service that keeps a ``deaths`` folder, on evidence only."""
+        if service.deaths is None or service.proc is None or code != -signal.SIGKILL:
+            return
+        evidence = oom_evidence(service.proc.pid, service.cgroup, service.oom_kills)
+        if evidence:
+            path = record_oom(service.deaths, service.proc.pid, evidence)
+            print(f"{service.name} (pid {service.proc.pid}) died out of memory: {evidence} ({path})", file=sys.stderr)
 
     def tail(self, service: Service, lines: int = 25) -> str:
         if service.log is None or not service.log.exists():

@@ -20,6 +20,7 @@ from clawbase.kafka.clients import bootstrap_servers, create_topics
 from clawbase.settings import KafkaSettings, load_settings
 from clawstream.local_kafka import LocalKafka
 from clawstream.stack.process import Service, Stack
+from learner.attempts import DEATHS
 from schemas.topics import CATALOG
 
 
@@ -247,6 +248,7 @@ def start_learner(
             ],
             env=threads,
             restart=True,
+            deaths=run_dir / "weights" / "policy" / "trainer-state" / DEATHS,  # out-of-memory verdicts (process.py)
         )
     )
 

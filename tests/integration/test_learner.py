@@ -156,7 +156,8 @@ def test_crash_between_save_and_commit_trains_the_batch_once(
     store = tmp_path / "store"
     crashed = _run_learner(kafka_settings, model_dir, store, fault="learner.after_save@2=crash")
     assert crashed.returncode == faults.CRASH_STATUS, crashed.stderr[-3000:]
-    assert (store / "policy" / "v000002" / "model.safetensors").exists()  # saved, never published
+    [saved] = (store / "policy").glob("v000002-*/model.safetensors")  # saved under its attempt's name
+    assert not (store / "policy" / "v000002").exists()  # never published
     assert [v.policy_version for v in _versions(kafka_settings, "check-a")] == [1]
 
     resumed = _run_learner(kafka_settings, model_dir, store, max_steps=1)
@@ -283,13 +284,14 @@ def test_a_batch_sealed_after_an_open_one_is_not_trained_twice_after_a_restart(
     assert reasons == ["batch b-2 was already trained (published as v1)"]
 
 
-def _attempts(store: Path) -> dict[str, int]:
+def _attempts(store: Path) -> dict[str, dict]:
     path = store / "policy" / "trainer-state" / "step-attempts.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _trainer_state(store: Path, version: int) -> dict:
-    return torch.load(store / "policy" / "trainer-state" / f"v{version:06d}.pt", weights_only=True)["optimizer"]
+    attempt = os.readlink(store / "policy" / f"v{version:06d}")  # the published attempt's directory name
+    return torch.load(store / "policy" / "trainer-state" / f"{attempt}.pt", weights_only=True)["optimizer"]
 
 
 @pytest.mark.parametrize("bad", [1, 2], ids=["from-v0", "from-v1"])
@@ -346,36 +348,77 @@ def test_a_step_that_raises_is_rolled_back_and_dead_lettered(
     assert moments <= 1e-6, f"AdamW moments after the rolled-back step differ from the clean run's by {moments}"
 
 
-def test_a_batch_killed_in_its_step_twice_is_dead_lettered_untrained(
+def _committed(settings: KafkaSettings) -> int:
+    consumer = make_consumer(settings, f"{settings.topic_prefix}clawstream-learner-policy")
+    committed = consumer.committed([TopicPartition(settings.topic(BATCHES), 0)], timeout=10)[0].offset
+    consumer.close()
+    return committed
+
+
+def _audit(settings: KafkaSettings) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers(settings), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "consumers.analytics", "audit", "--topic-prefix", settings.topic_prefix]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_a_batch_killed_in_its_step_three_times_is_trained_once(
     kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
 ) -> None:
-    """An OOM kill is a SIGKILL: nothing to catch. b-2's step is killed (fault point ``learner.in_step``, action
-    ``kill``) in two runs in a row; the third start dead-letters it without training it and trains b-3 as v2. Before,
-    every restart trained b-2 again and was killed again."""
+    """A SIGKILL is no evidence of an out-of-memory kill (an operator, a preemption and the OOM killer send the same
+    one). b-2's step is SIGKILLed (fault point ``learner.in_step``, action ``kill``) in three runs in a row, no
+    supervisor recording an OOM; the fourth start trains b-2 as v2, once, then b-3, and dead-letters nothing."""
     records = _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2), ("b-3", 3)])
     store = tmp_path / "store"
     key = f"{kafka_settings.topic(BATCHES)}[0]@9 b-2"  # b-2's SEAL record
-    for n, fault in enumerate(["learner.in_step@2=kill", "learner.in_step=kill"], 1):  # b-1 trains in the first
+    faults_in_step = ["learner.in_step@2=kill", "learner.in_step=kill", "learner.in_step=kill"]  # b-1 trains first
+    for n, fault in enumerate(faults_in_step, 1):
         killed = _run_learner(kafka_settings, model_dir, store, fault=fault, max_steps=3)
         assert killed.returncode == -9, killed.stderr[-3000:]
-        assert _attempts(store) == {key: n}
+        assert list(_attempts(store)) == [key], (n, _attempts(store), killed.stderr[-3000:])  # b-2's, not b-3's
+        assert _attempts(store)[key]["starts"] == n
     assert [(v.policy_version, v.batch_id) for v in _versions(kafka_settings, "check-killed-a")] == [(1, "b-1")]
 
-    third = _run_learner(kafka_settings, model_dir, store, max_steps=2)
-    assert third.returncode == 0, third.stderr[-3000:]
+    fourth = _run_learner(kafka_settings, model_dir, store, max_steps=2)
+    assert fourth.returncode == 0, fourth.stderr[-3000:]
+    assert "attempt 4 (earlier ones died without evidence of OOM)" in fourth.stderr
     versions = _versions(kafka_settings, "check-killed-b")
-    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-3")], third.stderr[-3000:]
-    [letter] = _dead_letters(kafka_settings, "check-killed-dl")
-    assert letter.error_type == "TrainingStepKilled" and letter.original_offset == 9
-    assert letter.reason == (
-        f"batch b-2 ({kafka_settings.topic(BATCHES)}[0]@9): attempted 2 times without finishing: the learner was "
-        "killed during its step each time (out of memory?)"
-    )
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2"), (3, "b-3")]
+    assert _dead_letters(kafka_settings, "check-killed-dl") == []
     assert _attempts(store) == {}
-    consumer = make_consumer(kafka_settings, f"{kafka_settings.topic_prefix}clawstream-learner-policy")
-    committed = consumer.committed([TopicPartition(kafka_settings.topic(BATCHES), 0)], timeout=10)[0].offset
-    consumer.close()
-    assert committed == records
+    assert _committed(kafka_settings) == records
+    audit = _audit(kafka_settings)
+    assert audit.returncode == 0 and "CLEAN" in audit.stdout, audit.stdout[-3000:] + audit.stderr[-2000:]
+
+
+def test_a_batch_killed_out_of_memory_is_dead_lettered_with_the_evidence(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """The same SIGKILL with evidence of an out-of-memory kill, as the supervisor records it (``record_oom``, from
+    the kernel's record or the cgroup's counter: clawstream/stack/process.py): with ``--max-step-attempts 1`` the next
+    start dead-letters the batch untrained, naming the evidence and the memory plan's estimate, and trains the next."""
+    from learner.attempts import DEATHS, record_oom
+
+    records = _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
+    store = tmp_path / "store"
+    key = f"{kafka_settings.topic(BATCHES)}[0]@4 b-1"
+    killed = _run_learner(kafka_settings, model_dir, store, fault="learner.in_step=kill", max_steps=2)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    attempt = _attempts(store)[key]
+    assert attempt["estimate"].startswith("≈ ") and "GiB it may use" in attempt["estimate"], attempt
+    evidence = f"kernel: Out of memory: Killed process {attempt['pid']} (python)"
+    record_oom(store / "policy" / "trainer-state" / DEATHS, attempt["pid"], evidence)
+
+    again = _run_learner(kafka_settings, model_dir, store, extra=("--max-step-attempts", "1"), max_steps=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [(v.policy_version, v.batch_id) for v in _versions(kafka_settings, "check-oom")] == [(1, "b-2")]
+    [letter] = _dead_letters(kafka_settings, "check-oom-dl")
+    assert letter.error_type == "TrainingStepOutOfMemory" and letter.original_offset == 4
+    assert letter.reason.startswith(
+        f"batch b-1 ({kafka_settings.topic(BATCHES)}[0]@4): the learner died out of memory in its step 1 times "
+        f"(1 attempts; last evidence: {evidence}); the memory plan estimated {attempt['estimate']}: lower the token"
+    ), letter.reason
+    assert _attempts(store) == {} and not any((store / "policy" / "trainer-state" / DEATHS).iterdir())
+    assert _committed(kafka_settings) == records
 
 
 def test_a_batch_that_cannot_fit_is_dead_lettered_and_one_that_fits_only_checkpointed_trains_so(

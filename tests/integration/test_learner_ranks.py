@@ -23,7 +23,7 @@ from learner.hparams import parse_hparams
 from learner.logit_scale import LogitScale
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step
-from policy.weight_store import trainer_state_path, verify_file
+from policy.weight_store import attempt_of, trainer_state_path, verify_file
 from schemas.events import Trajectory, WeightVersion
 from tests.integration.test_learner import _dead_letters, _produce_batches, _versions
 from tests.support.learner_data import batch_records, small_model
@@ -116,7 +116,8 @@ def test_two_ranks_publish_the_versions_of_one(kafka_settings: KafkaSettings, mo
     assert result.returncode == 0, result.stderr[-3000:]
     versions = _versions(kafka_settings, "check-ranks")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]
-    assert trainer_state_path(store, "policy", 2).exists()  # rank 0 keeps AdamW's state for the resume
+    attempt = attempt_of(verify_file(versions[-1]))  # rank 0 keeps AdamW's state for the resume, with its version's
+    assert trainer_state_path(store, "policy", 2, attempt).exists()
     for v in versions:  # both ranks computed each of their trees' prompts once: the 1-rank step's count
         assert v.metrics["ranks"] == 2 and v.metrics["kv_shared_tokens"] == 4 * 23, v.metrics
     _check_v2(versions[-1], model_dir, hp=KV_SHARE)
