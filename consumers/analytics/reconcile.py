@@ -16,8 +16,9 @@ stopped. The rules (``RULES``), each a guarantee the system makes, stage by stag
    takes each harness oldest first (``group batched``);
 5. a trajectory is in at most one batch, a seal announces its records, batch numbers have no gap (``one batch``,
    ``sealed batch``, ``batches contiguous``);
-6. a sealed batch is trained once or refused for a cause; a kill (``TrainingStepKilled``) or a seal count refused is a
-   loss, as is a batch passed over for a later one (``batch trained``, ``trained once``); versions run from 1.
+6. a sealed batch is trained once or refused for a cause; a kill (``TrainingStepKilled``, written by learners that
+   took kills for out-of-memory deaths) or a seal count refused is a loss, as is a batch passed over for a later one
+   (``batch trained``, ``trained once``); ``TrainingStepOutOfMemory`` (with the evidence) is a cause; versions from 1.
 
 In flight, not lost: groups not closed, groups the batcher holds, batches sealed after the last trained one.
 ``reconcile(log, skip=...)`` leaves rules out (the mutation tests show each is needed). Idempotent and order-free.
