@@ -58,16 +58,16 @@ async def test_big_requests_do_not_stall_other_clients(
     threads: dict[str, set[int]] = {"parse": set(), "encode": set()}
     parse, encode = Proxy._parse, TemplateRenderer.encode
 
-    def spy_parse(raw: bytes, dialect: Any) -> Any:
+    def spy_parse(self: Proxy, raw: bytes, dialect: Any) -> Any:
         threads["parse"].add(threading.get_ident())
-        return parse(raw, dialect)
+        return parse(self, raw, dialect)
 
     def spy_encode(self: TemplateRenderer, text: str) -> list[int]:
         if len(text) > 10_000:  # the renderer's set-up encodes a few tokens at registration, on the loop
             threads["encode"].add(threading.get_ident())
         return encode(self, text)
 
-    monkeypatch.setattr(Proxy, "_parse", staticmethod(spy_parse))
+    monkeypatch.setattr(Proxy, "_parse", spy_parse)
     monkeypatch.setattr(TemplateRenderer, "encode", spy_encode)
     loop_thread = threading.get_ident()
     huge = json.dumps(H.qwen_request([{"role": "user", "content": WORDS * (4 * 1024 * 1024 // len(WORDS))}], False))
