@@ -24,7 +24,9 @@ from typing import Any, TextIO
 from clawbase.errors import ClawstreamError, CodecError
 from clawbase.settings import KafkaSettings, load_settings
 from consumers.analytics.reader import open_reader, read_range, watermarks
-from consumers.analytics.reconcile import (
+from consumers.analytics.reconcile import reconcile
+from consumers.analytics.records import EventLogError
+from consumers.analytics.run_log import (
     AuditReport,
     BatchEntry,
     Letter,
@@ -34,9 +36,7 @@ from consumers.analytics.reconcile import (
     Settled,
     Version,
     Where,
-    reconcile,
 )
-from consumers.analytics.records import EventLogError
 from schemas.codec import default_codec
 from schemas.events import RolloutState
 from schemas.topics import (
