@@ -210,6 +210,7 @@ class CallEvent(Event):
     # The conversation a follow-up extends (request messages + this answer): its length and digest chain (hex).
     conversation_messages: int | None = None
     conversation_digest: str | None = None
+    tampered: bool = False  # the request held an assistant turn the proxy never generated (see the .avsc)
 
 
 @dataclass
