@@ -1,7 +1,7 @@
 """Exactly-once for the Faust app: one Kafka transaction per partition number of the co-partitioned topics (Kafka
 Streams' task), committed only between two records, plus a fix to Faust's resume order that both guarantees need.
 
-faust-streaming 0.15's ``processing_guarantee="exactly_once"`` gets eight things wrong, found with the fault tests;
+faust-streaming 0.15's ``processing_guarantee="exactly_once"`` gets the following wrong, found with the fault tests;
 docs/method.md#exactly-once-in-the-stream-processors tells each (what was measured, why the fix works), numbered as
 here. This module patches them:
 
@@ -17,10 +17,11 @@ here. This module patches them:
 8. a rebalance commits every transaction before Faust drops the acknowledged offsets
    (``EosConsumer.on_partitions_revoked``); a worker evicted meanwhile exits at once (``close_dirty``);
 9. (both guarantees) a stream partition never committed is read from its start after a rebalance
-   (:func:`seek_uncommitted_to_start`).
+   (:func:`seek_uncommitted_to_start`);
+10. Faust's commit-livelock check learns of the transactional commits (``EosConsumer._record_commit_round``), so it
+    reports only a partition whose commits stopped, not every exactly-once worker.
 
-Use: :func:`install` on an exactly-once app; every agent calls :func:`start_agent`, then processes each record
-inside :func:`processing`.
+Use: :func:`install`; agents call :func:`start_agent`, then process each record in :func:`processing`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from time import monotonic
 from typing import Any, NoReturn, cast
 
 import faust
@@ -173,7 +175,26 @@ class EosConsumer(faust_aiokafka.Consumer):
         async with gate(self.app).commit():
             # All partitions, not just ``topics``: the transactions being committed hold every record processed since
             # the last commit, so every acknowledged offset must go with them.
-            return await super().force_commit(None, start_new_transaction=start_new_transaction)
+            done = await super().force_commit(None, start_new_transaction=start_new_transaction)
+            self._record_commit_round()
+            return done
+
+    def _record_commit_round(self) -> None:
+        """Tell Faust's commit-livelock check which partitions are committed up to date (point 10).
+
+        The check (``AIOKafkaConsumerThread.verify_event_path``) reports a partition that has records past the
+        fetch position, processed a record within ``stream_processing_timeout`` and has no entry in
+        ``tp_last_committed_at`` newer than ``broker_commit_livelock_soft_timeout``; only Faust's non-transactional
+        commit writes that entry, so every exactly-once worker was reported as never having committed. A finished
+        commit round leaves a partition with nothing acknowledged and uncommitted up to date (whether or not it had
+        anything to commit: an idle partition is not stuck); a commit that hangs, a record that never finishes (the
+        round waits for it) or a crash records nothing, so a partition stuck that way is still reported.
+        """
+        thread = getattr(self, "_thread", None)
+        if thread is None or self.app.crash_reason is not None:
+            return
+        now = monotonic()
+        thread.tp_last_committed_at.update({tp: now for tp in self.assignment() if not self._acked.get(tp)})
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         """Commit every partition's transaction while still a group member, then let Faust revoke (point 8).

@@ -30,10 +30,22 @@ from streams import eos
 RAW: dict[str, Any] = {"key_serializer": "raw", "value_serializer": "raw"}
 YIELDS_FOR_COMMIT = 200  # event-loop turns given to the commit once it has started (it reaches the broker well before)
 COMMIT_MID_RECORD = b"commit-mid-record"  # a record with this value starts a commit while it is being processed
+STALL = b"stall"  # a record with this value is never finished: no commit can happen after it (streams.eos.CommitGate)
+STALLED = "eos_probe: stalled"  # printed when the probe takes a STALL record
+LIVELOCK_CHECK = "eos_probe: livelock check"  # printed after each run of Faust's commit-livelock check
 AFTER_COMMIT = "eos_probe.after_commit"  # reached once that commit is done
 
 
-def build(app_id: str, bootstrap: str, source: str, sink: str, datadir: str, commit_interval_s: float) -> faust.App:
+def build(
+    app_id: str,
+    bootstrap: str,
+    source: str,
+    sink: str,
+    datadir: str,
+    commit_interval_s: float,
+    livelock_timeout_s: float | None = None,
+) -> faust.App:
+    watch = {} if livelock_timeout_s is None else _watch_livelock(livelock_timeout_s)
     app = faust.App(
         app_id,
         broker=f"kafka://{bootstrap}",
@@ -47,6 +59,7 @@ def build(app_id: str, bootstrap: str, source: str, sink: str, datadir: str, com
         broker_session_timeout=6.0,
         broker_heartbeat_interval=2.0,  # the restart joins once the killed member's session expires
         broker_commit_interval=commit_interval_s,
+        **watch,
     )
     eos.patch_faust_resume()
     eos.install(app)
@@ -73,9 +86,27 @@ def build(app_id: str, bootstrap: str, source: str, sink: str, datadir: str, com
                         await asyncio.sleep(0)
                     await out.send(key=key.encode(), value=f"{key}:{n}:after".encode(), partition=0)
                     asyncio.ensure_future(after(commit))
+                if event.message.value == STALL:
+                    print(STALLED, flush=True)
+                    await asyncio.Event().wait()
                 await eos.flush_changelog(app)
 
     return app
+
+
+def _watch_livelock(timeout_s: float) -> dict[str, float]:
+    """Faust's settings for a commit-livelock check after ``timeout_s`` (its stream-idle check much later, so that
+    a partition's commits are what it judges), and a line on stdout after each run of the check."""
+    from faust.transport.consumer import Consumer
+
+    check = Consumer.verify_all_partitions_active
+
+    async def verify_and_say(self: Consumer) -> None:
+        await check(self)
+        print(LIVELOCK_CHECK, flush=True)
+
+    Consumer.verify_all_partitions_active = verify_and_say  # type: ignore[method-assign]
+    return {"broker_commit_livelock_soft_timeout": timeout_s, "stream_processing_timeout": 600.0}
 
 
 def main() -> None:
@@ -83,8 +114,17 @@ def main() -> None:
     for name in ("--bootstrap", "--app-id", "--source", "--sink", "--datadir"):
         flags.add_argument(name, required=True)
     flags.add_argument("--commit-interval", type=float, default=0.5, help="seconds between Faust's own commits")
+    flags.add_argument("--livelock-timeout", type=float, default=None, help="Faust's commit-livelock check after S")
     args = flags.parse_args()
-    app = build(args.app_id, args.bootstrap, args.source, args.sink, args.datadir, args.commit_interval)
+    app = build(
+        args.app_id,
+        args.bootstrap,
+        args.source,
+        args.sink,
+        args.datadir,
+        args.commit_interval,
+        args.livelock_timeout,
+    )
     sys.argv = [sys.argv[0], "worker", "--loglevel", os.environ.get("EOS_PROBE_LOGLEVEL", "warn"), "--without-web"]
     app.main()
 
