@@ -10,8 +10,9 @@ Parts: ``streams.rollout`` (one rollout's accumulator: the settle rule, what eac
 the stored accumulators.
 
 State layout (three key → bytes maps, Faust tables in the app, dicts in tests): ``state[rollout_id]`` the JSON
-:class:`RolloutAccumulator`, ``calls[rollout_id + NUL + call_id]`` the call's original Avro bytes (so a call is
-written once, not re-written with every update), ``index[str(partition)]`` a :class:`streams.state.DueIndex` of the
+:class:`RolloutAccumulator` (once a settled one's retention is over, its tombstone: ``streams.rollout``),
+``calls[rollout_id + NUL + call_id]`` the call's original Avro bytes (so a call is written once, not re-written with
+every update), ``index[str(partition)]`` a :class:`streams.state.DueIndex` of the
 partition's rollouts → the earliest time each may need attention (a lower bound; a tick re-checks and moves it, see
 :class:`streams.state.Deadlines`).
 """
@@ -62,7 +63,9 @@ class Assembler:
 
     def _load(self, rollout_id: str, now_ms: int) -> RolloutAccumulator:
         data = self.state.get(rollout_id)
-        return RolloutAccumulator.from_bytes(data) if data else RolloutAccumulator(rollout_id, now_ms, now_ms)
+        return (
+            RolloutAccumulator.from_stored(rollout_id, data) if data else RolloutAccumulator(rollout_id, now_ms, now_ms)
+        )
 
     def _save(self, acc: RolloutAccumulator, partition: int) -> None:
         self.state[acc.rollout_id] = acc.to_bytes()
@@ -134,7 +137,7 @@ class Assembler:
         return trajectory
 
     def on_tick(self, partition: int, now_ms: int, since_ms: int = 0, calls_read: int | None = None) -> Result:
-        """Settle the partition's due rollouts and forget settled ones past ``late_retention_s``.
+        """Settle the partition's due rollouts and compact settled ones past ``late_retention_s`` to their tombstones.
 
         ``since_ms``: when this worker started listening to the partition (see :meth:`RolloutAccumulator.deadline_ms`).
         ``calls_read``: the next offset of the calls partition this worker will read (None: unknown). A rollout short
@@ -144,12 +147,12 @@ class Assembler:
         """
         result = Result()
 
-        def visit(rollout_id: str, data: bytes) -> int | None:
-            acc = RolloutAccumulator.from_bytes(data)
+        def visit(rollout_id: str, data: bytes) -> int | bytes | None:
+            acc = RolloutAccumulator.from_stored(rollout_id, data)
             if acc.settled is not None and now_ms >= acc.deadline_ms(self.cfg):
                 for cid in acc.held_call_ids():  # calls of an attempt that never started
                     self.calls.pop(call_key(rollout_id, cid), None)
-                return None  # settled long enough ago that no late record is expected: forget it
+                return acc.tombstone()  # kept for good: a replay at any later time is late, never a new rollout
             if acc.due(now_ms, self.cfg, since_ms):
                 unread = 0 if acc.ready() else acc.calls_unread(calls_read)
                 hold_ms = CALLS_HOLD_TIMEOUTS * self.cfg.settle_timeout_s * 1000

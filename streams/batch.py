@@ -18,8 +18,10 @@ harness the oldest groups go first; the chosen groups are shuffled (a group's ro
 ``{app id}-{n:06d}`` and the batch's ``step`` is ``n``.
 
 State layout (key → bytes maps, Faust tables in the app): ``state["batcher"]`` the JSON :class:`BatcherState`,
-``members[group_id + NUL + index]`` the envelopes of groups not yet batched. Idempotent under replay: an envelope
-counts once, a record of a pending, batched or dropped group is ignored.
+``members[group_id + NUL + index]`` the envelopes of groups not yet batched, ``members[group_id]`` the tombstone of a
+batched or dropped group (~30 bytes, kept for good in the changelogged table). Idempotent under replay: an envelope
+counts once, a record of a pending, batched or dropped group is ignored however long ago and however many groups ago
+it was batched.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from typing import Any
 
 from schemas.events import BatchRecord, BatchRecordKind
 from streams.settings import StreamsSettings
+from streams.state import TOMBSTONE, is_tombstone
 
 log = logging.getLogger(__name__)
 STATE_KEY = "batcher"
-RECENT = 10_000  # group ids remembered after batching/dropping, to ignore replays
 
 
 def apportion(
@@ -105,7 +107,7 @@ class BatcherState:
     next_batch: int = 0
     pending: list[dict[str, Any]] = field(default_factory=list)  # sealed groups, oldest first
     open: dict[str, int] = field(default_factory=dict)  # group id → envelopes received before its SEAL
-    recent: list[str] = field(default_factory=list)  # batched or dropped group ids, newest last
+    recent: list[str] = field(default_factory=list)  # older workers' batched or dropped group ids: made tombstones
 
     def to_bytes(self) -> bytes:
         # Fields hold plain JSON values: dump them as they are (dataclasses.asdict deep-copies, half the core time).
@@ -129,6 +131,11 @@ def member_key(group_id: str, index: int) -> str:
     return f"{group_id}\x00{index}"
 
 
+def done_tombstone(what: str, where: str) -> bytes:
+    """A batched or dropped group's mark: what became of it and where (its batch id, or the drop reason's start)."""
+    return TOMBSTONE + json.dumps([what, where], separators=(",", ":")).encode()
+
+
 class Batcher:
     """The batcher over two key → bytes maps (Faust tables in the app, dicts in tests); pure."""
 
@@ -142,14 +149,20 @@ class Batcher:
         self.cfg, self.state, self.members, self.prefix = cfg, state, members, batch_prefix
 
     def _load(self) -> BatcherState:
-        return BatcherState.from_bytes(self.state.get(STATE_KEY))
+        st = BatcherState.from_bytes(self.state.get(STATE_KEY))
+        for gid in st.recent:  # state written before tombstones: its remembered groups become tombstones
+            if gid not in self.members:
+                self.members[gid] = done_tombstone("batched or dropped", "")
+        st.recent = []
+        return st
 
     def on_envelope(self, rec: BatchRecord, raw: bytes, now_ms: int) -> BatchOutput:
         """One record of the scored-groups topic (a group's TRAJECTORY envelope or its SEAL)."""
         st, out = self._load(), BatchOutput()
         gid = rec.group_id or rec.batch_id
-        if gid in st.recent:
-            log.info("group %s was already batched or dropped; replayed %s record ignored", gid, rec.kind.value)
+        if is_tombstone(done := self.members.get(gid)):
+            what, where = json.loads(done[1:])  # type: ignore[index]
+            log.info("group %s was already %s %s; replayed %s record ignored", gid, what, where, rec.kind.value)
             return out
         if any(g["group_id"] == gid for g in st.pending):
             # Sealed and waiting for a batch: a replayed envelope or SEAL changes nothing (a second SEAL appended the
@@ -199,14 +212,13 @@ class Batcher:
             f"{st.newest_version}, lag bound {self.cfg.max_policy_lag}"
         )
 
-    def _remember(self, st: BatcherState, gid: str) -> None:
-        st.recent.append(gid)
-        del st.recent[:-RECENT]
+    def _remember(self, gid: str, what: str, where: str) -> None:
+        self.members[gid] = done_tombstone(what, where)
 
     def _drop(self, st: BatcherState, group: Mapping[str, Any], reason: str, out: BatchOutput) -> None:
         for i in range(group["size"]):
             self.members.pop(member_key(group["group_id"], i), None)
-        self._remember(st, group["group_id"])
+        self._remember(group["group_id"], "dropped", reason[:60])
         out.dropped.append((group["group_id"], reason))
         log.warning("%s", reason)
 
@@ -235,7 +247,7 @@ class Batcher:
                     rec.batch_id, rec.step, rec.index, rec.timestamp_ms = batch_id, n, sum(counts.values()), now_ms
                     out.records.append(rec)
                     counts[rec.harness or ""] = counts.get(rec.harness or "", 0) + 1
-                self._remember(st, group["group_id"])
+                self._remember(group["group_id"], "batched in", batch_id)
             out.records.append(
                 BatchRecord(
                     batch_id=batch_id,

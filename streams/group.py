@@ -10,9 +10,10 @@ Closing. A group closes when it holds as many finished rollouts as its expected 
 ``StreamsSettings.group_size`` — or ``group_timeout_s`` after its first trajectory. An infrastructure failure is
 finished unless the scheduler will re-issue it (``metadata["attempt"]`` + 1 < ``metadata["max_attempts"]``, both
 copied from the request): then its place waits for the re-issued attempt, which replaces it. Trajectories of a closed
-group are late (dead-lettered). A second trajectory of the same rollout replaces the first only when the first was an
-infrastructure failure of another attempt (a re-issue); an identical one is a duplicate (ignored); anything else is
-rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``) are not grouped.
+group are late (dead-lettered), also long after: ``late_retention_s`` after closing, a group is compacted to a kept
+tombstone (:meth:`GroupState.tombstone`, ~40 bytes). A second trajectory of the same rollout replaces the first only
+when the first was an infrastructure failure of another attempt (a re-issue); an identical one is a duplicate
+(ignored); anything else is rejected. Eval trajectories (step < 0 or ``metadata["eval"]=="true"``) are not grouped.
 
 Advantages: A = (R − μ) / (σ + ε) over the group's rollouts with a reward (docs/method.md#advantages; which
 rollouts count and which are emitted, GRPO and PPO: docs/method.md#how-the-grouper-applies-them). Each trained
@@ -35,7 +36,7 @@ import numpy as np
 
 from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, TrajectoryStatus
 from streams.settings import StreamsSettings
-from streams.state import TRAINABLE_STATUSES, Deadlines, Outcome, Verdict
+from streams.state import TOMBSTONE, TRAINABLE_STATUSES, Deadlines, Outcome, Verdict, is_tombstone
 
 log = logging.getLogger(__name__)
 SOURCE = "streams.grouper"
@@ -86,9 +87,17 @@ class GroupState:
     def from_bytes(cls, data: bytes) -> GroupState:
         return cls(**json.loads(data))
 
+    def tombstone(self) -> bytes:
+        """The closed group compacted to what a replayed trajectory's dead letter says: how and when it closed, its
+        outcome, members and expected size (~40 bytes)."""
+        assert self.closed is not None
+        keep = [self.closed["by"], self.closed["outcome"], self.closed["at_ms"], len(self.members), self.expected]
+        return TOMBSTONE + json.dumps(keep, separators=(",", ":")).encode()
+
     def deadline_ms(self, cfg: StreamsSettings, since_ms: int = 0) -> int:
-        """Timeout (or forget time once closed). Not before ``settle_timeout_s`` after this worker started listening
-        (``since_ms``): after a restart, members may still be settling upstream or waiting in Kafka."""
+        """Timeout (or, once closed, when it is compacted to its tombstone). Not before ``settle_timeout_s`` after this
+        worker started listening (``since_ms``): after a restart, members may still be settling upstream or waiting in
+        Kafka."""
         if self.closed:
             return int(self.closed["at_ms"] + cfg.late_retention_s * 1000)
         return int(max(self.first_ms + cfg.group_timeout_s * 1000, since_ms + cfg.settle_timeout_s * 1000))
@@ -195,6 +204,11 @@ class Grouper:
             out.rejected = Outcome(Verdict.REJECTED, f"trajectory {t.rollout_id} has no group id")
             return out
         data = self.groups.get(t.group_id)
+        if is_tombstone(data):
+            by, outcome, _at, members, expected = json.loads(data[1:])  # type: ignore[index]
+            why = f"{by}, {members}/{expected} rollouts, {outcome}"
+            out.rejected = Outcome(Verdict.LATE, f"late trajectory {t.rollout_id}: group {t.group_id} closed ({why})")
+            return out
         group = (
             GroupState.from_bytes(data)
             if data
@@ -216,14 +230,14 @@ class Grouper:
         return out
 
     def on_tick(self, partition: int, now_ms: int, since_ms: int = 0) -> Emission:
-        """Close timed-out groups of the partition, forget closed ones past ``late_retention_s``."""
+        """Close timed-out groups of the partition; compact closed ones past ``late_retention_s`` to tombstones."""
         out = Emission()
 
-        def visit(group_id: str, data: bytes) -> int | None:
+        def visit(group_id: str, data: bytes) -> int | bytes | None:
             group = GroupState.from_bytes(data)
             if now_ms >= group.deadline_ms(self.cfg, since_ms):
                 if group.closed:
-                    return None  # closed long enough ago that no late trajectory is expected: forget it
+                    return group.tombstone()  # kept for good: a replayed trajectory at any later time is late
                 self._close(group, now_ms, "timeout", out)
                 self.groups[group_id] = group.to_bytes()
             return group.deadline_ms(self.cfg, since_ms)

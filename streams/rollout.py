@@ -18,10 +18,11 @@ settles as INFRA_FAILURE first). Calls and rewards carry their attempt id: one o
 assembled is held apart (a re-issue's or re-run's records that arrive before its STARTED event: topics are not ordered
 with each other) and joins when its attempt becomes the assembled one, so a superseded attempt's trajectory holds
 exactly its own calls (an older run's STARTED read after the newer run's records settles apart, superseded). Held
-records of an attempt that never starts are forgotten with the rollout. Calls without an
-attempt id (older records) count for whichever attempt is assembled. Lifecycle moves that ``schemas.lifecycle``
-forbids are rejected (a terminal event without STARTED is accepted: STARTED may be lost). Pure: no Kafka, no Faust;
-used by ``streams.assemble``.
+records of an attempt that never starts are dropped. Calls without an attempt id (older records) count for whichever
+attempt is assembled. Lifecycle moves that ``schemas.lifecycle`` forbids are rejected (a terminal event without
+STARTED is accepted: STARTED may be lost). Replays: ``late_retention_s`` after it settled, a rollout is compacted to
+a tombstone (:meth:`RolloutAccumulator.tombstone`) that is kept, so a record replayed at any later time is late, and
+an attempt that settled never reopens it. Pure: no Kafka, no Faust; used by ``streams.assemble``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from schemas.events import (
 )
 from schemas.lifecycle import can_transition
 from streams.settings import StreamsSettings
-from streams.state import Outcome, Verdict
+from streams.state import TOMBSTONE, Outcome, Verdict, is_tombstone
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ class RolloutAccumulator:
     held_rewards: dict[str, dict[str, Any]] = field(default_factory=dict)  # attempt id → its reward, the same way
     held_reward_ms: dict[str, int] = field(default_factory=dict)  # attempt id → its held reward's timestamp_ms
     attempt_first_ms: int | None = None  # earliest event time (timestamp_ms) of the assembled attempt's records
-    older_runs: list[str] = field(default_factory=list)  # older runs of the request settled apart (OLDER_RUN)
+    # Attempts of the request settled apart (an older run, OLDER_RUN) or settled before a re-issue reopened the rollout:
+    # a replay of their STARTED is a duplicate and never reopens or supersedes.
+    older_runs: list[str] = field(default_factory=list)
     # The calls partition's end offset when the terminal event was read: every call of the run is below it (the proxy
     # publishes a call before it answers, the worker its terminal event after the harness ended).
     calls_end: int | None = None
@@ -82,6 +85,27 @@ class RolloutAccumulator:
     @classmethod
     def from_bytes(cls, data: bytes) -> RolloutAccumulator:
         return cls(**json.loads(data))
+
+    @classmethod
+    def from_stored(cls, rollout_id: str, data: bytes) -> RolloutAccumulator:
+        """The accumulator from its stored bytes: its JSON, or a tombstone expanded into a settled accumulator."""
+        if not is_tombstone(data):
+            return cls.from_bytes(data)
+        status, at_ms, *infra = json.loads(data[1:])
+        acc = cls(rollout_id, at_ms, at_ms, settled={"status": status, "at_ms": at_ms, "attempt_id": None})
+        if infra:
+            acc.attempt_id, acc.attempt, acc.older_runs, acc.request = infra
+            acc.settled["attempt_id"] = acc.attempt_id  # type: ignore[index]
+        return acc
+
+    def tombstone(self) -> bytes:
+        """The settled rollout compacted to what a replay needs: its status and settle time (~30 bytes); after an
+        infrastructure failure, which a re-issue may reopen, also its attempt, the settled attempts and the request."""
+        assert self.settled is not None
+        keep: list[Any] = [self.settled["status"], self.settled["at_ms"]]
+        if self.settled["status"] == TrajectoryStatus.INFRA_FAILURE:
+            keep += [self.settled["attempt_id"], self.attempt, self.older_runs, self.request]
+        return TOMBSTONE + json.dumps(keep, separators=(",", ":")).encode()
 
     # ---- derived ----------------------------------------------------------------------------------------------
     @property
@@ -125,8 +149,8 @@ class RolloutAccumulator:
         ``since_ms``: when this worker started listening (got its partitions, recovered its tables). Silence is
         only counted from then: records that arrived while no worker listened may still be waiting in Kafka.
         """
-        if self.settled:
-            return int(self.settled["at_ms"] + cfg.late_retention_s * 1000)
+        if self.settled:  # compacted to its tombstone then; a held re-issue record keeps it whole a while longer
+            return int(max(self.settled["at_ms"], self.last_ms) + cfg.late_retention_s * 1000)
         last = max(self.last_ms, since_ms)
         quiet = int(last + cfg.settle_interval_s * 1000)
         if self.ready():
@@ -169,6 +193,7 @@ class RolloutAccumulator:
                 and attempt != self.settled["attempt_id"]
                 and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE
             ):
+                self.last_ms = max(self.last_ms, now_ms)  # kept whole (not a tombstone) while it holds records
                 return self._hold(attempt, call.call_id)  # a re-issue's call before its STARTED reopens the rollout
             known = " (a duplicate of an included call)" if call.call_id in self.call_ids else ""
             return self._late(f"call {call.call_id} seq {call.seq}{known}", now_ms)
@@ -213,6 +238,8 @@ class RolloutAccumulator:
             self.settled["status"] == TrajectoryStatus.INFRA_FAILURE and req.attempt > self.attempt
         ):
             return self._late(f"request attempt {req.attempt}", now_ms)
+        if self.settled:
+            self.last_ms = max(self.last_ms, now_ms)
         if self.request is not None and self.request["attempt"] >= req.attempt:
             return self._duplicate()
         self.request = {
@@ -234,6 +261,7 @@ class RolloutAccumulator:
             if (
                 ev.state is RolloutState.STARTED
                 and ev.attempt_id != self.settled["attempt_id"]
+                and ev.attempt_id not in self.older_runs
                 and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE
             ):
                 self._reopen(now_ms)
@@ -299,6 +327,7 @@ class RolloutAccumulator:
         if self.settled:
             reissue = rew.attempt_id != self.settled["attempt_id"]
             if reissue and self.settled["status"] == TrajectoryStatus.INFRA_FAILURE:
+                self.last_ms = max(self.last_ms, now_ms)
                 return self._hold_reward(rew, now_ms)  # a re-issue's reward before its STARTED reopens the rollout
             return self._late(f"reward of attempt {rew.attempt_id}", now_ms)
         if self.attempt_id is not None and rew.attempt_id != self.attempt_id:
@@ -367,6 +396,7 @@ class RolloutAccumulator:
 
     def _reopen(self, now_ms: int) -> None:
         """A re-issued attempt starts after an infrastructure failure: forget the failed attempt (not the request)."""
+        assert self.settled is not None
         log.info("rollout %s reopened for a new attempt after %s", self.rollout_id, self.settled)
         fresh = RolloutAccumulator(
             self.rollout_id,
@@ -376,7 +406,7 @@ class RolloutAccumulator:
             held=self.held,
             held_rewards=self.held_rewards,
             held_reward_ms=self.held_reward_ms,
-            older_runs=self.older_runs,
+            older_runs=[*self.older_runs, *([self.settled["attempt_id"]] if self.settled["attempt_id"] else [])],
         )
         self.__dict__.update(fresh.__dict__)
 

@@ -116,8 +116,10 @@ class StreamsSettings(BaseSettings):
     late_retention_s: float = Field(
         default=3600.0,
         gt=0,
-        description="How long a settled rollout (or closed group) is remembered so late records are dead-lettered "
-        "instead of opening a new one.",
+        description="How long a settled rollout (or closed group) keeps its whole state (calls held for a re-issue, "
+        "member list) before it is compacted to a tombstone of a few dozen bytes. The tombstone is kept for good (in "
+        "the changelogged table): a record replayed at any later time is dead-lettered as late, never opens a new "
+        "one.",
     )
     max_leaves: int | None = Field(
         default=64, ge=1, description="Leaf cap of a rollout's tree ('none' in the environment: no cap)."

@@ -3,10 +3,13 @@
 The assembler (``streams.assemble``) and the grouper (``streams.group``) keep their entities (rollouts, groups) in a
 key → bytes map and, per partition, a :class:`DueIndex` of when each entity may next need attention. A record of an
 entity *schedules* it (:meth:`Deadlines.schedule`: the index only ever moves earlier there); a tick *visits* the
-entities that are due (:meth:`Deadlines.tick`), which acts on them and reports their next due time, or that they can
-be forgotten. Ticks are the app's own tick topics (see ``streams.app``: Faust timers cannot write tables, so a timer
-sends each owned partition with something due (:meth:`Deadlines.earliest`) a tick and the agents check deadlines
-when it arrives, inside the partition's transaction).
+entities that are due (:meth:`Deadlines.tick`), which acts on them and reports their next due time, or their
+*tombstone*: once nothing but a replay can still concern a settled rollout or a closed group, its state is replaced by
+a few dozen bytes that say so and it leaves the index (a tombstone is kept for good: a replay at any later time finds
+it, so what a replay may re-open never depends on the clock or on how many entities came since). Ticks are the
+app's own tick topics (see ``streams.app``: Faust timers cannot write tables, so a timer sends each owned partition
+with something due (:meth:`Deadlines.earliest`) a tick and the agents check deadlines when it arrives, inside the
+partition's transaction).
 
 No topics of its own; pure: no Kafka, no Faust (the maps are Faust tables in the app, dicts in tests). Run through
 the app: ``python -m streams.app worker``.
@@ -66,8 +69,14 @@ class DueIndex:
         return sorted((k for k, t in self.entries.items() if t <= now_ms), key=lambda k: (self.entries[k], k))
 
 
-# A tick's visit of one due entity: (key, stored bytes) → its next due time, or None to forget it (state and index).
-Visit = Callable[[str, bytes], int | None]
+# A tick's visit of one due entity: (key, stored bytes) → its next due time; or bytes: its tombstone, which replaces its
+# state (and it leaves the index); or None to forget it (state and index).
+Visit = Callable[[str, bytes], int | bytes | None]
+TOMBSTONE = b"~"  # first byte of a tombstone (entity state is JSON: it starts with "{")
+
+
+def is_tombstone(data: bytes | None) -> bool:
+    return bool(data) and data[:1] == TOMBSTONE  # type: ignore[index]
 
 
 class Deadlines:
@@ -116,7 +125,8 @@ class Deadlines:
         """Visit the partition's due entities, oldest due first; reschedule them or forget them as ``visit`` says.
 
         ``visit`` writes the entity's state itself when it changed it. An index entry whose state is gone (forgotten
-        elsewhere) is dropped. The index is not rewritten when nothing was due (no changelog write per idle tick).
+        elsewhere) or a tombstone is dropped. The index is not rewritten when nothing was due (no changelog write per
+        idle tick).
         """
         key = str(partition)
         index, earliest = self._load(key)
@@ -126,12 +136,15 @@ class Deadlines:
         index = DueIndex(dict(index.entries))
         for entity in due:
             data = self.state.get(entity)
-            if data is None:
+            if data is None or is_tombstone(data):
                 index.entries.pop(entity, None)
                 continue
             next_ms = visit(entity, data)
             if next_ms is None:
                 del self.state[entity]
+                index.entries.pop(entity)
+            elif isinstance(next_ms, bytes):
+                self.state[entity] = next_ms
                 index.entries.pop(entity)
             else:
                 index.entries[entity] = next_ms

@@ -23,7 +23,7 @@ from schemas.topics import ROLLOUT_REQUESTS as REQUESTS
 from streams.assemble import Assembler
 from streams.rollout import RolloutAccumulator
 from streams.settings import StreamsSettings
-from streams.state import DueIndex, Verdict
+from streams.state import DueIndex, Verdict, is_tombstone
 from streams.trajectory import split_group_id
 from tests.support.stream_load import SynthRollout, build
 
@@ -387,11 +387,11 @@ def test_held_calls_of_an_attempt_that_never_starts_are_forgotten() -> None:
     stray = [(t, ev) for t, ev in _attempt(rollout(), 1) if isinstance(ev, CallEvent)]
     rig.feed(stray, last + 2000)
     assert len(rig.calls) == 3 and rig.rejected == []
-    rig.tick(last + 1000 + 50_000)  # the failed attempt's retention is over: nothing of the rollout is left
-    assert rig.state == {} and rig.calls == {}
+    rig.tick(last + 3000 + 50_000)  # 50 s after the last held call: only the failed attempt's tombstone is left
+    assert is_tombstone(rig.state["r-1"]) and rig.calls == {}
 
 
-def test_settled_rollouts_are_forgotten_after_the_retention() -> None:
+def test_settled_rollouts_are_compacted_to_a_tombstone_after_the_retention() -> None:
     r, rig = rollout(), Rig()
     last = rig.feed(r.records, 0)
     rig.tick(last + 1000)
@@ -399,7 +399,8 @@ def test_settled_rollouts_are_forgotten_after_the_retention() -> None:
     rig.tick(last + 1000 + 49_999)
     assert "r-1" in rig.state
     rig.tick(last + 1000 + 50_000)
-    assert rig.state == {} and DueIndex.load(rig.index[str(P)]).entries == {}
+    assert list(rig.state) == ["r-1"] and is_tombstone(rig.state["r-1"]) and len(rig.state["r-1"]) < 40
+    assert DueIndex.load(rig.index[str(P)]).entries == {}
 
 
 def test_state_survives_a_restart_mid_rollout() -> None:
