@@ -1,9 +1,9 @@
 """A settled rollout → its :class:`Trajectory`: status, reward, task and step, metadata and the prefix tree.
 
-Status: INFRA_FAILURE (reward null; never trained on, never in statistics), DROPPED (ungraded, leaf cap, inconsistent
-calls: not trainable, reward kept when graded), TIMED_OUT (killed at the limit, graded, trainable), COMPLETE,
-INCOMPLETE. Only COMPLETE / TIMED_OUT carry tree segments (``streams.tree``), each trainable segment with its call's
-sampling settings. Task id and step come from the request, else from the group id ``task|harness|step``; the
+Status: INFRA_FAILURE (reward null; never trained on, never in statistics), DROPPED (ungraded, a tampered call, leaf
+cap, inconsistent calls: not trainable, reward kept when graded), TIMED_OUT (killed at the limit, graded, trainable),
+COMPLETE, INCOMPLETE. Only COMPLETE / TIMED_OUT carry tree segments (``streams.tree``), each trainable segment with
+its call's sampling settings. Task id and step come from the request, else from the group id ``task|harness|step``; the
 request's metadata is copied (plus ``suite``, ``eval`` and ``attempt``). Pure: no Kafka, no Faust; used by
 ``streams.assemble``.
 """
@@ -61,6 +61,7 @@ def tree_calls(calls: Sequence[CallEvent]) -> list[TreeCall]:
             call_kind=c.call_kind.value,
             policy_version=c.policy_version,
             finish_reason=c.finish_reason,
+            tampered=c.tampered,
         )
         for c in calls
     ]

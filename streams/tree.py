@@ -19,8 +19,9 @@ Filtering (docs/method.md#filtering; the rules in detail: docs/method.md#how-the
 calls enter the tree (other kinds count in ``stats`` and ``excluded_calls``; their prompts still serve as delta
 parents); per compaction segment the winner (longest valid accumulated path) and, with ``prune="carried"`` (the
 default), the calls whose answers it carried forward are kept and every other branch is pruned (``"strict"``: winners
-only; ``"none"``: every main call); a rollout over ``max_leaves`` branch leaves, or without trainable tokens, is
-dropped (``dropped_reason``, no segments). Pure: no Kafka.
+only; ``"none"``: every main call); a rollout with a ``tampered`` call (of any kind: its request held an assistant
+turn the proxy never generated, so the recorded history is not the policy's), over ``max_leaves`` branch leaves, or
+without trainable tokens, is dropped (``dropped_reason``, in that order; no segments). Pure: no Kafka.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class TreeCall:
     call_kind: str  # "main" | "side" | "subagent" | "compaction"
     policy_version: int
     finish_reason: str = "stop"  # "stop" | "length" | "tool_calls" | "error" ...
+    tampered: bool = False  # its request held an assistant turn the proxy never generated: the rollout is dropped
 
 
 @dataclass
@@ -441,7 +443,10 @@ def build_tree(calls: Iterable[TreeCall], *, max_leaves: int | None = 64, prune:
         pruned_call_ids=pruned_ids,
         call_nodes=call_nodes,
     )
-    if max_leaves is not None and stats.branch_leaves > max_leaves:
+    tampered = sum(c.tampered for c in ordered)
+    if tampered:
+        result.dropped_reason = f"tampered ({tampered} call(s))"
+    elif max_leaves is not None and stats.branch_leaves > max_leaves:
         result.dropped_reason = f"branch leaf count {stats.branch_leaves} > cap {max_leaves} ({stats.leaves} leaves)"
     elif stats.trainable_tokens == 0:
         result.dropped_reason = f"no trainable tokens ({len(main)} main calls, {len(kept)} kept)"

@@ -1,7 +1,8 @@
 """``clawstream audit``: read a run's topics back and prove nothing was lost, doubled or trained twice.
 
-Reads every record of the lifecycle, reward, trajectory, batch, weight and dead-letter topics of one topic prefix
-(``read_committed``, partitions assigned by hand, nothing committed), keeps the fields the guarantees are about,
+Reads every record of the lifecycle, reward, trajectory, batch, weight and dead-letter topics of one topic prefix,
+and of each call which attempt it served and whether it was ``tampered`` (``read_committed``, partitions assigned by
+hand, nothing committed), keeps the fields the guarantees are about,
 and reconciles them with the pure rules of ``consumers.analytics.reconcile``. Prints a report (or ``--json``);
 exits 0 when clean, 1 when any rule is broken or a record cannot be decoded, 2 on a usage or broker error. It is
 the oracle of every fault test, and a user's integrity report for their own run.
@@ -29,6 +30,7 @@ from consumers.analytics.records import EventLogError
 from consumers.analytics.run_log import (
     AuditReport,
     BatchEntry,
+    Call,
     Letter,
     Lifecycle,
     Reward,
@@ -108,10 +110,10 @@ def _letter(rec: dict[str, Any], where: Where) -> Letter:
     )
 
 
-# topic → (schema, what to keep, the RunLog list it goes to); calls and requests are only decoded and counted.
+# topic → (schema, what to keep, the RunLog list it goes to); requests are only decoded and counted.
 KEEP: dict[str, tuple[str, Callable[[dict[str, Any], Where], Any] | None, str | None]] = {
     ROLLOUT_REQUESTS: ("RolloutRequest", None, None),
-    CALLS: ("CallEvent", None, None),
+    CALLS: ("CallEvent", lambda r, w: Call(r["rollout_id"], r.get("attempt_id"), bool(r.get("tampered")), w), "calls"),
     ROLLOUT_EVENTS: (
         "RolloutEvent",
         lambda r, w: Lifecycle(r["rollout_id"], r["attempt_id"], RolloutState(r["state"]), w),

@@ -7,7 +7,8 @@ its *final attempt* (the attempt its trajectory names, else its latest STARTED e
 MAIN calls in ``seq`` order grouped into compaction segments, each main call's prompt rebuilt from the delta
 encoding. The figures (follow-up, tree parent, extends its parent exactly, fork, answer fork, root, full re-render,
 retry orphan, masked-token fraction, prefix-cache hit rate, stale-attempt and unresolved calls) are defined in
-docs/dashboard.md#capture-health, in the same words as the code.
+docs/dashboard.md#capture-health, in the same words as the code. Tampered calls (the proxy's ``tampered`` flag: the
+request held an assistant turn it never generated) count over every attempt: a forged turn is never a re-run's to hide.
 
 Rows per (harness, template), the streaming aggregator and the text table: ``consumers.analytics.health_table``.
 
@@ -76,6 +77,7 @@ class RolloutHealth:
     retry_orphans: int = 0
     stale_attempt_calls: int = 0
     unresolved_calls: int = 0
+    tampered_calls: int = 0  # calls of any attempt whose request held an assistant turn the proxy never generated
     generated_tokens: int = 0  # main calls of the final attempt
     trained_tokens: int | None = None  # trainable tokens of the settled trajectory; None: no tree (yet)
     cache_calls: int = 0  # calls whose engine reported cached prompt tokens
@@ -148,6 +150,7 @@ def rollout_health(
     out = RolloutHealth(rollout_id, attempt_id=final_attempt)
     mine = sorted((c for c in unique.values() if c.attempt_id in (None, final_attempt)), key=lambda c: c.seq)
     out.stale_attempt_calls = len(unique) - len(mine)
+    out.tampered_calls = sum(c.tampered for c in unique.values())
     out.calls = len(mine)
     for call in mine:
         if call.cached_prompt_tokens is not None:

@@ -44,6 +44,8 @@ class HealthRow:
     retry_orphans: int = 0
     stale_attempt_calls: int = 0
     unresolved_calls: int = 0
+    tampered_rollouts: int = 0  # rollouts with a tampered call (never trained: the streams drop them)
+    tampered_calls: int = 0
     generated_tokens: int = 0
     trajectories: int = 0  # rollouts whose trajectory carries a tree (the masked fraction's rollouts)
     tree_generated_tokens: int = 0
@@ -53,6 +55,7 @@ class HealthRow:
 
     def add(self, r: RolloutHealth) -> None:
         self.rollouts += 1
+        self.tampered_rollouts += r.tampered_calls > 0
         for name in (
             "calls",
             "main_calls",
@@ -66,6 +69,7 @@ class HealthRow:
             "retry_orphans",
             "stale_attempt_calls",
             "unresolved_calls",
+            "tampered_calls",
             "generated_tokens",
             "cache_prompt_tokens",
             "cached_tokens",
@@ -232,6 +236,7 @@ COLUMNS = (
     "retry orphans",
     "stale attempt",
     "cache hit",
+    "tampered",
 )
 
 
@@ -253,6 +258,7 @@ def format_rows(rows: list[HealthRow]) -> str:
                 str(r.retry_orphans),
                 str(r.stale_attempt_calls),
                 _pct(r.prefix_cache_hit_rate),
+                f"{r.tampered_rollouts} ({r.tampered_calls})",
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]

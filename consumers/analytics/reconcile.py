@@ -18,7 +18,9 @@ stopped. The rules (``RULES``), each a guarantee the system makes, stage by stag
    ``sealed batch``, ``batches contiguous``);
 6. a sealed batch is trained once or refused for a cause; a kill (``TrainingStepKilled``, written by learners that
    took kills for out-of-memory deaths) or a seal count refused is a loss, as is a batch passed over for a later one
-   (``batch trained``, ``trained once``); ``TrainingStepOutOfMemory`` (with the evidence) is a cause; versions from 1.
+   (``batch trained``, ``trained once``); ``TrainingStepOutOfMemory`` (with the evidence) is a cause; versions from 1;
+7. no trained batch holds a trajectory of an attempt with a ``tampered`` call (its request held an assistant turn the
+   proxy never generated); such a rollout settles DROPPED and its group trains short (``tampered never trained``).
 
 In flight, not lost: groups not closed, groups the batcher holds, batches sealed after the last trained one.
 ``reconcile(log, skip=...)`` leaves rules out (the mutation tests show each is needed). Idempotent and order-free.
@@ -36,6 +38,7 @@ from consumers.analytics.run_log import (
     TRAINED_TWICE,
     AuditReport,
     BatchEntry,
+    Call,
     Letter,
     Lifecycle,
     Reward,
@@ -56,6 +59,7 @@ __all__ = [  # the run log's names, re-exported: callers import them from here w
     "TRAINED_TWICE",
     "AuditReport",
     "BatchEntry",
+    "Call",
     "Letter",
     "Lifecycle",
     "Reward",
@@ -91,6 +95,7 @@ RULES = (
     "batch trained",
     "trained once",
     "versions contiguous",
+    "tampered never trained",
 )
 # Refusals that are the system failing, not the batch: the learner killed in its step, a batch short of its seal.
 LOSS_REFUSALS = ("TrainingStepKilled", "IncompleteGroup")
@@ -316,6 +321,7 @@ class _Flow:
         self._groups_batched(report, out)
         self._batches_contiguous(out)
         self._batches_trained(report, out)
+        self._tampered_never_trained(out)
 
     def _trainable(self, group_id: str) -> list[str]:
         members = self.by_group.get(group_id, {})
@@ -473,6 +479,30 @@ class _Flow:
                 pending += 1
         if pending:
             report.in_flight["batches sealed after the last trained one"] = pending
+
+    def _tampered_never_trained(self, out: list[Violation]) -> None:
+        """Rule 7: no trained batch holds a trajectory of an attempt with a tampered call (one without an attempt id
+        counts for every attempt of its rollout)."""
+        tampered: dict[tuple[str, str | None], list[Where]] = defaultdict(list)
+        for c in self.log.calls:
+            if c.tampered:
+                tampered[(c.rollout_id, c.attempt_id)].append(c.where)
+        trained = [(b, e) for b, entries in sorted(self.members.items()) if b in self.trained for e in entries]
+        for batch_id, e in trained if tampered else []:
+            t = e.trajectory
+            assert t is not None
+            calls = tampered.get((t.rollout_id, t.attempt_id), []) + tampered.get((t.rollout_id, None), [])
+            if calls:
+                out.append(
+                    Violation(
+                        INCONSISTENT,
+                        "tampered never trained",
+                        f"rollout {t.rollout_id} (attempt {t.attempt_id}) of group {_gid(e) or '-'} trained in "
+                        f"batch {batch_id}#{e.index} as v{self.trained[batch_id].policy_version}, though "
+                        f"{len(calls)} of its calls held an assistant turn the proxy never generated (first at "
+                        f"{min(calls, key=_pos)})",
+                    )
+                )
 
 
 def _is_loss(letter: Letter) -> bool:

@@ -45,6 +45,17 @@ class Reward:
     where: Where
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A model call the proxy recorded: whose attempt it served (None: the registration named none), and whether its
+    request held an assistant turn the proxy never generated (``tampered``). Kept for every call: slotted."""
+
+    rollout_id: str
+    attempt_id: str | None
+    tampered: bool
+    where: Where
+
+
 @dataclass(frozen=True)
 class Settled:
     """A trajectory (or a batch's copy of one): which attempt it is made of, and the reward it carries. ``trainable``
@@ -106,6 +117,7 @@ class RunLog:
     undecodable: list[tuple[str, Where]] = field(default_factory=list)  # (error, where)
     counts: dict[str, int] = field(default_factory=dict)  # records read per topic
     scored: list[BatchEntry] = field(default_factory=list)  # the grouper's SEALs, in the batcher's input order
+    calls: list[Call] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,18 @@ def versions_from_2(r: Run) -> str:
     return "first version is 2"
 
 
+def tampered_trained(r: Run) -> str:
+    """A rollout whose requests held an assistant turn the proxy never generated (its calls marked tampered), trained
+    anyway: the streams should have dropped it."""
+    e = r.entries(r.batch(1))[2]
+    t = e.trajectory
+    assert t is not None
+    mine = [c for c in r.log.calls if c.rollout_id == t.rollout_id and c.attempt_id in (None, t.attempt_id)]
+    assert mine, f"no recorded calls of {t.attempt_id}"
+    r.log.calls = [dataclasses.replace(c, tampered=True) if c in mine else c for c in r.log.calls]
+    return t.rollout_id
+
+
 def trajectory_lost(r: Run) -> str:
     """Control: a graded attempt's trajectory lost."""
     gone = r.log.trajectories[5]
@@ -279,6 +291,7 @@ FORGED: dict[str, tuple[Callable[[Run], str], set[tuple[str, str]]]] = {
     "in two batches": (in_two_batches, {(DUPLICATED, "one batch")}),
     "batch trained twice": (batch_trained_twice, {(TRAINED_TWICE, "trained once")}),
     "trajectory lost": (trajectory_lost, {(LOST, "one trajectory")}),
+    "tampered rollout trained": (tampered_trained, {(INCONSISTENT, "tampered never trained")}),
     "versions from 2": (versions_from_2, {(INCONSISTENT, "versions contiguous")}),
 }
 
@@ -352,12 +365,30 @@ def last_batch_refused_for_a_cause(r: Run) -> None:
     r.letter("learner", f"cannot pack the batch: a tree of {b} is over the token budget", "UntrainableBatch", key=b)
 
 
+def tampered_dropped(r: Run) -> None:
+    """A tampered rollout as the streams settle it: DROPPED with the reason, out of its batch (its group short)."""
+    b = r.batch(1)
+    gone = r.entries(b)[2]
+    assert gone.trajectory is not None
+    aid = gone.trajectory.attempt_id
+    tampered_trained(r)
+    r.drop_entries(lambda e: e is not gone)
+    r.reseal(b)
+    r.log.trajectories = [
+        dataclasses.replace(t, status="DROPPED", trainable=False, drop_reason="tampered (2 call(s))")
+        if t.attempt_id == aid
+        else t
+        for t in r.log.trajectories
+    ]
+
+
 HONEST: dict[str, tuple[Callable[[Run], None], str]] = {
     "last batch sealed, not trained yet": (last_batch_not_trained_yet, "batches sealed after the last trained one"),
     "last groups held by the batcher": (last_batch_not_formed_yet, "groups held by the batcher"),
     "member dropped for a reason": (member_dropped_for_a_reason, "no trainable tokens"),
     "stale group set aside": (stale_group, "stale group"),
     "last batch refused for a cause": (last_batch_refused_for_a_cause, "cannot pack the batch"),
+    "tampered rollout dropped with its reason": (tampered_dropped, "DROPPED (tampered (2 call(s)))"),
 }
 
 

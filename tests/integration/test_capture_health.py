@@ -248,6 +248,7 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     noise.call([system, task, ctx], a0)
     noise.call([system, ctx, task, Message("assistant", a0), tool0], a1)
     noise.call([system, task, Message("assistant", a0), Message("assistant", a1), ctx], a2)
+    noise.calls[2].tampered = True  # as the proxy marks a request holding an assistant turn it never generated
     produce(kafka_settings, [*lifecycle("zz", "openclaw", "zz-a0", 3), *noise.calls])
 
     report = health(kafka_settings, *[f"--to={p}:{end}" for p, end in ends.items()])
@@ -261,6 +262,7 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     assert o["extends_share"] == pytest.approx(1 / 3)
     assert o["retry_orphans"] == 1  # c1's answer: the harness went on without it
     assert o["stale_attempt_calls"] == 0 and o["unresolved_calls"] == 0
+    assert all((r["tampered_rollouts"], r["tampered_calls"]) == (0, 0) for r in rows.values())
     # The streams' tree keeps c3's path and c0 (carried: its answer sits where c3's prompt departs); c1 is a dead
     # end, and c2's answer lies far from c3's branch point, so the one-off re-layout costs c2's tokens as well.
     assert o["generated_tokens"] == sum(gen)
@@ -287,12 +289,15 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     everything = {(r["harness"], r["template"]): r for r in health(kafka_settings)["rows"]}
     assert everything["openclaw", "openai_chat"]["rollouts"] == 2
     assert everything["openclaw", "openai_chat"]["forks"] == 2 + 2
+    tampered = {k: (r["tampered_rollouts"], r["tampered_calls"]) for k, r in everything.items()}
+    assert tampered == {k: (1, 1) if k[0] != "agentloop" else (0, 0) for k in everything}
 
     # the table a person reads
     text = health(kafka_settings, *[f"--to={p}:{end}" for p, end in ends.items()], as_json=False)
     print(text)  # the table docs/dashboard.md shows
     line = next(ln for ln in text.splitlines() if ln.startswith("openclaw"))
     assert "33.3% (1/3)" in line and "1.00 (1)" in line and "2.00 (2)" in line
+    assert text.splitlines()[0].endswith("tampered") and line.endswith(" 0 (0)")
 
 
 def test_health_errors_are_one_clear_line(kafka_settings: KafkaSettings) -> None:

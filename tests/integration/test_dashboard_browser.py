@@ -174,6 +174,8 @@ class Run:
             ),
         ]
         calls = self.calls(rid, attempt_id, version, fork=harness == "openclaw")
+        if outcome == "running":  # its second request held an assistant turn the proxy never generated
+            calls[1].tampered = True
         events += calls
         self.status[rid] = outcome
         if outcome == "running":
@@ -449,6 +451,7 @@ def test_dashboard_page_draws_a_live_run_without_console_errors(
         rows = {r[0]: r for r in data["health"]}
         assert rows["agentloop"][4] == "100.0% (8/8)" and rows["agentloop"][6] == "0.00"
         assert rows["openclaw"][4] == "50.0% (4/8)" and rows["openclaw"][5] == "1.00" and rows["openclaw"][6] == "1.00"
+        assert rows["agentloop"][12] == "1 (1)" and rows["openclaw"][12] == "0 (0)"  # tampered: shown when zero
         extend = trace(data, "chart-health", "extend exactly %")
         assert dict(zip(extend["x"], extend["y"], strict=True)) == {
             "agentloop / openai_chat": 100.0,

@@ -195,8 +195,10 @@ def test_stale_attempt_calls_and_unresolved_parents() -> None:
         c.call_id = c.call_id.replace("-c", "-n")
         c.parent_call_id = c.parent_call_id.replace("-c", "-n") if c.parent_call_id else None
         c.timestamp_ms += 100
+    old.calls[1].tampered = True  # a forged turn counts though its attempt was superseded
     h = rollout_health("r-1", old.calls + new.calls)  # the latest call names the final attempt
     assert h.attempt_id == "a-2" and h.stale_attempt_calls == 2 and (h.main_calls, h.extends) == (2, 1)
+    assert h.tampered_calls == 1
     # a call whose parent was not read (range cut) is unresolved and enters no other figure
     h2 = rollout_health("r-1", old.calls[1:])
     assert (h2.unresolved_calls, h2.main_calls, h2.follow_ups) == (1, 1, 0)
@@ -334,3 +336,4 @@ def test_format_rows_prints_every_row_with_its_figures() -> None:
     assert "100.0% (1/1)" in lines[2]
     expected_hit = 100 * (3 + len(p0) + 2) / (len(p0) + len(p0) + 2 + 2)
     assert f"{expected_hit:.1f}%" in lines[2]
+    assert lines[0].endswith("tampered") and lines[2].endswith(" 0 (0)")  # shown when zero

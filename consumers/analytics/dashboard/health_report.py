@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         epilog="Columns: share of follow-up calls that extend their tree parent exactly, full re-renders and forks\n"
         "per rollout (answer forks: the answer came back as other token ids), masked share of generated tokens,\n"
-        "retry orphans, calls of superseded attempts, engine prefix-cache hit rate. Definitions: docs/dashboard.md",
+        "retry orphans, calls of superseded attempts, engine prefix-cache hit rate, rollouts (calls) that sent an\n"
+        "assistant turn the proxy never generated (tampered: never trained). Definitions: docs/dashboard.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  re-renders {r.full_renders}  forks {r.forks} (answer {r.answer_forks})  orphans "
                 f"{r.retry_orphans}  masked {r.masked_tokens if r.masked_tokens is not None else '-'}"
                 f"/{r.generated_tokens}  stale {r.stale_attempt_calls}  unresolved {r.unresolved_calls}"
+                f"  tampered {r.tampered_calls}"
             )
     print(
         f"{report.calls_in_range} call(s) of {len(report.aggregator)} rollout(s), {report.label_records} label "

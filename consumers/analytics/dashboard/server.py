@@ -119,6 +119,8 @@ _HEALTH_COUNTS = (
     "retry_orphans",
     "stale_attempt_calls",
     "unresolved_calls",
+    "tampered_rollouts",
+    "tampered_calls",
     "masked_tokens",
     "generated_tokens",
 )
