@@ -128,6 +128,17 @@ class SandboxSettings(BaseSettings):
         "write past the quota for at most this long (and no single file past it: RLIMIT_FSIZE).",
     )
     sweep_interval_s: float = Field(default=60.0, description="Period of removing stale sandboxes of dead workers.")
+    seen_dir: Path | None = Field(
+        default=None,
+        description="Where the worker keeps every request it read and its partitions' committed positions (RocksDB, "
+        "~60 bytes a request on disk), to refuse a duplicate or a replayed request however long ago it ran; default "
+        "$CLAWSTREAM_HOME/sandbox-seen/<group_id> (one slot-N database per running worker on the host).",
+    )
+    seen_cache_size: int = Field(
+        default=10_000,
+        ge=1,
+        description="Requests of seen_dir also kept in memory (~250 bytes each); older ones are read from disk.",
+    )
 
     @field_validator("max_workspace_bytes")
     @classmethod

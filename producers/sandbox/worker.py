@@ -40,13 +40,13 @@ from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 from clawbase.errors import ClawstreamError, CodecError
 from clawbase.kafka.clients import check_broker, make_consumer, where
 from clawbase.kafka.publisher import KafkaPublisher
-from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from clawbase.settings import KafkaSettings, add_kafka_arguments, clawstream_home, kafka_settings, load_settings
 from producers.harnesses.base import HarnessAdapter
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxBackend, SandboxError
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests
+from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests, open_store
 from producers.sandbox.proxy_admin import ProxyAdmin
 from producers.sandbox.relay import raise_open_files_limit
 from producers.sandbox.rollout import Outcome, RolloutContext, execute, new_attempt_id
@@ -59,7 +59,6 @@ from schemas.lifecycle import transition
 from schemas.topics import DEADLETTER, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 
 log = logging.getLogger("clawstream.sandbox_worker")
-SEEN_MAX = 100_000  # rollout ids whose (attempt → offset) is remembered to spot duplicates (~25 MB at the limit)
 
 
 def nonsense(req: RolloutRequest, ctx: RolloutContext) -> str | None:
@@ -174,7 +173,7 @@ class SandboxWorker:
         # each outcome ~1.3 KB (its reward, timings, cleanup report); it counts them in ``finished``.
         self.outcomes: list[Outcome] = []
         self.finished = 0
-        self.seen = SeenRequests(SEEN_MAX)
+        self.seen = SeenRequests(settings.seen_cache_size)  # on disk from run() on (seen_dir)
         self.fatal: BaseException | None = None
         self._consumer = None
         self._paused = False
@@ -222,6 +221,7 @@ class SandboxWorker:
             return
         for tp, off in points.items():
             self.tracker.committed(tp, off)
+            self.seen.committed(tp, off)
             log.debug("committed %s[%d]@%d", tp[0], tp[1], off)
 
     # --- main loop ----------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class SandboxWorker:
 
     def _duplicate_of(self, req: RolloutRequest, tp: Partition, offset: int) -> str | None:
         """Why ``req`` at ``tp@offset`` is a duplicate of a request seen here, or None (new, or the same record read
-        again: a redelivery). Remembers it otherwise (the last SEEN_MAX rollout ids: ``SeenRequests``)."""
+        again: a redelivery), or a replay of one below the committed position. Remembers it otherwise, on disk."""
         return self.seen.check(req.rollout_id, req.attempt, tp, offset)
 
     async def _take(self, msg) -> RolloutRequest | None:  # noqa: ANN001
@@ -403,9 +403,17 @@ class SandboxWorker:
         except (OSError, ClawstreamError) as exc:
             log.warning("sandbox backend close failed: %s", exc)
         self.publisher.close()
+        close = getattr(self.seen.store, "close", None)
+        if close is not None:
+            close()
+
+    def _open_seen(self) -> None:
+        path = self.settings.seen_dir or clawstream_home() / "sandbox-seen" / self.settings.group_id
+        self.seen.store = open_store(path)
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
+        self._open_seen()
         consumer = self._subscribe()
         sweeper = asyncio.create_task(self._sweep_loop())
         try:

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 from clawbase.settings import KafkaSettings
 from producers.sandbox import worker as worker_module
-from producers.sandbox.offsets import SeenRequests
+from producers.sandbox.offsets import SeenRequests, open_store
 from producers.sandbox.rollout import Outcome
 from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
@@ -53,10 +53,7 @@ def _reference(limit: int):  # noqa: ANN202 - the check as the worker had it, a 
         if newer > attempt:
             (t, p), o = attempts[newer]
             return f"stale: rollout {rid} attempt {attempt} after attempt {newer} (read at {t}[{p}]@{o})"
-        table[rid] = {**attempts, attempt: (tp, offset)}
-        table.move_to_end(rid)
-        if len(table) > limit:
-            table.popitem(last=False)
+        table[rid] = {**attempts, attempt: (tp, offset)}  # kept: the store forgets nothing (limit: memory only)
         return None
 
     return check
@@ -71,23 +68,34 @@ def test_the_compact_table_decides_as_the_dict_of_tuples_did() -> None:
             assert seen.check(*args) == reference(*args), args
 
 
-def test_the_oldest_rollout_ids_are_forgotten_past_the_limit() -> None:
-    seen = SeenRequests(limit=3)
+def test_rollout_ids_past_the_memory_limit_are_still_recognised_from_the_store() -> None:
+    store: dict[str, bytes] = {}
+    seen = SeenRequests(limit=3, store=store)
     for i, rid in enumerate("abcd"):
         assert seen.check(rid, 0, (TOPIC, 0), i) is None
-    assert len(seen) == 3
-    assert seen.check("a", 0, (TOPIC, 0), 9) is None  # forgotten: runs as new (the proxy's lease is the guard)
-    assert seen.check("c", 0, (TOPIC, 0), 9) is not None  # still remembered
-    assert seen.check("b", 0, (TOPIC, 0), 9) is None  # the least recently read went when "a" came back
+    assert len(seen) == 3 and len([k for k in store if not k.startswith("\x00")]) == 4
+    dup = seen.check("a", 0, (TOPIC, 0), 9)  # out of memory, still in the store
+    assert dup == f"duplicate: rollout a attempt 0 was already read at {TOPIC}[0]@0", dup
+    assert SeenRequests(limit=3, store=store).check("b", 0, (TOPIC, 0), 9) is not None  # a restarted worker too
 
 
-def test_seen_requests_entries_are_compact() -> None:
+def test_a_record_below_the_committed_position_is_a_replay_not_a_redelivery() -> None:
+    seen = SeenRequests(limit=2, store={})
+    assert seen.check("a", 0, (TOPIC, 0), 5) is None
+    assert seen.check("a", 0, (TOPIC, 0), 5) is None  # redelivered before its offset was committed: not poison
+    seen.committed((TOPIC, 0), 6)
+    why = seen.check("a", 0, (TOPIC, 0), 5)  # the group rewound past it: it ran already
+    assert why is not None and "below its partition's committed position 6" in why, why
+    assert seen.check("b", 0, (TOPIC, 1), 5) is None  # another partition's position is its own
+
+
+def test_seen_requests_entries_are_compact(tmp_path) -> None:  # noqa: ANN001
     """~250 bytes a rollout id (its id string included) where a dict of tuples with a fresh topic string per entry
     took ~590: SEEN_MAX (100,000) entries hold ~25 MB, not ~59 MB."""
     n = 20_000
     tracemalloc.start()
     try:
-        seen = SeenRequests(limit=n)
+        seen = SeenRequests(limit=n, store=open_store(tmp_path))  # on disk: not in the Python heap
         for i in range(n):
             assert seen.check(uuid.uuid4().hex, 0, (_topic(), i % 8), 1_000_000 + i) is None
         per_entry = tracemalloc.get_traced_memory()[0] / n
