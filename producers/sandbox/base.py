@@ -101,6 +101,11 @@ class Sandbox(abc.ABC):
         """The rollout's proxy base URL as the harness inside this sandbox reaches it (default: unchanged)."""
         return base_url
 
+    async def proxy_failures(self) -> list[str]:
+        """Upstream failures the worker's relay to the proxy saw for this sandbox (``producers.sandbox.relay``): calls
+        the proxy lost. Default: none recorded (the harness reaches the proxy directly)."""
+        return []
+
     @abc.abstractmethod
     async def destroy(self) -> CleanupReport:
         """Kill whatever still runs, remove every file, and report anything that survived."""

@@ -39,6 +39,7 @@ from producers.sandbox.base import (
     over_quota,
     watch_disk,
 )
+from producers.sandbox.relay import relay_failures
 from producers.sandbox.settings import SandboxSettings
 from producers.tasks.model import Task
 
@@ -136,6 +137,8 @@ class DockerSandbox(Sandbox):
         self._mounts = {task.mount_dir: host_root / "workspace", HOME: host_root / "home", GRADER: host_root / "grader"}
         self._proxy_origin = proxy_origin
         self._synced: tuple | None = None  # fingerprint of the host copy at the last push/pull
+        self.relay: Any = None  # the worker's relay container, whose log records the proxy's lost calls
+        self.created_s = int(time.time()) - 1  # the relay's log is read from here on
 
     def host_path(self, inside_path: str) -> Path:
         p = PurePosixPath(inside_path)
@@ -149,6 +152,22 @@ class DockerSandbox(Sandbox):
             return base_url
         origin, url = urlsplit(self._proxy_origin), urlsplit(base_url)
         return urlunsplit((origin.scheme, origin.netloc, url.path, url.query, url.fragment))
+
+    async def proxy_failures(self) -> list[str]:
+        if self.relay is None:
+            return []
+        return await asyncio.to_thread(self._proxy_failures)
+
+    def _proxy_failures(self) -> list[str]:
+        """The relay's upstream failures for this container's address on the sandbox network (unique while it
+        lives), logged since it was created."""
+        self.container.reload()
+        network = self.container.attrs.get("NetworkSettings", {}).get("Networks", {}).get(self.settings.docker_network)
+        address = (network or {}).get("IPAddress")
+        if not address:
+            return []
+        text = self.relay.logs(stdout=False, stderr=True, since=self.created_s).decode(errors="replace")
+        return relay_failures(text, address)
 
     # --- copy in / copy out -----------------------------------------------------------------------------------
 
@@ -405,6 +424,10 @@ class DockerBackend(SandboxBackend):
                 f"0.0.0.0:{port}",
                 "--target",
                 f"{host}:{port_to}",
+                "--max-connections",
+                str(self.settings.relay_max_connections),
+                "--idle-timeout",
+                str(self.settings.relay_idle_timeout_s),
             ],
             name=name,
             detach=True,
@@ -434,6 +457,7 @@ class DockerBackend(SandboxBackend):
             spec = container_spec(self.settings, sandbox_id, task, self.worker)
             container = await asyncio.to_thread(lambda: self.client.containers.run(**spec))
             box = DockerSandbox(sandbox_id, host_root, container, self.client, task, self.settings, origin)
+            box.relay = self._relay if origin is not None else None
             box.write_files(box.workspace, task.files)
             await asyncio.to_thread(box.push)  # the directories exist in the container from the start
         except Exception as exc:

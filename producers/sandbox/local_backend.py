@@ -55,7 +55,7 @@ from producers.sandbox.base import (
     tree_bytes,
     watch_disk,
 )
-from producers.sandbox.relay import unix_server
+from producers.sandbox.relay import RelayServer, unix_server
 from producers.sandbox.settings import SandboxSettings
 from producers.tasks.model import Task
 
@@ -215,7 +215,7 @@ class LocalSandbox(Sandbox):
         self.pgids: set[int] = set()
         self._runs = 0
         self._proxy: tuple[str, int] | None = None  # the proxy's host and port, relayed into an isolated sandbox
-        self._server: asyncio.AbstractServer | None = None
+        self._server: RelayServer | None = None
         self._socket_dir: Path | None = None
 
     def host_path(self, inside_path: str) -> Path:
@@ -263,6 +263,9 @@ class LocalSandbox(Sandbox):
             if d:
                 paths.append(str(Path(d).resolve()))
         return [p for p in paths + list(self.settings.bwrap_read_only) if p != "/"]
+
+    async def proxy_failures(self) -> list[str]:
+        return [] if self._server is None else self._server.relay.failures_seen()
 
     async def _socket(self) -> Path | None:
         """The unix socket relaying to the proxy (started on first use), or None (no proxy named)."""

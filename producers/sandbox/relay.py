@@ -7,16 +7,16 @@ one relay container per worker: on the sandbox network (its name is the proxy's 
 Docker's default bridge, from which it forwards every connection to the proxy's port on the host. It relays bytes;
 HTTP, streaming and the proxy's per-rollout secrets pass through unchanged.
 
-The isolated local backend (``producers.sandbox.bwrap``) has no network at all inside: the worker serves a unix
-socket per sandbox (:func:`unix_server`, to the proxy's host and port) that is bound into it, and every command
-there starts under ``--then``: a listener on ``127.0.0.1:PORT`` inside, forwarding to that socket, is bound first,
-served by a forked child, and the command is exec'd (run by path, stdlib only).
-
-Bounded (every relayed connection is two fds of the relaying process): at most ``max_connections`` at once per
-sandbox (the worker's unix socket stops accepting at the cap; a TCP relay closes a peer's connection over it), each
-closed after ``idle_timeout_s`` without a byte, all closed when the relay is (the sandbox's destroy).
-
-Topics: none. Run::
+The isolated local backend (``producers.sandbox.bwrap``) has no network at all inside: the worker serves a unix socket
+per sandbox (:func:`unix_server`, to the proxy's host and port) that is bound into it, and every command there starts
+under ``--then``: a listener on ``127.0.0.1:PORT`` inside, forwarding to that socket, is bound first, served by a forked
+child, and the command is exec'd (run by path, stdlib only). Bounded (every relayed connection is two fds of the
+relaying process): at most ``max_connections`` at once per sandbox (the worker's unix socket stops accepting at the cap;
+a TCP relay closes a peer's connection over it), each closed after ``idle_timeout_s`` without a byte, all closed when
+the relay is (the sandbox's destroy). Lost calls: it records per sandbox (peer address) each upstream failure: a failed
+connect to the proxy, or the proxy's side closing a connection after request bytes went up and before any response byte
+came back (the client still connected); the worker reads the records of its relay, out of the rollout's reach
+(``Sandbox.proxy_failures``). Topics: none. Run::
 
     python3 -m producers.sandbox.relay --listen 0.0.0.0:8100 --target 172.17.0.1:8100
     python3 relay.py --listen 127.0.0.1:8100 --target-unix /run/clawstream/proxy.sock --then CMD ARG...
@@ -40,6 +40,9 @@ Connect = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWrite
 MAX_CONNECTIONS = 64
 # Above the proxy's engine_timeout_s (900 s): a non-streaming call may wait that long without a byte.
 IDLE_TIMEOUT_S = 960.0
+# Upstream failures kept per peer (the first ones: what a re-issue's reason names); the count goes on.
+MAX_FAILURES_KEPT = 8
+UPSTREAM_FAILURE = "relay: upstream failure"  # the log line's start (the docker backend reads its relay's log)
 
 
 class _Conn:
@@ -49,6 +52,16 @@ class _Conn:
         self.writers: list[asyncio.StreamWriter] = []
         self.last = asyncio.get_running_loop().time()
         self.aborted = False
+        self.awaiting = False  # request bytes went up since the last response byte came back
+        self.client_done = False  # the client's side ended (EOF or error)
+        self.lost: str | None = None  # how the proxy's side ended while a request was unanswered
+
+    def ended(self, upstream: bool, how: str) -> None:
+        """One side stopped sending: the client's, or the proxy's (a lost call when a request was unanswered)."""
+        if not upstream:
+            self.client_done = True
+        elif self.awaiting and not self.client_done and not self.aborted and self.lost is None:
+            self.lost = how
 
     def abort(self) -> None:
         self.aborted = True
@@ -56,11 +69,21 @@ class _Conn:
             w.transport.abort()  # the fd is released now, whatever is still buffered
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn) -> None:
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn, *, upstream: bool) -> None:
+    """Copy ``reader`` to ``writer``; ``upstream``: ``reader`` is the proxy's side."""
     loop = asyncio.get_running_loop()
     try:
-        while data := await reader.read(1 << 16):
+        while True:
+            try:
+                data = await reader.read(1 << 16)
+            except (ConnectionError, OSError) as exc:
+                conn.ended(upstream, f"{type(exc).__name__}: {exc}")
+                return
+            if not data:
+                conn.ended(upstream, "closed")
+                return
             conn.last = loop.time()
+            conn.awaiting = not upstream
             writer.write(data)
             await writer.drain()
     except (ConnectionError, OSError):
@@ -90,6 +113,22 @@ class Relay:
         self.room = asyncio.Event()  # set when a connection ends
         self.refused = 0
         self.closed = False
+        self.failures: dict[str, list[str]] = {}  # peer → the first upstream failures seen (MAX_FAILURES_KEPT)
+        self.failure_counts: dict[str, int] = {}
+
+    def failed(self, key: str, why: str) -> None:
+        """Record an upstream failure seen on a connection of peer ``key`` (and log it, one line)."""
+        self.failure_counts[key] = self.failure_counts.get(key, 0) + 1
+        kept = self.failures.setdefault(key, [])
+        if len(kept) < MAX_FAILURES_KEPT:
+            kept.append(why)
+        print(f"{UPSTREAM_FAILURE} {key or '-'}: {why}", file=sys.stderr, flush=True)
+
+    def failures_seen(self, key: str = "") -> list[str]:
+        """The upstream failures seen on peer ``key``'s connections (the first ``MAX_FAILURES_KEPT``, then a count)."""
+        kept = list(self.failures.get(key, ()))
+        more = self.failure_counts.get(key, 0) - len(kept)
+        return kept + ([f"and {more} more"] if more > 0 else [])
 
     def full(self, key: str) -> bool:
         return len(self.open.get(key, ())) >= self.max_connections
@@ -117,7 +156,7 @@ class Relay:
                 raise
             conn.writers.append(client_w)
             if not conn.aborted:
-                await self._relay(client_r, conn)
+                await self._relay(client_r, conn, key)
         except OSError:
             pass
         finally:
@@ -129,11 +168,11 @@ class Relay:
             for w in conn.writers:
                 w.close()
 
-    async def _relay(self, client_r: asyncio.StreamReader, conn: _Conn) -> None:
+    async def _relay(self, client_r: asyncio.StreamReader, conn: _Conn, key: str) -> None:
         try:
             up_r, up_w = await asyncio.wait_for(self.connect(), self.idle_timeout_s)
         except OSError as exc:  # TimeoutError too
-            print(f"relay: cannot reach {self.name}: {exc!r}", file=sys.stderr, flush=True)
+            self.failed(key, f"cannot reach {self.name}: {type(exc).__name__}: {exc}")
             return
         conn.writers.append(up_w)
         if conn.aborted:  # closed while it connected
@@ -141,9 +180,13 @@ class Relay:
             return
         watch = asyncio.create_task(self._watch(conn))
         try:
-            await asyncio.gather(_pipe(client_r, up_w, conn), _pipe(up_r, conn.writers[0], conn))
+            await asyncio.gather(
+                _pipe(client_r, up_w, conn, upstream=False), _pipe(up_r, conn.writers[0], conn, upstream=True)
+            )
         finally:
             watch.cancel()
+        if conn.lost is not None and not conn.aborted:
+            self.failed(key, f"{self.name} ended a connection with a request unanswered ({conn.lost})")
 
     async def _watch(self, conn: _Conn) -> None:
         loop = asyncio.get_running_loop()
@@ -260,6 +303,12 @@ async def unix_server(
         sock.close()
         raise
     return RelayServer(sock, bounds, one_peer=True)
+
+
+def relay_failures(log_text: str, peer: str) -> list[str]:
+    """The upstream failures a relay logged (:meth:`Relay.failed`) for ``peer``, from its log's text."""
+    start = f"{UPSTREAM_FAILURE} {peer}: "
+    return [line[len(start) :] for line in log_text.splitlines() if line.startswith(start)]
 
 
 def raise_open_files_limit() -> int:

@@ -1,27 +1,25 @@
 """One rollout attempt, start to end: sandbox → proxy registration → harness → seal → grade → events → cleanup.
 
-The sandbox worker calls :func:`execute` per request; this module has no Kafka import: events go to an
-:class:`EventSink` (the worker's publishes to Kafka and waits for the acknowledgement; tests may collect them).
+The sandbox worker calls :func:`execute` per request; no Kafka import: events go to an :class:`EventSink`.
+Statuses (docs/method.md#infrastructure-failures; every change through ``schemas.lifecycle.transition``):
 
-Statuses (docs/method.md#infrastructure-failures; every state change goes through ``schemas.lifecycle.transition``):
-
-* harness exits by itself (any exit code) → HARNESS_EXITED(exit_code, calls_served), graded (a call refused by a
-  proxy quota: graded too, its ``reason`` starts ``quota_exceeded:``); a sandbox over its disk quota
-  (``max_workspace_bytes``) → the harness stopped at once, HARNESS_EXITED(exit_code -9), graded, its ``reason``
-  ``quota_exceeded: rollout quota exceeded: max_workspace_bytes …``;
+* harness exits by itself → HARNESS_EXITED(exit_code, calls_served), graded (a proxy quota's refusal or the disk
+  quota, ``max_workspace_bytes``, too: its ``reason`` starts ``quota_exceeded:``; the latter stops it, exit -9);
 * harness killed at its wall-clock limit → TIMED_OUT(calls_served), graded;
 * a grader failing on what the rollout left (not on the task's untouched workspace) → graded 0, flagged
   ``grader_error_by_rollout``; sandbox creation, proxy (register/seal, or its infra_failure flag), a grader failing
-  on the untouched workspace too, the judge, unknown task/harness → FAILED(reason), INFRA_FAILURE, reward null.
+  on the untouched workspace too, the judge, unknown task/harness → FAILED(reason), INFRA_FAILURE, reward null;
+* the proxy restarted during the rollout (seal ``restored``) and the sandbox's relay saw it lose a call
+  (``Sandbox.proxy_failures``), or it recorded no main-agent call since → FAILED, INFRA_FAILURE: re-issued, never
+  graded as it stands (the infrastructure's records: a rollout cannot restart the proxy). Once the proxy served the
+  rollout the grader reads its record, never the harness's stdout (``producers.tasks.transcript.proxy_conversation``).
 
 Exactly one RewardEvent per attempt; the attempt id (``{rollout_id}.a{attempt}.{random}``) is new on every
-execution, so a request re-run after a worker died is a different attempt. The sandbox is destroyed in every case.
-
-The proxy registration is the attempt's claim on the rollout id: made before the sandbox, kept alive by a lease the
-attempt renews while it runs, sealed and forgotten only under its own attempt id (``finished`` once its reward is
-acknowledged). If another attempt holds the id and is live, or this request attempt already finished,
-:func:`execute` returns with ``Outcome.held`` set and publishes nothing (the caller waits or skips); a holder that
-stopped renewing (its worker died) is revoked, scoped to its attempt id.
+execution. The sandbox is destroyed in every case. The proxy registration is the attempt's claim on the rollout id:
+made before the sandbox, kept alive by a lease the attempt renews, sealed and forgotten only under its own attempt id
+(``finished`` once its reward is acknowledged). If another attempt holds the id and is live, or this request attempt
+already finished, :func:`execute` returns with ``Outcome.held`` set and publishes nothing; a holder that stopped
+renewing (its worker died) is revoked, scoped to its attempt id.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ from producers.sandbox.settings import SandboxSettings
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.grading_rules import GraderRunFailure
 from producers.tasks.model import Task, TaskError
+from producers.tasks.transcript import TranscriptLost, proxy_conversation
 from schemas.events import RewardEvent, RewardStatus, RolloutEvent, RolloutRequest, RolloutState, now_ms
 from schemas.lifecycle import transition
 
@@ -184,6 +183,7 @@ class _Launch:
     spec: LaunchSpec
     timeout_s: float
     extra_path: str
+    prompt: str  # the task's prompt as the harness got it
 
 
 async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
@@ -200,8 +200,8 @@ async def execute(req: RolloutRequest, ctx: RolloutContext) -> Outcome:
         try:
             run = await _prepare(a, cleanup, out)
             result = await _run_harness(a, run, out.timings)
-            sealed = await _seal(a, run, result)
-            await _grade(a, run, result, sealed, out.timings)
+            conversation = await _seal(a, run, result)
+            await _grade(a, run, result, conversation, out.timings)
         except RolloutHeld as held:
             out.held = held
         except _AttemptFailed as failed:
@@ -247,7 +247,7 @@ async def _prepare(a: _Attempt, cleanup: contextlib.AsyncExitStack, out: Outcome
             box.write_text(path, content)
     except _SETUP_ERRORS as exc:
         raise _AttemptFailed(f"setup: {exc}") from exc
-    return _Launch(task, adapter, box, spec, timeout, extra_path)
+    return _Launch(task, adapter, box, spec, timeout, extra_path, prompt)
 
 
 def _timeout_s(req: RolloutRequest, settings: SandboxSettings, task: Task) -> float:
@@ -330,15 +330,16 @@ async def _run_harness(a: _Attempt, run: _Launch, t: dict[str, float]) -> RunRes
     return result
 
 
-async def _seal(a: _Attempt, run: _Launch, result: RunResult) -> dict[str, Any]:
-    """Seal the registration (no model call after this), then publish how the harness ended; returns the seal's
-    report (calls served, quota refusals, the conversation the proxy saw)."""
+async def _seal(a: _Attempt, run: _Launch, result: RunResult) -> list[dict[str, Any]] | None:
+    """Seal the registration (no model call after this), check the proxy can vouch for the rollout, then publish how
+    the harness ended; returns the conversation the grader reads (None: the proxy served nothing)."""
     try:
         sealed = await a.ctx.proxy.seal(a.req.rollout_id, a.attempt_id)
     except ProxyError as exc:
         raise _AttemptFailed(f"seal: {exc}") from exc
     if sealed.get("infra_failure"):
         raise _AttemptFailed(f"proxy: {sealed['infra_failure']}")
+    conversation = await _vouched(run, sealed)
     calls = int(sealed.get("calls_served", 0))
     # A proxy quota refused a call, or the sandbox outgrew its disk quota (the harness then stopped): the policy's
     # doing, graded as usual; the lifecycle event's reason says so.
@@ -348,7 +349,7 @@ async def _seal(a: _Attempt, run: _Launch, result: RunResult) -> dict[str, Any]:
         # The measured run time, not only the limit: a slow kill (a loaded Docker daemon) shows here.
         killed = f"killed after {result.duration_s:.1f}s, limit {run.timeout_s:g}s ({'+'.join(result.killed)})"
         await a.move(RolloutState.TIMED_OUT, calls_served=calls, reason="; ".join(filter(None, (quota, killed))))
-        return sealed
+        return conversation
     code = result.exit_code
     if code is None:  # stopped for its disk quota: reported as a process killed by SIGKILL (Popen's -9)
         code = -signal.SIGKILL
@@ -357,23 +358,36 @@ async def _seal(a: _Attempt, run: _Launch, result: RunResult) -> dict[str, Any]:
         exited = None if code == 0 else f"exit {code}: {result.stderr[-500:]}"
     reason = "; ".join(filter(None, (quota, exited))) or None
     await a.move(RolloutState.HARNESS_EXITED, exit_code=code, calls_served=calls, reason=reason)
-    return sealed
+    return conversation
 
 
-async def _grade(a: _Attempt, run: _Launch, result: RunResult, sealed: dict[str, Any], t: dict[str, float]) -> None:
+async def _vouched(run: _Launch, sealed: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The conversation the grader reads (``proxy_conversation``); raises :class:`_AttemptFailed` when the proxy
+    restarted during the rollout and lost a call (what the sandbox's relay saw) or recorded no main-agent call since."""
+    if sealed.get("restored"):
+        try:
+            lost = await run.box.proxy_failures()
+        except Exception as exc:  # the docker relay's log unreadable: the lost calls cannot be ruled out
+            raise _AttemptFailed(f"proxy: restarted during the rollout; its relay's records unreadable: {exc}") from exc
+        if lost:
+            seen = "; ".join(lost)
+            raise _AttemptFailed(f"proxy: restarted during the rollout and lost a call in flight (relay: {seen})")
+    try:
+        return proxy_conversation(sealed, run.prompt)
+    except TranscriptLost as exc:
+        raise _AttemptFailed(f"proxy: {exc}") from exc
+
+
+async def _grade(
+    a: _Attempt, run: _Launch, result: RunResult, conversation: list[dict[str, Any]] | None, t: dict[str, float]
+) -> None:
     """Grade the rollout in its sandbox and publish the reward. A grader that fails on the rollout's workspace but
     grades the task's untouched one: a graded 0 flagged ``grader_error_by_rollout``; any other failure of grading
     (whatever it raises) is an :class:`_AttemptFailed`, never the worker's end."""
     t["grade_start"] = time.monotonic()
     try:
-        messages = sealed.get("messages")  # the conversation the proxy saw, when it reports it
         graded = await grade(
-            run.task,
-            run.box,
-            result.stdout,
-            a.ctx.settings,
-            session_dir=run.adapter.session_dir,
-            messages=messages if isinstance(messages, list) else None,
+            run.task, run.box, result.stdout, a.ctx.settings, session_dir=run.adapter.session_dir, messages=conversation
         )
     except GraderRunFailure as failed:
         try:

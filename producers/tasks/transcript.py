@@ -7,7 +7,9 @@ started could write (``producers.sandbox.run_grader.run_transcript``, docs/secur
 payload read; system messages left out, as OpenClaw leaves them out; format:
 docs/task_suites.md#transcripts-openclaws-session-format); :func:`stream_transcript` writes the records a harness's
 stream-json output holds, closed by a ``result`` record with the model's last answer (graders of a harness's
-stdout). OpenClaw's own session file (:func:`find_openclaw_session`) is read only when the proxy reported nothing.
+stdout). :func:`proxy_conversation` decides what the grader may read: once the proxy served the rollout (a call, or
+its registration restored after a proxy restart) never harness-written text; OpenClaw's own session file
+(:func:`find_openclaw_session`) and the harness's stdout stand in only when the proxy served it nothing.
 Nothing here recurses on what it reads: JSON text is measured before it is parsed and a value before it is
 stringified (``producers.proxy.nesting``); one nested past ``SAFE_DEPTH`` is kept as text or left out with a note, so
 the records are always writable as JSON.
@@ -202,6 +204,29 @@ def stream_transcript(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, A
             records.append({"type": "user", "message": {"role": "user", "content": [result]}})
     records.append({"type": "result", "result": answer})
     return records
+
+
+class TranscriptLost(ValueError):
+    """The proxy served the rollout but cannot vouch for its conversation: an infrastructure failure, not a grade."""
+
+
+def proxy_conversation(seal: Mapping[str, Any], prompt: str) -> list[dict[str, Any]] | None:
+    """The conversation a grader reads, from the proxy's seal report (``Rollout.seal_report``): its ``messages``;
+    after calls that were none of them the main agent's, the prompt alone (the model gave the main agent no answer);
+    None only when the proxy served nothing and was not restarted (the harness's own records may then stand in).
+    Raises :class:`TranscriptLost` when the proxy was restarted during the rollout and recorded no main-agent call
+    since: the conversation it reports starts at its restart, so it cannot vouch for one."""
+    messages = seal.get("messages")
+    recorded = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    if recorded:
+        return recorded
+    served = int(seal.get("calls_served") or 0)
+    if seal.get("restored"):
+        raise TranscriptLost(
+            f"the proxy restarted during the rollout and recorded no main-agent call since ({served} call(s) served "
+            "in all): it cannot vouch for the transcript"
+        )
+    return final_answer_messages(prompt, "") if served > 0 else None
 
 
 def final_answer_messages(prompt: str, answer: str) -> list[dict[str, str]]:
