@@ -22,62 +22,39 @@ Run: ``python -m producers.proxy --model DIR --engine-url URL [--engine-url URL 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
-import re
 import secrets
 import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from confluent_kafka import KafkaException
 
-from clawbase.errors import ClawstreamError, ConfigError
-from clawbase.kafka.clients import check_broker, require_topics
-from clawbase.kafka.publisher import KafkaPublisher, Publisher, PublishError
-from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
-from policy import DEFAULT_MODEL_NAME
-from producers.proxy import emit
+from clawbase.errors import ClawstreamError
+from clawbase.kafka.publisher import Publisher, PublishError
+from producers.proxy import emit, server
 from producers.proxy.admin import Admin, RegistrationStore
 from producers.proxy.call_event import call_event
 from producers.proxy.conversation import CallKindRules, Message, ToolCall
-from producers.proxy.dialects import (
-    PARSERS,
-    DialectError,
-    ParsedRequest,
-    RequestLimits,
-    custom_tool_names,
-    utf8_body,
-)
+from producers.proxy.dialects import ParsedRequest, RequestLimits, custom_tool_names
 from producers.proxy.emit import EMITTERS, ApiError
 from producers.proxy.engine_client import EngineReply
 from producers.proxy.engine_pool import EnginePool
+from producers.proxy.intake import PARSE_THREADS, Intake, parse_body
 from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.nesting import ECHO_DEPTH
 from producers.proxy.quota import QUOTA_STATUS, Quotas
-from producers.proxy.registry import RegistrationLog, restore_registrations
 from producers.proxy.render import RenderError, RenderResult, TemplateRenderer
-from producers.proxy.replicas import Replicas, start_replicas
 from producers.proxy.rollout_state import Rollout
 from producers.proxy.settings import ProxySettings
 from producers.proxy.tool_parse import ParsedTurn, parse_turn
 from schemas.events import CallKind, Dialect, now_ms
-from schemas.topics import CALLS, PROXY_REGISTRATIONS
 
 log = logging.getLogger("clawstream.proxy")
-
-
-# A \uD800-\uDFFF escape in JSON text (paired ones decode to one character) or a surrogate's 3-byte form, which
-# json.loads decodes with "surrogatepass": a lone one is a string UTF-8 cannot encode
-# (the call event's encoding would fail after the engine had answered: a 500).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 
 
 @dataclass
@@ -143,10 +120,13 @@ class Proxy:
         self.admin_url = f"http://{settings.admin_host}:{settings.admin_port}"  # set by whoever learns a port 0
         self.quotas = Quotas(settings.max_calls_per_rollout, settings.max_prompt_tokens_per_rollout)
         self.limits = RequestLimits(settings.max_json_depth, settings.max_messages)
-        # Parsing, rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
+        # Rendering and recording run here, off the event loop, one job at a time in arrival order: a 4 MiB
         # request would hold every other rollout's calls, keep-alives and seals for seconds. One thread keeps the
-        # renderers' state (per rollout, and the shared segment cache) touched by one thread only, as before.
+        # renderers' state (per rollout, and the shared segment cache) touched by one thread only. Bodies are parsed
+        # on a pool of their own, and each rollout has one request at a time in intake (producers.proxy.intake).
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-render")
+        self.parsing = ThreadPoolExecutor(max_workers=PARSE_THREADS, thread_name_prefix="proxy-parse")
+        self.intake = Intake()
 
     @property
     def public_url(self) -> str:
@@ -186,6 +166,7 @@ class Proxy:
     async def _cleanup(self, _app: web.Application) -> None:
         await self.engine.close()
         self.cpu.shutdown(wait=False, cancel_futures=True)
+        self.parsing.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
@@ -235,49 +216,21 @@ class Proxy:
             raise ApiError(401, "this rollout's API key has expired")
         return rollout
 
-    async def _read(self, request: web.Request, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
-        """The body, read on the loop, then decoded and parsed off it (:meth:`_parse`)."""
+    async def _read(
+        self, request: web.Request, dialect: Dialect, rollout_id: str
+    ) -> tuple[ParsedRequest, dict[str, Any]]:
+        """The body, read on the loop (in the rollout's turn), then decoded and parsed off it (:meth:`_parse`)."""
         if request.content_length is not None and request.content_length > self.settings.max_request_bytes:
             raise ApiError(413, f"request body exceeds {self.settings.max_request_bytes} bytes")
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise ApiError(413, f"request body exceeds {self.settings.max_request_bytes} bytes") from exc
-        result: tuple[ParsedRequest, dict[str, Any]] = await self._off_loop(self._parse, raw, dialect)
-        return result
+        return await self.intake.run(rollout_id, self.parsing, self._parse, raw, dialect)
 
     def _parse(self, raw: bytes, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
-        """The body checked against the request limits (its nesting before it is decoded, its message count before
-        the dialect's parser, the conversation before it is rendered), decoded and parsed: ``ApiError`` 400."""
-        try:
-            raw = utf8_body(raw)
-            self.limits.check_text(raw)
-            body = json.loads(raw)
-            self.limits.check_body(body)
-        except DialectError as exc:
-            raise ApiError(400, str(exc)) from exc
-        except ValueError as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
-        except RecursionError as exc:  # not past check_text; a client's error all the same, never a 500
-            raise ApiError(400, "request body is nested too deeply") from exc
-        if _SURROGATE_ESCAPE.search(raw):  # rare: only then check for a lone one (no UTF-8 for it: a 500 later)
-            try:
-                json.dumps(body, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ApiError(
-                    400, f"request body holds a lone UTF-16 surrogate escape (not a character): {exc}"
-                ) from exc
-        try:
-            parsed = PARSERS[dialect](body)
-            self.limits.check_parsed(parsed)
-            return parsed, body
-        except DialectError as exc:
-            raise ApiError(400, str(exc)) from exc
-        except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
-            # A shape no parser rule names yet: still the caller's mistake, answered in its dialect, never a 500
-            # (SDKs retry 5xx). The parser's rule for it belongs in dialects.py; log so it gets one.
-            log.warning("unparsed %s body shape (%s: %s): answered 400", dialect.value, type(exc).__name__, exc)
-            raise ApiError(400, f"malformed request body ({type(exc).__name__}: {exc})"[:500]) from exc
+        """The body decoded and parsed within the request limits (``producers.proxy.intake.parse_body``)."""
+        return parse_body(raw, dialect, self.limits)
 
     def _check_fits(self, parsed: ParsedRequest) -> None:
         """400 now for a conversation too long for the model by its characters alone (tokenizing 4 MiB took 5 s)."""
@@ -304,13 +257,15 @@ class Proxy:
         received_ms = now_ms()
         rollout = await self._authenticate(request)
         self._refuse(rollout.calls_left(self.quotas))  # before the body is read
-        parsed, body = await self._read(request, dialect)
-        t_parsed = time.perf_counter()
-        self._check_fits(parsed)
-        rendered = await self._render(rollout, parsed)
-        t_rendered = time.perf_counter()
-        self._check_prompt(rendered)
-        self._refuse(rollout.admit(self.quotas, len(rendered.prompt_ids)))  # counted from here
+        async with self.intake.turn(rollout.rollout_id):  # the rollout's earlier requests first; others beside it
+            self._refuse(rollout.calls_left(self.quotas))  # its queued requests may have used the quota up
+            parsed, body = await self._read(request, dialect, rollout.rollout_id)
+            t_parsed = time.perf_counter()
+            self._check_fits(parsed)
+            rendered = await self._render(rollout, parsed)
+            t_rendered = time.perf_counter()
+            self._check_prompt(rendered)
+            self._refuse(rollout.admit(self.quotas, len(rendered.prompt_ids)))  # counted from here
         kind = rollout.classify(parsed.conversation, parsed.model, self.rules)
         call_id = uuid.uuid4().hex
         head = emit.StreamHead(
@@ -333,7 +288,9 @@ class Proxy:
 
     async def _render(self, rollout: Rollout, parsed: ParsedRequest) -> RenderResult:
         try:
-            rendered: RenderResult = await self._off_loop(rollout.renderer.render, parsed.conversation)
+            rendered: RenderResult = await self.intake.run(
+                rollout.rollout_id, self.cpu, rollout.renderer.render, parsed.conversation
+            )
         except RenderError as exc:
             raise ApiError(400, f"cannot render the conversation: {exc}") from exc
         return rendered
@@ -461,97 +418,9 @@ class Proxy:
         return resp
 
 
-async def serve(settings: ProxySettings, kafka: KafkaSettings) -> None:
-    publisher = KafkaPublisher(kafka, settings.publish_timeout_s)
-    store = RegistrationLog(kafka, publisher, settings.publish_timeout_s) if settings.persist_registrations else None
-    proxy = Proxy(settings, publisher, kafka.topic(CALLS), store=store)
-    refresh: asyncio.Task[None] | None = None
-    replicas: Replicas | None = None
-    try:
-        if store is not None and settings.replica_id:  # rollouts taken over on their first request instead
-            replicas = await start_replicas(proxy.admin, store, kafka, settings.replica_id, settings.replica_wait_s)
-            refresh = asyncio.ensure_future(store.refresh_offsets())
-        elif store is not None:  # before the port opens: no call reaches a rollout that is not back yet
-            t0 = time.perf_counter()
-            try:
-                live, finished, calls = await restore_registrations(store, proxy.admin)
-            except (ClawstreamError, KafkaException) as exc:
-                raise ConfigError(
-                    f"cannot restore the proxy's registrations from {store.topic}: {exc} (persist_registrations, "
-                    "CLAWSTREAM_PROXY_PERSIST_REGISTRATIONS=false: start without them)"
-                ) from exc
-            took = time.perf_counter() - t0
-            log.info(
-                "restored %d registrations (%d calls replayed) in %.2f s; %d finished", live, calls, took, finished
-            )
-            refresh = asyncio.ensure_future(store.refresh_offsets())
-        runners = [web.AppRunner(proxy.app()), web.AppRunner(proxy.admin_app())]
-        sites = ((settings.host, settings.port), (settings.admin_host, settings.admin_port))
-        try:
-            for runner, (host, port) in zip(runners, sites, strict=True):
-                await runner.setup()
-                await web.TCPSite(runner, host, port).start()
-            log.info(
-                "proxy on http://%s:%s, admin on http://%s:%s (engine %s)",
-                *sites[0],
-                *sites[1],
-                settings.engine_url,
-            )
-            if settings.admin_token is None:
-                print(f"admin token: {proxy.admin.token}", flush=True)
-            await asyncio.Event().wait()
-        finally:
-            for runner in runners:
-                await runner.cleanup()
-    finally:
-        if refresh is not None:
-            refresh.cancel()
-        if replicas is not None:
-            await replicas.close()
-        if store is not None:
-            store.close()
-        publisher.close()
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m producers.proxy.app", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, help="model directory (tokenizer + chat template)")
-    parser.add_argument(
-        "--engine-url", action="append", help="inference engine base URL; repeat it for a pool of engines"
-    )
-    parser.add_argument("--engine-model", help=f"model name sent to the engine (default {DEFAULT_MODEL_NAME!r})")
-    parser.add_argument("--host")
-    parser.add_argument("--port", type=int)
-    parser.add_argument("--admin-host")
-    parser.add_argument("--admin-port", type=int)
-    parser.add_argument("--admin-token")
-    add_kafka_arguments(parser)
-    args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None and k not in ("bootstrap", "topic_prefix")}
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    try:
-        settings = load_settings(ProxySettings, **overrides)
-        kafka = kafka_settings(args)
-        log.info("Kafka at %s", check_broker(kafka))  # fail now, naming the address tried
-        if settings.persist_registrations:
-            try:
-                require_topics(kafka, [PROXY_REGISTRATIONS])
-            except ConfigError as exc:
-                raise ConfigError(
-                    f"{exc} (persist_registrations, CLAWSTREAM_PROXY_PERSIST_REGISTRATIONS=false: run without "
-                    "restoring registrations after a restart)"
-                ) from exc
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(serve(settings, kafka))
-    except KeyboardInterrupt:
-        pass
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    """``python -m producers.proxy.app``: the proxy process (``producers.proxy.server``)."""
+    return server.main(argv, Proxy)
 
 
 if __name__ == "__main__":
