@@ -3,7 +3,8 @@
 
 It carries what the learner needs (prompt as the parent call's prompt + new tokens, generated ids, rollout
 log-probs, the rollout's sampling settings) and what the analytics read (call kind, timings, the engine's cached
-prompt tokens and GPU readings: null when the engine did not report them).
+prompt tokens and GPU readings: null when the engine did not report them), and whether its request held an assistant
+turn the proxy never generated for the rollout (``tampered``, ``RolloutRenderer.provenance``).
 """
 
 from __future__ import annotations
@@ -65,4 +66,5 @@ def call_event(
         top_k=rollout.top_k,
         conversation_messages=None if conversation is None else conversation[0],
         conversation_digest=None if conversation is None else conversation[1].hex(),
+        tampered=bool(rendered.forged),
     )

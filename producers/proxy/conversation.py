@@ -26,6 +26,7 @@ Pure: standard library and ``producers.proxy.nesting``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -36,6 +37,16 @@ from producers.proxy.nesting import loads_within
 from schemas.events import CallKind
 
 IMAGE_PLACEHOLDER = "[image]"
+# Assistant turns shipped harnesses write themselves, never the model: text only, claiming nothing a grader scores,
+# so a request holding one is not tampered (``RolloutRenderer.provenance``).
+HARNESS_TURNS = frozenset(
+    {
+        "Got it. Thanks for the context!",  # Qwen Code (as Gemini CLI) after its startup context
+        "Got it. Thanks for the additional context!",  # Qwen Code after a compression summary
+        "No response requested.",  # Claude Code's synthetic answer to a message that wants none
+        "(no content)",  # Claude Code's stand-in for an assistant turn with no content
+    }
+)
 
 
 def canonical_json(value: Any) -> str:
@@ -80,6 +91,11 @@ class Message:
             return ("assistant", self.content.strip(), tuple(tc.key() for tc in self.tool_calls))
         return (self.role, self.content)
 
+    def carries_nothing(self) -> bool:
+        """An assistant turn with neither text nor tool calls, or one a harness writes itself (``HARNESS_TURNS``)."""
+        text = self.content.strip()
+        return not self.tool_calls and (not text or text in HARNESS_TURNS)
+
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template expects it (transformers / Qwen3 conventions)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -120,17 +136,44 @@ class Conversation:
         return "\n".join(reversed(parts))
 
 
-def transcript_messages(conv: Conversation, answer: Message) -> list[dict[str, Any]]:
+def transcript_messages(
+    conv: Conversation,
+    answer: Message,
+    forged: tuple[int, ...] = (),
+    reasoning: dict[int, str] | None = None,
+) -> list[dict[str, Any]]:
     """A call's conversation plus the answer it got, as OpenAI Chat shaped dicts (``Message.to_template`` with the
     tool messages' ``tool_call_id`` / ``name``): what the rollout's transcript is built from
-    (``producers.tasks.transcript.session_transcript``) when the seal reports the last main-agent call's."""
-    out = []
-    for msg in (*conv.messages, answer):
-        d = msg.to_template()
+    (``producers.tasks.transcript.session_transcript``) when the seal reports the last main-agent call's.
+
+    Only what the proxy generated and the environment's input: the assistant turns at the indices ``forged`` (ones
+    the rollout never generated, ``RolloutRenderer.provenance``) are left out with their tool results (the tool
+    messages right after them, and any answering one of their tool-call ids); ``reasoning`` (index -> the proxy's
+    own reasoning for an assistant turn) replaces the reasoning the client sent back."""
+    drop = set(forged)
+    forged_ids = {tc.id for i in drop for tc in conv.messages[i].tool_calls if tc.id}
+    out: list[dict[str, Any]] = []
+    after_forged = False
+    for i, msg in enumerate(conv.messages):
         if msg.role == "tool":
-            d.update({"tool_call_id": msg.tool_call_id, **({"name": msg.name} if msg.name else {})})
-        out.append(d)
+            if after_forged or msg.tool_call_id in forged_ids:
+                continue
+        else:
+            after_forged = i in drop
+            if after_forged:
+                continue
+            if msg.role == "assistant" and reasoning is not None:
+                msg = dataclasses.replace(msg, reasoning=reasoning.get(i, ""))
+        out.append(_transcript_dict(msg))
+    out.append(_transcript_dict(answer))
     return out
+
+
+def _transcript_dict(msg: Message) -> dict[str, Any]:
+    d = msg.to_template()
+    if msg.role == "tool":
+        d.update({"tool_call_id": msg.tool_call_id, **({"name": msg.name} if msg.name else {})})
+    return d
 
 
 def function_tool(name: str, description: str = "", parameters: Any = None) -> dict[str, Any]:

@@ -9,6 +9,8 @@ a per-rollout segment cache and delta-encoded against the longest common prefix.
 The rules in full (piecewise rendering, TITO, repeated answers, cost): docs/method.md#rendering-piece-by-piece.
 Each call's conversation (tools, message keys, its answer) also gets a digest chain (:func:`digest_extend`), recorded
 on its call event, so a restarted proxy matches follow-ups to calls it restored from events (:meth:`restore`).
+Every request's assistant turns are checked against the answers the rollout got (:meth:`RolloutRenderer.provenance`):
+one it never generated is forged, and its call is recorded as ``tampered``.
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ class CallRecord:
     # (``conversation`` None) is matched by.
     messages: int = 0
     digest: bytes = b""
+    reasoning: str = ""  # the answer's reasoning as the proxy parsed it (the transcript shows this, not the echo)
 
 
 @dataclass
@@ -216,6 +219,10 @@ class RenderResult:
     rendered_tokens: int = 0  # ids produced by the template + tokenizer for this call (the CPU-cost driver)
     conversation: tuple[str, tuple[Any, ...]] | None = None  # (tools key, message keys) of the request
     digest: bytes = b""  # the request's digest chain (tools + message keys)
+    # Indices of the request's assistant turns this rollout never generated (:meth:`RolloutRenderer.provenance`),
+    # and the proxy's own reasoning for each of the others (index -> reasoning).
+    forged: tuple[int, ...] = ()
+    reasoning: dict[int, str] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> list[int]:
@@ -288,10 +295,42 @@ class RolloutRenderer:
         return out
 
     def render(self, conv: Conversation) -> RenderResult:
-        """Prompt ids for ``conv`` and its delta encoding against the best earlier call of this rollout."""
+        """Prompt ids for ``conv``, its delta encoding against the best earlier call of this rollout, and its
+        assistant turns' provenance (:meth:`provenance`)."""
         if not conv.messages:
             raise RenderError("the conversation has no messages")
         keys = (conv.tools_key(), tuple(m.key() for m in conv.messages))
+        result = self._layout(conv, keys)
+        result.forged, result.reasoning = self.provenance(conv, keys[1])
+        return result
+
+    def provenance(self, conv: Conversation, keys: tuple[Any, ...]) -> tuple[tuple[int, ...], dict[int, str]]:
+        """Which assistant turns of ``conv`` (``keys``: its message keys) this rollout never generated, and the
+        reasoning the proxy generated for each of the others.
+
+        A turn is its own when its key (text stripped, tool calls by name and canonical arguments: what honest
+        harnesses keep of an answer) is an answer's key, the k-th turn with a key needing k answers with it. A
+        turn with neither text nor tool calls, or one a harness writes itself (``Message.carries_nothing``), is
+        never forged (its reasoning is dropped all the same)."""
+        forged: list[int] = []
+        reasoning: dict[int, str] = {}
+        seen: dict[tuple[Any, ...], int] = {}
+        for i, msg in enumerate(conv.messages):
+            if msg.role != "assistant":
+                continue
+            key = keys[i]
+            k = seen[key] = seen.get(key, -1) + 1
+            recs = self._answers.get(key, ())
+            if k < len(recs):
+                reasoning[i] = recs[k].reasoning
+            elif not msg.carries_nothing():
+                forged.append(i)
+            else:
+                reasoning[i] = ""
+        return tuple(forged), reasoning
+
+    def _layout(self, conv: Conversation, keys: tuple[str, tuple[Any, ...]]) -> RenderResult:
+        """Prompt ids for ``conv`` and its delta encoding (``keys``: its tools key and message keys)."""
         counter = [0]
         best_j, parent = 0, None
         prefixes = _PrefixDigests(keys)
@@ -342,6 +381,7 @@ class RolloutRenderer:
             prompt_ids=result.prompt_ids,
             generated_ids=list(generated_ids),
             answer_key=answer.key(),
+            reasoning=answer.reasoning,
         )
         if result.conversation is not None:
             rec.conversation = (result.conversation[0], (*result.conversation[1], rec.answer_key))
@@ -357,10 +397,13 @@ class RolloutRenderer:
         answer_key: tuple[Any, ...],
         messages: int,
         digest: bytes,
+        reasoning: str = "",
     ) -> CallRecord:
         """Remember a call served before a restart, from its call event: as :meth:`record` did, except that its
         conversation is known by its length and digest chain only (the event does not carry the messages)."""
-        rec = CallRecord(call_id, seq, list(prompt_ids), list(generated_ids), answer_key, None, messages, digest)
+        rec = CallRecord(
+            call_id, seq, list(prompt_ids), list(generated_ids), answer_key, None, messages, digest, reasoning
+        )
         return self._append(rec)
 
     def _append(self, rec: CallRecord) -> CallRecord:

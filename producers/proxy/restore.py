@@ -6,8 +6,9 @@ removed) and keeps this proxy's own: live ones to restore, finished attempts to 
 received after its registration), in ``seq`` order: each call's prompt ids (``parent``'s prompt + generated ids cut
 to ``shared_prefix_len``, then ``new_tokens``), generated ids, answer key (the generated ids decoded and parsed as
 the proxy parsed them) and conversation digest go back into a :class:`~producers.proxy.render.RolloutRenderer`,
-so the next call is rendered, delta-encoded and numbered (``seq``, ``calls_served``) as if the proxy had never
-died, and its quotas count on from the calls and prompt tokens (each event's ``prompt_len``) it had admitted. A
+so the next call is rendered, delta-encoded, numbered (``seq``, ``calls_served``) and checked for forged assistant
+turns (every answer's key is known again) as if the proxy had never died, its quotas count on from the calls and
+prompt tokens (each event's ``prompt_len``) it had admitted, and its ``tampered`` count from the events'. A
 rollout whose events do not add up (a ``seq`` missing or doubled, an unknown parent, a prompt of the wrong length,
 an event without its conversation digest) is not served: :attr:`Replayed.infra_failure` names why.
 The secret is never stored: :func:`secret_sha256` and :func:`secret_matches` (constant-time) check a presented key.
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producers.proxy.conversation import Message, ToolCall
+from producers.proxy.nesting import ECHO_DEPTH
 from producers.proxy.render import RolloutRenderer, TemplateRenderer
 from producers.proxy.tool_parse import parse_turn
 from schemas.events import CallEvent, CallKind, ProxyRegistration
@@ -38,12 +40,21 @@ def secret_matches(presented: str, sha256_hex: str) -> bool:
     return bool(presented and sha256_hex) and hmac.compare_digest(secret_sha256(presented), sha256_hex)
 
 
-def answer_key(template: TemplateRenderer, generated_ids: list[int]) -> tuple[Any, ...]:
-    """The key of the answer the proxy returned for ``generated_ids``: decoded and parsed as the proxy did it
-    (the tool-call ids it made up are not part of the key)."""
-    turn = parse_turn(template.decode(generated_ids))
+# The depth past which the proxy serves a model's tool call as text: its default max_json_depth (64) less ECHO_DEPTH.
+DEFAULT_ANSWER_DEPTH = 64 - ECHO_DEPTH
+
+
+def answer(template: TemplateRenderer, generated_ids: list[int], max_depth: int = DEFAULT_ANSWER_DEPTH) -> Message:
+    """The answer the proxy returned for ``generated_ids``, decoded and parsed as the proxy did it (the tool-call
+    ids it made up left empty)."""
+    turn = parse_turn(template.decode(generated_ids), bare_json=template.tool_calls_bare_json, max_depth=max_depth)
     calls = tuple(ToolCall("", c.name, c.arguments) for c in turn.tool_calls)
-    return Message("assistant", turn.text, turn.reasoning, calls).key()
+    return Message("assistant", turn.text, turn.reasoning, calls)
+
+
+def answer_key(template: TemplateRenderer, generated_ids: list[int]) -> tuple[Any, ...]:
+    """The key of the answer the proxy returned for ``generated_ids`` (the tool-call ids are not part of it)."""
+    return answer(template, generated_ids).key()
 
 
 @dataclass
@@ -77,6 +88,7 @@ class Replayed:
     calls_served: int = 0
     prompt_tokens: int = 0  # summed over the replayed calls: what the prompt-token quota had counted
     main_fingerprint: str | None = None
+    tampered: int = 0  # replayed calls whose request held an assistant turn the proxy never generated
     infra_failure: str | None = None  # set: the state could not be rebuilt faithfully; the rollout is not served
 
 
@@ -91,8 +103,8 @@ def own_events(reg: ProxyRegistration, events: Iterable[CallEvent]) -> list[Call
 
 
 def replay_calls(template: TemplateRenderer, reg: ProxyRegistration, events: Iterable[CallEvent]) -> Replayed:
-    """Rebuild ``reg``'s renderer, next seq, calls served, prompt tokens (the quota's count) and main fingerprint from
-    its call events (any order)."""
+    """Rebuild ``reg``'s renderer (the answers it knows as its own included), next seq, calls served, prompt tokens
+    (the quota's count), tampered calls and main fingerprint from its call events (any order)."""
     renderer = RolloutRenderer(template)
     out = Replayed(renderer)
     calls = own_events(reg, events)
@@ -109,19 +121,22 @@ def replay_calls(template: TemplateRenderer, reg: ProxyRegistration, events: Ite
             prompt = (parent_prompt + parent_gen)[: e.shared_prefix_len] + new
         prompts[e.call_id] = (prompt, gen)
         assert e.conversation_messages is not None and e.conversation_digest is not None  # checked above
+        own = answer(template, gen)
         renderer.restore(
             e.call_id,
             e.seq,
             prompt,
             gen,
-            answer_key(template, gen),
+            own.key(),
             e.conversation_messages,
             bytes.fromhex(e.conversation_digest),
+            own.reasoning,
         )
         if out.main_fingerprint is None and e.call_kind == CallKind.MAIN:  # the first main call defines it
             out.main_fingerprint = e.system_fingerprint
     out.next_seq = out.calls_served = len(calls)
     out.prompt_tokens = sum(e.prompt_len for e in calls)
+    out.tampered = sum(e.tampered for e in calls)
     return out
 
 

@@ -5,7 +5,8 @@ restart or a takeover (:meth:`Rollout.from_record`, ``producers.proxy.restore``)
 (:meth:`Rollout.to_record`); its calls admitted past the quotas (:meth:`Rollout.calls_left`, :meth:`Rollout.admit`,
 ``producers.proxy.quota``), classified, numbered, counted in flight (:meth:`Rollout.track`) and recorded once their
 call event is out (:meth:`Rollout.record_call`); flagged when the infrastructure failed it (:meth:`Rollout.fail`);
-renewed, sealed (:meth:`Rollout.seal`) and reported (:meth:`Rollout.status`, :meth:`Rollout.seal_report`).
+renewed, sealed (:meth:`Rollout.seal`) and reported (:meth:`Rollout.status`, :meth:`Rollout.seal_report`: the
+transcript from the proxy's own turns, ``tampered`` for the calls whose request held a turn it never generated).
 The admin API (``producers.proxy.admin``) and the model-call path (``producers.proxy.app``) change a rollout only
 through these. No Kafka, no aiohttp.
 """
@@ -53,8 +54,10 @@ class Rollout:
     sealed: bool = False
     infra_failure: str | None = None
     errors: dict[int, int] = field(default_factory=dict)
-    # The last main-agent call's conversation and the answer it got: the run's transcript, reported at seal.
-    last_main: tuple[Conversation, Message] | None = None
+    # The last main-agent call's conversation, the answer it got and its turns' provenance (the forged turns'
+    # indices, the proxy's reasoning per assistant turn): the run's transcript, reported at seal.
+    last_main: tuple[Conversation, Message, tuple[int, ...], dict[int, str]] | None = None
+    tampered: int = 0  # calls whose request held an assistant turn the proxy never generated for it
     secret_sha256: str = ""
     registered_at_ms: int = 0
     calls_offsets: dict[str, int] = field(default_factory=dict)  # where its call events start (registrations topic)
@@ -129,6 +132,7 @@ class Rollout:
             restored=True,
             refused=state.infra_failure,
             usage=Usage(calls=state.calls_served, prompt_tokens=state.prompt_tokens),  # the replayed calls' counts
+            tampered=state.tampered,
         )
 
     def starts_calls_at(self, offsets: dict[str, int]) -> None:
@@ -233,11 +237,17 @@ class Rollout:
         conversation: Conversation,
     ) -> None:
         """A call whose event is published: its tokens go into the renderer (what the next call extends), a main
-        call's conversation and answer become the transcript, and it counts as served. Runs on the proxy's render
-        thread, the one thread that touches renderers."""
+        call's conversation and answer become the transcript (its forged turns left out), a call with a forged turn
+        counts as tampered, and it counts as served. Runs on the proxy's render thread, the one thread that touches
+        renderers."""
         self.renderer.record(call_id, seq, rendered, generated, answer)
         if kind == CallKind.MAIN:
-            self.last_main = (conversation, answer)
+            self.last_main = (conversation, answer, rendered.forged, rendered.reasoning)
+        if rendered.forged:
+            self.tampered += 1
+            log.warning(
+                "rollout %s: call %d holds %d forged assistant turn(s)", self.rollout_id, seq, len(rendered.forged)
+            )
         self.calls_served += 1
 
     def count_error(self, status: int) -> None:
@@ -288,11 +298,13 @@ class Rollout:
             "usage": {"calls": self.usage.calls, "prompt_tokens": self.usage.prompt_tokens},
             "errors": {str(k): v for k, v in self.errors.items()},
             "restored": self.restored,
+            "tampered": self.tampered,
         }
 
     def seal_report(self) -> dict[str, Any]:
         """:meth:`status` and, after a main-agent call, its transcript ``messages`` (what the grader reads,
-        ``producers.tasks.transcript``)."""
+        ``producers.tasks.transcript``): that call's conversation and answer without the turns the proxy never
+        generated, ``tampered`` counting the calls that held one."""
         body = self.status()
         if self.last_main is not None:
             body["messages"] = transcript_messages(*self.last_main)

@@ -12,10 +12,11 @@ PinchBench prompt it answers "Hello, I'm ready!" at once. Title-style calls (no 
 Asserts per rollout: STARTED → HARNESS_EXITED with exit code 0, a graded reward — 1.0 with every ``check.py``
 sub-score 1.0 for the solved ClawGym task (``reward.sh`` run as published), 1.0 for the sanity check (its check
 reads the OpenClaw session transcript) — and a clean sandbox root (no directory, no process); per harness: only the
-expected main-agent calls (no extra calls of the harness's own), and graders that read, for every harness, the
-session transcript built from the conversation the proxy saw, with the harness's write calls in it (never what the
-harness wrote, #29); for OpenClaw its own session export (from its SQLite store, a Zstandard-compressed record
-included) is still checked to decode, though graders no longer read it.
+expected main-agent calls (no extra calls of the harness's own), no call event ``tampered`` (every harness echoes the
+answers, a reasoning block and a line of text before each write call, as the proxy's own), and graders that read,
+for every harness, the session transcript built from the conversation the proxy saw, with the harness's write calls
+in it (never what the harness wrote, #29); for OpenClaw its own session export (from its SQLite store, a
+Zstandard-compressed record included) is still checked to decode, though graders no longer read it.
 
 A real harness is installed from the npm registry on first use (``producers.harnesses.install``, cached under
 ``$CLAWSTREAM_HOME``; OpenClaw with Node 24 from the registry too); when npm or the package is unavailable the test
@@ -51,6 +52,7 @@ from tests.support.harness_tasks import (
     solution_files,
     workspace_pattern,
 )
+from tests.support.proxy_server import consume_calls
 from tests.support.sandbox_stack import assert_clean, by_rollout, run_requests, stack
 from tests.support.scripted_engine import tool_call_text
 
@@ -82,7 +84,8 @@ def responder(name: str, sandboxes: str, seen: list[str]):
             seen.append("no workspace in the prompt")
             return f"{name}: the harness prompt names no sandbox workspace"  # fails the reward, shown in `seen`
         tool, args = WRITE[name](found.group(0) if found else "", *solution[done])
-        return tool_call_text(tool, args)
+        thought = f"<think>Next: {solution[done][0]}.</think>\nWriting {solution[done][0]}.\n"
+        return thought + tool_call_text(tool, args)
 
     return respond
 
@@ -122,6 +125,8 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
     ) as st:
         events, rewards = await run_requests(kafka_settings, reqs, timeout=420)
         served = len(st["engine"].requests)
+    rollout_ids = {r.rollout_id for r in reqs}
+    tampered = [(e.rollout_id, e.seq) for e in consume_calls(kafka_settings, rollout_ids, served) if e.tampered]
     wall = time.monotonic() - t0
     ev, rw = by_rollout(events, rewards)
     log = f"{name}: {wall:.0f}s, {served} engine calls {seen}; events {ev}; rewards {rw}"
@@ -158,5 +163,6 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
         assert exported["task_0085"][0]["id"] != built_id, log
         assert exported["task_0085"][-1]["message"]["content"][0]["text"] == LONG_FINAL.strip(), log
         assert LONG_FINAL.strip() in transcripts["task_0085"][-1]["message"]["content"][0]["text"], log
+    assert not tampered, (tampered, log)  # the harness's rewritten history holds only the proxy's own turns
     assert_clean(sandboxes)
     print(json.dumps({"harness": name, "wall_s": round(wall, 1), "engine_calls": served, "calls": seen}))

@@ -6,7 +6,7 @@ broker) whose engine is the scripted engine: it answers the harness's first call
 needs (Claude Code ``Write{file_path,content}``, Codex ``exec_command{cmd,workdir}``, Qwen Code
 ``write_file{file_path,content}``, opencode ``write{filePath,content}``) and the follow-up with a final message,
 and title-style calls (no tools) with a title. Asserts: the harness exits 0 and wrote the file, the rollout's
-main calls on the broker form an append-only TITO chain, side calls are classified SIDE.
+main calls on the broker form an append-only TITO chain, side calls are classified SIDE, no call is ``tampered``.
 OpenClaw (Node 24, ``write{path,content}``, 13-16 s a run) has its own test: its history is not append-only, so
 call 2 must branch from call 1 at the longest common token prefix while keeping call 1's generated ids (TITO).
 If npm or the package is unavailable the test SKIPS with the reason.
@@ -170,6 +170,7 @@ async def test_real_harness_episode(kafka_settings, tmp_path: Path, case: str) -
     assert status["status"] == "ok" and status["calls_served"] >= 2
     events = consume_calls(kafka_settings, {reg["rollout_id"]}, status["calls_served"])
     assert len(events) == status["calls_served"]
+    assert status["tampered"] == 0 and not [e.seq for e in events if e.tampered], status  # only the proxy's turns
     calls = [
         TreeCall(
             e.call_id,
@@ -334,6 +335,7 @@ async def test_real_openclaw_branches_at_common_token_prefix(kafka_settings, tmp
     assert status["status"] == "ok" and status["calls_served"] >= 2, (status, log)
     events = consume_calls(kafka_settings, {reg["rollout_id"]}, status["calls_served"])
     assert len(events) == status["calls_served"]
+    assert status["tampered"] == 0 and not [e.seq for e in events if e.tampered], status  # only the proxy's turns
     calls = [
         TreeCall(
             e.call_id,
