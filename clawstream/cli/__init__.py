@@ -1,9 +1,9 @@
 """The ``clawstream`` command line: one entry point for every service and tool.
 
 Run ``clawstream --help`` (or ``python -m clawstream --help``) for the list of commands. The commands by family:
-``local`` (kafka, topics, model, vllm, harness), ``tasks``, ``runs`` (demo, eval, demo-seeds) and ``services`` (the
-pass-through service commands, generated from one table); ``base`` holds what they share. Stage modules are imported
-inside the commands, so ``clawstream --help`` stays fast.
+``local`` (kafka, topics, model, vllm, harness), ``tasks``, ``runs`` (demo, eval, demo-seeds, chaos) and
+``services`` (the pass-through service commands, generated from one table); ``base`` holds what they share. Stage
+modules are imported inside the commands, so ``clawstream --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ for _command in (
     runs.demo,
     runs.eval_command,
     runs.demo_seeds,
+    runs.chaos,
 ):
     main.add_command(_command)
 for _service in services.SERVICES:

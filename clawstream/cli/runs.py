@@ -1,5 +1,5 @@
-"""Whole runs over every service: ``clawstream demo`` (the CPU quickstart), ``clawstream eval`` and
-``clawstream demo-seeds`` (several demo runs side by side).
+"""Whole runs over every service: ``clawstream demo`` (the CPU quickstart), ``clawstream eval``,
+``clawstream demo-seeds`` (several demo runs side by side) and ``clawstream chaos`` (random kills, then the audit).
 
 The demo and the evaluation are imported inside the commands, so ``clawstream --help`` stays fast; their defaults
 are written in the help texts (tests/unit/test_demo_cli.py keeps them equal to DemoConfig / EvalConfig).
@@ -295,3 +295,40 @@ def demo_seeds(runs: tuple[str, ...], out: Path) -> None:
     seeds.plot(out / "seeds.png", loaded)
     click.echo(text)
     click.echo(f"(written: {out / 'seeds.md'}, {out / 'seeds.png'})")
+
+
+# ---- chaos -------------------------------------------------------------------------------------------------------
+@click.command("chaos")
+@click.option(
+    "--kill",
+    "kill",
+    default="learner,proxy,streams,sandbox,scheduler,broker",
+    show_default=True,
+    metavar="S1,S2,...",
+    help="Services to SIGKILL at random: learner, proxy, streams, sandbox, scheduler, broker, engine.",
+)
+@click.option("--for", "duration", default=None, metavar="DURATION", help="Run this long, e.g. 30m, 90s, 1h.")
+@click.option("--kills", type=click.IntRange(min=1), default=None, help="Stop after this many kills.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the victims, their moments, the run.")
+@click.option(
+    "--engine",
+    type=click.Choice(["cpu", "instant"]),
+    default="cpu",
+    show_default=True,
+    help="cpu: the CPU engine on the shipped warm start; instant: the soak's instant engine (bench.soak_engine).",
+)
+@click.option("--work", type=click.Path(path_type=Path, file_okay=False), default=None, help="Logs, cluster, run.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Summary.")
+def chaos(
+    kill: str, duration: str | None, kills: int | None, seed: int, engine: str, work: Path | None, json_out: Path | None
+) -> None:
+    """The CPU training stack on a 3-broker cluster, its services SIGKILLed at random while data flows, each kill
+    placed by the run's state and followed by a restart; then the audit. Exits 1 unless the audit is CLEAN."""
+    from clawstream.stack.chaos import ChaosConfig, parse_duration, run_chaos
+
+    names = tuple(name.strip() for name in kill.split(",") if name.strip())
+    seconds = parse_duration(duration) if duration else None
+    cfg = ChaosConfig(kill=names, seconds=seconds, kills=kills, seed=seed, engine=engine, work=work)
+    sigterm_interrupts()  # `kill` stops the run's services and cluster too, as Ctrl-C does
+    result = run_chaos(cfg, say=lambda line: print(line, flush=True), json_out=json_out)
+    raise SystemExit(0 if result.clean else 1)

@@ -21,6 +21,7 @@ from clawbase.settings import KafkaSettings
 from policy.weight_store import sha256_file, verify_file
 from schemas.events import DeadLetter, WeightVersion
 from schemas.topics import BATCHES, CATALOG, DEADLETTER, WEIGHTS
+from tests.support.fault_report import FaultRow, record
 from tests.support.inference import Worker
 from tests.support.learner_data import batch_records, small_model
 
@@ -371,6 +372,7 @@ def test_a_batch_killed_in_its_step_three_times_is_trained_once(
     store = tmp_path / "store"
     key = f"{kafka_settings.topic(BATCHES)}[0]@9 b-2"  # b-2's SEAL record
     faults_in_step = ["learner.in_step@2=kill", "learner.in_step=kill", "learner.in_step=kill"]  # b-1 trains first
+    started = time.monotonic()
     for n, fault in enumerate(faults_in_step, 1):
         killed = _run_learner(kafka_settings, model_dir, store, fault=fault, max_steps=3)
         assert killed.returncode == -9, killed.stderr[-3000:]
@@ -388,6 +390,11 @@ def test_a_batch_killed_in_its_step_three_times_is_trained_once(
     assert _committed(kafka_settings) == records
     audit = _audit(kafka_settings)
     assert audit.returncode == 0 and "CLEAN" in audit.stdout, audit.stdout[-3000:] + audit.stderr[-2000:]
+    took = round(time.monotonic() - started, 1)  # the three killed runs and the fourth, start-ups included
+    trained = [v.batch_id for v in versions]
+    lost, twice = 3 - len(set(trained)), len(trained) - len(set(trained))
+    note = "batches sealed / versions published; stall: from b-1's run to the fourth run's end; audit CLEAN"
+    record(FaultRow("learner SIGKILLed three times inside one step", 3, len(trained), lost, twice, took, took, note))
 
 
 def test_a_batch_killed_out_of_memory_is_dead_lettered_with_the_evidence(
