@@ -131,7 +131,8 @@ def _chaos_fault_row(args: argparse.Namespace, r: dict) -> dict:
     verdict = "audit CLEAN" if r["clean"] else f"audit NOT CLEAN{': ' + r['error'] if r['error'] else ''}"
     note = (
         f"{verdict}; kills: {kills}; {r['seconds'] / 60:.1f} min, seed {r['seed']}, engine {args.engine}; "
-        f"batches sealed {r['batches_sealed']}, trained {r['batches_trained']}; longest stall {r['stall_after']}; "
+        f"batches sealed {r['batches_sealed']}, trained {r['batches_trained']}; {r['rollouts']} rollouts in "
+        f"{r['in']} attempts; groups trained short {r['short_groups']}; longest stall {r['stall_after']}; "
         f"drained {'yes' if r['drained'] else 'NO'} in {r['drain_s']:.0f} s; started at load {_load()}"
     )
     return {
