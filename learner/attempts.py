@@ -14,13 +14,18 @@ distributed step that raises ends its group (learner/train_ranks.py): the rank r
 
 Each write goes to a temporary file, is fsynced and renamed: a kill at any instant leaves the old or the new file.
 Keys name the batch's seal record and id (``topic[partition]@offset batch-id``). Pure: no Kafka, no torch. Why a
-file and not a topic: docs/method.md#exactly-once-dead-letters-resume.
+file and not a topic: docs/method.md#exactly-once-dead-letters-resume. Each training attempt writes its version's
+files under ``vNNNNNN-<attempt>`` (``policy.weight_store``); :func:`remove_unpublished` removes those of attempts
+no committed version names (a killed or fenced attempt's), never a published one's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +34,9 @@ from clawbase.errors import ClawstreamError
 FILE_NAME = "step-attempts.json"
 DEATHS = "deaths"  # beside FILE_NAME: one out-of-memory verdict per dead pid
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# An attempt's files (policy.weight_store): its directory, its trainer state and value head, and their partial writes.
+ATTEMPT_FILE = re.compile(r"^(v\d{6}-[0-9]+-[0-9a-f]+)(\.pt|\.safetensors)?(\.partial)?$")
+ATTEMPT_HOMES = (".", "trainer-state", "value-heads")  # under <weight store>/<model>
 
 
 @dataclass
@@ -226,3 +234,40 @@ def _write_atomically(path: Path, value: object) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def unpublished(model_dir: Path, published: Iterable[str]) -> list[Path]:
+    """The files and directories under ``model_dir`` (``<weight store>/<model>``) of training attempts whose name
+    (``vNNNNNN-<attempt>``) is not in ``published`` nor the target of a ``vNNNNNN`` link: what killed or fenced
+    attempts left. Links, versions written before attempts and anything else are never listed."""
+    keep = set(published)
+    try:  # whatever a vNNNNNN link points at was published, whatever the caller read
+        keep |= {os.readlink(p) for p in model_dir.iterdir() if p.is_symlink()}
+    except OSError:
+        return []
+    found = []
+    for home in ATTEMPT_HOMES:
+        try:
+            entries = sorted((model_dir / home).iterdir())
+        except OSError:  # not there yet
+            continue
+        for entry in entries:
+            match = ATTEMPT_FILE.match(entry.name)
+            if match and match.group(1) not in keep and not entry.is_symlink():
+                found.append(entry)
+    return found
+
+
+def remove_unpublished(model_dir: Path, published: Iterable[str]) -> list[Path]:
+    """Remove :func:`unpublished` files and directories; the ones removed (one that vanished meanwhile is skipped)."""
+    removed = []
+    for path in unpublished(model_dir, published):
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed

@@ -13,13 +13,13 @@ parameter changes. A step that raises is rolled back to the last published versi
 batch the learner died in out of memory ``max_step_attempts`` times, on evidence (``learner.attempts``), is
 dead-lettered untrained; any other death in a step (SIGKILL, SIGTERM, preemption) trains the batch again. Each
 attempt writes its version under a name of its own, which the transaction publishes (``policy.weight_store``): a
-fenced learner cannot change a published version. Resume: the newest published version is loaded (sha256 verified)
-with the optimizer and RNG state saved with it (verified against the sha256 the weights record), so a resumed run
+fenced learner cannot change a published version; unpublished attempts' files are removed at start and after each
+commit (``learner.version_files``). Scalars and log lines follow the commit (``learner.publish``). Resume: the newest
+published version is loaded with the optimizer and RNG state saved with it, all sha256-verified, so a resumed run
 continues exactly as an uninterrupted one. Every case in detail: docs/method.md#exactly-once-dead-letters-resume.
 
-Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``.
-Fault points (``clawbase.faults``, docs/faults.md): ``learner.after_save``, after a version's files are saved and
-before its transaction commits; ``learner.in_step`` (``learner/step.py``), after an optimizer step of a batch.
+Run: ``clawstream learner --model-dir DIR --weight-store DIR`` or ``python -m learner.train ...``. Fault points
+(docs/faults.md): ``learner.after_save``, ``learner.before_commit`` (learner/publish.py), ``learner.in_step``.
 """
 
 from __future__ import annotations
@@ -29,20 +29,17 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer
 
 from clawbase.errors import ClawstreamError
-from clawbase.faults import fault_point
 from clawbase.kafka.clients import (
     assign_from_beginning,
     check_broker,
     make_consumer,
     make_producer,
-    produce_reliably,
     read_to_end,
     require_topics,
     where,
@@ -56,39 +53,25 @@ from learner.logit_scale import LogitScale
 from learner.memory import GIB, available_bytes, plan_step, set_checkpointing
 from learner.pack import MicroBatch, PackError, pack_trees
 from learner.precision import load_policy
+from learner.publish import TXN_DEADLINE_S, Publishing, tensorboard
 from learner.reduce import Reduction
 from learner.segment_sampling import UnreproducibleSampling
 from learner.settings import LearnerSettings
 from learner.step import ScoredTree, max_path_tokens, train_step
 from learner.value import ValueHead
-from learner.weights_http import default_base_url, local_copy, published_uri, serving
+from learner.version_files import attempt_name
+from learner.weights_http import default_base_url, serving
 from policy import DEFAULT_MODEL_NAME
-from policy.weight_store import (
-    SavedWeights,
-    attempt_of,
-    checked_companion,
-    copy_into,
-    link_published,
-    load_checked,
-    new_attempt,
-    resolve_uri,
-    save_companion,
-    save_weights,
-    sha256_file,
-    trainer_state_path,
-    value_head_path,
-    verify_file,
-)
-from schemas.dead_letter import dead_letter, dead_letter_of
-from schemas.events import BatchRecord, Metric, Trajectory, WeightVersion, now_ms
+from policy.weight_store import trainer_state_path
+from schemas.events import BatchRecord, Trajectory, WeightVersion
 from schemas.topics import BATCHES, DEADLETTER, METRICS, WEIGHTS
 
 log = logging.getLogger("clawstream.learner")
-TXN_DEADLINE_S = 90.0  # transactional calls time out at 60 s; past this one they hung (clawbase.watchdog)
 
 
-class Learner:
-    """Owns the model, optimizer and Kafka clients; ``run`` is the top loop."""
+class Learner(Publishing):
+    """Owns the model, optimizer and Kafka clients; ``run`` is the top loop. A version's files:
+    ``learner.version_files``; the transaction's contents and what follows its commit: ``learner.publish``."""
 
     reduction: Reduction | None = None  # how the step combines over ranks (learner.train_ranks); None: one rank
 
@@ -124,6 +107,7 @@ class Learner:
         self.version = 0
         self.latest: WeightVersion | None = None  # the last published version: what a failed step rolls back to
         self.trained: dict[str, int] = {}  # batch id → the version it was published as
+        self.published: set[str] = set()  # the vNNNNNN-<attempt> of every committed version: files kept
         # What v0 restores (a step that raises before any version is published): the initial head, no moments, RNG.
         self._initial_head = copy.deepcopy(self.value_head.state_dict()) if self.value_head is not None else {}
         self._initial_state = {
@@ -136,12 +120,12 @@ class Learner:
         self.producer: Producer = make_producer(kafka, **{"transactional.id": txn_id})
         group = settings.resolved_group_id(kafka.topic_prefix)
         self.consumer: Consumer = make_consumer(kafka, group, **settings.consumer_config(kafka.topic_prefix))
-        self.writer = _tensorboard(settings)
+        self.writer = tensorboard(settings)
 
     # ---- the top loop: poll batch → logprobs → loss → step → publish -----------------------------------------------
     def run(self) -> int:
         with deadline("init_transactions", TXN_DEADLINE_S):
-            self.producer.init_transactions(60)
+            self.producer.init_transactions(60)  # fences any earlier learner of this transactional id
         self._resume()
         self.consumer.subscribe([self.kafka.topic(BATCHES)])
         steps = 0
@@ -150,15 +134,9 @@ class Learner:
             problem = self._refused_untrained(batch) or problem
             self.producer.begin_transaction()
             metrics, problem = self._train(batch, trees) if problem is None else ({}, problem)
-            if problem:
-                self._dead_letter(batch, problem)
-            else:
-                self._publish_version(batch, metrics)
-            with deadline("commit of a step", TXN_DEADLINE_S):  # a broker restart mid-transaction hung here
-                self._commit_offsets(batch)
-                self.producer.commit_transaction(60)
-            if not problem:  # published: only now may vNNNNNN name this attempt's files
-                self._link(self.latest)
+            outcome = self._dead_letter(batch, problem) if problem else self._publish_version(batch, metrics)
+            self._commit(batch)
+            self._committed(outcome)  # scalars, log, link: only once the step is committed
             self.attempts.forget(self._key(batch))  # a batch dead-lettered for its kills: done with
             steps += 1
             if self.settings.max_steps is not None and steps >= self.settings.max_steps:
@@ -316,103 +294,17 @@ class Learner:
             return [], Refusal("empty batch")
         return trees, None
 
-    def _save_version(self, version: int) -> SavedWeights:
-        """The version's files under this attempt's own name (policy.weight_store): trainer state and value head
-        first, their sha256 in the weights file's header, so that the published sha256 vouches for all three."""
-        store, name, attempt = self.settings.weight_store, self.settings.model_name, new_attempt()
-        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
-        sums = {"trainer_state_sha256": save_companion(state, trainer_state_path(store, name, version, attempt))}
-        if self.value_head is not None:  # kept for resuming; inference never needs it
-            head = value_head_path(store, name, version, attempt)
-            self.value_head.save(head)
-            sums["value_head_sha256"] = sha256_file(head)
-        return save_weights(self.model, store, name, version, attempt, sums)
-
-    def _publish_version(self, batch: SealedBatch, metrics: dict[str, float]) -> None:
-        version = self.version + 1
-        saved = self._save_version(version)
-        fault_point("learner.after_save")  # saved, not yet published: a crash here must not train the batch twice
-        event = WeightVersion(
-            policy_version=version,
-            timestamp_ms=now_ms(),
-            model_name=self.settings.model_name,
-            step=batch.step,
-            uri=published_uri(saved, self.settings.weight_store, self.weights_base_url),
-            sha256=saved.sha256,
-            size_bytes=saved.size_bytes,
-            batch_id=batch.batch_id,
-            metrics={k: v for k, v in metrics.items() if not k.startswith("rollouts/")},
-        )
-        self._produce(WEIGHTS, self.settings.model_name, event.to_bytes())
-        metric = Metric(
-            policy_version=version,
-            timestamp_ms=now_ms(),
-            source="learner",
-            name="train_step",
-            step=batch.step,
-            values=metrics,
-            labels={"model": self.settings.model_name},
-        )
-        self._produce(METRICS, "learner", metric.to_bytes())
-        self.version, self.latest = version, event
-        self.trained[batch.batch_id] = version
-        if self.writer is not None:
-            for key, value in metrics.items():
-                self.writer.add_scalar(key, value, batch.step)
-            self.writer.flush()
-        log.info(
-            "step %d → v%d: loss %.4e (policy %.4e), update KL %.3e, entropy %.3f, %s",
-            batch.step,
-            version,
-            metrics.get("loss", float("nan")),
-            metrics.get("policy_loss", float("nan")),
-            metrics.get("update_kl", float("nan")),
-            metrics.get("entropy", float("nan")),
-            {k: round(v, 3) for k, v in metrics.items() if k.startswith("reward/")},
-        )
-
-    def _commit_offsets(self, batch: SealedBatch) -> None:
-        offsets = [TopicPartition(self.kafka.topic(BATCHES), 0, batch.commit_offset)]
-        self.producer.send_offsets_to_transaction(offsets, self.consumer.consumer_group_metadata(), 60)
-
-    def _produce(self, topic: str, key: str, value: bytes) -> None:
-        produce_reliably(self.producer, self.kafka.topic(topic), key.encode(), value)
-
-    def _dead_letter(self, batch: SealedBatch, refusal: Refusal) -> None:
-        log.error("%s: batch %s not trained: %s; dead-lettered", self._where(batch), batch.batch_id, refusal.reason)
-        letter = dead_letter(
-            "learner",
-            refusal.reason,
-            refusal.kind,
-            topic=self.kafka.topic(BATCHES),
-            partition=0,
-            offset=batch.seal_offset,
-            key=batch.batch_id.encode(),
-            policy_version=self.version,
-            value=batch.seal.to_bytes(),
-        )
-        self._produce(DEADLETTER, batch.batch_id, letter.to_bytes())
-
-    def _where(self, batch: SealedBatch) -> str:
-        return f"{self.kafka.topic(BATCHES)}[0]@{batch.seal_offset}"  # topic[partition]@offset of its SEAL record
-
     def _key(self, batch: SealedBatch) -> str:
         return f"{self._where(batch)} {batch.batch_id}"  # exact: the same batch re-read, never another one
 
-    def _dead_letter_raw(self, msg, exc: Exception) -> None:  # noqa: ANN001 - confluent_kafka.Message
-        # Its own small transaction (a transactional producer cannot write outside one). The record's offset is
-        # committed with the next sealed batch; a crash before that dead-letters it again (at-least-once is fine here).
-        letter = dead_letter_of(msg, "learner", str(exc), type(exc).__name__)
-        self.producer.begin_transaction()
-        produce_reliably(self.producer, self.kafka.topic(DEADLETTER), msg.key(), letter.to_bytes())
-        with deadline("commit of a dead letter", TXN_DEADLINE_S):
-            self.producer.commit_transaction(60)
-
     def _resume(self) -> None:
-        """Load the newest published version of this model (read_committed), if any."""
+        """Load the newest published version of this model (read_committed), if any; remove the files of attempts
+        no published version names (the fence is taken: no earlier learner can publish them any more)."""
         versions = published_versions(self.kafka, self.settings.model_name)
         self.trained = {v.batch_id: v.policy_version for v in versions if v.batch_id}
+        self.published = {attempt_name(v) for v in versions}
         self.latest = max(versions, key=lambda v: v.policy_version, default=None)
+        self._remove_unpublished(self.published)
         if self.latest is None:
             log.info(
                 "no published version of %s: starting from %s as v0", self.settings.model_name, self.settings.model_dir
@@ -422,48 +314,6 @@ class Learner:
         self._link(self.latest)  # in case the last one died between its commit and its link
         self.version = self.latest.policy_version
         log.info("resumed %s at v%d (%s)", self.settings.model_name, self.version, self.latest.uri)
-
-    def _load(self, version: WeightVersion | None) -> None:
-        """Weights (sha256 verified), value head, optimizer and RNG state saved with ``version``; None: as started."""
-        store = self.settings.weight_store
-        state: dict | None = self._initial_state
-        weights = Path()
-        if version is None:
-            initial = load_policy(self.settings.model_dir)
-            self.model.load_state_dict(initial.state_dict())
-        else:
-            weights = verify_file(local_copy(version, store))
-            copy_into(self.model, load_checked(weights, self.model))
-            state_file = self._companion(weights, version.policy_version, trainer_state_path, "trainer_state_sha256")
-            state = torch.load(state_file, map_location=self.device, weights_only=True) if state_file else None
-            if state is None:
-                log.warning("no optimizer state for v%d (%s): fresh AdamW moments", version.policy_version, weights)
-        if self.value_head is not None:
-            head_file = None
-            if version is not None:
-                head_file = self._companion(weights, version.policy_version, value_head_path, "value_head_sha256")
-            if head_file is not None:
-                self.value_head.load(head_file)
-            else:
-                self.value_head.load_state_dict(self._initial_head)
-        if state is None:
-            self.optimizer.state.clear()
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["torch_rng"].cpu())
-
-    def _companion(self, weights: Path, version: int, path_of: Callable[..., Path], key: str) -> Path | None:
-        """The trainer state or value head saved with the verified ``weights``, checked against its sha256 there."""
-        attempt = attempt_of(weights)
-        path = path_of(self.settings.weight_store, self.settings.model_name, version, attempt)
-        if attempt is None:  # written before versions had attempts: no sha256 recorded to check against
-            log.warning("%s predates checksummed trainer state: loaded unchecked", path)
-            return path if path.exists() else None
-        return checked_companion(weights, path, key)
-
-    def _link(self, version: WeightVersion | None) -> None:
-        if version is not None:
-            link_published(resolve_uri(local_copy(version, self.settings.weight_store).uri))
 
 
 def published_versions(kafka: KafkaSettings, model_name: str, timeout: float = 30.0) -> list[WeightVersion]:
@@ -476,17 +326,6 @@ def published_versions(kafka: KafkaSettings, model_name: str, timeout: float = 3
         return [e for e in events if e.model_name == model_name]
     finally:
         consumer.close()
-
-
-def _tensorboard(settings: LearnerSettings):  # noqa: ANN202 - SummaryWriter | None
-    if settings.tensorboard_dir is None:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log.warning("tensorboard is not installed; scalars go to clawstream.metrics only")
-        return None
-    return SummaryWriter(str(settings.tensorboard_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,3 +95,27 @@ def test_a_damaged_file_names_itself_and_the_fix(tmp_path: Path) -> None:
     path.write_text("[1, 2")
     with pytest.raises(ClawstreamError, match="step-attempts.json is not a JSON object.*delete it"):
         StepAttempts(path)
+
+
+def test_unpublished_attempts_files_are_removed_and_published_ones_kept(tmp_path: Path) -> None:
+    model = tmp_path / "policy"
+    published, dead = "v000001-10-00aa11bb", "v000002-11-22cc33dd"
+    for name in (published, dead, "v000003-12-44ee55ff"):
+        (model / name).mkdir(parents=True)
+        (model / name / "model.safetensors").write_bytes(b"w")
+    (model / "v000001").symlink_to(published, target_is_directory=True)
+    (model / "v000000").mkdir()  # a version written before attempts had names: never touched
+    for home in ("trainer-state", "value-heads"):
+        (model / home).mkdir()
+    kept = [model / "trainer-state" / f"{published}.pt", model / "value-heads" / f"{published}.safetensors"]
+    gone = [model / "trainer-state" / f"{dead}.pt", model / "trainer-state" / f"{dead}.pt.partial"]
+    gone += [model / "value-heads" / f"{dead}.safetensors"]
+    for path in [*kept, *gone, model / "trainer-state" / A.FILE_NAME]:
+        path.write_bytes(b"x")
+    removed = A.remove_unpublished(model, {published})
+    assert sorted(removed) == sorted([model / dead, model / "v000003-12-44ee55ff", *gone])
+    assert all(p.exists() for p in kept) and (model / "v000001" / "model.safetensors").exists()
+    assert (model / "v000000").is_dir() and (model / "trainer-state" / A.FILE_NAME).exists()
+    assert A.remove_unpublished(model, {published}) == []
+    assert A.remove_unpublished(model, set()) == []  # the link's target is published, whatever the caller read
+    assert A.remove_unpublished(tmp_path / "no-such-model", set()) == []
