@@ -22,8 +22,7 @@ records of an attempt that never starts are dropped. Calls without an attempt id
 attempt is assembled. Lifecycle moves that ``schemas.lifecycle`` forbids are rejected (a terminal event without
 STARTED is accepted: STARTED may be lost). Replays: ``late_retention_s`` after it settled, a rollout is compacted to
 a tombstone (:meth:`RolloutAccumulator.tombstone`) that is kept, so a record replayed at any later time is late, and
-an attempt that settled never reopens it. Pure: no Kafka, no Faust; used by ``streams.assemble``.
-"""
+an attempt that settled never reopens it. Pure: no Kafka, no Faust; used by ``streams.assemble``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@
 Input: a :class:`RunLog` (``consumers.analytics.run_log``; filled by ``consumers.analytics.audit``). Output: an
 :class:`AuditReport`: every violation naming its rollout, group and batch, and what was in flight when the run
 stopped. The rules (``RULES``), each a guarantee the system makes, stage by stage:
-
 1. an attempt has one terminal status (its reward, or the trajectory the streams settled a dead worker's attempt
    into) and moves as ``schemas.lifecycle`` allows (``lifecycle``, ``terminal status``);
 2. a graded attempt is in exactly one trajectory carrying its own reward; a second run of one request (a worker died
@@ -23,8 +22,7 @@ stopped. The rules (``RULES``), each a guarantee the system makes, stage by stag
    proxy never generated); such a rollout settles DROPPED and its group trains short (``tampered never trained``).
 
 In flight, not lost: groups not closed, groups the batcher holds, batches sealed after the last trained one.
-``reconcile(log, skip=...)`` leaves rules out (the mutation tests show each is needed). Idempotent and order-free.
-"""
+``reconcile(log, skip=...)`` leaves rules out (the mutation tests show each is needed). Idempotent, order-free."""
 
 from __future__ import annotations
 
