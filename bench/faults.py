@@ -114,18 +114,19 @@ def chaos_row(args: argparse.Namespace) -> int:
         cmd += ["--engine", args.engine, "--json", str(summary)]
         cmd += ["--for", args.duration] if args.duration else []
         cmd += ["--kills", str(args.kills)] if args.kills else []
-        print("running:", " ".join(cmd[2:]), f"({time.strftime('%Y-%m-%d %H:%M')} UTC, load {_load()})", flush=True)
+        load = _load()  # the machine's load when the run starts (1, 5, 15 min)
+        print("running:", " ".join(cmd[2:]), f"({time.strftime('%Y-%m-%d %H:%M')} UTC, load {load})", flush=True)
         code = subprocess.call(cmd, cwd=ROOT)
         if not summary.exists():
             print("clawstream chaos wrote no summary: no row")
             return code or 1
         result = json.loads(summary.read_text())
-    merge([_chaos_fault_row(args, result)])
+    merge([_chaos_fault_row(args, result, load)])
     print(f"merged the chaos row into {RESULTS.relative_to(ROOT)}")
     return code
 
 
-def _chaos_fault_row(args: argparse.Namespace, r: dict) -> dict:
+def _chaos_fault_row(args: argparse.Namespace, r: dict, load: str) -> dict:
     kills = ", ".join(f"{name} {n}" for name, n in sorted(r["kills"].items()))
     what = f"for {args.duration}" if args.duration else f"{args.kills} kills"
     verdict = "audit CLEAN" if r["clean"] else f"audit NOT CLEAN{': ' + r['error'] if r['error'] else ''}"
@@ -133,7 +134,8 @@ def _chaos_fault_row(args: argparse.Namespace, r: dict) -> dict:
         f"{verdict}; kills: {kills}; {r['seconds'] / 60:.1f} min, seed {r['seed']}, engine {args.engine}; "
         f"batches sealed {r['batches_sealed']}, trained {r['batches_trained']}; {r['rollouts']} rollouts in "
         f"{r['in']} attempts; groups trained short {r['short_groups']}; longest stall {r['stall_after']}; "
-        f"drained {'yes' if r['drained'] else 'NO'} in {r['drain_s']:.0f} s; started at load {_load()}"
+        f"drained {'yes' if r['drained'] else 'NO'} in {r['drain_s']:.0f} s; restarted by the supervisor besides the "
+        f"kills: {r['supervisor_restarts'] or 'none'}; load at the start {load}"
     )
     return {
         "fault": f"chaos: random SIGKILLs of {args.kill} ({what}), 3-broker cluster",

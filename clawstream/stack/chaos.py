@@ -116,7 +116,8 @@ class Chaos:
             {
                 "CLAWSTREAM_SANDBOX_SESSION_TIMEOUT_MS": "10000",
                 "CLAWSTREAM_SANDBOX_PROXY_LEASE_S": "6",
-                "CLAWSTREAM_STREAMS_SESSION_TIMEOUT_S": "10",
+                # 20 s: at 10 s a streams worker on a loaded 2-core host is evicted while alive every few minutes
+                "CLAWSTREAM_STREAMS_SESSION_TIMEOUT_S": "20",
                 # the sandbox worker's seen requests and committed positions: this run's, on this cluster only
                 "CLAWSTREAM_SANDBOX_SEEN_DIR": str(self.work / "sandbox-seen"),
             }
@@ -298,7 +299,9 @@ class Chaos:
         stack.kill(scheduler)
         scheduler.args[scheduler.args.index("--steps") + 1] = str(watch.steps_issued())
         env = {**scheduler.env, "CLAWSTREAM_SCHEDULER_DRAIN_TIMEOUT_S": str(self.cfg.drain_timeout_s)}
+        supervised = scheduler.restarts
         stack.restart(scheduler, timeout=RESTART_TIMEOUT_S, env=env)
+        scheduler.restarts = supervised
         self.say(f"[{self._elapsed():6.0f} s] no more steps after {watch.steps_issued()}; draining what was issued")
         began, quiet = time.monotonic(), None  # quiet: since when all is drained but a step's batch is unsealed
         while True:
@@ -338,6 +341,7 @@ class Chaos:
             self.work,
             error,
             {**watch.counts, "rollouts": len(watch.requested)} if watch is not None else {},
+            {sv.name: sv.restarts for sv in self.stack.services if sv.restarts} if self.stack is not None else {},
         )
 
 

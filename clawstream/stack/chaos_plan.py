@@ -82,6 +82,7 @@ class ChaosResult:
     work: Path
     error: str = ""
     events: dict[str, int] = field(default_factory=dict)
+    supervised: dict[str, int] = field(default_factory=dict)  # deaths the supervisor restarted (not the kills)
 
     @property
     def by_service(self) -> Counter[str]:
@@ -124,6 +125,7 @@ class ChaosResult:
             "short_groups": len(self.report.short_groups),  # groups trained without some members (the audit's list)
             "rollouts": self.events.get("rollouts", 0),  # requested: attempts beyond these were re-runs or re-issues
             "events": self.events,
+            "supervisor_restarts": self.supervised,
             "seed": self.config.seed,
             "work": str(self.work),
         }
@@ -140,7 +142,8 @@ class ChaosResult:
                 f"duplicated {t['duplicated']}; batches sealed {self.report.batches_sealed}, trained "
                 f"{self.report.batches_trained}; weight versions {self.report.versions}",
                 f"longest stall {self.longest_stall_s:.1f} s (from {self.stall_at_s:.0f} s, {self.stall_after()})",
-                f"drained: {'yes' if self.drained else 'NO'} in {self.drain_s:.0f} s; logs in {self.work / 'logs'}",
+                f"drained: {'yes' if self.drained else 'NO'} in {self.drain_s:.0f} s; restarted by the supervisor "
+                f"(deaths other than the kills): {self.supervised or 'none'}; logs in {self.work / 'logs'}",
             ]
         )
 
