@@ -298,9 +298,8 @@ async def grader_rows(live: Live, names: list[str], backend: str, neighbour: boo
         rows.append(row(f"{name} ({backend})", GRADER_ATTACKS[name][0], got[name], got[f"{name}:twin"], extra))
         if name == "fifo_out" and neighbour and stalled:
             rows[-1][4] = "**BROKEN**"
-    rows.append(
-        ["do-nothing on task_0078", "the honest baseline's own grade", got["nothing@clawgym"].score, "", "", ""]
-    )
+    baseline = got["nothing@clawgym"].score
+    rows.append([f"nothing ({backend})", "does nothing on task_0078: the honest baseline", baseline, "", "", ""])
     return rows
 
 
@@ -352,6 +351,12 @@ async def fd_row(live: Live, idle_neighbour: Outcome) -> list[str]:
     return out
 
 
+RESTARTED = (
+    "proxy SIGKILLed and restarted after both calls; INFRA_FAILURE is re-issued (a new attempt), never trained on "
+    "as it stands, and the grader never read the harness's stdout"
+)
+
+
 async def restart_row(live: Live, wait_s: float) -> list[str]:
     """Attack 9: both rollouts make their call, the proxy is killed and restarted, then one prints a forged result."""
     assert live.proxy.proc is not None
@@ -369,7 +374,7 @@ async def restart_row(live: Live, wait_s: float) -> list[str]:
         return Outcome(mine[-1] if mine else None, [e for e in ev if e.rollout_id == rid])
 
     what = "9: after a proxy restart, a stream-json result line claiming an answer the model never gave"
-    return row("restart", what, outcome("restart"), outcome("restart.honest"), "proxy SIGKILLed and restarted")
+    return row("restart", what, outcome("restart"), outcome("restart.honest"), RESTARTED)
 
 
 # --- report -----------------------------------------------------------------------------------------------------------
