@@ -9,12 +9,14 @@ encoding. The figures (follow-up, tree parent, extends its parent exactly, fork,
 retry orphan, masked-token fraction, prefix-cache hit rate, stale-attempt and unresolved calls) are defined in
 docs/dashboard.md#capture-health, in the same words as the code. Tampered calls (the proxy's ``tampered`` flag: the
 request held an assistant turn it never generated) count over every attempt: a forged turn is never a re-run's to hide.
+So does a grader error by the rollout (``RewardEvent.grader_error_by_rollout``: the grader failed on what the rollout
+left in its workspace, a graded 0), which health reads from the rollout's rewards.
 
 Rows per (harness, template), the streaming aggregator and the text table: ``consumers.analytics.health_table``.
 
 Input: typed events (``schemas.events``) from ``clawstream.calls``, ``clawstream.rollout.events``,
-``clawstream.rollout.requests`` and ``clawstream.trajectories``, in any order. Pure: no Kafka client; the readers
-are ``consumers.analytics.dashboard`` (live) and ``clawstream health`` (a topic range).
+``clawstream.rollout.requests``, ``clawstream.trajectories`` and ``clawstream.rewards``, in any order. Pure: no Kafka
+client; the readers are ``consumers.analytics.dashboard`` (live) and ``clawstream health`` (a topic range).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class RolloutHealth:
     stale_attempt_calls: int = 0
     unresolved_calls: int = 0
     tampered_calls: int = 0  # calls of any attempt whose request held an assistant turn the proxy never generated
+    grader_error_by_rollout: bool = False  # a reward (any attempt) graded 0: the grader failed on the rollout's output
     generated_tokens: int = 0  # main calls of the final attempt
     trained_tokens: int | None = None  # trainable tokens of the settled trajectory; None: no tree (yet)
     cache_calls: int = 0  # calls whose engine reported cached prompt tokens

@@ -1,9 +1,9 @@
 """Capture health over many rollouts: rows per (harness, template), the streaming aggregator, and the text table.
 
-``HealthAggregator`` takes events in any order (calls, rollout events, requests, trajectories), keeps each rollout's
-calls (without logprobs) and recomputes a rollout's counts (``consumers.analytics.health.rollout_health``) only after
-one of its records arrived; ``health_rows`` sums rollouts into one ``HealthRow`` per (harness, template) plus an
-``(all)`` row; ``format_rows`` prints the table of ``clawstream health``. The template is the rollout request's
+``HealthAggregator`` takes events in any order (calls, rollout events, requests, trajectories, rewards), keeps each
+rollout's calls (without logprobs) and recomputes a rollout's counts (``consumers.analytics.health.rollout_health``)
+only after one of its records arrived; ``health_rows`` sums rollouts into one ``HealthRow`` per (harness, template)
+plus an ``(all)`` row; ``format_rows`` prints the table of ``clawstream health``. The template is the rollout request's
 ``metadata["chat_template"]`` when the scheduler set one, else the API dialect the harness spoke. Definitions of every
 figure: docs/dashboard.md#capture-health. Pure: no Kafka client; used by ``consumers.analytics.dashboard``.
 """
@@ -19,7 +19,16 @@ from typing import Any
 import numpy as np
 
 from consumers.analytics.health import UNKNOWN, RolloutHealth, TrajectoryFacts, rollout_health
-from schemas.events import CallEvent, CallKind, Event, RolloutEvent, RolloutRequest, RolloutState, Trajectory
+from schemas.events import (
+    CallEvent,
+    CallKind,
+    Event,
+    RewardEvent,
+    RolloutEvent,
+    RolloutRequest,
+    RolloutState,
+    Trajectory,
+)
 
 ALL = "(all)"
 _NO_LOGPROBS = np.zeros(0, dtype="<f4")
@@ -46,6 +55,7 @@ class HealthRow:
     unresolved_calls: int = 0
     tampered_rollouts: int = 0  # rollouts with a tampered call (never trained: the streams drop them)
     tampered_calls: int = 0
+    grader_error_rollouts: int = 0  # rollouts graded 0 because the grader failed on what they left in the workspace
     generated_tokens: int = 0
     trajectories: int = 0  # rollouts whose trajectory carries a tree (the masked fraction's rollouts)
     tree_generated_tokens: int = 0
@@ -56,6 +66,7 @@ class HealthRow:
     def add(self, r: RolloutHealth) -> None:
         self.rollouts += 1
         self.tampered_rollouts += r.tampered_calls > 0
+        self.grader_error_rollouts += r.grader_error_by_rollout
         for name in (
             "calls",
             "main_calls",
@@ -133,6 +144,7 @@ class _Rollout:
     chat_template: str | None = None  # from the request's metadata
     started: list[tuple[int, int, str]] = field(default_factory=list)  # (attempt, timestamp, attempt id)
     trajectory: TrajectoryFacts | None = None
+    grader_error: bool = False  # a reward of any attempt flagged grader_error_by_rollout
     result: RolloutHealth | None = None  # cached; None when something changed since
 
 
@@ -159,7 +171,7 @@ class HealthAggregator:
         return state
 
     def add(self, event: Event) -> None:
-        """Take one event; types other than calls, rollout events, requests and trajectories are ignored."""
+        """Take one event; types other than calls, rollout events, requests, trajectories and rewards are ignored."""
         if isinstance(event, CallEvent):
             # Logprobs are never needed here: drop them (a long rollout's calls are kept until it is forgotten).
             calls = self._get(event.rollout_id).calls
@@ -179,6 +191,9 @@ class HealthAggregator:
             state.harness = state.harness or event.harness or None
             if state.trajectory is None or event.timestamp_ms >= state.trajectory.timestamp_ms:
                 state.trajectory = TrajectoryFacts.of(event)
+        elif isinstance(event, RewardEvent) and event.grader_error_by_rollout:
+            # only flagged rewards: every other one would make a live reader remember each rewarded rollout
+            self._get(event.rollout_id).grader_error = True
 
     def __len__(self) -> int:
         return len(self._rollouts)
@@ -208,6 +223,7 @@ class HealthAggregator:
         )
         out = rollout_health(rollout_id, state.calls.values(), final_attempt=final, trajectory=trajectory)
         out.harness = state.harness or UNKNOWN
+        out.grader_error_by_rollout = state.grader_error
         dialects = Counter(c.dialect.value.lower() for c in state.calls.values() if c.call_kind == CallKind.MAIN)
         dialect = dialects.most_common(1)[0][0] if dialects else UNKNOWN
         out.template = state.chat_template or dialect
@@ -237,6 +253,7 @@ COLUMNS = (
     "stale attempt",
     "cache hit",
     "tampered",
+    "grader error",
 )
 
 
@@ -259,6 +276,7 @@ def format_rows(rows: list[HealthRow]) -> str:
                 str(r.stale_attempt_calls),
                 _pct(r.prefix_cache_hit_rate),
                 f"{r.tampered_rollouts} ({r.tampered_calls})",
+                str(r.grader_error_rollouts),
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]

@@ -228,15 +228,18 @@ def missing_requests(
 
 
 def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str:
-    """Per-harness eval table: rollouts, graded, mean reward, infra failures, ungraded, still pending."""
+    """Per-harness eval table: rollouts, graded, mean reward, grader errors by the rollout (graded 0s), infra
+    failures, ungraded, still pending."""
     rows: dict[str, dict[str, float]] = {}
     for rid, req in requests.items():
-        row = rows.setdefault(req.harness, {"n": 0, "graded": 0, "sum": 0.0, "infra": 0, "ungraded": 0, "pending": 0})
+        zero = {"n": 0, "graded": 0, "sum": 0.0, "grader": 0, "infra": 0, "ungraded": 0, "pending": 0}
+        row = rows.setdefault(req.harness, zero)
         row["n"] += 1
         reward = out.final.get(rid)
         if reward is not None and reward.status == RewardStatus.OK and reward.reward is not None:
             row["graded"] += 1
             row["sum"] += reward.reward
+            row["grader"] += reward.grader_error_by_rollout
         elif reward is not None:
             row["ungraded"] += 1
         elif rid in out.gave_up:
@@ -244,12 +247,13 @@ def score_table(requests: Mapping[str, RolloutRequest], out: Outstanding) -> str
         else:
             row["pending"] += 1
     lines = [
-        "| harness | rollouts | graded | mean reward | infra failures | ungraded | pending |",
-        "|---|---|---|---|---|---|---|",
+        "| harness | rollouts | graded | mean reward | grader errors | infra failures | ungraded | pending |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for h, r in sorted(rows.items()):
         mean = f"{r['sum'] / r['graded']:.3f}" if r["graded"] else "n/a"
-        lines.append(f"| {h} | {r['n']} | {r['graded']} | {mean} | {r['infra']} | {r['ungraded']} | {r['pending']} |")
+        counts = " | ".join(str(r[k]) for k in ("grader", "infra", "ungraded", "pending"))
+        lines.append(f"| {h} | {r['n']} | {r['graded']} | {mean} | {counts} |")
     return "\n".join(lines)
 
 
@@ -273,6 +277,8 @@ class EvalScore:
 
     ``mean``/``stderr``/``solved`` are over the graded rollouts (None when none was graded): ``stderr`` is the
     standard error of the mean (sample standard deviation / sqrt(n)), ``solved`` the fraction with reward ≥ 1.
+    ``grader_errors``: of the graded, the 0s given because the grader failed on what the rollout left in its
+    workspace (``RewardEvent.grader_error_by_rollout``); results written before it was counted read 0.
     """
 
     harness: str
@@ -285,6 +291,7 @@ class EvalScore:
     infra: int
     ungraded: int
     pending: int
+    grader_errors: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -307,10 +314,12 @@ def eval_scores(requests: Mapping[str, RolloutRequest], out: Outstanding) -> lis
     cells: dict[tuple[str, str], dict[str, list]] = {}
     for rid, req in requests.items():
         key = (req.harness, req.metadata.get(EVAL_MODE_KEY, "sampled"))
-        cell = cells.setdefault(key, {"rewards": [], "infra": [], "ungraded": [], "pending": []})
+        cell = cells.setdefault(key, {"rewards": [], "infra": [], "ungraded": [], "pending": [], "grader": []})
         reward = out.final.get(rid)
         if reward is not None and reward.status == RewardStatus.OK and reward.reward is not None:
             cell["rewards"].append(reward.reward)
+            if reward.grader_error_by_rollout:
+                cell["grader"].append(rid)
         elif reward is not None:
             cell["ungraded"].append(rid)
         elif rid in out.gave_up:
@@ -336,6 +345,7 @@ def eval_scores(requests: Mapping[str, RolloutRequest], out: Outstanding) -> lis
                 len(cell["infra"]),
                 len(cell["ungraded"]),
                 len(cell["pending"]),
+                len(cell["grader"]),
             )
         )
     return rows
@@ -352,13 +362,14 @@ def eval_table(rows: Sequence[EvalScore], sampling: str = "") -> str:
         note = "temperature 0" if mode == "greedy" else (sampling or "the scheduler's sampling settings")
         out += [
             f"{mode} ({note}):",
-            "| harness | rollouts | graded | mean reward | ± s.e. | solved | infra failures | ungraded | pending |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| harness | rollouts | graded | mean reward | ± s.e. | solved | grader errors | infra failures | ungraded "
+            "| pending |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in (r for r in rows if r.mode == mode):
             out.append(
                 f"| {r.harness} | {r.rollouts} | {r.graded} | {_num(r.mean)} | {_num(r.stderr)} | "
-                f"{_num(r.solved, '.1%')} | {r.infra} | {r.ungraded} | {r.pending} |"
+                f"{_num(r.solved, '.1%')} | {r.grader_errors} | {r.infra} | {r.ungraded} | {r.pending} |"
             )
         out.append("")
     return "\n".join(out).rstrip("\n")

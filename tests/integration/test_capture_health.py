@@ -27,12 +27,13 @@ from schemas.events import (
     CallKind,
     Dialect,
     Event,
+    RewardEvent,
     RewardStatus,
     RolloutEvent,
     RolloutRequest,
     RolloutState,
 )
-from schemas.topics import CALLS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES
+from schemas.topics import CALLS, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES
 from streams.rollout import RolloutAccumulator
 from streams.settings import StreamsSettings
 from streams.trajectory import build_trajectory
@@ -41,7 +42,7 @@ from tests.support import proxy_helpers as H
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_790_000_000_000
-TOPIC = {RolloutRequest: ROLLOUT_REQUESTS, RolloutEvent: ROLLOUT_EVENTS, CallEvent: CALLS}
+TOPIC = {RolloutRequest: ROLLOUT_REQUESTS, RolloutEvent: ROLLOUT_EVENTS, CallEvent: CALLS, RewardEvent: REWARDS}
 
 
 class ProxyRecorder:
@@ -235,6 +236,18 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
         *lifecycle("al", "agentloop", "al-a1", 3, attempt=1),
         *al.calls,
         settle("al", "agentloop", "al-a1", al.calls),
+        # its grader failed on what the rollout left in its workspace: a graded 0, counted apart
+        RewardEvent(
+            rollout_id="al",
+            policy_version=0,
+            timestamp_ms=T0 + 65_000,
+            attempt_id="al-a1",
+            status=RewardStatus.OK,
+            grader="native",
+            reward=0.0,
+            reason="grader_error_by_rollout: PermissionError",
+            grader_error_by_rollout=True,
+        ),
     ]
     produce(kafka_settings, events)
     consumer = make_consumer(kafka_settings, "probe")
@@ -263,6 +276,7 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     assert o["retry_orphans"] == 1  # c1's answer: the harness went on without it
     assert o["stale_attempt_calls"] == 0 and o["unresolved_calls"] == 0
     assert all((r["tampered_rollouts"], r["tampered_calls"]) == (0, 0) for r in rows.values())
+    assert {k: r["grader_error_rollouts"] for k, r in rows.items()} == {k: int(k[0] != "openclaw") for k in rows}
     # The streams' tree keeps c3's path and c0 (carried: its answer sits where c3's prompt departs); c1 is a dead
     # end, and c2's answer lies far from c3's branch point, so the one-off re-layout costs c2's tokens as well.
     assert o["generated_tokens"] == sum(gen)
@@ -297,7 +311,8 @@ def test_health_reports_exactly_the_known_fork_re_render_orphan_and_masked_token
     print(text)  # the table docs/dashboard.md shows
     line = next(ln for ln in text.splitlines() if ln.startswith("openclaw"))
     assert "33.3% (1/3)" in line and "1.00 (1)" in line and "2.00 (2)" in line
-    assert text.splitlines()[0].endswith("tampered") and line.endswith(" 0 (0)")
+    assert text.splitlines()[0].endswith("tampered  grader error") and line.split()[-3:] == ["0", "(0)", "0"]
+    assert next(ln for ln in text.splitlines() if ln.startswith("agentloop")).split()[-3:] == ["0", "(0)", "1"]
 
 
 def test_health_errors_are_one_clear_line(kafka_settings: KafkaSettings) -> None:

@@ -22,7 +22,7 @@ from producers.tasks.cpu import cpu_suite
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, now_ms
 
 
-def _reward(rid: str, status: RewardStatus, value: float | None) -> RewardEvent:
+def _reward(rid: str, status: RewardStatus, value: float | None, *, by_rollout: bool = False) -> RewardEvent:
     return RewardEvent(
         rollout_id=rid,
         policy_version=0,
@@ -31,6 +31,7 @@ def _reward(rid: str, status: RewardStatus, value: float | None) -> RewardEvent:
         status=status,
         grader="g",
         reward=value,
+        grader_error_by_rollout=by_rollout,
     )
 
 
@@ -56,7 +57,8 @@ def test_scores_per_harness_and_mode() -> None:
     out.add(list(requests.values()))
     greedy_a = [r for r in requests.values() if r.harness == "agentloop" and r.metadata[EVAL_MODE_KEY] == "greedy"]
     for req, value in zip(greedy_a, [1.0, 0.5, 1.0, 0.0], strict=True):
-        out.on_reward(_reward(req.rollout_id, RewardStatus.OK, value))
+        # the 0: the grader failed on what the rollout left in its workspace (graded, and counted apart)
+        out.on_reward(_reward(req.rollout_id, RewardStatus.OK, value, by_rollout=value == 0.0))
     sampled_b = [
         r for r in requests.values() if r.harness == "agentloop-anthropic" and r.metadata[EVAL_MODE_KEY] == "sampled"
     ]
@@ -67,15 +69,15 @@ def test_scores_per_harness_and_mode() -> None:
     rows = {(r.harness, r.mode): r for r in eval_scores(requests, out)}
     assert [r.mode for r in eval_scores(requests, out)][:2] == ["greedy", "greedy"]  # greedy first, then sampled
     g = rows[("agentloop", "greedy")]
-    assert (g.rollouts, g.graded, g.pending) == (4, 4, 0)
+    assert (g.rollouts, g.graded, g.grader_errors, g.pending) == (4, 4, 1, 0)
     assert g.mean == pytest.approx(0.625) and g.solved == pytest.approx(0.5)
     assert g.stderr == pytest.approx(statistics.stdev([1.0, 0.5, 1.0, 0.0]) / 2)
     b = rows[("agentloop-anthropic", "sampled")]
-    assert (b.rollouts, b.graded, b.infra, b.ungraded, b.pending) == (4, 1, 1, 1, 1)
+    assert (b.rollouts, b.graded, b.grader_errors, b.infra, b.ungraded, b.pending) == (4, 1, 0, 1, 1, 1)
     assert b.mean == 0.25 and b.stderr is None and b.solved == 0.0
     assert rows[("agentloop", "sampled")].mean is None and rows[("agentloop", "sampled")].pending == 4
 
     table = eval_table(list(rows.values()), "temperature 1")
     assert table.index("greedy (temperature 0):") < table.index("sampled (temperature 1):")
-    assert "| agentloop | 4 | 4 | 0.625 | 0.239 | 50.0% | 0 | 0 | 0 |" in table, table
-    assert "| agentloop-anthropic | 4 | 1 | 0.250 | n/a | 0.0% | 1 | 1 | 1 |" in table, table
+    assert "| agentloop | 4 | 4 | 0.625 | 0.239 | 50.0% | 1 | 0 | 0 | 0 |" in table, table
+    assert "| agentloop-anthropic | 4 | 1 | 0.250 | n/a | 0.0% | 0 | 1 | 1 | 1 |" in table, table

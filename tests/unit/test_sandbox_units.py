@@ -395,7 +395,7 @@ def test_reissue_is_bounded_and_eval_table() -> None:
     assert out.on_reward(_reward(b.rollout_id, RewardStatus.OK, 0.5)) is None and b.rollout_id in out.final
     assert out.on_reward(_reward("unknown", RewardStatus.OK, 1.0)) is None
     table = score_table({a.rollout_id: a, b.rollout_id: b}, out)
-    assert "| agentloop | 1 | 0 | n/a | 1 | 0 | 0 |" in table and "| x | 1 | 1 | 0.500 | 0 | 0 | 0 |" in table
+    assert "| agentloop | 1 | 0 | n/a | 0 | 1 | 0 | 0 |" in table and "| x | 1 | 1 | 0.500 | 0 | 0 | 0 | 0 |" in table
 
 
 # --- offsets --------------------------------------------------------------------------------------------------------

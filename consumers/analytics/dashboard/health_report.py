@@ -1,9 +1,10 @@
 """``clawstream health``: capture health per harness and chat template over a range of the event log.
 
 Reads the calls of a range of ``clawstream.calls`` (``--since/--until`` times, or ``--from/--to`` offsets; default:
-everything), then, for the rollouts those calls belong to, their requests, lifecycle events and trajectories
-(``clawstream.rollout.requests``, ``.rollout.events``, ``.trajectories``: from ``--lookback`` before ``--since``
-up to their ends, so a rollout's labels and its trajectory are found even when they lie outside the calls' range).
+everything), then, for the rollouts those calls belong to, their requests, lifecycle events, trajectories and rewards
+(``clawstream.rollout.requests``, ``.rollout.events``, ``.trajectories``, ``.rewards``: from ``--lookback`` before
+``--since`` up to their ends, so a rollout's labels and its trajectory are found even when they lie outside the
+calls' range).
 Prints one row per (harness, template) — definitions in ``consumers.analytics.health`` and docs/dashboard.md —
 or JSON (``--json``), optionally with every rollout (``--per-rollout``).
 
@@ -29,9 +30,9 @@ from consumers.analytics.health_table import HealthAggregator, format_rows
 from consumers.analytics.reader import offsets_at, open_reader, watermarks
 from consumers.analytics.records import parse_offsets, parse_time_ms, start_offsets
 from schemas.events import CallEvent
-from schemas.topics import CALLS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES
+from schemas.topics import CALLS, REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS, TRAJECTORIES
 
-LABEL_TOPICS = (ROLLOUT_REQUESTS, ROLLOUT_EVENTS, TRAJECTORIES)
+LABEL_TOPICS = (ROLLOUT_REQUESTS, ROLLOUT_EVENTS, TRAJECTORIES, REWARDS)
 
 
 @dataclass
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Columns: share of follow-up calls that extend their tree parent exactly, full re-renders and forks\n"
         "per rollout (answer forks: the answer came back as other token ids), masked share of generated tokens,\n"
         "retry orphans, calls of superseded attempts, engine prefix-cache hit rate, rollouts (calls) that sent an\n"
-        "assistant turn the proxy never generated (tampered: never trained). Definitions: docs/dashboard.md",
+        "assistant turn the proxy never generated (tampered: never trained), rollouts graded 0 because the grader\n"
+        "failed on what they left in the workspace (grader error). Definitions: docs/dashboard.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  re-renders {r.full_renders}  forks {r.forks} (answer {r.answer_forks})  orphans "
                 f"{r.retry_orphans}  masked {r.masked_tokens if r.masked_tokens is not None else '-'}"
                 f"/{r.generated_tokens}  stale {r.stale_attempt_calls}  unresolved {r.unresolved_calls}"
-                f"  tampered {r.tampered_calls}"
+                f"  tampered {r.tampered_calls}  grader error {int(r.grader_error_by_rollout)}"
             )
     print(
         f"{report.calls_in_range} call(s) of {len(report.aggregator)} rollout(s), {report.label_records} label "

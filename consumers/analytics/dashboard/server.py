@@ -121,6 +121,7 @@ _HEALTH_COUNTS = (
     "unresolved_calls",
     "tampered_rollouts",
     "tampered_calls",
+    "grader_error_rollouts",
     "masked_tokens",
     "generated_tokens",
 )

@@ -73,12 +73,14 @@
          { barmode: "group", yaxis: { title: { text: "%" }, range: [0, 100] } });
     fillTable("health-table",
       ["harness", "template", "rollouts", "main calls", "extend exactly", "re-renders / r.", "forks / r.",
-       "answer forks", "masked", "orphans", "stale attempt", "cache hit", "tampered"],
+       "answer forks", "masked", "orphans", "stale attempt", "cache hit", "tampered",
+       "grader error"],
       s.health.map((r) => [r.harness, r.template, r.rollouts, r.main_calls,
                            pct(r.extends_share) + " (" + r.extends + "/" + r.follow_ups + ")",
                            num(r.full_renders_per_rollout, 2), num(r.forks_per_rollout, 2), r.answer_forks,
                            pct(r.masked_token_fraction), r.retry_orphans, r.stale_attempt_calls,
-                           pct(r.prefix_cache_hit_rate), r.tampered_rollouts + " (" + r.tampered_calls + ")"]));
+                           pct(r.prefix_cache_hit_rate), r.tampered_rollouts + " (" + r.tampered_calls + ")",
+                           r.grader_error_rollouts]));
 
     const t = s.tree;
     draw("chart-tree", [
