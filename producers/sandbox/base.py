@@ -93,6 +93,14 @@ class Sandbox(abc.ABC):
         the sandbox's disk quota (:meth:`disk_bytes`), measured every ``disk_check_interval_s`` while it runs and once
         at its end; over it, the command is killed at once and ``RunResult.quota_exceeded`` says why."""
 
+    async def run_grader(
+        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+    ) -> RunResult:
+        """Run the task's grader, once the rollout's commands ended: out of the rollout's reach where the backend
+        can (its processes dead, a snapshot of the workspace, another uid, an output folder of its own); the
+        default (no isolation: trusted harnesses) is :meth:`run`."""
+        return await self.run(argv, env, cwd, timeout_s, extra_path=extra_path)
+
     @abc.abstractmethod
     async def disk_bytes(self) -> int:
         """What the sandbox holds on disk now (what ``max_workspace_bytes`` bounds)."""

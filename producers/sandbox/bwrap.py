@@ -4,13 +4,15 @@ Every command of an isolated local sandbox runs as ``bwrap <options> -- <relay l
 pid, network, IPC, UTS and user namespace; an unprivileged uid inside (mapped to the worker's uid outside, so files
 the harness writes stay the worker's); an empty root with only the system directories, the Python and harness
 installs and clawstream's packages bound read-only; the rollout's workspace (at the task's mount dir), HOME
-(``/home/sandbox``), ``/tmp`` and — while grading — the grader directory (``/grader``) bound read-write at the same
-inside paths for every rollout; then the root made read-only. ``--proc`` is the new pid namespace's (no other
-process's ``/proc/*/environ``), ``--die-with-parent`` and the pid namespace make every process the command started
-die with it (a ``setsid`` child included), ``--new-session`` keeps it off the worker's terminal. The environment
-is the one given to the ``bwrap`` process (never its argv, so no secret shows in ``/proc/*/cmdline``). Network: a
-new, empty network namespace; the proxy is reached through a unix socket bound in at :data:`PROXY_SOCKET`, served
-by the worker and relayed to ``127.0.0.1:<port>`` inside (``producers.sandbox.relay``).
+(``/home/sandbox``) and ``/tmp`` bound read-write at the same inside paths for every rollout; then the root made
+read-only. The grader runs in a sandbox of its own (``LocalSandbox.run_grader``): as :func:`grader_uid`, with a
+copy of the workspace, HOME read-only and the grader directory (``/grader``), which no rollout command ever sees.
+``--proc`` is the new pid namespace's (no other process's ``/proc/*/environ``), ``--die-with-parent`` and the pid
+namespace make every process the command started die with it (a ``setsid`` child included), ``--new-session``
+keeps it off the worker's terminal. The environment is the one given to the ``bwrap`` process (never its argv, so
+no secret shows in ``/proc/*/cmdline``). Network: a new, empty network namespace; the proxy is reached through a
+unix socket bound in at :data:`PROXY_SOCKET`, served by the worker and relayed to ``127.0.0.1:<port>`` inside
+(``producers.sandbox.relay``).
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ def bwrap_argv(
     uid: int,
     bwrap: str = "bwrap",
     proxy_socket: Path | None = None,
+    ro_binds: Mapping[str, Path] | None = None,
 ) -> list[str]:
-    """``bwrap`` options then ``argv``. ``binds``: inside path → host directory, read-write; ``read_only``: host
-    paths bound read-only at the same path (the Python, venv, harness installs, clawstream's packages)."""
+    """``bwrap`` options then ``argv``. ``binds``: inside path → host directory, read-write; ``ro_binds``: the same,
+    read-only; ``read_only``: host paths bound read-only at the same path (the Python, venv, harness installs,
+    clawstream's packages)."""
     out = [bwrap, "--unshare-all", "--unshare-user", "--uid", str(uid), "--gid", str(uid)]
     out += ["--die-with-parent", "--new-session", "--hostname", "sandbox"]
     for d in SYSTEM_DIRS:
@@ -60,6 +64,8 @@ def bwrap_argv(
             out += ["--ro-bind", "/dev/null", m]
     for inside, host in sorted(binds.items()):
         out += ["--bind", str(host), inside]
+    for inside, host in sorted((ro_binds or {}).items()):
+        out += ["--ro-bind", str(host), inside]
     # After the rollout's own dirs, so an install under /tmp (a checkout there) is not hidden by the rollout's /tmp.
     covered = [d for d in SYSTEM_DIRS if Path(d).is_dir() and not Path(d).is_symlink()]
     for path in sorted(set(read_only)):
@@ -71,6 +77,11 @@ def bwrap_argv(
         out += ["--ro-bind", str(proxy_socket), PROXY_SOCKET]
     out += ["--remount-ro", "/", "--chdir", cwd, "--", *argv]
     return out
+
+
+def grader_uid(rollout_uid: int) -> int:
+    """The uid a grader runs as inside its sandbox: never the rollout's."""
+    return rollout_uid + 1
 
 
 @functools.cache

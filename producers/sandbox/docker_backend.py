@@ -139,6 +139,7 @@ class DockerSandbox(Sandbox):
         self._synced: tuple | None = None  # fingerprint of the host copy at the last push/pull
         self.relay: Any = None  # the worker's relay container, whose log records the proxy's lost calls
         self.created_s = int(time.time()) - 1  # the relay's log is read from here on
+        self.spec: dict[str, Any] = {}  # the container's ``containers.run`` kwargs (the grader's are made from them)
 
     def host_path(self, inside_path: str) -> Path:
         p = PurePosixPath(inside_path)
@@ -333,6 +334,25 @@ class DockerSandbox(Sandbox):
         exit_code = None if timed_out or stopped else code
         return RunResult(exit_code, timed_out, duration, stdout, stderr, killed, quota)
 
+    async def run_grader(
+        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+    ) -> RunResult:
+        """The grader in a container of its own (``producers.sandbox.docker_grader``), once nothing of the rollout
+        runs: never in the rollout's container, whose binaries the harness could rewrite."""
+        from producers.sandbox import docker_grader
+
+        try:
+            await asyncio.to_thread(self.end_leftovers)
+        except Exception as exc:  # docker.errors.APIError and friends
+            raise SandboxError(f"cannot end what the rollout left running in {self.sandbox_id}: {exc}") from exc
+        full_env = {"HOME": HOME, **env}
+        if extra_path:
+            full_env["PATH"] = f"{extra_path}:{IMAGE_PATH}"
+        name = f"clawstream-{self.sandbox_id}-grader"
+        spec = docker_grader.grader_spec(self.spec, name, self.container.labels)
+        timed = exec_argv(argv, timeout_s, self.settings.kill_grace_s)
+        return await docker_grader.run_in_grader_container(self, spec, timed, full_env, cwd, timeout_s)
+
     async def destroy(self) -> CleanupReport:
         report = CleanupReport()
         try:
@@ -458,6 +478,7 @@ class DockerBackend(SandboxBackend):
             container = await asyncio.to_thread(lambda: self.client.containers.run(**spec))
             box = DockerSandbox(sandbox_id, host_root, container, self.client, task, self.settings, origin)
             box.relay = self._relay if origin is not None else None
+            box.spec = spec
             box.write_files(box.workspace, task.files)
             await asyncio.to_thread(box.push)  # the directories exist in the container from the start
         except Exception as exc:

@@ -2,12 +2,13 @@
 
 Layout (under ``CLAWSTREAM_SANDBOX_ROOT``, default ``$TMPDIR/clawstream-sandboxes``)::
 
-    <sandbox_id>-XXXX/  owner.json (worker pid)  workspace/  home/  tmp/  grader/  logs/
+    <sandbox_id>-XXXX/  owner.json (worker pid)  workspace/  home/  tmp/  grader/  logs/  grading/ (while grading)
 
 Isolation ``bwrap`` (``SandboxSettings.isolation``): every command runs under bubblewrap (``producers.sandbox.bwrap``:
 own mount/pid/net/user namespaces, the rollout's dirs the only writable ones, at the same inside paths for every
-rollout — workspace at the task's mount dir, ``/home/sandbox``, ``/tmp``, ``/grader`` — and the proxy reached through
-a unix socket, ``producers.sandbox.relay``); ``none``: the host's paths, network and pid space (trusted harnesses).
+rollout — workspace at the task's mount dir, ``/home/sandbox``, ``/tmp`` — and the proxy reached through a unix
+socket, ``producers.sandbox.relay``; the grader in a sandbox of its own, :meth:`LocalSandbox.run_grader`);
+``none``: the host's paths, network and pid space (trusted harnesses).
 
 Processes: every command starts in a new session (``start_new_session``: its own process group), with an
 environment that holds only ``PATH``, ``HOME`` (the sandbox's), ``TMPDIR``, ``LANG``, the marker
@@ -60,6 +61,7 @@ from producers.sandbox.settings import SandboxSettings
 from producers.tasks.model import Task
 
 TAIL = 16_000
+GRADING = "grading"  # under a sandbox's root: the grader's copy of the workspace and its /tmp
 _PR_SET_PDEATHSIG = 1
 
 
@@ -193,6 +195,17 @@ def _tail(path: Path) -> str:
         os.close(fd)
 
 
+def snapshot(src: Path, dest: Path) -> None:
+    """Copy a workspace tree the rollout left (its processes dead) for the grader: directories, regular files
+    (modes kept) and symlinks (as links); FIFOs, sockets and devices are left out (a FIFO would block the copy)."""
+
+    def copy(s: str, d: str) -> None:
+        if stat.S_ISREG(os.lstat(s).st_mode):
+            shutil.copy2(s, d, follow_symlinks=False)
+
+    shutil.copytree(src, dest, symlinks=True, copy_function=copy, ignore_dangling_symlinks=True)
+
+
 class LocalSandbox(Sandbox):
     def __init__(self, sandbox_id: str, root: Path, settings: SandboxSettings, mount_dir: str = "/workspace") -> None:
         self.sandbox_id, self.root, self.settings = sandbox_id, root, settings
@@ -282,24 +295,58 @@ class LocalSandbox(Sandbox):
         assert self._socket_dir is not None
         return self._socket_dir / "proxy.sock"
 
-    async def _argv(self, argv: list[str], cwd: str, extra_path: str) -> list[str]:
+    async def _argv(self, argv: list[str], cwd: str, extra_path: str, grading: bool = False) -> list[str]:
+        """The command line of a rollout command, or (``grading``) of the grader: its own uid, the workspace's
+        snapshot read-write, HOME read-only, a /tmp of its own, the grader directory; no proxy."""
         if not self.isolated:
             return argv
-        sock = await self._socket()
+        uid, ro_binds, sock = self.settings.bwrap_uid, {}, None
+        if grading:
+            uid, graded = bwrap.grader_uid(uid), self.root / GRADING
+            binds = {
+                self.workspace: graded / "workspace",
+                self.tmp: graded / "tmp",
+                self.grader_dir: self._mounts[self.grader_dir],
+            }
+            ro_binds = {self.home: self._mounts[self.home]}
+        else:  # the grader directory is never in a rollout command's namespace
+            binds = {k: v for k, v in self._mounts.items() if k != self.grader_dir}
+            sock = await self._socket()
         if sock is not None:
             relay = str(Path(self.clawstream_root) / "producers" / "sandbox" / "relay.py")
             listen = f"127.0.0.1:{self.settings.bwrap_proxy_port}"
             argv = [self.python, "-I", relay, "--listen", listen, "--target-unix", bwrap.PROXY_SOCKET, "--then", *argv]
-        binds = {k: v for k, v in self._mounts.items() if k != self.grader_dir or any(v.iterdir())}
         return bwrap.bwrap_argv(
             argv,
             binds=binds,
+            ro_binds=ro_binds,
             read_only=self._read_only(extra_path),
             cwd=cwd,
-            uid=self.settings.bwrap_uid,
+            uid=uid,
             bwrap=self.settings.bwrap_path,
             proxy_socket=sock,
         )
+
+    async def run_grader(
+        self, argv: list[str], env: Mapping[str, str], cwd: str, timeout_s: float, *, extra_path: str = ""
+    ) -> RunResult:
+        """The grader, isolated: every process of the rollout dead first, then a bubblewrap sandbox of its own over a
+        copy of the workspace (:func:`snapshot`) as :func:`bwrap.grader_uid`, its outputs in the grader directory,
+        which no rollout command had in its namespace. Not isolated (trusted harnesses): :meth:`run`."""
+        if not self.isolated:
+            return await self.run(argv, env, cwd, timeout_s, extra_path=extra_path)
+        _killed, alive = await kill_and_wait(self.sandbox_id, self.pgids, within_s=5.0)
+        if alive:
+            raise SandboxError(f"sandbox {self.sandbox_id}: processes {sorted(alive)} outlived SIGKILL; not grading")
+        graded = self.root / GRADING
+        await asyncio.to_thread(shutil.rmtree, graded, True)
+        try:
+            (graded / "tmp").mkdir(parents=True)
+            await asyncio.to_thread(snapshot, self._mounts[self.workspace], graded / "workspace")
+            self._mounts[self.grader_dir].chmod(0o700)
+            return await self._run(argv, env, cwd, timeout_s, extra_path=extra_path, grading=True)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, graded, True)
 
     async def disk_bytes(self) -> int:
         return await asyncio.to_thread(tree_bytes, self.root)  # workspace, HOME, /tmp, grader and the output files
@@ -314,12 +361,25 @@ class LocalSandbox(Sandbox):
         extra_path: str = "",
         max_bytes: int = 0,
     ) -> RunResult:
+        return await self._run(argv, env, cwd, timeout_s, extra_path=extra_path, max_bytes=max_bytes)
+
+    async def _run(
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        timeout_s: float,
+        *,
+        extra_path: str = "",
+        max_bytes: int = 0,
+        grading: bool = False,
+    ) -> RunResult:
         self._runs += 1
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
         out_path, err_path = logs / f"{self._runs}.out", logs / f"{self._runs}.err"
         host_cwd = self.host_path(cwd)
-        full = await self._argv(argv, cwd, extra_path)
+        full = await self._argv(argv, cwd, extra_path, grading)
         t0 = time.monotonic()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             try:

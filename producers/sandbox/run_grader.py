@@ -3,8 +3,9 @@
 The grader files are copied in only now, after the harness ended, so the harness never sees them: into the
 sandbox's grader directory, emptied first (nothing a rollout planted there survives), or — for a grader that
 expects them inside the workspace (ClawGym-Bench's ``reward/``) — into that folder of the workspace, after clearing
-whatever the agent left under that name, and removed again once graded. The command runs with the same backend
-and isolation as the harness (whose processes are all dead by then), with ``grader_timeout_s``, in an empty
+whatever the agent left under that name, and removed again once graded. The command runs through the backend's
+``run_grader``: every process of the rollout dead first, a snapshot of the workspace the rollout can no longer
+change, another uid, its outputs where no rollout command could write; with ``grader_timeout_s``, in an empty
 directory with every Python isolated (``grading_rules.grader_invocation``); its capture file is read back without
 following a link, without blocking, bounded and off the event loop (:func:`read_grader_output`). The grading rules
 themselves (invocation, output parsing, judge) are ``producers.tasks.grading_rules``. A grader that fails on the
@@ -87,7 +88,10 @@ async def _run_in_sandbox(task: Task, box: Sandbox, transcript: list[dict[str, A
         box.write_text(inv.transcript_path, json.dumps(transcript))
         if inv.payload_path:
             box.host_path(inv.payload_path).write_bytes(reward_payload(task, transcript))
-        result = await box.run(inv.argv, inv.env, inv.cwd, timeout_s, extra_path=inv.extra_path)
+        try:
+            result = await box.run_grader(inv.argv, inv.env, inv.cwd, timeout_s, extra_path=inv.extra_path)
+        except OSError as exc:  # the workspace's snapshot failed on what the rollout left there
+            raise GraderRunFailure(f"the workspace could not be handed to the grader: {exc}"[:2000]) from exc
         capture = box.host_path(inv.capture_path) if inv.capture_path else None
         captured = await asyncio.to_thread(read_grader_output, capture) if capture else None
     finally:
