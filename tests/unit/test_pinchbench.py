@@ -290,15 +290,16 @@ class SealingProxy(ProxyAdmin):
     """The proxy's admin API as the sandbox worker sees it; the seal reports the rollout's last main-agent
     conversation (``messages``) as the serving proxy does."""
 
-    def __init__(self, messages: list[dict] | None) -> None:
+    def __init__(self, messages: list[dict] | None, calls_served: int = 1) -> None:
         super().__init__("http://unused", "t")
         self.messages = messages
+        self.calls_served = calls_served
 
     async def register(self, rollout_id: str, **params) -> dict:  # noqa: ANN003
         return {"rollout_id": rollout_id, "secret": "s", "base_url": "http://127.0.0.1:9/r/" + rollout_id}
 
     async def seal(self, rollout_id: str, attempt_id: str | None = None) -> dict:
-        body = {"calls_served": 1, "status": "ok", "infra_failure": None}
+        body = {"calls_served": self.calls_served, "status": "ok", "infra_failure": None}
         return body | ({"messages": self.messages} if self.messages is not None else {})
 
     async def renew(self, rollout_id: str, attempt_id: str, lease_s: float) -> bool:
@@ -314,7 +315,7 @@ async def test_worker_grades_from_the_sealed_conversation(tmp_path: Path) -> Non
     task = suite().get("task_00_sanity")
     harness = S.python_adapter("claude-like", 'print(\'{"type": "result", "result": "Hello"}\')')
 
-    async def reward_of(messages: list[dict] | None, adapter=harness) -> float | None:
+    async def reward_of(messages: list[dict] | None, adapter=harness, calls_served: int = 1) -> float | None:
         sink = ListSink()
 
         async def resolve(_adapter):  # noqa: ANN001, ANN202
@@ -322,7 +323,7 @@ async def test_worker_grades_from_the_sealed_conversation(tmp_path: Path) -> Non
 
         ctx = RolloutContext(
             backend=LocalBackend(SandboxSettings(root=tmp_path / "sbx")),
-            proxy=SealingProxy(messages),
+            proxy=SealingProxy(messages, calls_served),
             catalog=SuiteCatalog({"pinch": str(PINCH)}),
             adapters={adapter.name: adapter},
             sink=sink,
@@ -337,7 +338,10 @@ async def test_worker_grades_from_the_sealed_conversation(tmp_path: Path) -> Non
 
     assert await reward_of(claude_code_messages(task.prompt, [], "Hello, I'm ready!")) == 1.0
     assert await reward_of([{"role": "user", "content": task.prompt}]) == 0.0
-    assert await reward_of(None) == 1.0  # a proxy that reports no conversation: the printed final answer
+    # The proxy served calls but reports no conversation: the grader never falls back to the harness's own printed
+    # answer (forgeable); it reads the prompt alone. Only a proxy that served nothing leaves the harness's records.
+    assert await reward_of(None) == 0.0
+    assert await reward_of(None, calls_served=0) == 1.0
     assert ADAPTERS["openclaw"].session_dir == ".openclaw/agents"
     assert all(a.session_dir is None for name, a in ADAPTERS.items() if name != "openclaw")
 
