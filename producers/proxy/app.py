@@ -38,6 +38,7 @@ from clawbase.errors import ClawstreamError
 from clawbase.kafka.publisher import Publisher, PublishError
 from producers.proxy import emit, server
 from producers.proxy.admin import Admin, RegistrationStore
+from producers.proxy.body_precheck import BodyPrecheck
 from producers.proxy.call_event import call_event
 from producers.proxy.conversation import CallKindRules, Message, ToolCall
 from producers.proxy.dialects import ParsedRequest, RequestLimits, custom_tool_names
@@ -127,6 +128,9 @@ class Proxy:
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxy-render")
         self.parsing = ThreadPoolExecutor(max_workers=PARSE_THREADS, thread_name_prefix="proxy-parse")
         self.intake = Intake()
+        self.metrics.watch_intake(self.intake)
+        # Large bodies are decoded and checked in processes of their own (producers.proxy.body_precheck).
+        self.precheck = BodyPrecheck(settings.precheck_bytes, settings.max_json_values, settings.precheck_processes)
 
     @property
     def public_url(self) -> str:
@@ -162,11 +166,13 @@ class Proxy:
 
     async def _startup(self, _app: web.Application) -> None:
         await self.engine.start()
+        asyncio.get_running_loop().run_in_executor(self.parsing, self.precheck.warm)  # not awaited: a while
 
     async def _cleanup(self, _app: web.Application) -> None:
         await self.engine.close()
         self.cpu.shutdown(wait=False, cancel_futures=True)
         self.parsing.shutdown(wait=False, cancel_futures=True)
+        self.precheck.close()
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.cpu, fn, *args)
@@ -229,7 +235,10 @@ class Proxy:
         return await self.intake.run(rollout_id, self.parsing, self._parse, raw, dialect)
 
     def _parse(self, raw: bytes, dialect: Dialect) -> tuple[ParsedRequest, dict[str, Any]]:
-        """The body decoded and parsed within the request limits (``producers.proxy.intake.parse_body``)."""
+        """The body decoded and parsed within the request limits (``producers.proxy.intake.parse_body``), a large
+        one in a precheck process."""
+        if self.precheck.applies(raw):
+            return self.precheck.parse(raw, dialect, self.limits)
         return parse_body(raw, dialect, self.limits)
 
     def _check_fits(self, parsed: ParsedRequest) -> None:

@@ -9,7 +9,8 @@ parser; then the proxy renders it), so it is where one rollout could make every 
   times), so a refusal would only multiply the work. Taken after authentication, so only the rollout's key can queue.
 - **Off the event loop, beside the renderer**: bodies are decoded and parsed on a pool of their own
   (:data:`PARSE_THREADS`), so one rollout's ``json.loads`` never sits in the render thread's queue before another
-  rollout's render. Parsing touches no shared state.
+  rollout's render. Parsing touches no shared state. A large body is decoded in a process of its own, not here
+  (``producers.proxy.body_precheck``: ``json.loads`` holds the interpreter lock, whatever the thread).
 
 :func:`parse_body` is the parse itself: the body checked against the request limits (nesting before it is decoded,
 the message count before the dialect's parser, the conversation before it is rendered), each an ``ApiError`` 400 in

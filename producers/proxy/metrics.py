@@ -4,12 +4,18 @@ Exposed at ``GET /metrics``: calls by dialect and kind, errors by dialect and st
 and tokens by dialect and type (prompt, new = not shared with the parent call, generated, rendered = produced by
 the template + tokenizer for this call, the proxy's CPU-cost driver, cached = prompt tokens the engine reported
 served from its prefix cache). Per engine of the pool (label ``engine``: its URL): calls routed, calls in flight,
-whether it is marked dead, failovers away from it, and the weight version it last answered with.
+whether it is marked dead, failovers away from it, and the weight version it last answered with. Requests queued
+for their rollout's turn in intake (``producers.proxy.intake``), read when scraped.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from producers.proxy.intake import Intake
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
@@ -66,6 +72,15 @@ class ProxyMetrics:
             ["engine"],
             registry=r,
         )
+
+    def watch_intake(self, intake: Intake) -> None:
+        """``clawstream_proxy_intake_queued``: requests waiting behind an earlier one of their rollout."""
+        queued = Gauge(
+            "clawstream_proxy_intake_queued",
+            "Requests queued behind an earlier request of their rollout (one per rollout in intake at a time).",
+            registry=self.registry,
+        )
+        queued.set_function(lambda: sum(lane.waiting for lane in list(intake.lanes.values())))
 
     def record_call(
         self,

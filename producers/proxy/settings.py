@@ -97,6 +97,24 @@ class ProxySettings(BaseSettings):
         "make): more is a 400 in the caller's dialect before anything is rendered. Claude Code sends 100-odd after a "
         "long task; a body of 280k tiny messages took 22 s to render.",
     )
+    max_json_values: int = Field(
+        default=131_072,
+        ge=1024,
+        description="Most JSON values (objects, arrays, strings, numbers, literals) one request body may hold: "
+        "more is a 400 in the caller's dialect, decided in a separate process before the proxy decodes it. Decoding "
+        "holds the interpreter lock for a time proportional to this count (~0.1 s per 300k), so it bounds how long "
+        "one body can make every other rollout wait. A 40k-token Claude Code call holds ~10k.",
+    )
+    precheck_bytes: int = Field(
+        default=256 * 1024,
+        ge=0,
+        description="Bodies of this many bytes or more are decoded and checked against every request limit in a "
+        "separate process first (precheck_processes); smaller ones, at most precheck_bytes / 2 values and a few "
+        "milliseconds to decode, are decoded in the proxy directly.",
+    )
+    precheck_processes: int = Field(
+        default=2, ge=1, description="Processes that decode and check large bodies (started with the proxy)."
+    )
     max_prompt_tokens: int | None = Field(
         default=None,
         description="Longest prompt sent to the engine (then 400 in the caller's dialect); default the tokenizer's "
@@ -191,6 +209,16 @@ class ProxySettings(BaseSettings):
     def _two_listeners(self) -> ProxySettings:
         if self.admin_port and self.admin_port == self.port and self.admin_host == self.host:
             raise ValueError(f"admin_port {self.admin_port} is the harness-facing port: the admin API needs its own")
+        return self
+
+    @model_validator(mode="after")
+    def _small_bodies_within_max_json_values(self) -> ProxySettings:
+        if self.precheck_bytes > 2 * self.max_json_values:
+            raise ValueError(
+                f"precheck_bytes {self.precheck_bytes}: a body under it is decoded in the proxy unchecked for "
+                f"max_json_values and may hold precheck_bytes / 2 values; set precheck_bytes to at most "
+                f"2 x max_json_values ({2 * self.max_json_values}) or raise max_json_values"
+            )
         return self
 
     @model_validator(mode="after")
