@@ -45,7 +45,7 @@ from producers.proxy.dialects import ParsedRequest, RequestLimits, custom_tool_n
 from producers.proxy.emit import EMITTERS, ApiError
 from producers.proxy.engine_client import EngineReply
 from producers.proxy.engine_pool import EnginePool
-from producers.proxy.intake import PARSE_THREADS, Intake, parse_body
+from producers.proxy.intake import PARSE_THREADS, Intake, check_fits, parse_body
 from producers.proxy.metrics import ProxyMetrics
 from producers.proxy.nesting import ECHO_DEPTH
 from producers.proxy.quota import QUOTA_STATUS, Quotas
@@ -238,21 +238,12 @@ class Proxy:
         """The body decoded and parsed within the request limits (``producers.proxy.intake.parse_body``), a large
         one in a precheck process."""
         if self.precheck.applies(raw):
-            return self.precheck.parse(raw, dialect, self.limits)
+            return self.precheck.parse(raw, dialect, self.limits, (self.max_prompt_tokens, self.max_token_chars))
         return parse_body(raw, dialect, self.limits)
 
     def _check_fits(self, parsed: ParsedRequest) -> None:
         """400 now for a conversation too long for the model by its characters alone (tokenizing 4 MiB took 5 s)."""
-        if self.max_prompt_tokens is None:
-            return
-        chars = sum(len(m.content) + len(m.reasoning) for m in parsed.conversation.messages)
-        at_least = chars // self.max_token_chars
-        if at_least > self.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"the prompt is at least {at_least} tokens ({chars} characters); the model's context is "
-                f"{self.max_prompt_tokens}",
-            )
+        check_fits(parsed, self.max_prompt_tokens, self.max_token_chars)
 
     @staticmethod
     def _refuse(refused: str | None) -> None:

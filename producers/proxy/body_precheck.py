@@ -27,7 +27,7 @@ from typing import Any
 
 from producers.proxy.dialects import ParsedRequest, RequestLimits
 from producers.proxy.emit import ApiError
-from producers.proxy.intake import parse_body
+from producers.proxy.intake import check_fits, parse_body
 from schemas.events import Dialect
 
 log = logging.getLogger("clawstream.proxy")
@@ -52,12 +52,14 @@ def count_values(value: Any, cap: int) -> int:
 
 
 def check_apart(
-    raw: bytes, dialect: Dialect, limits: RequestLimits, max_values: int
+    raw: bytes, dialect: Dialect, limits: RequestLimits, max_values: int, fits: tuple[int | None, int] = (None, 1)
 ) -> tuple[int, str] | tuple[ParsedRequest, dict[str, Any]]:
-    """In a precheck process: the body decoded, checked and parsed (``parse_body``), its values counted; (status,
-    message) for a refusal, else what ``parse_body`` returns."""
+    """In a precheck process: the body decoded, checked and parsed (``parse_body``), its values counted, its length
+    checked against the model's context (``check_fits`` with ``fits``: nothing sent back that the proxy would only
+    refuse); (status, message) for a refusal, else what ``parse_body`` returns."""
     try:
         parsed, body = parse_body(raw, dialect, limits)
+        check_fits(parsed, *fits)
     except ApiError as exc:
         return exc.status, exc.message
     values = count_values(body, max_values)
@@ -100,13 +102,15 @@ class BodyPrecheck:
     def applies(self, raw: bytes) -> bool:
         return len(raw) >= self.min_bytes
 
-    def parse(self, raw: bytes, dialect: Dialect, limits: RequestLimits) -> tuple[ParsedRequest, dict[str, Any]]:
-        """``parse_body`` of a large body, done apart (blocking: call it off the event loop); ``ApiError`` for a
-        refusal, or a 400 when its process died on it (it is started again)."""
+    def parse(
+        self, raw: bytes, dialect: Dialect, limits: RequestLimits, fits: tuple[int | None, int] = (None, 1)
+    ) -> tuple[ParsedRequest, dict[str, Any]]:
+        """``parse_body`` (and ``check_fits``) of a large body, done apart (blocking: call it off the event loop);
+        ``ApiError`` for a refusal, or a 400 when its process died on it (it is started again)."""
         with self._lock:
             pool = self._pool
         try:
-            result = pool.submit(check_apart, raw, dialect, limits, self.max_values).result()
+            result = pool.submit(check_apart, raw, dialect, limits, self.max_values, fits).result()
         except BrokenProcessPool as exc:
             with self._lock:
                 if self._pool is pool:

@@ -133,3 +133,18 @@ def parse_body(raw: bytes, dialect: Dialect, limits: RequestLimits) -> tuple[Par
         # retry 5xx). The parser's rule for it belongs in dialects.py; log so it gets one.
         log.warning("unparsed %s body shape (%s: %s): answered 400", dialect.value, type(exc).__name__, exc)
         raise ApiError(400, f"malformed request body ({type(exc).__name__}: {exc})"[:500]) from exc
+
+
+def check_fits(parsed: ParsedRequest, max_prompt_tokens: int | None, max_token_chars: int) -> None:
+    """``ApiError`` 400 for a conversation too long for the model by its characters alone: no token covers more than
+    ``max_token_chars`` of them (the vocabulary's longest entry), so it cannot fit in ``max_prompt_tokens``."""
+    if max_prompt_tokens is None:
+        return
+    chars = sum(len(m.content) + len(m.reasoning) for m in parsed.conversation.messages)
+    at_least = chars // max_token_chars
+    if at_least > max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt is at least {at_least} tokens ({chars} characters); the model's context is "
+            f"{max_prompt_tokens}",
+        )
