@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -75,6 +76,21 @@ def _ready() -> bool:
     return True
 
 
+def _child_start(proxy_pid: int) -> None:
+    """In each precheck process: a lower priority, and an exit once the proxy is gone (killed, it never says so)."""
+    os.nice(NICENESS)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(proxy_pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="precheck-watch", daemon=True).start()
+
+
 class BodyPrecheck:
     """The precheck processes, and the choice of which bodies go to them."""
 
@@ -88,7 +104,9 @@ class BodyPrecheck:
     def _start(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload([__name__])  # the children fork with the dialects already imported
-        return ProcessPoolExecutor(self.processes, mp_context=context, initializer=os.nice, initargs=(NICENESS,))
+        return ProcessPoolExecutor(
+            self.processes, mp_context=context, initializer=_child_start, initargs=(os.getpid(),)
+        )
 
     def warm(self) -> None:
         """Start every process now (blocking), not on the first large body; a failure is logged (the first large
