@@ -266,16 +266,16 @@ class Chaos:
         pid = alive[node]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        deadline = time.monotonic() + 60
+        # gone: the process, and its listeners (its main thread shows as a zombie while the others still close them)
+        while (pid_alive(pid) or "LISTEN" in _holders(self.local, node)) and time.monotonic() < deadline:
+            time.sleep(0.2)
         self._restart_broker(node)
         return f"broker {node}{role}"
 
     def _restart_broker(self, node: int) -> None:
-        """``LocalKafka.up`` restarts the dead node on its data dir and ports. Those ports come from the ephemeral
-        range, and while the node is down a client's outgoing connection may hold one as its own local port (the
-        other nodes and every client keep connecting to it): retried until it is free again."""
+        """``LocalKafka.up`` restarts the dead node on its data dir and ports, retried while one is still taken (its
+        ports come from the ephemeral range: another socket may hold one as its own local port meanwhile)."""
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:

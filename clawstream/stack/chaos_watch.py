@@ -47,7 +47,7 @@ class ChaosWatch:
         self.requested: set[str] = set()  # rollout ids
         self.settled: set[str] = set()  # rollout ids with a trajectory (an infrastructure failure's included)
         self.started: set[str] = set()  # attempt ids
-        self.ended: set[str] = set()  # attempt ids settled into a trajectory
+        self.ended: set[str] = set()  # attempt ids settled into a trajectory or rewarded
         self.versions: set[int] = set()
         self.last_step = -1  # the newest training step requested
 
@@ -79,6 +79,8 @@ class ChaosWatch:
             if rec["state"] == "STARTED":
                 self.started.add(rec["attempt_id"])
                 return "started"
+        elif kind == "reward":
+            self.ended.add(rec["attempt_id"])  # a redundant re-run's only end: its trajectory is dead-lettered late
         elif kind == "trajectory":
             self.ended.add(rec["attempt_id"])
             self.settled.add(rec["rollout_id"])
@@ -96,7 +98,8 @@ class ChaosWatch:
 
     def drained(self) -> bool:
         """Every request settled (one past ``max_attempts`` as its last infrastructure failure), every started attempt
-        settled, every sealed batch trained (a version each)."""
+        settled or rewarded (a second run of a settled rollout, after a sandbox worker's kill, ends with its reward
+        only: the streams dead-letter it as late), every sealed batch trained (a version each)."""
         return (
             self.requested <= self.settled and self.started <= self.ended and len(self.versions) >= self.counts["seal"]
         )
