@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from clawbase.errors import ConfigError
+from clawbase.settings import clawstream_home
+from producers.sandbox.settings import SandboxSettings
 
 Partition = tuple[str, int]  # (topic, partition)
 
@@ -144,6 +146,15 @@ class SeenRequests:
         if len(self._seen) > self.limit:
             self._seen.popitem(last=False)
         return None
+
+
+def seen_path(settings: SandboxSettings, cluster_id: str | None) -> Path:
+    """Where a worker's seen requests live: under ``seen_dir`` (default ``$CLAWSTREAM_HOME/sandbox-seen/<group_id>``),
+    one folder per Kafka cluster id. Offsets and committed positions mean something on one cluster only: a store a
+    group's workers wrote against another cluster (a fresh local broker, the same topic prefix) would take new
+    requests at low offsets for replays and never run them."""
+    base = settings.seen_dir or clawstream_home() / "sandbox-seen" / settings.group_id
+    return base / f"cluster-{cluster_id or 'unknown'}"
 
 
 def open_store(path: Path) -> Any:

@@ -132,7 +132,8 @@ class SandboxSettings(BaseSettings):
         default=None,
         description="Where the worker keeps every request it read and its partitions' committed positions (RocksDB, "
         "~60 bytes a request on disk), to refuse a duplicate or a replayed request however long ago it ran; default "
-        "$CLAWSTREAM_HOME/sandbox-seen/<group_id> (one slot-N database per running worker on the host).",
+        "$CLAWSTREAM_HOME/sandbox-seen/<group_id>; under it one folder per Kafka cluster id (offsets mean something on "
+        "one cluster only), each with one slot-N database per running worker on the host).",
     )
     seen_cache_size: int = Field(
         default=10_000,

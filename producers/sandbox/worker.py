@@ -37,16 +37,16 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
-from clawbase.errors import ClawstreamError, CodecError
+from clawbase.errors import ClawstreamError, CodecError, TopicError
 from clawbase.kafka.clients import check_broker, make_consumer, where
 from clawbase.kafka.publisher import KafkaPublisher
-from clawbase.settings import KafkaSettings, add_kafka_arguments, clawstream_home, kafka_settings, load_settings
+from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.harnesses.base import HarnessAdapter
 from producers.harnesses.catalog import ADAPTERS
 from producers.sandbox.base import SandboxBackend, SandboxError
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
-from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests, open_store
+from producers.sandbox.offsets import OffsetTracker, Partition, SeenRequests, open_store, seen_path
 from producers.sandbox.proxy_admin import ProxyAdmin
 from producers.sandbox.relay import raise_open_files_limit
 from producers.sandbox.rollout import Outcome, RolloutContext, execute, new_attempt_id
@@ -407,14 +407,17 @@ class SandboxWorker:
         if close is not None:
             close()
 
-    def _open_seen(self) -> None:
-        path = self.settings.seen_dir or clawstream_home() / "sandbox-seen" / self.settings.group_id
-        self.seen.store = open_store(path)
+    def _open_seen(self, consumer: Consumer) -> None:
+        try:
+            cluster_id = consumer.list_topics(timeout=30).cluster_id
+        except KafkaException as exc:
+            raise TopicError(f"sandbox worker: cluster metadata unavailable: {exc}") from exc
+        self.seen.store = open_store(seen_path(self.settings, cluster_id))
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
-        self._open_seen()
-        consumer = self._subscribe()
+        consumer = self._subscribe()  # assignments (which read the seen store) come with the first poll, below
+        self._open_seen(consumer)
         sweeper = asyncio.create_task(self._sweep_loop())
         try:
             while not stop.is_set() and self.fatal is None:
