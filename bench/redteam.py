@@ -282,7 +282,7 @@ async def grader_rows(live: Live, names: list[str], backend: str, neighbour: boo
     runs: dict[str, tuple[tuple[str, str], str]] = {"nothing@clawgym": (CLAWGYM, "nothing")}
     for name in names:
         _what, task, twin = GRADER_ATTACKS[name]
-        runs[name], runs[f"{name}:twin"] = (task, name), (task, twin)
+        runs[name], runs[f"{name}:twin"] = (task, name.split("@")[0]), (task, twin)
     if neighbour:
         runs["neighbour"] = (HELLO, "agentloop")
     got = await rollouts(live, runs)

@@ -168,8 +168,10 @@ SUITES = {
     "native": str(S.NATIVE_SUITE),
     "clawgym": str(S.FIXTURES / "clawgym"),
     "pinchbench": str(S.FIXTURES / "pinchbench"),
+    "cpu": "builtin:cpu",
 }
 CLAWGYM, HELLO, SANITY = ("clawgym", "task_0078"), ("native", "hello"), ("pinchbench", "task_00_sanity")
+CPU = ("cpu", "train-000-write")  # the built-in CPU suite's first task (its shared ${python} grade.py)
 # attack → (what it tries, task, honest twin)
 GRADER_ATTACKS = {
     "json_py": ("1: ./json.py in the workspace (reward.sh's python3 -c imports it)", CLAWGYM, "json_py.honest"),
@@ -190,6 +192,11 @@ GRADER_ATTACKS = {
     ),
     "fifo_out": ("2: planted json.py swaps the sub-scores file for a FIFO (worker stall)", CLAWGYM, "fifo_out.honest"),
     "chmod": ("7: chmod 000 on the graded file (hide a failure as INFRA_FAILURE)", HELLO, "half"),
+    # the same plants on the built-in CPU suite (attack@suite: the harness is the attack's)
+    "json_py@cpu": ("1: ./json.py, on a built-in CPU task", CPU, "json_py.honest"),
+    "os_py@cpu": ("1: ./os.py, on a built-in CPU task", CPU, "os_py.honest"),
+    "sitecustomize@cpu": ("1: ./sitecustomize.py, on a built-in CPU task", CPU, "sitecustomize.honest"),
+    "hardlink@cpu": ("1: hard links of one forging file, on a built-in CPU task", CPU, "hardlink.honest"),
 }
 OTHER_ATTACKS = {
     "deep_bodies": ("4: tool-call arguments 100k / 982 deep, a field 100k deep, 300k messages", HELLO, "nothing"),
@@ -211,6 +218,10 @@ DOCKER_ATTACKS = (
     "symlink_out",
     "fifo_out",
     "chmod",
+    "json_py@cpu",
+    "os_py@cpu",
+    "sitecustomize@cpu",
+    "hardlink@cpu",
 )
 
 
