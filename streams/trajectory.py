@@ -87,7 +87,9 @@ def build_trajectory(
     if req:
         metadata.setdefault("suite", req["suite"])
         metadata.setdefault("eval", "true" if req["eval"] else "false")
-        metadata.setdefault("attempt", str(req.get("attempt", 0)))
+        # The settled attempt's own number, not the latest request's: a re-issue's request may be read before the
+        # attempt it replaces settles, and the grouper waits for a re-issue by this number (group.awaits_reissue).
+        metadata.setdefault("attempt", str(acc.attempt if acc.started is not None else req.get("attempt", 0)))
     segments: list[TreeSegment] = []
     leaves, unique_tokens, path_tokens, prefix_reuse_ratio = 0, 0, 0, 1.0
     excluded: dict[str, int] = {}

@@ -674,3 +674,21 @@ def test_a_calls_partition_that_never_advances_is_waited_for_a_bounded_time() ->
     assert rig.core().on_tick(P, cap - 1, 0, calls_read=40).trajectories == []
     [t] = rig.core().on_tick(P, cap + int(CFG.tick_interval_s * 1000), 0, calls_read=40).trajectories  # next tick
     assert t.status is TrajectoryStatus.INCOMPLETE and "60 offsets behind" in t.drop_reason
+
+
+def test_a_settled_attempt_carries_its_own_number_when_its_reissue_was_read_first() -> None:
+    """The grouper waits for a re-issue while ``metadata["attempt"]`` + 1 < ``max_attempts``: an attempt settled after
+    its re-issue's request was read must still say its own number, or the grouper takes a failed attempt with attempts
+    left for the last one, closes the group without the re-issue and dead-letters it late."""
+    rig = Rig()
+    first = _attempt(rollout(), 0)
+    rig.feed(first[:3], 0)  # request, STARTED, one call; then the worker dies without a word
+    request = first[0][1]
+    assert isinstance(request, RolloutRequest)
+    last = rig.feed([(REQUESTS, replace(request, attempt=1))], 100)  # the re-issue's request is read first
+    last = rig.feed(_attempt(rollout(), 1)[1:], last + 100)  # then its run: STARTED supersedes attempt 0
+    rig.tick(last + 1000)
+    assert [(t.status, t.attempt_id, t.metadata["attempt"]) for t in rig.out] == [
+        (TrajectoryStatus.INFRA_FAILURE, "r-1-a0", "0"),
+        (TrajectoryStatus.COMPLETE, "r-1-a1", "1"),
+    ]
