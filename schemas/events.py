@@ -48,6 +48,7 @@ class Dialect(StrEnum):
     ANTHROPIC_MESSAGES = "ANTHROPIC_MESSAGES"
     OPENAI_CHAT = "OPENAI_CHAT"
     OPENAI_RESPONSES = "OPENAI_RESPONSES"
+    GEMINI = "GEMINI"
 
 
 class CallKind(StrEnum):

@@ -1,8 +1,9 @@
 """The serving proxy: real agent harnesses ↔ policy inference engine, recording every model call to Kafka.
 
 In: harness calls per rollout at ``{public_url}/r/{rollout_id}`` (or ``.../v1``) on the routes of each dialect's
-row in ``emit.EMITTERS`` (``POST .../messages``, ``.../chat/completions``, ``.../responses``), streaming or not,
-with the rollout's secret as API key (``x-api-key`` or ``Authorization: Bearer``); ``HEAD`` on the base answers
+row in ``emit.EMITTERS`` (``POST .../messages``, ``.../chat/completions``, ``.../responses``,
+``.../v1beta/models/{model}:generateContent``), streaming or not, with the rollout's secret as API key (``x-api-key``,
+``x-goog-api-key`` or ``Authorization: Bearer``); ``HEAD`` on the base answers
 200; ``GET /healthz``. The admin API (``producers.proxy.admin``), ``GET /metrics`` (Prometheus) and ``GET /healthz``
 are on a second listener (``admin_host:admin_port``, default loopback), which rollouts must not reach: the harness
 listener answers 404 to an admin path. Per-rollout quotas on calls and prompt tokens (``producers.proxy.quota``).
@@ -204,7 +205,11 @@ class Proxy:
         return handle
 
     async def _authenticate(self, request: web.Request) -> Rollout:
-        given = request.headers.get("x-api-key") or request.headers.get("Authorization", "").removeprefix("Bearer ")
+        given = (
+            request.headers.get("x-api-key")
+            or request.headers.get("x-goog-api-key")  # Gemini
+            or request.headers.get("Authorization", "").removeprefix("Bearer ")
+        )
         given = given.strip()
         try:  # replicas: this one's state of the rollout made current first
             await self.admin.make_current(request.match_info["rid"], given)
@@ -260,6 +265,7 @@ class Proxy:
         async with self.intake.turn(rollout.rollout_id):  # the rollout's earlier requests first; others beside it
             self._refuse(rollout.calls_left(self.quotas))  # its queued requests may have used the quota up
             parsed, body = await self._read(request, dialect, rollout.rollout_id)
+            parsed = EMITTERS[dialect].route(parsed, request.match_info, request.path)
             t_parsed = time.perf_counter()
             self._check_fits(parsed)
             rendered = await self._render(rollout, parsed)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producers.proxy.nesting import loads_within
-from schemas.events import CallKind
+from schemas.events import CallKind, Dialect
 
 IMAGE_PLACEHOLDER = "[image]"
 # Assistant turns shipped harnesses write themselves, never the model: text only, claiming nothing a grader scores,
@@ -47,6 +47,16 @@ HARNESS_TURNS = frozenset(
         "(no content)",  # Claude Code's stand-in for an assistant turn with no content
     }
 )
+
+
+class DialectError(ValueError):
+    """The request body does not follow its dialect's schema (→ 400 in the caller's dialect)."""
+
+
+def require(cond: bool, message: str) -> None:
+    """:class:`DialectError` ``message`` unless ``cond``: the one rule form of every dialect's parser."""
+    if not cond:
+        raise DialectError(message)
 
 
 def canonical_json(value: Any) -> str:
@@ -134,6 +144,18 @@ class Conversation:
             if msg.role in ("user", "tool"):
                 parts.append(msg.content)
         return "\n".join(reversed(parts))
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request of any dialect: its conversation and what the dialect says about the answer it wants."""
+
+    dialect: Dialect
+    model: str
+    conversation: Conversation
+    stream: bool
+    max_tokens: int | None
+    include_usage: bool = False  # OpenAI Chat stream_options.include_usage
 
 
 def transcript_messages(

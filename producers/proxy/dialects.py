@@ -1,4 +1,4 @@
-"""Parse requests of the three harness dialects into one internal :class:`~producers.proxy.conversation.Conversation`.
+"""Parse requests of the harness dialects into one internal :class:`~producers.proxy.conversation.Conversation`.
 
 * Anthropic Messages (Claude Code, OpenClaw's anthropic provider): ``system`` (string or text blocks) and
   ``role: "system"`` messages *inside* ``messages``; ``tool_use`` / ``tool_result`` / ``thinking`` blocks.
@@ -6,12 +6,14 @@
   ``tool_calls``)/``tool`` messages, content as a string or parts.
 * OpenAI Responses (Codex): ``instructions``, ``input`` items ``message`` (roles developer/system/user/assistant),
   ``function_call``, ``function_call_output``, ``reasoning``, ``custom_tool_call(_output)``.
+* Gemini (Gemini CLI): ``contents`` / ``systemInstruction`` / ``functionDeclarations``, in
+  ``producers.proxy.gemini`` with its answer and error body.
 
 Unknown fields (``thinking``, ``context_management``, ``output_config``, ``metadata``, ``cache_control``,
 ``stream_options`` apart from ``include_usage``, ``reasoning``, ``include``, ``store``...) are ignored. A body that
 is not what the dialect requires raises :class:`DialectError` (the proxy answers 400), and so does one past the
 :class:`RequestLimits` (nesting depth, message count), checked before the work each bounds. The error bodies of the
-two API families (:func:`anthropic_error`, :func:`openai_error`) are here too. Pure: no I/O.
+API families (:func:`anthropic_error`, :func:`openai_error`, Gemini's :func:`gemini_error`) are here too. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -20,28 +22,22 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from producers.proxy.conversation import IMAGE_PLACEHOLDER, Conversation, Message, ToolCall, function_tool
+from producers.proxy.conversation import (
+    IMAGE_PLACEHOLDER,
+    Conversation,
+    DialectError,
+    Message,
+    ParsedRequest,
+    ToolCall,
+    function_tool,
+    require,
+)
+from producers.proxy.gemini import gemini_error as gemini_error  # its answer side is in emit
+from producers.proxy.gemini import parse_gemini
 from producers.proxy.nesting import json_depth
 from schemas.events import Dialect
 
-
-class DialectError(ValueError):
-    """The request body does not follow its dialect's schema (→ 400 invalid_request_error)."""
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    dialect: Dialect
-    model: str
-    conversation: Conversation
-    stream: bool
-    max_tokens: int | None
-    include_usage: bool = False  # OpenAI Chat stream_options.include_usage
-
-
-def _req(cond: bool, message: str) -> None:
-    if not cond:
-        raise DialectError(message)
+_req = require
 
 
 def _text_of(content: Any, where: str, joiner: str = "\n") -> str:
@@ -317,6 +313,7 @@ PARSERS = {
     Dialect.ANTHROPIC_MESSAGES: parse_anthropic,
     Dialect.OPENAI_CHAT: parse_openai_chat,
     Dialect.OPENAI_RESPONSES: parse_openai_responses,
+    Dialect.GEMINI: parse_gemini,
 }
 
 
@@ -343,8 +340,9 @@ class RequestLimits:
         self._depth(json_depth(raw), "the request body")
 
     def check_body(self, body: Any) -> None:
-        """Before the dialect's parser: the length of its message list (``messages``, Responses' ``input``)."""
-        for name in ("messages", "input"):
+        """Before the dialect's parser: the length of its message list (``messages``, Responses' ``input``,
+        Gemini's ``contents``)."""
+        for name in ("messages", "input", "contents"):
             items = body.get(name) if isinstance(body, dict) else None
             if isinstance(items, list) and len(items) > self.max_messages:
                 raise DialectError(f"'{name}' holds {len(items)} items; {self._most('max_messages')}")

@@ -10,6 +10,7 @@ name, prompt length), a *keep-alive* (sent while the engine works), then the *bo
   ``finish_reason`` chunk, a usage chunk (``choices: []``) when ``include_usage``, ``[DONE]``.
 * OpenAI Responses: ``response.created`` + ``response.in_progress`` | SSE comment | per output item
   ``response.output_item.added`` ... ``.done``, then ``response.completed`` (or ``response.incomplete``).
+* Gemini: ``data:`` GenerateContentResponse chunks (``producers.proxy.gemini``: its request side too).
 
 :data:`EMITTERS` is the table, one :class:`Emitter` row per dialect: its routes, id prefixes, JSON body, error
 body and stream. Where each API reports cached prompt tokens: docs/method.md#pseudo-streaming. Pure: no I/O.
@@ -18,75 +19,17 @@ body and stream. Where each API reports cached prompt tokens: docs/method.md#pse
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from producers.proxy.dialects import anthropic_error, openai_error
-from producers.proxy.tool_parse import ParsedTurn
+from producers.proxy import gemini
+from producers.proxy.answer import KEEPALIVE_COMMENT, Answer, ApiError, SseStream, StreamHead, sse
+from producers.proxy.conversation import ParsedRequest
+from producers.proxy.dialects import anthropic_error, gemini_error, openai_error
 from schemas.events import Dialect
 
-KEEPALIVE_COMMENT = b": keep-alive\n\n"
-
-
-class ApiError(Exception):
-    """A failed call, answered in the caller's dialect (its emitter's error body, or its stream's error event)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-@dataclass
-class Answer:
-    """A served turn plus everything the dialects echo about it."""
-
-    turn: ParsedTurn
-    finish: str  # engine finish reason: "stop" | "length"
-    prompt_tokens: int
-    completion_tokens: int
-    model: str
-    response_id: str
-    created: int  # unix seconds
-    tool_call_ids: list[str] = field(default_factory=list)  # one per turn.tool_calls
-    custom_tools: frozenset[str] = frozenset()  # Responses free-form tools
-    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache (≤ prompt_tokens)
-
-
-def sse(data: Any, event: str | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"{head}data: {body}\n\n".encode()
-
-
-@dataclass(frozen=True)
-class StreamHead:
-    """What a stream's preamble says before the engine has answered."""
-
-    response_id: str
-    model: str
-    created: int  # unix seconds
-    prompt_tokens: int = 0
-    include_usage: bool = False  # OpenAI Chat stream_options.include_usage
-
-
-class SseStream:
-    """One streamed answer: ``preamble()``, ``keepalive`` while the engine works, then ``body()`` or ``error()``."""
-
-    keepalive = KEEPALIVE_COMMENT
-
-    def __init__(self, head: StreamHead) -> None:
-        self.head = head
-
-    def preamble(self) -> bytes:
-        raise NotImplementedError
-
-    def body(self, ans: Answer) -> bytes:
-        raise NotImplementedError
-
-    def error(self, status: int, message: str) -> bytes:
-        raise NotImplementedError
-
+__all__ = ["KEEPALIVE_COMMENT", "EMITTERS", "Answer", "ApiError", "Emitter", "SseStream", "StreamHead", "sse"]
 
 # --- Anthropic --------------------------------------------------------------------------------------------------
 
@@ -461,6 +404,8 @@ class Emitter:
     body: Callable[[Answer], dict[str, Any]]  # the non-streaming JSON body
     error_body: Callable[[int, str], dict[str, Any]]  # the JSON error body for an HTTP status
     stream: Callable[[StreamHead], SseStream]  # the SSE event sequence of one streamed answer
+    # What the route itself says about the request (Gemini: the model and whether to stream are in the URL).
+    route: Callable[[ParsedRequest, Mapping[str, str], str], ParsedRequest] = lambda parsed, _match, _path: parsed
 
     def response_id(self, call_id: str) -> str:
         return self.response_prefix + call_id[:24]
@@ -475,5 +420,8 @@ EMITTERS: dict[Dialect, Emitter] = {
     ),
     Dialect.OPENAI_RESPONSES: Emitter(
         ("/responses",), "resp_", "call_", responses_object, openai_error, ResponsesStream
+    ),
+    Dialect.GEMINI: Emitter(
+        gemini.PATHS, "", "fc_", gemini.gemini_response, gemini_error, gemini.GeminiStream, gemini.with_route
     ),
 }
