@@ -81,6 +81,19 @@ class Hyperparams:
         "exp(-s) built into the policy), trained by the same loss and folded into the norm's gain after every step, "
         "so the published model stays a plain Qwen3; 0 = off, as in the paper (learner/logit_scale.py says why).",
     )
+    lora_rank: int = _hp(
+        0,
+        "Rank r of low-rank adapters on the lora_targets matrices; 0 = off (every weight trains). On: only the "
+        "adapters train (lr lora_lr; lr then applies to a value head only), each published version is the frozen "
+        "base plus (lora_alpha / r) B A, merged into plain weights (learner/lora.py). One rank only.",
+    )
+    lora_alpha: float = _hp(32.0, "LoRA: the update is (lora_alpha / lora_rank) B A.")
+    lora_lr: float = _hp(1e-4, "LoRA: AdamW lr of the adapters (about 10x a full fine-tune's is LoRA's usual best).")
+    lora_targets: str = _hp(
+        "attention,mlp",
+        "LoRA: comma-separated Linear module names that get adapters (attention = q/k/v/o_proj, mlp = "
+        "gate/up/down_proj).",
+    )
     skip_zero_grad: bool = _hp(
         True,
         "Skip the optimizer step of a mini-batch whose whole gradient is exactly 0 (GRPO with every advantage 0 and "
@@ -98,6 +111,11 @@ class Hyperparams:
             raise ConfigError(f"neg_adv_scale must be in [0, 1] (1 = GRPO as in the paper), got {self.neg_adv_scale}")
         if self.logit_scale_lr < 0:
             raise ConfigError(f"logit_scale_lr must be >= 0 (0 = off), got {self.logit_scale_lr}")
+        if self.lora_rank < 0 or (self.lora_rank > 0 and (self.lora_alpha <= 0 or self.lora_lr <= 0)):
+            raise ConfigError(
+                f"lora_rank must be >= 0 (0 = off), and with it on lora_alpha and lora_lr > 0; got lora_rank="
+                f"{self.lora_rank}, lora_alpha={self.lora_alpha}, lora_lr={self.lora_lr}"
+            )
 
     def lr_at(self, step: int) -> float:
         """The learning rate of training step ``step`` (0-based)."""

@@ -1,13 +1,15 @@
 """What a training step needs in memory, from the model's shape and the packed rows: the learner's pre-step check.
 
-A step holds the fp32 master weights, their gradients and AdamW's two moments (16 bytes per parameter; a KL
-reference model adds 4), and, for the longest micro-batch row of T tokens, the activations its backward pass needs.
+A step holds the fp32 master weights, the gradients and AdamW's two moments of what the optimizer trains (16 bytes per
+trained parameter, 4 per frozen one: LoRA's base, learner/lora.py; a KL reference model adds 4), and, for the longest
+micro-batch row of T tokens, the activations its backward pass needs.
 Per token and decoder layer a Qwen/Llama-style layer keeps ≈ 10 H + 4 I + 3 (q + 2 kv) floats (norms, projections,
 RoPE, attention, SwiGLU; H hidden, I intermediate, q/kv the query and key/value widths); with activation
 checkpointing a layer keeps ≈ 2 H (its input, then its input's gradient) and one layer is recomputed at a time.
 The body's ends and the backward pass's working set add ≈ 12 H + 4 I per token; the chunked LM head 5 × chunk × V
-floats (9 with top-k/top-p, learner/forward.py); the embedding's and head's gradients 2 V H as they are built; a tree
-row's dense mask 2 T². Checked against measured peak RSS in bench/results/learner_memory.md (docs/method.md).
+floats (9 with top-k/top-p, learner/forward.py); the embedding's and head's gradients 2 V H as they are built (none
+when frozen); a tree row's dense mask 2 T². Checked against measured peak RSS in bench/results/learner_memory.md
+(docs/method.md).
 
 The learner compares the estimate (× ``SAFETY``) with the memory it may use before any parameter changes: a batch
 that cannot fit is dead-lettered with this module's explanation, never an OOM kill. Pure: no Kafka.
@@ -62,7 +64,14 @@ class ModelShape:
 
 
 def activation_bytes(
-    shape: ModelShape, tokens: int, *, tree: bool, checkpointing: bool, chunk: int, top_k_or_p: bool = False
+    shape: ModelShape,
+    tokens: int,
+    *,
+    tree: bool,
+    checkpointing: bool,
+    chunk: int,
+    top_k_or_p: bool = False,
+    embedding_grads: bool = True,
 ) -> int:
     """Peak activation memory of one row's forward + backward (bytes): the formula in the module docstring."""
     per_layer = 2 * shape.hidden if checkpointing else shape.layer_floats()
@@ -70,7 +79,8 @@ def activation_bytes(
     ends = 12 * shape.hidden + 4 * shape.intermediate
     floats = tokens * (shape.layers * per_layer + recomputed + ends)
     floats += (9 if top_k_or_p else 5) * min(chunk, tokens) * shape.vocab
-    floats += 2 * shape.vocab * shape.hidden  # the embedding's and the head's gradient, each built before it is added
+    if embedding_grads:  # the embedding's and the head's gradient, each built before it is added
+        floats += 2 * shape.vocab * shape.hidden
     if tree:
         floats += 2 * tokens * tokens  # the (T, T) additive mask, and one more of its size in attention's backward
     return FLOAT * floats
@@ -108,12 +118,24 @@ def step_memory(
 ) -> StepMemory:
     """The estimate for training ``rows`` (learner.pack's micro-batches) on ``model`` in its current state."""
     shape = ModelShape.of(model)
+    hf: Any = model  # a transformers PreTrainedModel (nn.Module's __getattr__ types its methods as tensors)
+    embedding = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    trains_embedding = embedding is None or bool(embedding.weight.requires_grad)  # frozen under LoRA
     acts, longest = 0, 0
     for tokens, tree, sampled in rows:
-        need = activation_bytes(shape, tokens, tree=tree, checkpointing=checkpointing, chunk=chunk, top_k_or_p=sampled)
+        need = activation_bytes(
+            shape,
+            tokens,
+            tree=tree,
+            checkpointing=checkpointing,
+            chunk=chunk,
+            top_k_or_p=sampled,
+            embedding_grads=trains_embedding,
+        )
         if need > acts:
             acts, longest = need, tokens
-    params = [p for p in model.parameters() if p.requires_grad]
+    # What the optimizer trains (the model's weights, or LoRA's adapters on a frozen base; a value head, a logit scale)
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     grads = sum(p.numel() * p.element_size() for p in params if p.grad is None)
     moments = sum(2 * p.numel() * p.element_size() for p in params if p not in optimizer.state)
     return StepMemory(acts, grads, moments, longest, checkpointing)

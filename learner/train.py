@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from confluent_kafka import Consumer, Producer
 
-from clawbase.errors import ClawstreamError
+from clawbase.errors import ClawstreamError, ConfigError
 from clawbase.kafka.clients import (
     assign_from_beginning,
     check_broker,
@@ -50,6 +50,7 @@ from learner.attempts import FILE_NAME, StepAttempts
 from learner.batches import BatchCollector, Refusal, SealedBatch
 from learner.hparams import Hyperparams, parse_hparams
 from learner.logit_scale import LogitScale
+from learner.lora import LoRA
 from learner.memory import GIB, available_bytes, plan_step, set_checkpointing
 from learner.pack import MicroBatch, PackError, pack_trees
 from learner.precision import load_policy
@@ -92,13 +93,20 @@ class Learner(Publishing):
             self.ref_model = load_policy(settings.model_dir)
             self.ref_model.to(self.device).eval().requires_grad_(False)
         self.value_head: ValueHead | None = None
-        params = list(self.model.parameters())
+        self.lora: LoRA | None = None
+        if config.lora_rank > 0:  # adapters on a frozen base (learner/lora.py): the model's weights do not train
+            if self.reduction is not None:
+                raise ConfigError("lora_rank > 0 trains on one rank (clawstream learner): set lora_rank=0 for ranks")
+            self.lora = LoRA(self.model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed)
+        params = [] if self.lora is not None else list(self.model.parameters())
         if config.algorithm == "ppo":
             self.value_head = ValueHead.for_model(self.model)
             if settings.value_head is not None:
                 self.value_head.load(settings.value_head)
             params += list(self.value_head.parameters())
-        groups: list[dict] = [{"params": params}]
+        groups: list[dict] = [{"params": params}] if params else []
+        if self.lora is not None:
+            groups.append({"params": list(self.lora.parameters()), "lr": config.lora_lr, "lora": True})
         self.logit_scale: LogitScale | None = None
         if config.logit_scale_lr > 0:  # one scalar with its own lr (learner/logit_scale.py: why)
             self.logit_scale = LogitScale(self.model)
@@ -113,6 +121,7 @@ class Learner(Publishing):
         self._initial_state = {
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "torch_rng": torch.get_rng_state(),
+            **({"lora": self.lora.state()} if self.lora is not None else {}),
         }
         state_dir = trainer_state_path(settings.weight_store, settings.model_name, 0).parent
         self.attempts = StepAttempts(state_dir / FILE_NAME)  # survive the process: an OOM kill raises nothing
@@ -258,12 +267,16 @@ class Learner(Publishing):
         warm = lr / self.config.lr if self.config.lr else 1.0  # the warm-up applies to the logit scale too
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.logit_scale_lr * warm if group.get("logit_scale") else lr
+            if group.get("lora"):
+                group["lr"] = self.config.lora_lr * warm
         metrics = train_step(
             self.model, self.optimizer, trees, self.config, self.value_head, self.ref_model, self.reduction
         )
         if self.logit_scale is not None:  # the published weights are a plain model: exp(s) goes into the norm's gain
             metrics["logit_scale_step"] = self.logit_scale.fold()
             metrics["logit_scale"] = self.logit_scale.relative_gain()  # since the initial model (≈ 1/temperature)
+        if self.lora is not None:
+            metrics["lora_lr"] = self.config.lora_lr * warm
         return {**metrics, "lr": lr}
 
     def _restore(self) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from learner.attempts import remove_unpublished
+from learner.lora import LoRA
 from learner.precision import load_policy
 from learner.settings import LearnerSettings
 from learner.value import ValueHead
@@ -35,7 +36,7 @@ from policy.weight_store import (
     new_attempt,
     resolve_uri,
     save_companion,
-    save_weights,
+    save_state_dict,
     sha256_file,
     trainer_state_path,
     value_head_path,
@@ -58,6 +59,7 @@ class VersionFiles:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     value_head: ValueHead | None
+    lora: LoRA | None  # adapters on a frozen base: the version is the merged weights, the adapters in the trainer state
     device: torch.device
     _initial_state: dict[str, Any]
     _initial_head: dict[str, Any]
@@ -67,12 +69,15 @@ class VersionFiles:
         first, their sha256 in the weights file's header, so that the published sha256 vouches for all three."""
         store, name, attempt = self.settings.weight_store, self.settings.model_name, new_attempt()
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state()}
+        if self.lora is not None:
+            state["lora"] = self.lora.state()
         sums = {"trainer_state_sha256": save_companion(state, trainer_state_path(store, name, version, attempt))}
         if self.value_head is not None:  # kept for resuming; inference never needs it
             head = value_head_path(store, name, version, attempt)
             self.value_head.save(head)
             sums["value_head_sha256"] = sha256_file(head)
-        return save_weights(self.model, store, name, version, attempt, sums)
+        tensors = self.lora.merged_state_dict(self.model) if self.lora is not None else self.model.state_dict()
+        return save_state_dict(tensors, store, name, version, attempt, sums)
 
     def _load(self, version: WeightVersion | None) -> None:
         """Weights (sha256 verified), value head, optimizer and RNG state saved with ``version``; None: as started."""
@@ -82,13 +87,21 @@ class VersionFiles:
         if version is None:
             initial = load_policy(self.settings.model_dir)
             self.model.load_state_dict(initial.state_dict())
+            if self.lora is not None:
+                self.lora.load_state(self._initial_state["lora"])
         else:
             weights = verify_file(local_copy(version, store))
-            copy_into(self.model, load_checked(weights, self.model))
+            tensors = load_checked(weights, self.model)
             state_file = self._companion(weights, version.policy_version, trainer_state_path, "trainer_state_sha256")
             state = torch.load(state_file, map_location=self.device, weights_only=True) if state_file else None
+            if self.lora is not None:  # the adapters from the trainer state; the targets keep model_dir's base
+                tensors = self.lora.adopt(tensors, state, version.policy_version)
+            copy_into(self.model, tensors)
             if state is None:
                 log.warning("no optimizer state for v%d (%s): fresh AdamW moments", version.policy_version, weights)
+            elif self.lora is None and "lora" in state:  # its AdamW state is the adapters': nothing to load here
+                log.warning("v%d was trained with adapters, now merged: fresh AdamW moments", version.policy_version)
+                state = {**state, "optimizer": None}
         if self.value_head is not None:
             head_file = None
             if version is not None:
@@ -97,10 +110,11 @@ class VersionFiles:
                 self.value_head.load(head_file)
             else:
                 self.value_head.load_state_dict(self._initial_head)
-        if state is None:
+        if state is None or state["optimizer"] is None:
             self.optimizer.state.clear()
         else:
             self.optimizer.load_state_dict(state["optimizer"])
+        if state is not None:
             torch.set_rng_state(state["torch_rng"].cpu())
 
     def _companion(self, weights: Path, version: int, path_of: Callable[..., Path], key: str) -> Path | None:
