@@ -493,3 +493,31 @@ def test_a_batch_that_cannot_fit_is_dead_lettered_and_one_that_fits_only_checkpo
     [b] = [v for v in _versions(plain_run, "check-plain") if v.policy_version == 2]
     sa, sb = load_file(str(verify_file(a))), load_file(str(verify_file(b)))
     assert max(float((sa[k] - sb[k]).abs().max()) for k in sa) <= 1e-6
+
+
+def test_a_lora_learner_publishes_merged_plain_weights_and_resumes_from_them(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """``--hp lora_rank=8``: v1 is a plain safetensors file in which only the adapters' targets moved, its trainer
+    state carries the adapters; a new process resumes from v1 (base from model_dir, adapters from the state)."""
+    from safetensors.torch import load_file
+
+    _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
+    store, lora = tmp_path / "store", ("--hp", "lora_rank=8", "--hp", "lora_lr=1e-3")
+    for _ in range(2):
+        result = _run_learner(kafka_settings, model_dir, store, max_steps=1, extra=lora)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed policy at v1" in result.stderr and "fresh AdamW moments" not in result.stderr, result.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-lora")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]
+    base = base_state(model_dir)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for v in versions:
+        state = load_file(str(verify_file(v)))
+        assert {k: t.shape for k, t in state.items()} == {k: base[k].shape for k in state}
+        changed = {k for k, t in state.items() if not torch.equal(t, base[k])}
+        assert changed and all(k.split(".")[-2] in targets for k in changed), sorted(changed)
+    adapters = torch.load(
+        store / "policy" / "trainer-state" / f"{os.readlink(store / 'policy' / 'v000002')}.pt", weights_only=True
+    )["lora"]
+    assert adapters["rank"] == 8 and len(adapters["A"]) == 2 * len(targets)  # the small model's 2 layers
