@@ -40,6 +40,7 @@ WRITE: dict[str, Callable[[str, str, str], tuple[str, dict[str, Any]]]] = {
     "claude-code": lambda ws, rel, c: ("Write", {"file_path": f"{ws}/{rel}", "content": c}),
     "codex": lambda ws, rel, c: ("exec_command", {"cmd": heredoc(rel, c), "workdir": ws}),
     "qwen-code": lambda ws, rel, c: ("write_file", {"file_path": f"{ws}/{rel}", "content": c}),
+    "gemini-cli": lambda ws, rel, c: ("write_file", {"file_path": f"{ws}/{rel}", "content": c}),
     "openclaw": lambda ws, rel, c: ("write", {"path": f"{ws}/{rel}", "content": c}),
     "opencode": lambda ws, rel, c: ("write", {"filePath": f"{ws}/{rel}", "content": c}),
     "agentloop": lambda _ws, rel, c: ("write_file", {"path": rel, "content": c}),
