@@ -77,6 +77,14 @@ from clawbase.signals import sigterm_interrupts
     type=click.Choice(["greedy", "sampled"]),
     help="Evaluation decoding (repeat).  [default: greedy, sampled]",
 )
+@click.option(
+    "--evidence",
+    type=click.Choice(["on", "off"]),
+    default=None,
+    help="Measure each published version in a background process: held-out correct-episode log-likelihood and a "
+    "small greedy slice, printed per version, evidence.jsonl + evidence.png (clawstream/demo/evidence.py).  "
+    "[default: on]",
+)
 @click.option("--concurrency", type=int, default=None, help="Rollouts at once.  [default: 8]")
 @click.option(
     "--rollout-timeout",
@@ -110,6 +118,7 @@ def demo(
     sft_seed: int | None,
     eval_tasks: int | None,
     eval_modes: tuple[str, ...],
+    evidence: str | None,
     concurrency: int | None,
     rollout_timeout: float | None,
     timeout: float | None,
@@ -136,6 +145,7 @@ def demo(
         "sft_seed": sft_seed,
         "eval_tasks": eval_tasks,
         "eval_modes": tuple(eval_modes) or None,
+        "evidence": None if evidence is None else evidence == "on",
         "concurrency": concurrency,
         "rollout_timeout_s": rollout_timeout,
         "timeout_s": timeout,

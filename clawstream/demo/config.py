@@ -39,6 +39,9 @@ class DemoConfig:
     sft_n_tasks: int = 1024
     eval_tasks: int = 256  # held-out tasks per harness and mode, before and after (0: no evaluation)
     eval_modes: tuple[str, ...] = ("greedy", "sampled")
+    evidence: bool = True  # per-version held-out evidence in a background process (clawstream/demo/evidence.py)
+    evidence_tasks: int = 64  # held-out correct episodes scored per version, x 2 dialects
+    evidence_greedy_tasks: int = 16  # held-out tasks run greedily per version, x 2 dialects (0: none)
     timeout_s: float = 3600.0  # for the RL part
     engine: str = "cpu"
     progress: bool = True
@@ -53,6 +56,8 @@ def check(cfg: DemoConfig) -> None:
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
     check_harnesses(cfg.harnesses, cfg.tasks_per_step)
+    if cfg.evidence and (cfg.evidence_tasks < 2 or cfg.evidence_greedy_tasks < 0):
+        raise ClawstreamError("evidence_tasks must be >= 2 and evidence_greedy_tasks >= 0 (or --evidence off)")
     known = {f.name for f in fields(Hyperparams)} - {"lr", "seed"}
     for h in cfg.hp:
         name = h.split("=", 1)[0]

@@ -1,4 +1,5 @@
-"""The quickstart's results for people: the before/after table, the PNG plot, TensorBoard scalars, summary.json.
+"""The quickstart's results for people: the before/after table, the PNG plot (with the per-version held-out evidence
+of ``evidence.py`` where the run measured it), TensorBoard scalars, summary.json.
 
 Inputs are plain values (the learner's ``train_step`` metrics, two ``EvalResult``s), no Kafka. The gain's standard
 error is paired where both results record each task's reward (the same tasks before and after): the s.e. of the
@@ -103,15 +104,28 @@ def reward_curves(trained: Sequence[Metric]) -> dict[str, list[tuple[int, float]
     return curves
 
 
-def plot(path: Path, trained: Sequence[Metric], before: EvalResult | None, after: EvalResult | None) -> Path:
+def plot(
+    path: Path,
+    trained: Sequence[Metric],
+    before: EvalResult | None,
+    after: EvalResult | None,
+    evidence: Sequence[dict[str, Any]] | None = None,
+) -> Path:
     """PNG: training reward per harness per step (left) and held-out reward before/after per harness and mode with
-    ±1 s.e. error bars (right)."""
+    ±1 s.e. error bars (right); with ``evidence`` (summary.json's rows) a second row: each version's held-out
+    correct-episode log-likelihood change and greedy slice (``evidence.draw``)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none is assumed
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    rows = 2 if evidence else 1
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4.5 * rows), gridspec_kw={"width_ratios": [3, 2]}, squeeze=False)
+    (left, right) = axes[0]
+    if evidence:
+        from clawstream.demo.evidence import draw
+
+        draw(axes[1][0], axes[1][1], evidence)
     for harness, points in sorted(reward_curves(trained).items()):
         left.plot([s for s, _ in points], [r for _, r in points], marker="o", label=harness)
     left.set(

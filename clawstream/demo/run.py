@@ -19,6 +19,7 @@ from clawbase.settings import KafkaSettings, clawstream_home
 from clawstream.demo import report
 from clawstream.demo.config import DemoConfig, check
 from clawstream.demo.costs import read_costs
+from clawstream.demo.evidence import finish_evidence, start_evidence
 from clawstream.demo.models import export_version, prepare_model
 from clawstream.demo.state import (
     Summary,
@@ -142,14 +143,20 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
     kafka = open_topics(run, say)
     model = resolve_model(run, say)
     stack = stack_for(kafka, run.run_dir / "logs")
-    watcher = watch_training(run, kafka, say)
+    evidence = start_evidence(run.cfg, run.run_dir, model, say)
+    watcher = watch_training(run, kafka, say, evidence)
     try:
         start_services(run, stack, model, say)
         training = train(run, stack, watcher, say)
+    except BaseException:
+        if evidence is not None:  # otherwise finish_evidence waits for the newest version
+            evidence.close()
+        raise
     finally:
         stop_services(stack, watcher, say)
     training = training.ended(run.elapsed())
     result = report_training(run, kafka, model, training, say)
+    finish_evidence(evidence, run.run_dir, run.summary, say)
     evaluation = evaluate(run, kafka, model, training, say)
     if evaluation is not None:
         report_evaluation(run, result, training, evaluation, say)
@@ -206,8 +213,9 @@ def resolve_model(run: DemoRun, say: Callable[[str], None]) -> Path:
     return model
 
 
-def watch_training(run: DemoRun, kafka: KafkaSettings, say: Callable[[str], None]) -> Watcher:
-    """The live view of the RL part; each trained step also lands in summary.json as it arrives."""
+def watch_training(run: DemoRun, kafka: KafkaSettings, say: Callable[[str], None], evidence: Any = None) -> Watcher:
+    """The live view of the RL part; each trained step also lands in summary.json as it arrives; each published
+    version goes to ``evidence`` (when on)."""
     return Watcher(
         kafka,
         run.cfg.steps,
@@ -215,6 +223,7 @@ def watch_training(run: DemoRun, kafka: KafkaSettings, say: Callable[[str], None
         progress=run.cfg.progress,
         say=say,
         on_step=lambda trained: run.summary.update(trained=[_metric(m) for m in trained]),
+        evidence=evidence,
     )
 
 
@@ -412,7 +421,9 @@ def report_run(
     """The run's last lines: the plot (training reward, and the evaluation where there was one) and the total time
     (in ``result`` and summary.json)."""
     before, after = evaluation if evaluation is not None else (None, None)
-    png = report.plot(run.run_dir / "learning.png", training.trained, before, after)
+    png = report.plot(
+        run.run_dir / "learning.png", training.trained, before, after, evidence=run.summary.data.get("evidence")
+    )
     say(f"==> plot: {png}\n    TensorBoard: tensorboard --logdir {run.run_dir / 'tensorboard'}")
     result["total_s"] = round(run.elapsed(), 1)
     run.summary.update(total_s=result["total_s"])

@@ -1,9 +1,10 @@
 """What a user watches while the quickstart trains: a progress bar of each step's rollouts, one line per trained
-step, one line per weight version the engine starts serving.
+step, one line per weight version the engine starts serving, and one line per version measured on held-out tasks.
 
 Topics in (the run's own prefix, from the beginning): ``clawstream.rollout.requests`` (which rollout belongs to which
 step), ``clawstream.rewards`` (a rollout is done), ``clawstream.metrics`` (the learner's ``train_step`` and the
-engine's ``weights_applied``). Nothing is produced or committed.
+engine's ``weights_applied``), with evidence on ``clawstream.weights`` (each published version goes to the
+background measurement of ``evidence.py``). Nothing is produced or committed.
 
 Per trained step the line shows the mean reward of the batch's rollouts per harness, the policy-gradient loss
 exactly as the learner computed it (``policy_loss``, in scientific notation: it is near 0 by construction, see
@@ -23,8 +24,8 @@ from clawbase.errors import ClawstreamError
 from clawbase.kafka.clients import make_consumer
 from clawbase.settings import KafkaSettings
 from clawstream.stack import Stack
-from schemas.events import Metric, RewardEvent, RewardStatus, RolloutRequest
-from schemas.topics import METRICS, REWARDS, ROLLOUT_REQUESTS
+from schemas.events import Metric, RewardEvent, RewardStatus, RolloutRequest, WeightVersion
+from schemas.topics import METRICS, REWARDS, ROLLOUT_REQUESTS, WEIGHTS
 from warmstart.progress import progress_bar
 
 
@@ -66,12 +67,15 @@ class Watcher:
         progress: bool = True,
         say: Callable[[str], None] = print,
         on_step: Callable[[list[Metric]], None] | None = None,
+        evidence: Any = None,
     ) -> None:
-        """``on_step(trained so far)``: called after each trained step (the demo rewrites summary.json there)."""
+        """``on_step(trained so far)``: called after each trained step (the demo rewrites summary.json there);
+        ``evidence`` (``evidence.Evidence``): given each published weight version, its lines printed as they come."""
         self.kafka, self.steps, self.per_step = kafka, steps, rollouts_per_step
-        self.progress, self.say, self.on_step = progress, say, on_step
+        self.progress, self.say, self.on_step, self.evidence = progress, say, on_step, evidence
         self.consumer = make_consumer(kafka, f"{kafka.topic_prefix}demo-watch")
-        self.consumer.subscribe([kafka.topic(t) for t in (METRICS, ROLLOUT_REQUESTS, REWARDS)])
+        topics = (METRICS, ROLLOUT_REQUESTS, REWARDS) + ((WEIGHTS,) if evidence is not None else ())
+        self.consumer.subscribe([kafka.topic(t) for t in topics])
         self.by_rollout: dict[str, int] = {}
         self.rollouts: dict[int, StepRollouts] = defaultdict(lambda: StepRollouts(rollouts_per_step))
         self.trained: list[Metric] = []
@@ -104,6 +108,8 @@ class Watcher:
                         f"the demo did not finish {self.steps} steps within {timeout_s:.0f}s; see the logs"
                     )
                 stack.check()
+                for line in self.evidence.poll() if self.evidence is not None else ():
+                    self._print(line)
                 msg = self.consumer.poll(0.5)
                 if msg is None or msg.error():
                     continue
@@ -125,6 +131,9 @@ class Watcher:
             # An infrastructure failure may be re-issued (scheduler max_attempts): done only once finally graded.
             if step is not None and reward.status != RewardStatus.INFRA_FAILURE:
                 self.rollouts[step].done.add(reward.rollout_id)
+        elif topic == self.kafka.topic(WEIGHTS):
+            if self.evidence is not None:
+                self.evidence.submit(WeightVersion.from_bytes(value))
         elif topic == self.kafka.topic(METRICS):
             metric = Metric.from_bytes(value)
             # A resumed run reads its log again from the start, and its new engine applies the newest version once
