@@ -27,12 +27,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from producers.harnesses.catalog import ADAPTERS
 from producers.harnesses.install import HARNESSES, harness_root
 from producers.tasks.model import DEFAULT_MOUNT_DIR, Task
 from warmstart.scripted_engine import tool_call_text
 
-# The harness versions the teacher's tool calls were written against and recorded with (npm package versions).
-RECORDED_WITH: dict[str, str] = {"opencode": "1.18.33", "codex": "0.171.0", "qwen-code": "0.15.10"}
+# The harness versions the teacher's tool calls were written against and recorded with (npm package versions): each
+# adapter file's ``teacher_version``.
+RECORDED_WITH: dict[str, str] = {n: a.teacher_version for n, a in ADAPTERS.items() if a.teacher_version}
 FINAL = "Done."
 TITLE = '{"title": "Workspace task"}'
 

@@ -266,19 +266,21 @@ def vllm_serve(
 # ---- harnesses ---------------------------------------------------------------------------------------------------
 @click.group(cls=Group)
 def harness() -> None:
-    """Real agent harnesses from the npm registry (Claude Code, Codex, Qwen Code, opencode, OpenClaw)."""
+    """Real agent harnesses (Claude Code, Codex, Qwen Code, opencode, OpenClaw, and any you add as an adapter file)."""
 
 
 @harness.command("list")
 def harness_list() -> None:
-    """Built-in harness adapters: dialect, how they are installed, and whether the npm package is in the cache."""
-    from producers.harnesses.catalog import ADAPTERS
-    from producers.harnesses.install import HARNESSES, harness_root, installed_spec
+    """Harness adapters (built in and added): dialect, how they are installed, and whether that is in the cache."""
+    from producers.harnesses.catalog import all_adapters
+    from producers.harnesses.install import harness_root, installed_spec, package_of
 
-    for name, adapter in ADAPTERS.items():
-        pkg = HARNESSES.get(name)
+    for name, adapter in all_adapters().items():
+        pkg = package_of(adapter)
         if pkg is None:
             source, state = "built in (python)", "ready"
+        elif pkg.kind == "path":
+            source, state = pkg.package, "ready" if Path(pkg.package).exists() else "missing"
         else:
             source = pkg.spec + (" (Node 24)" if pkg.needs_node24 else "")
             have = installed_spec(pkg, harness_root())
@@ -288,9 +290,52 @@ def harness_list() -> None:
         click.echo(f"{name:20} {adapter.dialect:20} {source:40} {state}")
 
 
+@harness.command("add")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--no-install", is_flag=True, help="Only validate and copy the file.")
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds for the install.")
+def harness_add(file: Path, no_install: bool, timeout: float) -> None:
+    """Validate an adapter file, copy it into $CLAWSTREAM_HOME/harnesses/adapters and install its harness."""
+    from producers.harnesses.adapter_file import load_adapter
+    from producers.harnesses.catalog import ADAPTERS, user_dir
+    from producers.harnesses.install import install_adapter
+
+    adapter = load_adapter(file)
+    if adapter.name in ADAPTERS:
+        raise click.ClickException(f"{file}: name = {adapter.name!r} is a built-in harness; pick another name")
+    dest = user_dir() / f"{adapter.name}.toml"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(_with_absolute_install(file.read_text(), adapter.install))
+    click.echo(f"{adapter.name}: {adapter.dialect} adapter added as {dest}")
+    if not no_install:
+        click.echo(f"{adapter.name}: {install_adapter(adapter, timeout=timeout) or 'built in (nothing to install)'}")
+
+
+def _with_absolute_install(text: str, install: str | None) -> str:
+    """The adapter file's text with a relative ``install`` path made absolute (the copy lives elsewhere)."""
+    import re
+
+    if not install or install.startswith(("npm:", "pip:")):
+        return text
+    return re.sub(r'(?m)^install\s*=.*$', lambda _m: f"install = {json.dumps(install)}", text, count=1)
+
+
+@harness.command(
+    "check", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+)
+@click.pass_context
+def harness_check(ctx: click.Context) -> None:
+    """Run a harness (NAME or adapter FILE) on built-in tasks against the scripted engine and print whether its
+    traffic trains (dialect, call kinds, prefix consistency, trainable share, first-prompt agreement); exit 1 on a
+    failing verdict (--help for options)."""
+    from clawstream.stack.harness_check import main as check_main
+
+    sys.exit(check_main(list(ctx.args)))
+
+
 @harness.command("install")
 @click.argument("names", nargs=-1, required=True)
-@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds per npm install.")
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds per npm/pip install.")
 def harness_install(names: tuple[str, ...], timeout: float) -> None:
     """Install harnesses into $CLAWSTREAM_HOME/harnesses (once; cached)."""
     from producers.harnesses.install import install_harness

@@ -41,18 +41,20 @@ def harness_mix(names: tuple[str, ...]) -> dict[str, float]:
 
 def real_harnesses(names: tuple[str, ...]) -> tuple[str, ...]:
     """The names that run an installed binary (not the built-in loops)."""
-    from producers.harnesses.catalog import ADAPTERS
+    from producers.harnesses.catalog import all_adapters
 
-    return tuple(n for n in names if n in ADAPTERS and ADAPTERS[n].install is not None)
+    adapters = all_adapters()
+    return tuple(n for n in names if n in adapters and adapters[n].install is not None)
 
 
 def check_harnesses(names: tuple[str, ...], tasks_per_step: int, home: Path | None = None) -> None:
     """Refuse, before anything starts, a name that is no built-in harness, a real harness whose binary is not
     installed (the sandbox worker would npm-install it mid-run, or fail every rollout offline), and fewer groups
     per step than harnesses (the batcher would wait for a harness that never gets a group)."""
-    from producers.harnesses.catalog import ADAPTERS
-    from producers.harnesses.install import HARNESSES, NODE24, executable, harness_root, installed_spec
+    from producers.harnesses.catalog import all_adapters
+    from producers.harnesses.install import NODE24, executable, harness_root, installed_spec, package_of
 
+    ADAPTERS = all_adapters(home)  # noqa: N806 - the built-in adapters and the added ones
     if not names:
         raise ClawstreamError("--harnesses: name at least one harness, e.g. --harnesses opencode,agentloop")
     for name in names:
@@ -65,21 +67,23 @@ def check_harnesses(names: tuple[str, ...], tasks_per_step: int, home: Path | No
         if adapter.install is None:
             continue  # built in: runs in the sandbox's Python
         root = harness_root(home)
-        pkg = HARNESSES[adapter.install]
+        pkg = package_of(adapter)
+        if pkg is None or pkg.kind == "path":
+            continue  # an executable named by path: used as it is
         exe, have = executable(pkg, root), installed_spec(pkg, root)
         if have is None or not exe.exists():
             raise ClawstreamError(
                 f"--harnesses: {name} is a real harness and its binary is not installed ({exe} missing); install it "
-                f"once with `clawstream harness install {adapter.install}` (needs npm and the npm registry)"
+                f"once with `clawstream harness install {name}` (needs npm and the npm registry)"
             )
         if have != pkg.spec:
             raise ClawstreamError(
                 f"--harnesses: {name} is installed as {have}, pinned {pkg.spec}; `clawstream harness install "
-                f"{adapter.install}` installs the pinned version (or set CLAWSTREAM_HARNESS_VERSIONS)"
+                f"{name}` installs the pinned version (or set CLAWSTREAM_HARNESS_VERSIONS)"
             )
         if adapter.node24 and not executable(NODE24, root).exists():
             raise ClawstreamError(
-                f"--harnesses: {name} needs Node 24, not installed; `clawstream harness install {adapter.install}` "
+                f"--harnesses: {name} needs Node 24, not installed; `clawstream harness install {name}` "
                 "installs it too"
             )
     if tasks_per_step < len(names):

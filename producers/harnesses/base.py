@@ -1,7 +1,8 @@
 """Harness adapters as data: how to launch one harness against a rollout's proxy base URL and secret.
 
-An adapter is a frozen dataclass: the command line, environment and config files the harness needs, all templated
-with :class:`string.Template` (``${name}``; JSON/TOML braces need no escaping) from a :class:`LaunchContext`:
+An adapter is a frozen dataclass (written as a TOML file: ``adapter_file``; the built-in ones in ``adapters/``): the
+command line, environment and config files the harness needs, all templated with :class:`string.Template`
+(``${name}``; JSON/TOML braces need no escaping) from a :class:`LaunchContext`:
 
 ``base_url`` (``{proxy}/r/{rollout}``), ``base_url_v1`` (``.../v1``), ``secret``, ``model``, ``side_model``,
 ``workspace`` / ``home`` (paths *inside* the sandbox), ``prompt``, ``timeout_s``, ``exe`` (the installed executable
@@ -38,7 +39,9 @@ class HarnessAdapter:
     command: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)
     files: tuple[ConfigFile, ...] = ()
-    install: str | None = None  # a producers.harnesses.install name; None: nothing to install (built in)
+    # "npm:package@version" | "pip:package==version" | an executable's path; None: nothing to install (built in).
+    install: str | None = None
+    bin: str | None = None  # the executable the package provides (default: the package's name)
     node24: bool = False  # needs Node >= 24 first on PATH (OpenClaw)
     model: str = "policy"
     side_models: tuple[str, ...] = ()
@@ -50,6 +53,8 @@ class HarnessAdapter:
     # Command-line words replaced when the sandbox isolates by itself (a container, the local backend's bubblewrap):
     # a harness's own sandbox may need privileges it withholds (Codex's bubblewrap cannot create namespaces there).
     in_container: Mapping[str, str] = field(default_factory=dict)
+    # The version warmstart.teacher's tool calls were recorded with (None: the teacher does not drive it).
+    teacher_version: str | None = None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,11 @@ class SandboxSettings(BaseSettings):
         description="Suite name → spec (builtin:cpu | native:DIR | clawgym:DIR | pinchbench:DIR); JSON in env.",
     )
     install_harnesses: bool = Field(default=True, description="npm-install a missing real harness on first use.")
+    harness_files: list[str] = Field(
+        default_factory=list,
+        description="Harness adapter files (TOML, docs/harnesses.md#bring-your-own-harness) added to the built-in "
+        "ones and those in $CLAWSTREAM_HOME/harnesses/adapters (--harness-file FILE; JSON list in env).",
+    )
     session_timeout_ms: int = Field(default=45000, description="Kafka session timeout (dead-worker detection).")
     publish_timeout_s: float = Field(default=60.0, description="Delivery deadline of one lifecycle/reward event.")
     # --- timeouts ---

@@ -42,7 +42,7 @@ from clawbase.kafka.clients import check_broker, make_consumer, where
 from clawbase.kafka.publisher import KafkaPublisher
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
 from producers.harnesses.base import HarnessAdapter
-from producers.harnesses.catalog import ADAPTERS
+from producers.harnesses.catalog import all_adapters
 from producers.sandbox.base import SandboxBackend, SandboxError
 from producers.sandbox.docker_backend import DockerBackend
 from producers.sandbox.local_backend import LocalBackend
@@ -104,30 +104,36 @@ def exe_resolver(settings: SandboxSettings):  # noqa: ANN201 - returns an ExeRes
         if adapter.install is None:
             return "", ""
         from producers.harnesses.install import (
-            HARNESSES,
             MARKER,
             NODE24,
             HarnessInstallError,
             executable,
             harness_root,
-            install_harness,
+            install_adapter,
             install_node24,
+            package_of,
         )
 
+        pkg = package_of(adapter)
+        assert pkg is not None
+        if pkg.kind == "path":  # a user's executable, used as it is; its directory bound read-only and on PATH
+            if not Path(pkg.package).is_file():
+                raise SandboxError(f"harness {adapter.name}: install = {pkg.package!r} is not a file")
+            return pkg.package, str(Path(pkg.package).parent)
         if settings.backend == "docker":  # installed in the sandbox image by the same installer (same layout)
             root = harness_root(Path(settings.docker_harness_home))
             node = str(executable(NODE24, root).parent) if adapter.node24 else ""
-            return str(executable(HARNESSES[adapter.install], root)), node
+            return str(executable(pkg, root)), node
 
         if not settings.install_harnesses:  # use what is installed, whatever its version
             root = harness_root()
-            exe_path = executable(HARNESSES[adapter.install], root)
-            if not (root / adapter.install / MARKER).exists() or not exe_path.exists():
+            exe_path = executable(pkg, root)
+            if not (root / pkg.name / MARKER).exists() or not exe_path.exists():
                 raise SandboxError(f"harness {adapter.name} is not installed and install_harnesses is off")
             node = str(executable(NODE24, root).parent) if adapter.node24 else ""
             return str(exe_path), node
         try:
-            exe = await asyncio.to_thread(install_harness, adapter.install)
+            exe = await asyncio.to_thread(install_adapter, adapter)
             extra = str((await asyncio.to_thread(install_node24)).parent) if adapter.node24 else ""
         except HarnessInstallError as exc:
             raise SandboxError(f"harness {adapter.name}: {exc}") from exc
@@ -157,7 +163,7 @@ class SandboxWorker:
             backend=backend or make_backend(settings),
             proxy=proxy,
             catalog=catalog or SuiteCatalog(settings.suites),
-            adapters=adapters if adapters is not None else ADAPTERS,
+            adapters=adapters if adapters is not None else all_adapters(extra_files=settings.harness_files),
             sink=KafkaSink(self.publisher, kafka, settings.publish_timeout_s),
             settings=settings,
             resolve_exe=exe_resolver(settings),
@@ -464,9 +470,16 @@ def main(argv: list[str] | None = None) -> int:
         help="local backend without bubblewrap (CLAWSTREAM_SANDBOX_ISOLATION=none): a rollout can read other "
         "rollouts' and this worker's secrets and write outside its workspace; trusted harnesses only",
     )
+    parser.add_argument(
+        "--harness-file",
+        action="append",
+        dest="harness_files",
+        metavar="FILE",
+        help="a harness adapter file (TOML) to run besides the built-in and added ones (repeatable)",
+    )
     add_kafka_arguments(parser)
     args = parser.parse_args(argv)
-    own = ("concurrency", "backend", "proxy_url", "proxy_admin_token", "group_id")
+    own = ("concurrency", "backend", "proxy_url", "proxy_admin_token", "group_id", "harness_files")
     overrides = {k: v for k, v in vars(args).items() if k in own and v is not None}
     if args.unsafe_no_isolation:
         overrides["isolation"] = "none"

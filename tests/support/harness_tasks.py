@@ -69,7 +69,7 @@ def installed(name: str) -> None:
     if shutil.which("npm") is None:
         pytest.skip(f"{name}: npm is not on PATH, cannot install the real harness")
     try:
-        install_harness(package)
+        install_harness(name)
         if ADAPTERS[name].node24:
             install_node24()
     except HarnessInstallError as exc:

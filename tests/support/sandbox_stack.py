@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from producers.harnesses.catalog import ADAPTERS
+from producers.harnesses.catalog import all_adapters
 from producers.sandbox.settings import SandboxSettings
 from producers.sandbox.worker import SandboxWorker
 from tests.support import proxy_helpers as H
@@ -54,7 +54,8 @@ async def stack(
     """Scripted engine (reporting ``policy_version``) + proxy (``proxy_overrides``: its settings) + one in-process
     sandbox worker (``overrides``: its settings); yields handles."""
     hang_tag = f"hang-child-{uuid.uuid4().hex}"  # the hung harness's child carries it in argv (pids differ inside)
-    adapters = {**ADAPTERS, "hang": S.python_adapter("hang", HANG), "crash": S.python_adapter("crash", CRASH)}
+    extra = all_adapters(extra_files=overrides.get("harness_files", ()))  # the catalog + a user's adapter files
+    adapters = {**extra, "hang": S.python_adapter("hang", HANG), "crash": S.python_adapter("crash", CRASH)}
     adapters["hang"] = type(adapters["hang"])(**{**adapters["hang"].__dict__, "env": {"HANG_TAG": hang_tag}})
     async with (
         ScriptedEngine(H.tiny_tokenizer(), responder or S.agent_responder(), policy_version=policy_version) as engine,
