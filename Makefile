@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[ml,dev,docker]'
+	$(PY) -m pip install -q -e '.[ml,dev,docker,track]'
 	$(PY) -m pip install -q --no-deps verl==0.9.1  # reference losses for tests/unit/test_losses.py only
 	touch $(STAMP)
 

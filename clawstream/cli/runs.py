@@ -104,6 +104,14 @@ from clawbase.signals import sigterm_interrupts
     help="Inference engine: the project's CPU engine, or real vLLM (`clawstream vllm install` first).",
 )
 @click.option("--no-progress", is_flag=True, help="Log lines only, no progress bars.")
+@click.option(
+    "--track",
+    metavar="URI",
+    envvar="CLAWSTREAM_TRACK_URI",
+    default=None,
+    help="MLflow tracking server (http://HOST:PORT): the run, its metrics, versions, trajectories and before/after "
+    "table go there (consumers/tracker; the 'track' extra).  [env CLAWSTREAM_TRACK_URI]",
+)
 def demo(
     steps: int | None,
     tasks_per_step: int | None,
@@ -124,6 +132,7 @@ def demo(
     timeout: float | None,
     engine: str,
     no_progress: bool,
+    track: str | None,
 ) -> None:
     """CPU quickstart: warm start, then RL through every service (engine, proxy, sandbox worker, streams, learner,
     scheduler) on a local broker, then held-out reward per harness before and after, a plot and TensorBoard scalars
@@ -149,6 +158,7 @@ def demo(
         "concurrency": concurrency,
         "rollout_timeout_s": rollout_timeout,
         "timeout_s": timeout,
+        "track": track,
     }
     if resume is None:
         given["engine"], given["progress"] = engine, not no_progress

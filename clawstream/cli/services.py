@@ -121,6 +121,12 @@ SERVICES: tuple[Service, ...] = (
         "Capture health per harness and chat template over a range of the calls topic (--help for the range).",
     ),
     Service(
+        "track",
+        "consumers.tracker.consumer:main",
+        "Follow a run's topics into one MLflow run: params, per-step metrics, weight versions, sampled trajectories\n"
+        "(--mlflow URI --prefix P; consumers/tracker; needs the 'track' extra).",
+    ),
+    Service(
         "replay",
         "consumers.analytics.replay:main",
         "Replay a topic range (offsets or times) into a new topic prefix, e.g. a run's batches into a fresh learner\n"

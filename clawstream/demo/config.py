@@ -45,6 +45,7 @@ class DemoConfig:
     timeout_s: float = 3600.0  # for the RL part
     engine: str = "cpu"
     progress: bool = True
+    track: str | None = None  # MLflow tracking server: the tracker follows the run into it (--track, consumers/tracker)
 
 
 def check(cfg: DemoConfig) -> None:

@@ -40,6 +40,8 @@ from clawstream.stack.services import (
     start_rollout_side,
     start_scheduler,
     start_streams,
+    start_tracker,
+    track_to_end,
 )
 from schemas.events import Metric
 
@@ -161,6 +163,9 @@ def run_demo(cfg: DemoConfig | None = None, *, resume: str | None = None, **over
     if evaluation is not None:
         report_evaluation(run, result, training, evaluation, say)
     report_run(run, result, training, evaluation, say)
+    if run.cfg.track:  # the last steps, the before/after table and the plot into the MLflow run
+        code = track_to_end(stack, run.cfg.track, run.run_dir, model)
+        say(f"==> MLflow: {'run complete' if code == 0 else f'tracker failed ({code})'}: {run.run_dir / 'logs'}")
     return result
 
 
@@ -260,6 +265,8 @@ def start_services(run: DemoRun, stack: Stack, model: Path, say: Callable[[str],
         say(f"==> dashboard: {start_dashboard(stack)}  (reward, statuses, trees, capture health, weights)")
     except ClawstreamError as exc:
         say(f"==> dashboard did not start ({exc}); the run goes on without it")
+    if cfg.track:
+        say(f"==> MLflow: run {start_tracker(stack, cfg.track, run.run_dir, model).found} at {cfg.track}")
     start_scheduler(stack, cfg.steps, scheduler_settings(cfg, mix))
 
 

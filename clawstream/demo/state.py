@@ -20,7 +20,7 @@ STATE = "state.json"
 SUMMARY = "summary.json"
 # What --resume may change: how far and how long to go, how it is shown. Anything else would make the resumed part
 # a different run under the same topics (another mix, group size or model under the same step numbers).
-RESUMABLE = frozenset({"steps", "timeout_s", "progress"})
+RESUMABLE = frozenset({"steps", "timeout_s", "progress", "track"})
 
 C = TypeVar("C")
 

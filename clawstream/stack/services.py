@@ -9,8 +9,11 @@ runs sharing one broker never see each other's records. Used by the quickstart (
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,14 +199,10 @@ def start_streams(
     settle_interval_s: float,
     harness_mix: dict[str, float] | None = None,
     group_timeout_s: float = 300.0,
-    zero_variance: str = "drop",
+    zero_variance: str = "keep",
     loglevel: str = "warn",
 ) -> Service:
     """The Faust stream processors (assembler → grouper → batcher), RocksDB state under ``run_dir``.
-
-    ``zero_variance``: ``"drop"`` (the streams' own default) trains no group whose rewards are all equal; give the
-    scheduler the same value (its ``zero_variance`` setting), so that it issues refills for them and batches still
-    fill. ``"keep"`` trains them at advantage 0.
 
     ``harness_mix``: the batcher fills each batch toward these shares (it waits for a missing harness's group unless
     a backlog builds up); without it a batch takes whichever groups closed first."""
@@ -283,3 +282,25 @@ def start_dashboard(stack: Stack, port: int = 0) -> str:
     if found is None:
         raise ClawstreamError("the dashboard started but never said where it listens")
     return found
+
+
+def tracker_args(mlflow_uri: str, run_dir: Path, model: Path) -> list[str]:
+    """``python -m consumers.tracker`` for a demo run: its config as params, its tokenizer for the trajectories."""
+    return ["consumers.tracker", "--mlflow", mlflow_uri, "--run-dir", str(run_dir), "--model", str(model)]
+
+
+def start_tracker(stack: Stack, mlflow_uri: str, run_dir: Path, model: Path) -> Service:
+    """The MLflow tracker beside the run (``clawstream track``); restarted when it dies, it logs nothing twice."""
+    return stack.start(
+        Service("tracker", tracker_args(mlflow_uri, run_dir, model), ready_line=r"into MLflow run (\w+)", restart=True)
+    )
+
+
+def track_to_end(stack: Stack, mlflow_uri: str, run_dir: Path, model: Path, timeout: float = 600.0) -> int:
+    """After the run: the tracker reads the topics to their end, logs the report files of ``run_dir`` (the
+    before/after table, the plot) and ends the MLflow run; its exit status."""
+    env = {**os.environ, **stack.env}
+    log = run_dir / "logs" / "tracker-final.log"
+    with log.open("ab") as out:
+        cmd = [sys.executable, "-m", *tracker_args(mlflow_uri, run_dir, model), "--once"]
+        return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
