@@ -39,6 +39,14 @@ from clawbase.signals import sigterm_interrupts
     help="Continue run RUN ($CLAWSTREAM_HOME/demo/RUN) from its recorded state: its config, topics, weight store and "
     "cached evaluations; only --steps and --timeout may change.",
 )
+@click.option(
+    "--curriculum",
+    default=None,
+    metavar="FAMILY=WEIGHT,...",
+    help="Draw training tasks by family with these weights (builtin:cpu: its templates; *=W for the rest), e.g. "
+    "the measured recipe in docs/method.md#curriculum; `clawstream model curriculum --model DIR` measures one. "
+    "Default: uniform.",
+)
 @click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
 @click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
 @click.option(
@@ -120,6 +128,7 @@ def demo(
     resume: str | None,
     lr: float | None,
     seed: int | None,
+    curriculum: str | None,
     hp: tuple[str, ...],
     model_dir: Path | None,
     sft_steps: int | None,
@@ -148,6 +157,7 @@ def demo(
         "harnesses": parse_harnesses(harnesses) if harnesses is not None else None,
         "lr": lr,
         "seed": seed,
+        "curriculum": curriculum,
         "hp": tuple(hp) or None,
         "model": model_dir,
         "sft_steps": sft_steps,

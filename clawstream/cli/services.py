@@ -75,6 +75,13 @@ SERVICES: tuple[Service, ...] = (
         group="model",
     ),
     Service(
+        "curriculum",
+        "warmstart.curriculum:main",
+        "Per-family greedy and sampled solve rates of a model on the CPU suite's training tasks, and the curriculum\n"
+        "spec they give (FAMILY=WEIGHT,...: clawstream demo --curriculum; warmstart/curriculum.py).",
+        group="model",
+    ),
+    Service(
         "demos",
         "warmstart.record:main",
         "Record demonstrations: the scripted teacher solves built-in CPU tasks through a real harness (opencode,\n"

@@ -30,6 +30,7 @@ class DemoConfig:
     rollout_timeout_s: float | None = None  # every task's rollout timeout (None: the task's own, 60 s on builtin:cpu)
     settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
     seed: int = 0  # scheduler's task sampling and the learner's torch seed
+    curriculum: str = ""  # training tasks by family, FAMILY=WEIGHT,... (producers/scheduler/curriculum.py); "": uniform
     harnesses: tuple[str, ...] = tuple(HARNESS_MIX)  # mixed in equal shares; evaluated each (--harnesses)
     model: Path | None = None  # start RL from this model directory instead of the tiny model's warm start below
     sft_steps: int | None = None  # None: the shipped warm start (its recipe: sft.SHIPPED_RECIPE); N: an N-step
@@ -57,6 +58,11 @@ def check(cfg: DemoConfig) -> None:
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
     check_harnesses(cfg.harnesses, cfg.tasks_per_step)
+    if cfg.curriculum:  # refused here, not by a scheduler that would restart on it: names the families
+        from producers.scheduler.curriculum import parse
+        from producers.tasks.cpu import cpu_suite
+
+        parse(cfg.curriculum, cpu_suite().split("train"))
     if cfg.evidence and (cfg.evidence_tasks < 2 or cfg.evidence_greedy_tasks < 0):
         raise ClawstreamError("evidence_tasks must be >= 2 and evidence_greedy_tasks >= 0 (or --evidence off)")
     known = {f.name for f in fields(Hyperparams)} - {"lr", "seed"}

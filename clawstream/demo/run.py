@@ -286,6 +286,7 @@ def scheduler_settings(cfg: DemoConfig, mix: dict[str, float]) -> dict[str, Any]
         "tasks_per_step": cfg.tasks_per_step,
         "group_size": cfg.group_size,
         "harness_mix": mix,
+        **({"curriculum": cfg.curriculum} if cfg.curriculum else {}),
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
         "max_policy_lag": cfg.max_policy_lag,

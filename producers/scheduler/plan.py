@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from producers.scheduler import curriculum
 from producers.tasks.model import Task
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, now_ms
 
@@ -56,6 +57,7 @@ class StepPlan:
     max_tokens: int = 2048
     max_attempts: int = 1  # announced to the grouper: an infra failure with attempts left waits for its re-issue
     top_k: int = 0  # 0 = off
+    curriculum: Mapping[str, float] = field(default_factory=dict)  # family → weight (curriculum.parse); {}: uniform
 
 
 def plan_step(
@@ -69,9 +71,7 @@ def plan_step(
 ) -> list[RolloutRequest]:
     if not tasks:
         raise ValueError("no tasks to sample from")
-    chosen = rng.sample(list(tasks), min(plan.tasks_per_step, len(tasks)))
-    while len(chosen) < plan.tasks_per_step:  # fewer tasks than instances: sample with replacement
-        chosen.append(rng.choice(list(tasks)))
+    chosen = curriculum.draw(tasks, plan.tasks_per_step, rng, plan.curriculum)  # with replacement when too few
     harnesses = [h for h, c in harness_counts(len(chosen), plan.mix).items() for _ in range(c)]
     rng.shuffle(harnesses)
     return [

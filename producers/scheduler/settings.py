@@ -20,6 +20,11 @@ class SchedulerSettings(BaseSettings):
         description="Suite name → spec, as the sandbox workers have them (JSON in env).",
     )
     split: str = Field(default="train", description="Split sampled for training steps.")
+    curriculum: str = Field(
+        default="",
+        description="Training tasks drawn by family, FAMILY=WEIGHT,... (builtin:cpu: its templates; *=W: the rest); "
+        "empty: uniform (producers/scheduler/curriculum.py).",
+    )
     steps: int = Field(default=1, ge=0, description="Train until this step (exclusive).")
     start_step: int = Field(default=0, ge=0, description="First step to issue.")
     tasks_per_step: int = Field(default=32, ge=1, description="Training instances (task × harness) per step.")

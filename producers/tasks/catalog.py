@@ -1,7 +1,8 @@
 """The suite catalog: suite specs → loaded suites, as the sandbox worker and the scheduler resolve them.
 
 Suite specs (:func:`load_suite`): ``builtin:cpu`` | ``native:DIR`` | ``clawgym:DIR`` | ``pinchbench:DIR`` | a bare
-``DIR`` (layout detected). ``python -m producers.tasks list SPEC`` lists a suite's tasks (``producers.tasks.describe``).
+``DIR`` (layout detected); ``builtin:cpu?train_grader=partial`` (``producers.tasks.cpu.suite_for``). ``python -m
+producers.tasks list SPEC`` lists a suite's tasks (``producers.tasks.describe``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def load_suite(spec: str, name: str | None = None) -> Suite:
     if not sep or kind not in ("builtin", "native", "clawgym", "pinchbench"):
         kind, rest = "auto", spec
     if kind == "builtin":
+        rest, _, options = rest.partition("?")  # builtin:cpu?train_grader=partial
         if rest != "cpu":
             raise TaskError(f"unknown built-in suite {rest!r}; known: cpu")
-        suite = cpu.cpu_suite()
+        suite = cpu.suite_for(options)
         return Suite(name, {k: _renamed(t, name) for k, t in suite.tasks.items()}) if name else suite
     path = Path(rest).expanduser()
     if not path.is_dir():

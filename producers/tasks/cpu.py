@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
-from producers.tasks.model import Grader, Suite, Task
+from producers.tasks.model import Grader, Suite, Task, TaskError
 
 SUITE = "cpu_builtin"
 TIMEOUT_S = 60.0
@@ -83,6 +84,44 @@ for i, c in enumerate(checks):
     scores[f"{i}_{kind}:{c['path']}"] = 1.0 if ok else 0.0
 print(json.dumps(scores))
 '''
+
+
+# The training-only grader of ``replace`` (``builtin:cpu?train_grader=partial``): credit per line of the wanted file.
+# Only a rewrite of the file's own shape earns any: a missing file, a directory or symlink in its place, a file with
+# more or fewer lines (every candidate written, padding) or the untouched original all score 0, so a wrong word in
+# the right place (2 of 3 lines) scores above doing nothing (0) and below the answer (1).
+PARTIAL_GRADE_PY = r'''"""Grade a rewrite per line against checks.json (next to this file); print JSON sub-scores.
+
+Training only: a rewrite of the file's own shape earns a point per wanted line it has; anything else scores 0.
+"""
+import json, os, stat, sys
+
+ws = sys.argv[1]
+checks = json.load(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "checks.json")))
+
+
+def lines(path):
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return [s.strip() for s in f.read(1 << 20).strip().splitlines()]
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+scores = {}
+for i, c in enumerate(checks):
+    if c["kind"] != "lines_partial":
+        raise SystemExit(f"unknown check kind {c['kind']!r}")
+    got, want, before = lines(os.path.join(ws, c["path"])), c["lines"], c["before"]
+    valid = got is not None and len(got) == len(want) and got != before
+    for j, line in enumerate(want):
+        scores[f"{i}_line{j}:{c['path']}"] = 1.0 if valid and got[j] == line else 0.0
+print(json.dumps(scores))
+'''
+TRAIN_GRADERS = ("partial",)  # builtin:cpu?train_grader=...
 
 
 def checks_grader(checks: list[dict]) -> Grader:
@@ -212,8 +251,36 @@ def generate(split: str, n: int, seed: int, exclude: set[str] | None = None) -> 
     return tasks
 
 
-def cpu_suite(n_train: int = 96, n_heldout: int = 48, seed: int = 0) -> Suite:
+def partial_grader(task: Task) -> Task:
+    """The task with the training-only per-line grader when it is a ``replace`` task (unchanged otherwise)."""
+    if task.metadata.get("template") != "replace":
+        return task
+    (check,) = [c for c in json.loads(task.grader.files["checks.json"]) if c["kind"] == "lines"]
+    before = [s.strip() for s in task.files[check["path"]].decode().strip().splitlines()]
+    checks = [{"kind": "lines_partial", "path": check["path"], "lines": check["lines"], "before": before}]
+    files = {"grade.py": PARTIAL_GRADE_PY.encode(), "checks.json": json.dumps(checks, indent=1).encode()}
+    return replace(task, grader=replace(task.grader, name="cpu_lines_partial", files=files))
+
+
+def suite_for(query: str) -> Suite:
+    """The suite a ``builtin:cpu?KEY=VALUE&...`` spec names (only ``train_grader`` is known)."""
+    train_grader = ""
+    for part in filter(None, query.split("&")):
+        key, _, value = part.partition("=")
+        if key != "train_grader":
+            raise TaskError(f"builtin:cpu option {key!r} is unknown; known: train_grader (e.g. ?train_grader=partial)")
+        train_grader = value
+    return cpu_suite(train_grader=train_grader)
+
+
+def cpu_suite(n_train: int = 96, n_heldout: int = 48, seed: int = 0, train_grader: str = "") -> Suite:
+    """The suite; ``train_grader="partial"`` grades the train split's ``replace`` tasks per line (training only:
+    the held-out split, which evaluations run, keeps the exact grader)."""
     seen: set[str] = set()
     train = generate("train", n_train, seed, seen)
     heldout = generate("heldout", n_heldout, seed + 1, seen)
+    if train_grader == "partial":
+        train = [partial_grader(t) for t in train]
+    elif train_grader:
+        raise TaskError(f"train_grader={train_grader!r} is unknown; known: {', '.join(TRAIN_GRADERS)}")
     return Suite(SUITE, {t.task_id: t for t in train + heldout})
