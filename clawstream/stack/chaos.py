@@ -147,6 +147,7 @@ class Chaos:
             batch_groups=cfg.tasks_per_step,
             settle_interval_s=0.0,
             harness_mix=mix,
+            zero_variance="keep",  # as its recorded runs (bench/results/faults.md): no refills
         )
         start_learner(self.stack, model, run_dir, {"lr": 2e-5, "seed": cfg.seed}, torch_threads=1)
         settings: dict[str, object] = {
@@ -154,6 +155,7 @@ class Chaos:
             "group_size": cfg.group_size,
             "max_tokens": cfg.max_tokens,
             "max_policy_lag": 1,
+            "zero_variance": "keep",
             "seed": cfg.seed,
         }
         if mix:

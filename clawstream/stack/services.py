@@ -199,10 +199,14 @@ def start_streams(
     settle_interval_s: float,
     harness_mix: dict[str, float] | None = None,
     group_timeout_s: float = 300.0,
-    zero_variance: str = "keep",
+    zero_variance: str = "drop",
     loglevel: str = "warn",
 ) -> Service:
     """The Faust stream processors (assembler → grouper → batcher), RocksDB state under ``run_dir``.
+
+    ``zero_variance``: ``"drop"`` (the streams' own default) trains no group whose rewards are all equal; give the
+    scheduler the same value (its ``zero_variance`` setting), so that it issues refills for them and batches still
+    fill. ``"keep"`` trains them at advantage 0.
 
     ``harness_mix``: the batcher fills each batch toward these shares (it waits for a missing harness's group unless
     a backlog builds up); without it a batch takes whichever groups closed first."""

@@ -9,6 +9,8 @@
 * Re-issue: a rollout whose reward says INFRA_FAILURE is re-published with the same rollout id and ``attempt + 1``
   (streams reopen a rollout for a newer attempt) until ``max_attempts`` attempts were made. A reward counts only for
   the latest attempt issued (its number is in the attempt id, :func:`reward_attempt`); an older attempt's is ignored.
+* Refill: a group the streams will train nothing of (its rewards all equal, or none) is replaced by one more group
+  of its step and harness (``producers.scheduler.refill``).
 * Resume (:func:`rebuild`): from a run's issued requests and rewards, the step to go on at, what is outstanding and
   which re-issues are owed; :func:`missing_requests` completes a step whose publishing was cut short.
 """

@@ -9,7 +9,10 @@ nothing: it first reads its run's requests and rewards (read_committed, to ends 
 what was issued and what is outstanding, publishes the re-issues owed (and the rest of a step a kill cut short),
 re-plans the issued steps without publishing so task sampling goes on as if uninterrupted, and follows the rewards
 from those ends. Then for step = max(start_step, last issued + 1) … steps−1: wait until the newest weight version
-≥ step − max_policy_lag, publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``).
+≥ step − max_policy_lag, publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Meanwhile,
+whatever the lag, each group whose rewards say the streams will train nothing of it (all equal with
+``zero_variance="drop"``, or none) gets a refill group of its step and harness, up to ``max_refills_per_step``
+(``producers.scheduler.refill``), so every step still fills a batch.
 
 Eval mode (``--eval``): every task of ``eval_split`` (optionally the first ``eval_limit``) × each of
 ``eval_harnesses`` × each of ``eval_modes`` (``greedy``: temperature 0; ``sampled``: ``temperature``/``top_p``/
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import random
 import sys
@@ -41,7 +43,6 @@ from clawbase.faults import fault_point
 from clawbase.kafka.clients import check_broker, make_consumer, read_to_end, where
 from clawbase.kafka.publisher import KafkaPublisher
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
-from producers.scheduler import curriculum
 from producers.scheduler.plan import (
     EVAL_MODE_KEY,
     EvalScore,
@@ -56,6 +57,7 @@ from producers.scheduler.plan import (
     plan_step,
     rebuild,
 )
+from producers.scheduler.refill import REFILL_KEY, Refills
 from producers.scheduler.settings import SchedulerSettings
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.model import Task
@@ -87,6 +89,13 @@ class Scheduler:
             settings.max_attempts,
             settings.top_k,
         )
+        self.refills = Refills(
+            settings.refill_budget(),
+            drop_equal=settings.zero_variance == "drop",
+            run_key=f"{kafka.topic_prefix}|{settings.seed}",
+            seed=settings.seed,
+        )
+        self.tasks: list[Task] = []  # the train split (train mode): refills draw from it
         self.publisher: KafkaPublisher | None = None
         self.weights: Consumer | None = None
         self.rewards: Consumer | None = None
@@ -178,6 +187,7 @@ class Scheduler:
             if r.eval:
                 self.issued[r.rollout_id] = r
         self.outstanding.add(requests)
+        self.refills.add(requests)
 
     async def _drain(self) -> None:
         """Apply every weight version and reward waiting in Kafka (non-blocking)."""
@@ -201,7 +211,10 @@ class Scheduler:
             except CodecError as exc:
                 log.warning("%s: undecodable reward: %s", where(msg), exc)
                 continue
+            request = self.outstanding.pending.get(reward.rollout_id)
             again = self.outstanding.on_reward(reward)
+            if request is not None and reward.rollout_id not in self.outstanding.pending:
+                self.refills.settle(request, reward)  # final: graded, ungraded, or given up (no reward)
             if again is not None:
                 log.info(
                     "%s: rollout %s infra failure (%s): re-issuing attempt %d",
@@ -216,14 +229,14 @@ class Scheduler:
 
     async def train(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
-        tasks = self.catalog.suite(self.settings.suite).split(self.settings.split)
-        self.plan = dataclasses.replace(self.plan, curriculum=curriculum.parse(self.settings.curriculum, tasks))
+        tasks = self.tasks = self.catalog.suite(self.settings.suite).split(self.settings.split)
         log_read = await asyncio.to_thread(self._open, read_log=True)
         try:
             step = await self._resume(tasks, *log_read)
             del log_read  # the run's log as read: not held for the rest of the run
             while step < self.settings.steps and not stop.is_set():
                 await self._drain()
+                await self._refill()  # not gated by policy lag: the batches the lag waits for need them
                 if may_issue(step, self.version, self.settings.max_policy_lag):
                     requests = plan_step(step, tasks, self.plan, self.rng, self.version)
                     await self.publish(requests)
@@ -233,12 +246,43 @@ class Scheduler:
                 else:
                     await asyncio.sleep(0.2)
             deadline = time.monotonic() + self.settings.drain_timeout_s
-            while self.outstanding.pending and time.monotonic() < deadline and not stop.is_set():
+            while not stop.is_set():
                 await self._drain()
+                if await self._refill():
+                    deadline = time.monotonic() + self.settings.drain_timeout_s
+                if not self.outstanding.pending or time.monotonic() >= deadline:
+                    break
                 await asyncio.sleep(0.2)
         finally:
             self._close()
         return step
+
+    async def _refill(self) -> int:
+        """Issue the refill groups owed (``producers.scheduler.refill``: one per group that trains nothing, within
+        the step's budget); returns how many."""
+        issued = 0
+        for refill in self.refills.owed():
+            requests = self.refills.plan(refill, self.tasks, self.plan, self.version)
+            if requests is None:
+                log.warning("step %d: no task left for a refill of harness %s", refill.step, refill.harness)
+                continue
+            await self.publish(requests)
+            issued += 1
+            log.info(
+                "step %d: refill %d of harness %s (%s): a group of the step trains nothing",
+                refill.step,
+                refill.k,
+                refill.harness,
+                requests[0].group_id,
+            )
+        for step, missing in self.refills.short():
+            log.warning(
+                "step %d: %d groups train nothing and its refill budget (%d) is spent: batches fall that short",
+                step,
+                missing,
+                self.refills.max_per_step,
+            )
+        return issued
 
     async def _resume(self, tasks: list[Task], requests: list[RolloutRequest], rewards: list[RewardEvent]) -> int:
         """Take over the state the run's log holds (``plan.rebuild``); publish what is owed; the step to go on at."""
@@ -246,9 +290,15 @@ class Scheduler:
         # Only what is still in flight goes on: the rewards of settled rollouts stay on the log (keep_settled off).
         self.outstanding = Outstanding(self.settings.max_attempts, found.outstanding.pending, keep_settled=False)
         cut_short: list[RolloutRequest] = []
+        # Refills: which groups of the log train nothing, which refills were issued; owed ones go out in train().
+        self.refills.add(found.issued.values())
+        for rid, reward in {**found.outstanding.final, **found.outstanding.gave_up}.items():
+            self.refills.settle(found.issued[rid], reward)
+        cut_short += self.refills.cut_short()
         for step in range(self.settings.start_step, found.next_step):
             planned = plan_step(step, tasks, self.plan, self.rng, self.version)  # the RNG moves as when it was issued
-            missing = missing_requests(planned, found.steps.get(step, []))
+            issued = [r for r in found.steps.get(step, []) if REFILL_KEY not in r.metadata]
+            missing = missing_requests(planned, issued)
             if missing is None:
                 log.warning("step %d on the log is not what this seed plans (seed, suite or sizes changed?)", step)
             elif missing:

@@ -80,6 +80,7 @@ def _start(stack: Stack, model: Path, run_dir: Path, steps: int = STEPS) -> None
         batch_groups=TASKS_PER_STEP,
         settle_interval_s=0.0,
         harness_mix=HARNESS_MIX,
+        zero_variance="keep",  # every group of every step is followed into a batch
     )
     start_learner(stack, model, run_dir, {"lr": 2e-5, "seed": 0}, torch_threads=1)
     start_scheduler(
@@ -91,6 +92,7 @@ def _start(stack: Stack, model: Path, run_dir: Path, steps: int = STEPS) -> None
             "harness_mix": HARNESS_MIX,
             "max_tokens": 128,
             "max_policy_lag": 1,
+            "zero_variance": "keep",
             "drain_timeout_s": 600,
         },
     )
