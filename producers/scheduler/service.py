@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import random
 import sys
@@ -43,6 +44,7 @@ from clawbase.faults import fault_point
 from clawbase.kafka.clients import check_broker, make_consumer, read_to_end, where
 from clawbase.kafka.publisher import KafkaPublisher
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings, load_settings
+from producers.scheduler import curriculum
 from producers.scheduler.plan import (
     EVAL_MODE_KEY,
     EvalScore,
@@ -230,6 +232,7 @@ class Scheduler:
     async def train(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
         tasks = self.tasks = self.catalog.suite(self.settings.suite).split(self.settings.split)
+        self.plan = dataclasses.replace(self.plan, curriculum=curriculum.parse(self.settings.curriculum, tasks))
         log_read = await asyncio.to_thread(self._open, read_log=True)
         try:
             step = await self._resume(tasks, *log_read)
