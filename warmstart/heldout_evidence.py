@@ -178,19 +178,19 @@ def compare(record: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
 def line(version: int, summary: dict[str, Any]) -> str:
     """One printed line of a version's evidence."""
 
-    def pm(mean: float | None, se: float | None, fmt: str) -> str:
-        return "n/a" if mean is None else format(mean, fmt) + ("" if se is None else f" ± {se:.3f}")
+    def pm(mean: float | None, se: float | None, digits: int) -> str:
+        return "n/a" if mean is None else f"{mean:+.{digits}f}" + ("" if se is None else f" ± {se:.{digits}f}")
 
     greedy = (
         f"greedy reward {summary['greedy_reward']:.3f} "
-        f"(Δ {pm(summary['greedy_change'], summary['greedy_change_se'], '+.3f')}), "
+        f"(Δ {pm(summary['greedy_change'], summary['greedy_change_se'], 3)}), "
         f"solved {summary['greedy_solved']:.1%} of {summary['greedy_episodes']}"
         if summary["greedy_reward"] is not None
         else "greedy slice off"
     )
     return (
         f"evidence v{version}: held-out correct-episode log-lik {summary['ll_per_token']:.4f}/token, "
-        f"Δ {pm(summary['ll_change'], summary['ll_change_se'], '+.3f')} per episode "
+        f"Δ {pm(summary['ll_change'], summary['ll_change_se'], 4)} per episode "
         f"({summary['episodes_up']} up, {summary['episodes_down']} down of {summary['ll_episodes']}) | {greedy} "
         f"| {summary['seconds']:.0f} s"
     )

@@ -82,7 +82,7 @@ def test_compare_pairs_each_episode_with_the_warm_start() -> None:
     assert s["ll_per_token"] == pytest.approx(-4.0 / 6) and s["ll_per_episode"] == pytest.approx(-4.0 / 3)
     assert s["greedy_reward"] == 1.0 and s["greedy_solved"] == 1.0
     assert s["greedy_change"] == pytest.approx(0.5) and s["greedy_change_se"] == pytest.approx(0.5)
-    assert "Δ +0.667 ± " in he.line(3, s) and "2 up, 1 down of 3" in he.line(3, s)
+    assert "Δ +0.6667 ± 0.7265 per episode" in he.line(3, s) and "Δ +0.500 ± 0.500" in he.line(3, s) and "2 up, 1 down of 3" in he.line(3, s)
 
 
 def _publish(model: Any, store: Path, version: int) -> Any:
