@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from producers.scheduler import curriculum
 from producers.scheduler.plan import StepPlan, instance_requests
 from producers.tasks.model import Task
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest
@@ -162,10 +163,13 @@ class Refills:
         st = self.steps.setdefault(refill.step, _Step())
         used = st.used.get(refill.harness, set())
         free = [t for t in tasks if t.task_id not in used]
+        if plan.curriculum:  # only the families the curriculum draws, weighted as it weighs them
+            free = [t for t, w in zip(free, curriculum.task_weights(free, plan.curriculum), strict=True) if w > 0]
         if not free:  # counted as issued: owed no more
             st.refills.setdefault(refill.harness, set()).add(refill.k)
             return None
-        task = random.Random(f"{self.seed}:{REFILL_KEY}:{refill.step}:{refill.harness}:{refill.k}").choice(free)
+        rng = random.Random(f"{self.seed}:{REFILL_KEY}:{refill.step}:{refill.harness}:{refill.k}")
+        task = curriculum.draw(free, 1, rng, plan.curriculum)[0] if plan.curriculum else rng.choice(free)
         used.add(task.task_id)  # the next refill of this step and harness, planned before this one is added, differs
         st.used[refill.harness] = used
         out = instance_requests(task, refill.harness, refill.step, plan, version)

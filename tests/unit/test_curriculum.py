@@ -114,3 +114,22 @@ def test_weights_from_measured_rates() -> None:
 def test_the_setting_is_read_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLAWSTREAM_SCHEDULER_CURRICULUM", "replace=2,*=1")
     assert SchedulerSettings().curriculum == "replace=2,*=1"
+
+
+def test_refills_follow_the_curriculum() -> None:
+    """A refill group (a step's group that trained nothing, replaced) draws from the curriculum's families only; with
+    none, as before (``Random(...).choice``)."""
+    from producers.scheduler.refill import Refill, Refills
+
+    weighted = StepPlan(1, 2, {"agentloop": 1.0}, curriculum=C.parse("replace=1,sum=1", TASKS))
+    refills = Refills(100, drop_equal=True, run_key="k", seed=0)
+    picked = [refills.plan(Refill(0, "agentloop", k), TASKS, weighted, 0) for k in range(30)]
+    fams = Counter(C.family(TASKS_BY_ID[rs[0].task_id]) for rs in picked if rs)
+    assert set(fams) == {"replace", "sum"} and sum(fams.values()) == 24  # 12 + 12 tasks, then none left
+    plain = Refills(100, drop_equal=True, run_key="k", seed=0).plan(
+        Refill(0, "agentloop", 0), TASKS, StepPlan(1, 2, {}), 0
+    )
+    assert plain and plain[0].task_id == random.Random("0:refill:0:agentloop:0").choice(TASKS).task_id
+
+
+TASKS_BY_ID = {t.task_id: t for t in TASKS}
