@@ -190,6 +190,7 @@ async def run_check(
                 proxy_admin_token=token,
                 group_id=f"hcheck-{secrets.token_hex(4)}",
                 root=work / "sandboxes",
+                task_timeout_s=settings.rollout_timeout_s,  # a real harness outlives builtin:cpu's 60 s on a busy host
                 concurrency=2,
                 suites={"cpu": f"native:{work / 'tasks'}"},
             )

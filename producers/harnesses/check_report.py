@@ -7,7 +7,8 @@ consistency (each main call's prompt extends the previous main call's prompt + a
 token share (main calls' generated tokens over the tokens a prefix tree of the rollout holds), first-call cache
 share across two rollouts of one task (the engine's reported cached tokens and the common prefix), and where two
 first prompts of one task first differ, as % of the first prompt with the differing text decoded and named (a
-path, a clock, an id). Each problem comes with its fix; ``failed`` when any is an error. Thresholds:
+path, a clock, an id). Each problem comes with its fix; ``failed`` when any is an error (a check that compared no
+two first prompts, or whose every rollout ended without exit 0, fails: it judged nothing). Thresholds:
 :class:`CheckSettings` (env prefix ``CLAWSTREAM_HARNESS_CHECK_``). Pure: no Kafka, no processes.
 """
 
@@ -242,7 +243,7 @@ def _problems(v: Verdict, declared: str, n_rollouts: int, s: CheckSettings) -> N
     if bad:
         add(
             Problem(
-                "warning",
+                "error" if len(bad) == len(v.outcomes) else "warning",
                 f"{len(bad)} of {len(v.outcomes)} rollouts did not end with exit 0: {', '.join(bad)}",
                 "run the adapter's command by hand against the proxy (its stderr says why); a harness that "
                 "fails on a proxy answer may need another dialect or a longer timeout",
@@ -288,7 +289,7 @@ def _problems(v: Verdict, declared: str, n_rollouts: int, s: CheckSettings) -> N
     if v.first_prompt_share is None:
         add(
             Problem(
-                "warning",
+                "error",
                 "no task had two rollouts with a main call: first prompts not compared",
                 "run with more tasks or a longer rollout timeout",
             )

@@ -63,6 +63,20 @@ def test_a_clock_late_in_the_first_prompt_passes_at_the_threshold_openclaw_sits_
     assert strict.failed and "a clock" in strict.divergence
 
 
+def test_a_check_that_judged_nothing_fails() -> None:
+    alone = verdict("one", "OPENAI_CHAT", {"a": rollout("x")}, {"a": "t"}, dec, outcomes={"a": "exit 0"})
+    assert alone.failed and any("first prompts not compared" in p.what for p in alone.problems)
+    pair = {"a": rollout("x"), "b": rollout("x")}
+    timed_out = verdict(
+        "slow", "OPENAI_CHAT", pair, {"a": "t", "b": "t"}, dec, outcomes={"a": "timed out", "b": "timed out"}
+    )
+    assert timed_out.failed and "2 of 2 rollouts did not end with exit 0" in timed_out.problems[0].what
+    one_slow = verdict(
+        "slow", "OPENAI_CHAT", pair, {"a": "t", "b": "t"}, dec, outcomes={"a": "exit 0", "b": "timed out"}
+    )
+    assert not one_slow.failed and one_slow.problems[0].severity == "warning"
+
+
 def test_no_calls_a_wrong_dialect_and_no_main_call_are_errors_with_a_fix() -> None:
     none = verdict("quiet", "OPENAI_CHAT", {"a": [], "b": []}, {}, dec)
     assert none.failed and "no model call reached the proxy" in none.problems[0].what
@@ -76,7 +90,8 @@ def test_no_calls_a_wrong_dialect_and_no_main_call_are_errors_with_a_fix() -> No
 def test_a_history_that_is_rewritten_is_a_warning_not_a_failure() -> None:
     calls = rollout(SYSTEM + "go", answers=1)
     calls.append(CheckCall("c9", 9, "c0", 10, enc("rewritten history"), enc("<done>"), "MAIN", "OPENAI_CHAT"))
-    v = verdict("branchy", "OPENAI_CHAT", {"a": calls}, {}, dec)
+    twin = rollout(SYSTEM + "go", answers=1)
+    v = verdict("branchy", "OPENAI_CHAT", {"a": calls, "b": twin}, {"a": "t", "b": "t"}, dec)
     assert not v.failed and v.main_extends == (0, 1)
     assert [p.severity for p in v.problems if "extend" in p.what] == ["warning"]
 
