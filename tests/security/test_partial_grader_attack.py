@@ -5,7 +5,8 @@ wanted lines found in the file gives full marks; delete the file, pad it, or lea
 compares whatever lines exist gives credit for nothing done. Each attack below first beats honest do-nothing on
 such a naive grader (so it is an attack), then scores 0 — never above honest do-nothing — on the shipped one
 (``producers.tasks.cpu.PARTIAL_GRADE_PY``, run as the sandbox runs it: ``grading_rules`` invocation and parsing).
-``test_the_guard_is_what_holds`` runs the shipped grader with its guard line removed: the attacks score again.
+``test_the_guard_is_what_holds`` runs the shipped grader with its guard line removed: the attacks score again;
+``test_graded_inside_the_sandbox`` grades through `clawstream tasks grade` in a real (bubblewrap) sandbox.
 """
 
 from __future__ import annotations
@@ -105,3 +106,35 @@ def test_the_guard_is_what_holds(tmp_path: Path) -> None:
     attacked, _ = _run(weak, tmp_path, ATTACKS["padded"](before, want), "padded")
     nothing, _ = _nothing(weak, tmp_path)
     assert attacked > 0.0 and nothing > 0.0  # the unguarded copy pays for padding and for doing nothing
+
+
+def test_graded_inside_the_sandbox(tmp_path: Path) -> None:
+    """The variant is a grader like any other: `clawstream tasks grade` runs it in a fresh sandbox (bubblewrap)."""
+    import subprocess
+    import sys
+
+    from tests.support.sandbox_helpers import require_bwrap
+
+    require_bwrap()
+    task = replace_task()
+    path, before, want = target(task)
+    wrong = [("peach" if w != "peach" else "pear") if b != w else w for b, w in zip(before, want, strict=True)]
+    got = {}
+    for name, lines in {"wrong_word": wrong, "every_candidate": ATTACKS["every_candidate"](before, want)}.items():
+        ws = tmp_path / name
+        ws.mkdir()
+        (ws / path).write_text("\n".join(lines) + "\n")
+        argv = [
+            "-m",
+            "clawstream",
+            "tasks",
+            "grade",
+            task.task_id,
+            str(ws),
+            "--suite",
+            "builtin:cpu?train_grader=partial",
+        ]
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, check=True).stdout
+        got[name] = next(line for line in out.splitlines() if line.startswith("reward "))
+    assert got["wrong_word"].startswith("reward 0.666667  (OK, grader cpu_lines_partial")
+    assert got["every_candidate"].startswith("reward 0.0  (OK, grader cpu_lines_partial")
