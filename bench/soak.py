@@ -244,10 +244,19 @@ def _start(
         )
     )
     start_rollout_side(stack, model, concurrency=rollouts, engine_url=str(engine.found))
-    start_streams(stack, run_dir, group_size=group, batch_groups=tasks, settle_interval_s=0.0, loglevel="info")
+    # zero_variance "keep": the instant engine solves tasks alike; with "drop" most groups would wait on refills
+    start_streams(
+        stack,
+        run_dir,
+        group_size=group,
+        batch_groups=tasks,
+        settle_interval_s=0.0,
+        zero_variance="keep",
+        loglevel="info",
+    )
     start_learner(stack, model, run_dir, {"lr": 2e-5, "seed": 0}, torch_threads=1)
     settings = {"tasks_per_step": tasks, "group_size": group, "max_tokens": 128, "max_policy_lag": 1}
-    start_scheduler(stack, 1_000_000, settings)  # stopped by the clock, not by its steps
+    start_scheduler(stack, 1_000_000, {**settings, "zero_variance": "keep"})  # stopped by the clock, not its steps
 
 
 def _sample(stack: Stack, memory: dict[str, Memory], at: float) -> None:
