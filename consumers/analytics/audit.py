@@ -1,6 +1,6 @@
 """``clawstream audit``: read a run's topics back and prove nothing was lost, doubled or trained twice.
 
-Reads every record of the lifecycle, reward, trajectory, batch, weight and dead-letter topics of one topic prefix,
+Reads every record of the request, lifecycle, reward, trajectory, batch, weight and dead-letter topics of a prefix,
 and of each call which attempt it served and whether it was ``tampered`` (``read_committed``, partitions assigned by
 hand, nothing committed), keeps the fields the guarantees are about,
 and reconciles them with the pure rules of ``consumers.analytics.reconcile``. Prints a report (or ``--json``);
@@ -33,6 +33,7 @@ from consumers.analytics.run_log import (
     Call,
     Letter,
     Lifecycle,
+    Request,
     Reward,
     RunLog,
     Settled,
@@ -110,9 +111,14 @@ def _letter(rec: dict[str, Any], where: Where) -> Letter:
     )
 
 
-# topic → (schema, what to keep, the RunLog list it goes to); requests are only decoded and counted.
+def _request(rec: dict[str, Any], where: Where) -> Request:
+    most = (rec.get("metadata") or {}).get("max_attempts", "")
+    return Request(rec["rollout_id"], rec["attempt"], where, rec["group_id"], int(most) if most.isdigit() else None)
+
+
+# topic → (schema, what to keep, the RunLog list it goes to).
 KEEP: dict[str, tuple[str, Callable[[dict[str, Any], Where], Any] | None, str | None]] = {
-    ROLLOUT_REQUESTS: ("RolloutRequest", None, None),
+    ROLLOUT_REQUESTS: ("RolloutRequest", _request, "requests"),
     CALLS: ("CallEvent", lambda r, w: Call(r["rollout_id"], r.get("attempt_id"), bool(r.get("tampered")), w), "calls"),
     ROLLOUT_EVENTS: (
         "RolloutEvent",

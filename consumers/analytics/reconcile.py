@@ -4,12 +4,13 @@ Input: a :class:`RunLog` (``consumers.analytics.run_log``; filled by ``consumers
 :class:`AuditReport`: every violation naming its rollout, group and batch, and what was in flight when the run
 stopped. The rules (``RULES``; from groups on in ``consumers.analytics.reconcile_downstream``), stage by stage:
 1. an attempt has one terminal status (its reward, or the trajectory the streams settled a dead worker's attempt
-   into) and moves as ``schemas.lifecycle`` allows (``lifecycle``, ``terminal status``);
+   into) and moves as ``schemas.lifecycle`` allows; a request runs or is dead-lettered for a cause, never as a
+   replay unrun (``lifecycle``, ``terminal status``, ``request settled``);
 2. a graded attempt is in exactly one trajectory carrying its own reward; a second run of one request (a worker died
    between reward and release, docs/faults.md) is a re-run set aside; a rollout's reward is trained at most once
    across its runs (``one trajectory``, ``reward joined``, ``request trained once``);
-3. a batched group holds every trainable member that settled before its batch formed, unless a dead letter names it;
-   members left out for a reason make the group *short*, reported (``group whole``);
+3. a batched group holds every trainable member that settled before its batch formed; one left out for a reason
+   (out of attempts, poison) makes it *short*, reported; with attempts left it is a loss (``group whole``);
 4. a scored group is batched or dropped for a reason: a stale group is set aside, a consistency drop
    (``IncompleteGroup``) is a loss, and so is one left while a younger group of its harness was batched — the batcher
    takes each harness oldest first (``group batched``);
@@ -21,7 +22,7 @@ stopped. The rules (``RULES``; from groups on in ``consumers.analytics.reconcile
 7. no trained batch holds a trajectory of an attempt with a ``tampered`` call (its request held an assistant turn the
    proxy never generated); such a rollout settles DROPPED and its group trains short (``tampered never trained``).
 
-In flight, not lost: groups not closed, groups the batcher holds, batches sealed after the last trained one.
+In flight: requests not taken, groups not closed or held by the batcher, batches sealed after the last trained one.
 ``reconcile(log, skip=...)`` leaves rules out (the mutation tests show each is needed). Idempotent, order-free."""
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ from consumers.analytics.run_log import (
     Call,
     Letter,
     Lifecycle,
+    Request,
     Reward,
     RunLog,
     Settled,
     Version,
     Violation,
     Where,
+    request_of,
 )
 from schemas.events import RolloutState
 from schemas.lifecycle import can_transition
@@ -61,6 +64,7 @@ __all__ = [  # the run log's names, re-exported: callers import them from here w
     "Call",
     "Letter",
     "Lifecycle",
+    "Request",
     "Reward",
     "RunLog",
     "Settled",
@@ -71,18 +75,13 @@ __all__ = [  # the run log's names, re-exported: callers import them from here w
     "request_of",
 ]
 
-_REQUEST_ATTEMPT = re.compile(r"\.a(\d+)\.[^.]*$")  # attempt ids are {rollout_id}.a{attempt}.{random}
-
-
-def request_of(rollout_id: str, attempt_id: str) -> tuple[str, str]:
-    """(rollout id, request attempt number) of an attempt id; the id itself when it does not have that form."""
-    match = _REQUEST_ATTEMPT.search(attempt_id)
-    return (rollout_id, match.group(1) if match else attempt_id)
+_NAMED_ATTEMPT = re.compile(r"\battempt (\d+)\b")  # the request a sandbox worker's dead letter names
 
 
 RULES = (
     "lifecycle",
     "terminal status",
+    "request settled",
     "one trajectory",
     "reward joined",
     "request trained once",
@@ -126,6 +125,7 @@ def reconcile(log: RunLog, *, skip: frozenset[str] | set[str] = frozenset()) -> 
         undecodable=[f"{where}: {error}" for error, where in log.undecodable],
         reruns_set_aside=reruns,
     )
+    _check_requests(log, report, out)
     flow.check(report)
     report.violations = [v for v in out if v.rule not in skip]
     return report
@@ -169,6 +169,75 @@ def _check_attempts(log: RunLog, out: list[Violation]) -> dict[str, list[Reward]
                 )
             )
     return {a: rewards.get(a, []) for a in set(moves) | set(rewards)}
+
+
+def _check_requests(log: RunLog, report: AuditReport, out: list[Violation]) -> None:
+    """Rule 1b: every request reaches a terminal status (rule 1 follows an attempt from its first event) or a reasoned
+    dead letter. A request never run — no event, reward or trajectory of its attempt, no later attempt of its rollout —
+    is lost when the sandbox worker dead-lettered it as a replay, duplicate or stale (``DuplicateRequest``: that
+    worker thought another run stood for it), or when a later request of its partition was taken (workers read a
+    partition in order); a poison request's dead letter is a cause; with neither, it was not taken yet (in flight)."""
+    latest: dict[str, int] = {}  # rollout → its latest attempt number with any record
+    ran: set[tuple[str, str]] = set()
+    for rid, aid in [(x.rollout_id, x.attempt_id) for xs in (log.lifecycle, log.rewards, log.trajectories) for x in xs]:
+        rollout, n = request_of(rid, aid)
+        ran.add((rollout, n))
+        # an attempt id that names no request number counts for every request of its rollout
+        latest[rollout] = max(latest.get(rollout, -1), int(n) if n.isdigit() else 1 << 62)
+    letters: dict[str, list[Letter]] = defaultdict(list)
+    for d in sorted(log.dead_letters, key=lambda d: (d.where.partition, d.where.offset)):
+        if d.source == "sandbox_worker" and d.rollout_id:
+            letters[d.rollout_id].append(d)
+    first: dict[tuple[str, int], Request] = {}
+    verdict: dict[tuple[str, int], Letter | bool] = {}  # True: run; a letter: dead-lettered; False: no trace
+    taken: dict[tuple[str, int], int] = {}  # requests partition → the last offset read (run or dead-lettered)
+    for q in sorted(log.requests, key=lambda q: (q.where.partition, q.where.offset)):
+        key = (q.rollout_id, q.attempt)
+        first.setdefault(key, q)
+        if key not in verdict:
+            named = [d for d in letters.get(q.rollout_id, []) if _names_attempt(d, q.attempt)]
+            run = (q.rollout_id, str(q.attempt)) in ran or latest.get(q.rollout_id, -1) > q.attempt
+            verdict[key] = True if run else (named[0] if named else False)
+        if verdict[key] is not False:
+            part = (q.where.topic, q.where.partition)
+            taken[part] = max(taken.get(part, -1), q.where.offset)
+    waiting = 0
+    for key, q in sorted(first.items(), key=lambda kv: (kv[1].where.partition, kv[1].where.offset)):
+        what = f"request {q.rollout_id} attempt {q.attempt} (group {q.group_id or '-'}, at {q.where})"
+        found = verdict[key]
+        if found is True:
+            continue
+        if isinstance(found, Letter) and found.error_type != "DuplicateRequest":
+            report.set_aside.append(f"{what}: {found.reason.splitlines()[0][:200]}")
+        elif isinstance(found, Letter):
+            out.append(
+                Violation(
+                    LOST,
+                    "request settled",
+                    f"{what} dead-lettered by the sandbox worker at {found.where} "
+                    f"({found.reason.splitlines()[0][:200]}) and never run: no lifecycle event, no reward, no "
+                    "trajectory, no other attempt",
+                )
+            )
+        elif (last := taken.get((q.where.topic, q.where.partition), -1)) > q.where.offset:
+            out.append(
+                Violation(
+                    LOST,
+                    "request settled",
+                    f"{what} never run nor dead-lettered, while the later request at "
+                    f"{q.where.topic}[{q.where.partition}]@{last} was taken",
+                )
+            )
+        else:
+            waiting += 1
+    if waiting:
+        report.in_flight["requests not taken yet"] = waiting
+
+
+def _names_attempt(letter: Letter, attempt: int) -> bool:
+    """Whether a sandbox worker's dead letter of the rollout is about ``attempt`` (one naming no attempt: any)."""
+    named = _NAMED_ATTEMPT.search(letter.reason)
+    return named is None or int(named.group(1)) == attempt
 
 
 def _check_trajectories(log: RunLog, attempts: dict[str, list[Reward]], out: list[Violation]) -> tuple[int, int]:

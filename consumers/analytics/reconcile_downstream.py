@@ -4,8 +4,8 @@
 the learner's versions, and appends to ``report`` what it finds (rule numbers as in ``consumers.analytics.reconcile``,
 which runs it with the rules over attempts, trajectories, batch records and versions):
 * ``request trained once``: a rollout's reward is trained at most once across its runs;
-* ``group whole`` (3): a batched group holds every trainable member that settled before its batch formed, unless a
-  dead letter names it; members left out for a reason make the group *short* (``report.short_groups``);
+* ``group whole`` (3): a batched group holds every trainable member that settled before its batch formed; members
+  left out for a reason (out of attempts, poison) make it *short* (``report.short_groups``), others are losses;
 * ``group batched`` (4): a scored group is batched, dropped for a cause, or still held by the batcher (FIFO per
   harness); a consistency drop (``IncompleteGroup``) is a loss;
 * ``batches contiguous`` (5): batch ``{prefix}-{n:06d}`` numbers run without a gap;
@@ -31,6 +31,7 @@ from consumers.analytics.run_log import (
     Settled,
     Violation,
     Where,
+    request_of,
 )
 
 # Refusals that are the system failing, not the batch: the learner killed in its step, a batch short of its seal.
@@ -64,6 +65,10 @@ class Flow:
         for t in log.trajectories:
             if t.group_id is not None:
                 self.by_group[t.group_id][t.rollout_id].append(t)
+        self.max_attempts: dict[str, int] = {}  # rollout → the attempts its requests allow
+        for q in log.requests:
+            if q.max_attempts is not None:
+                self.max_attempts[q.rollout_id] = max(self.max_attempts.get(q.rollout_id, 0), q.max_attempts)
         self.letters: dict[tuple[str, str], list[Letter]] = defaultdict(list)  # (source, what it names) → letters
         for d in sorted(log.dead_letters, key=lambda d: (not _is_loss(d), _pos(d.where))):  # losses first
             for k in {d.rollout_id, d.group_id, d.key} - {None, ""}:
@@ -101,7 +106,8 @@ class Flow:
                 )
 
     def _groups_whole(self, report: AuditReport, out: list[Violation]) -> None:
-        """Rule 3: a batched group holds every trainable member that settled before its batch formed."""
+        """Rule 3: a batched group holds every trainable member that settled before its batch formed; a member left
+        out is a reasoned short (out of attempts, poison, after its group timed out) or a loss (``_left_out``)."""
         for group_id, batch_ids in sorted(self.group_batches.items()):
             batch_id = min(batch_ids)
             formed = self.seals[batch_id].timestamp_ms if batch_id in self.seals else 0
@@ -111,26 +117,78 @@ class Flow:
                 if rollout in inside:
                     continue
                 t = max(ts, key=lambda t: (t.trainable is True, t.where.offset))
-                if not t.trainable:
-                    short.append(f"{rollout} {t.status}" + (f" ({t.drop_reason})" if t.drop_reason else ""))
-                elif late := self.letters.get(("streams.grouper", rollout)):  # late, or a second trajectory
-                    short.append(f"{rollout} dead-lettered: {late[0].reason.splitlines()[0][:120]}")
-                elif formed and t.timestamp_ms > formed:
+                if (
+                    t.trainable
+                    and formed
+                    and t.timestamp_ms > formed
+                    and not self.letters.get(("streams.grouper", rollout))
+                ):
                     report.in_flight["late trajectories of trained groups"] = (
                         report.in_flight.get("late trajectories of trained groups", 0) + 1
                     )
-                else:
-                    out.append(
-                        Violation(
-                            LOST,
-                            "group whole",
-                            f"rollout {rollout} (attempt {t.attempt_id}, {t.status}, reward {t.reward}, settled at "
-                            f"{t.where}) of group {group_id} is not in the group's batch {batch_id}, and no dead "
-                            "letter names it",
-                        )
+                    continue
+                reason, lost = self._left_out(rollout, ts, t)
+                if not lost:
+                    short.append(f"member {rollout} {reason}")
+                    continue
+                out.append(
+                    Violation(
+                        LOST,
+                        "group whole",
+                        f"rollout {rollout} (attempt {t.attempt_id}, {t.status}, reward {t.reward}, settled at "
+                        f"{t.where}) of group {group_id} is not in the group's batch {batch_id}: {reason}",
                     )
+                )
             if short:
-                report.short_groups.append(f"group {group_id} (batch {batch_id}) trained without {'; '.join(short)}")
+                report.short_groups.append(f"group {group_id} (batch {batch_id}) trained short: {'; '.join(short)}")
+        for group_id in sorted(set(self.by_group) - set(self.group_batches)):  # closed without its re-issue, unbatched
+            for rollout, ts in sorted(self.by_group[group_id].items()):
+                t = max(ts, key=lambda t: (t.trainable is True, t.where.offset))
+                if t.trainable and self.letters.get(("streams.grouper", rollout)):
+                    reason, lost = self._left_out(rollout, ts, t)
+                    if lost:
+                        out.append(
+                            Violation(
+                                LOST,
+                                "group whole",
+                                f"rollout {rollout} (attempt {t.attempt_id}, settled at {t.where}) of group {group_id} "
+                                f"(in no batch): {reason}",
+                            )
+                        )
+
+    def _left_out(self, rollout: str, ts: list[Settled], t: Settled) -> tuple[str, bool]:
+        """Why a member is missing from its group's batch, and whether that is a loss. Reasoned: out of its attempts
+        (every one an infrastructure failure), its own cause (poison: dropped, failed, tampered; with its reason), a
+        trajectory after its group timed out. A loss: an infrastructure failure with attempts left (the group did not
+        wait for its re-issue), a re-issue dead-lettered late by a group that closed complete, no reason at all."""
+        infra = sorted(
+            {
+                int(n)
+                for x in ts
+                if x.status == "INFRA_FAILURE" and (n := request_of(rollout, x.attempt_id)[1]).isdigit()
+            }
+        )
+        most = self.max_attempts.get(rollout)
+        late = self.letters.get(("streams.grouper", rollout))
+        if t.trainable and late:
+            why = late[0].reason.splitlines()[0][:160]
+            if infra and "closed (complete" in why:
+                return (
+                    f"dead-lettered late ({why}) after its attempt(s) {infra} failed: the group closed before its "
+                    "re-issue",
+                    True,
+                )
+            return f"dead-lettered: {why}", False
+        if t.trainable:
+            return "no dead letter names it", True
+        if t.status != "INFRA_FAILURE":
+            return f"{t.status}" + (f" ({t.drop_reason})" if t.drop_reason else ""), False
+        n = request_of(rollout, t.attempt_id)[1]
+        if most is not None and n.isdigit() and int(n) + 1 < most:
+            return f"INFRA_FAILURE at attempt {n} of {most}: the group was batched without its re-issue", True
+        if most is None:  # a request that announced no limit (or none read): reported as it is
+            return f"INFRA_FAILURE x{len(infra) or 1} (its requests name no max_attempts)", False
+        return f"out of attempts (INFRA_FAILURE x{len(infra) or 1})", False
 
     def _groups_batched(self, report: AuditReport, out: list[Violation]) -> None:
         """Rule 4: a scored group is batched, dropped for a reason, or still held by the batcher (FIFO per harness)."""

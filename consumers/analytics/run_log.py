@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,13 @@ from typing import Any
 from schemas.events import RolloutState
 
 LOST, DUPLICATED, TRAINED_TWICE, INCONSISTENT = "lost", "duplicated", "trained twice", "inconsistent"
+_REQUEST_ATTEMPT = re.compile(r"\.a(\d+)\.[^.]*$")  # attempt ids are {rollout_id}.a{attempt}.{random}
+
+
+def request_of(rollout_id: str, attempt_id: str) -> tuple[str, str]:
+    """(rollout id, request attempt number) of an attempt id; the id itself when it does not have that form."""
+    match = _REQUEST_ATTEMPT.search(attempt_id)
+    return (rollout_id, match.group(1) if match else attempt_id)
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,18 @@ class Reward:
     status: str
     reward: float | None
     where: Where
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A rollout request the scheduler published: which rollout and attempt, its group, and how many attempts the
+    scheduler allows the rollout (``max_attempts`` as the request announced it; None when it did not)."""
+
+    rollout_id: str
+    attempt: int
+    where: Where
+    group_id: str = ""
+    max_attempts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +138,7 @@ class RunLog:
     counts: dict[str, int] = field(default_factory=dict)  # records read per topic
     scored: list[BatchEntry] = field(default_factory=list)  # the grouper's SEALs, in the batcher's input order
     calls: list[Call] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -141,7 +162,7 @@ class AuditReport:
     undecodable: list[str]
     reruns_set_aside: int = 0  # second runs of a request whose first run was trained (rule 2)
     in_flight: dict[str, int] = field(default_factory=dict)  # what the run still held when it stopped
-    short_groups: list[str] = field(default_factory=list)  # groups trained without some members, with the reasons
+    short_groups: list[str] = field(default_factory=list)  # groups trained without some members, each with its reason
     set_aside: list[str] = field(default_factory=list)  # groups and batches refused for a cause (stale, poison)
 
     @property

@@ -30,7 +30,9 @@ from consumers.analytics.reconcile import (
     RULES,
     TRAINED_TWICE,
     BatchEntry,
+    Request,
     RunLog,
+    Settled,
     Version,
     Where,
     reconcile,
@@ -83,7 +85,8 @@ class Run:
 
     def _wheres(self) -> list[Where]:
         lg = self.log
-        return [x.where for xs in (lg.lifecycle, lg.rewards, lg.trajectories, lg.batches, lg.versions) for x in xs]
+        kept = (lg.lifecycle, lg.rewards, lg.trajectories, lg.batches, lg.versions, lg.requests)
+        return [x.where for xs in kept for x in xs]
 
     def reseal(self, batch_id: str) -> None:
         """Number the batch's records 0..n-1 and make its seal announce n (a forger covering a change)."""
@@ -114,13 +117,71 @@ class Run:
         self.log.batches.append(dataclasses.replace(entry, batch_id=batch_id, where=self._end(entry.where.topic)))
         self.reseal(batch_id)
 
-    def letter(self, source: str, reason: str, error_type: str, key: str | None = None) -> None:
+    def letter(
+        self, source: str, reason: str, error_type: str, key: str | None = None, rollout_id: str | None = None
+    ) -> None:
         """A dead letter as ``schemas.dead_letter`` builds it, decoded by the audit's reader."""
         raw = dead_letter(
-            source, reason, error_type, topic=BATCHES, key=key.encode() if key else None, policy_version=1
+            source,
+            reason,
+            error_type,
+            topic=BATCHES,
+            key=key.encode() if key else None,
+            rollout_id=rollout_id,
+            policy_version=1,
         ).to_bytes()
         _, rec = default_codec().decode(raw, expected="DeadLetter")
         self.log.dead_letters.append(_letter(rec, Where("t.clawstream.deadletter", 0, len(self.log.dead_letters))))
+
+    def member(self, k: int, i: int) -> Settled:
+        """The i-th trajectory of the batch trained as the k-th version, taken out of it (the seal adjusted)."""
+        b = self.batch(k)
+        gone = self.entries(b)[i]
+        assert gone.trajectory is not None
+        self.drop_entries(lambda e: e is not gone)
+        self.reseal(b)
+        return gone.trajectory
+
+    def erase(self, rollout_id: str) -> Request:
+        """Every record of the rollout but its request gone (as if it never ran); returns its request."""
+        lg = self.log
+        lg.lifecycle = [x for x in lg.lifecycle if x.rollout_id != rollout_id]
+        lg.rewards = [x for x in lg.rewards if x.rollout_id != rollout_id]
+        lg.trajectories = [x for x in lg.trajectories if x.rollout_id != rollout_id]
+        lg.calls = [x for x in lg.calls if x.rollout_id != rollout_id]
+        return next(q for q in lg.requests if q.rollout_id == rollout_id)
+
+    def infra_failure(self, attempt_id: str) -> None:
+        """The attempt ends as an infrastructure failure (its reward and trajectory say so, nothing to train)."""
+        lg = self.log
+        lg.rewards = [
+            dataclasses.replace(x, status="INFRA_FAILURE", reward=None) if x.attempt_id == attempt_id else x
+            for x in lg.rewards
+        ]
+        lg.trajectories = [
+            dataclasses.replace(x, status="INFRA_FAILURE", reward=None, trainable=False)
+            if x.attempt_id == attempt_id
+            else x
+            for x in lg.trajectories
+        ]
+
+    def reissue(self, t: Settled, attempt: int, infra: bool) -> Settled:
+        """Attempt ``attempt`` of ``t``'s rollout, as the scheduler re-issues it: its request, events, reward and
+        trajectory (copies of ``t``'s, at the ends of their topics); ``infra``: it failed too."""
+        lg = self.log
+        aid = f"{t.rollout_id}.a{attempt}.forged"
+        q = next(q for q in lg.requests if q.rollout_id == t.rollout_id)
+        lg.requests.append(dataclasses.replace(q, attempt=attempt, where=self._end(q.where.topic)))
+        for ev in [e for e in lg.lifecycle if e.attempt_id == t.attempt_id]:
+            lg.lifecycle.append(dataclasses.replace(ev, attempt_id=aid, where=self._end(ev.where.topic)))
+        for rw in [x for x in lg.rewards if x.attempt_id == t.attempt_id]:
+            lg.rewards.append(dataclasses.replace(rw, attempt_id=aid, where=self._end(rw.where.topic)))
+        own = next(x for x in lg.trajectories if x.attempt_id == t.attempt_id)
+        again = dataclasses.replace(own, attempt_id=aid, where=self._end(own.where.topic))
+        lg.trajectories.append(again)
+        if infra:
+            self.infra_failure(aid)
+        return again
 
     def rename_batches_after(self, batch_id: str) -> None:
         """Batches numbered after ``batch_id`` (removed) move down one: ``{prefix}-{n:06d}`` and step n → n−1."""
@@ -267,6 +328,42 @@ def tampered_trained(r: Run) -> str:
     return t.rollout_id
 
 
+def request_replayed_never_run(r: Run) -> str:
+    """A request the sandbox worker dead-lettered as a replay (a store of another run said it was done), never run:
+    the rollout has no event, reward or trajectory, its group trained without it (the seal adjusted)."""
+    t = r.member(1, 3)
+    q = r.erase(t.rollout_id)
+    where = f"{q.where.topic}[{q.where.partition}]@{q.where.offset}"
+    reason = f"replay: rollout {q.rollout_id} attempt {q.attempt} at {where} is below its partition's committed "
+    r.letter("sandbox_worker", reason + "position 1000: already done", "DuplicateRequest", rollout_id=q.rollout_id)
+    return q.rollout_id
+
+
+def request_never_taken(r: Run) -> str:
+    """A request that left no trace at all, while later requests of its partition ran."""
+    t = r.member(0, 1)
+    return r.erase(t.rollout_id).rollout_id
+
+
+def short_with_attempts_left(r: Run) -> str:
+    """A member's attempt lost to the infrastructure (a proxy kill), its group trained without waiting for the
+    re-issue: reported short as an infrastructure failure, though the scheduler had attempts left."""
+    t = r.member(1, 2)
+    r.infra_failure(t.attempt_id)
+    return t.rollout_id
+
+
+def reissue_late_after_complete(r: Run) -> str:
+    """The proxy kill's race: attempt 0 an infrastructure failure, the group closed "complete" anyway, and the
+    re-issue's trainable trajectory dead-lettered late by the grouper."""
+    t = r.member(1, 2)
+    r.reissue(t, 1, infra=False)
+    r.infra_failure(t.attempt_id)
+    late = f"late trajectory {t.rollout_id}: group {t.group_id or '-'} closed (complete, 8/8 rollouts)"
+    r.letter("streams.grouper", late, "late", rollout_id=t.rollout_id)
+    return t.rollout_id
+
+
 def trajectory_lost(r: Run) -> str:
     """Control: a graded attempt's trajectory lost."""
     gone = r.log.trajectories[5]
@@ -291,6 +388,10 @@ FORGED: dict[str, tuple[Callable[[Run], str], set[tuple[str, str]]]] = {
     "in two batches": (in_two_batches, {(DUPLICATED, "one batch")}),
     "batch trained twice": (batch_trained_twice, {(TRAINED_TWICE, "trained once")}),
     "trajectory lost": (trajectory_lost, {(LOST, "one trajectory")}),
+    "request dead-lettered as a replay, never run": (request_replayed_never_run, {(LOST, "request settled")}),
+    "request never taken, later ones run": (request_never_taken, {(LOST, "request settled")}),
+    "short: infra failure with attempts left": (short_with_attempts_left, {(LOST, "group whole")}),
+    "short: re-issue late after its group closed complete": (reissue_late_after_complete, {(LOST, "group whole")}),
     "tampered rollout trained": (tampered_trained, {(INCONSISTENT, "tampered never trained")}),
     "versions from 2": (versions_from_2, {(INCONSISTENT, "versions contiguous")}),
 }
@@ -351,6 +452,15 @@ def member_dropped_for_a_reason(r: Run) -> None:
     ]
 
 
+def member_out_of_attempts(r: Run) -> None:
+    """A member whose three attempts were each lost to the infrastructure (three proxy kills): out of attempts, its
+    group trained short with that reason."""
+    t = r.member(1, 2)
+    r.infra_failure(t.attempt_id)
+    r.reissue(t, 1, infra=True)
+    r.reissue(t, 2, infra=True)
+
+
 def stale_group(r: Run) -> None:
     b = r.batch(-1)
     g = r.groups(b)[0]
@@ -386,6 +496,7 @@ HONEST: dict[str, tuple[Callable[[Run], None], str]] = {
     "last batch sealed, not trained yet": (last_batch_not_trained_yet, "batches sealed after the last trained one"),
     "last groups held by the batcher": (last_batch_not_formed_yet, "groups held by the batcher"),
     "member dropped for a reason": (member_dropped_for_a_reason, "no trainable tokens"),
+    "member out of attempts": (member_out_of_attempts, "out of attempts (INFRA_FAILURE x3)"),
     "stale group set aside": (stale_group, "stale group"),
     "last batch refused for a cause": (last_batch_refused_for_a_cause, "cannot pack the batch"),
     "tampered rollout dropped with its reason": (tampered_dropped, "DROPPED (tampered (2 call(s)))"),

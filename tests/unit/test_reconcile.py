@@ -3,6 +3,7 @@ double training is found and named, whatever the order of the records."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from consumers.analytics.reconcile import (
@@ -14,6 +15,7 @@ from consumers.analytics.reconcile import (
     BatchEntry,
     Letter,
     Lifecycle,
+    Request,
     Reward,
     RunLog,
     Settled,
@@ -272,6 +274,92 @@ def test_one_request_trained_through_two_runs_is_trained_twice() -> None:
         for e in log.batches
     ]
     assert kinds(log) == [(TRAINED_TWICE, "request trained once")]
+
+
+def _infra_attempts(log: RunLog, rid: str, group: str, n: int, max_attempts: int = 3) -> None:
+    """``rid`` out of its group's batch; its attempts 0..n-1 each an INFRA_FAILURE, as the scheduler re-issued them."""
+    batch = next(e.batch_id for e in log.batches if e.trajectory and e.trajectory.rollout_id == rid)
+    kept = [e for e in log.batches if e.batch_id == batch and e.kind != "SEAL" and e.trajectory.rollout_id != rid]
+    renumbered = [dataclasses.replace(e, index=i) for i, e in enumerate(kept)]
+    log.batches = [e for e in log.batches if e.batch_id != batch or e.kind == "SEAL"] + renumbered
+    log.batches = [
+        dataclasses.replace(e, index=len(kept)) if e.batch_id == batch and e.kind == "SEAL" else e for e in log.batches
+    ]
+    log.lifecycle = [x for x in log.lifecycle if x.rollout_id != rid]
+    log.rewards = [x for x in log.rewards if x.rollout_id != rid]
+    log.trajectories = [x for x in log.trajectories if x.rollout_id != rid]
+    for a in range(n):
+        aid = f"{rid}.a{a}.x"
+        log.requests.append(Request(rid, a, at("requests"), group, max_attempts))
+        log.lifecycle += [
+            Lifecycle(rid, aid, RolloutState.STARTED, at("events")),
+            Lifecycle(rid, aid, RolloutState.FAILED, at("events")),
+        ]
+        log.rewards.append(Reward(rid, aid, "INFRA_FAILURE", None, at("rewards")))
+        log.trajectories.append(Settled(rid, aid, "INFRA_FAILURE", None, at("trajectories"), group, False))
+
+
+def test_a_member_out_of_attempts_is_a_reasoned_short_one_with_attempts_left_is_lost() -> None:
+    log = grouped_run()
+    _infra_attempts(log, "r1-2", "g1", 3)
+    report = reconcile(log)
+    assert report.clean and report.short_groups == [
+        "group g1 (batch s-000001) trained short: member r1-2 out of attempts (INFRA_FAILURE x3)"
+    ], report.short_groups
+    log = grouped_run()
+    _infra_attempts(log, "r1-2", "g1", 2)  # attempt 1 of 3 failed: the group should have waited for attempt 2
+    report = reconcile(log)
+    assert kinds(log) == [(LOST, "group whole")] and not report.short_groups
+    assert "r1-2" in report.violations[0].detail and "attempt 1 of 3" in report.violations[0].detail
+    assert reconcile(log, skip={"group whole"}).clean
+
+
+def test_a_reissue_dead_lettered_late_by_a_group_closed_complete_is_lost_after_a_timeout_it_is_reasoned() -> None:
+    log = grouped_run()
+    _infra_attempts(log, "r1-2", "g1", 1)
+    again = Settled("r1-2", "r1-2.a1.x", "COMPLETE", 0.5, at("trajectories"), "g1", True)
+    log.requests.append(Request("r1-2", 1, at("requests"), "g1", 3))
+    log.lifecycle.append(Lifecycle("r1-2", again.attempt_id, RolloutState.STARTED, at("events")))
+    log.rewards.append(Reward("r1-2", again.attempt_id, "OK", 0.5, at("rewards")))
+    log.trajectories.append(again)
+    late = "late trajectory r1-2: group g1 closed (complete, 4/4 rollouts)"
+    log.dead_letters.append(Letter("streams.grouper", late, at("d"), "late", rollout_id="r1-2"))
+    assert kinds(log) == [(LOST, "group whole")]
+    log.dead_letters[-1] = Letter("streams.grouper", late.replace("complete", "timeout"), at("d"), rollout_id="r1-2")
+    report = reconcile(log)
+    assert report.clean and "member r1-2 dead-lettered: late" in report.short_groups[0]
+    # The same race when every member failed first: the group closed complete with nothing to train, in no batch.
+    log.dead_letters[-1] = Letter("streams.grouper", late, at("d"), "late", rollout_id="r1-2")
+    log.batches = [e for e in log.batches if e.batch_id != "s-000001"]
+    log.versions = [v for v in log.versions if v.batch_id != "s-000001"]
+    log.scored = [e for e in log.scored if e.group_id != "g1"]
+    assert (LOST, "group whole") in kinds(log)
+    assert "r1-2" in next(v.detail for v in reconcile(log).violations if v.rule == "group whole")
+
+
+def test_every_request_runs_or_is_dead_lettered_for_a_cause() -> None:
+    log = clean_run()
+    for i, t in enumerate(log.trajectories):
+        log.requests.append(Request(t.rollout_id, 0, Where("requests", 0, i)))
+    assert reconcile(log).clean  # (these attempt ids name no request number: they count for any request)
+    log.requests.append(Request("r9", 0, Where("requests", 0, 100), "g9", 3))  # not read yet
+    report = reconcile(log)
+    assert report.clean and report.in_flight == {"requests not taken yet": 1}
+    replay = "replay: rollout r9 attempt 0 at requests[0]@100 is below its partition's committed position 200"
+    log.dead_letters.append(Letter("sandbox_worker", replay, at("d"), "DuplicateRequest", rollout_id="r9"))
+    report = reconcile(log)
+    assert kinds(log) == [(LOST, "request settled")] and "request r9 attempt 0 (group g9" in report.violations[0].detail
+    assert reconcile(log, skip={"request settled"}).clean
+    log.dead_letters[-1] = Letter("sandbox_worker", "invalid request: unknown harness 'x'", at("d"), rollout_id="r9")
+    report = reconcile(log)
+    assert report.clean and "unknown harness" in report.set_aside[0]
+    log.dead_letters.pop()
+    log.requests.append(Request("r0-0", 0, Where("requests", 0, 101)))  # a later request of the partition, taken
+    assert kinds(log) == [(LOST, "request settled")]
+    log.lifecycle.append(Lifecycle("r9", "r9.a1.x", RolloutState.STARTED, at("events")))  # a later attempt ran
+    log.rewards.append(Reward("r9", "r9.a1.x", "OK", 1.0, at("rewards")))
+    log.trajectories.append(Settled("r9", "r9.a1.x", "COMPLETE", 1.0, at("trajectories")))
+    assert (LOST, "request settled") not in kinds(log)
 
 
 def test_skip_names_rules() -> None:
