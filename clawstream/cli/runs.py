@@ -47,6 +47,13 @@ from clawbase.signals import sigterm_interrupts
     "the measured recipe in docs/method.md#curriculum; `clawstream model curriculum --model DIR` measures one. "
     "Default: uniform.",
 )
+@click.option(
+    "--train-grader",
+    type=click.Choice(["partial"]),
+    default=None,
+    help="Grade the training tasks' replace per line (builtin:cpu?train_grader=partial, docs/task_suites.md); "
+    "evaluations keep the exact graders. Default: the exact graders.",
+)
 @click.option("--lr", type=float, default=None, help="Learner learning rate.  [default: 2e-05]")
 @click.option("--seed", type=int, default=None, help="Seed of the task sampling and the learner.  [default: 0]")
 @click.option(
@@ -129,6 +136,7 @@ def demo(
     lr: float | None,
     seed: int | None,
     curriculum: str | None,
+    train_grader: str | None,
     hp: tuple[str, ...],
     model_dir: Path | None,
     sft_steps: int | None,
@@ -158,6 +166,7 @@ def demo(
         "lr": lr,
         "seed": seed,
         "curriculum": curriculum,
+        "train_grader": train_grader,
         "hp": tuple(hp) or None,
         "model": model_dir,
         "sft_steps": sft_steps,

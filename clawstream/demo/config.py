@@ -31,6 +31,7 @@ class DemoConfig:
     settle_interval_s: float = 0.0  # the built-in loop's rollouts are complete at HARNESS_EXITED: no quiet period
     seed: int = 0  # scheduler's task sampling and the learner's torch seed
     curriculum: str = ""  # training tasks by family, FAMILY=WEIGHT,... (producers/scheduler/curriculum.py); "": uniform
+    train_grader: str = ""  # "partial": the sandbox worker's builtin:cpu?train_grader=partial (training only)
     harnesses: tuple[str, ...] = tuple(HARNESS_MIX)  # mixed in equal shares; evaluated each (--harnesses)
     model: Path | None = None  # start RL from this model directory instead of the tiny model's warm start below
     sft_steps: int | None = None  # None: the shipped warm start (its recipe: sft.SHIPPED_RECIPE); N: an N-step

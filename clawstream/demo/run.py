@@ -250,6 +250,7 @@ def start_services(run: DemoRun, stack: Stack, model: Path, say: Callable[[str],
         max_batch_size=max(16, cfg.concurrency),
         torch_threads=threads,
         task_timeout_s=cfg.rollout_timeout_s,
+        suites={"cpu_builtin": f"builtin:cpu?train_grader={cfg.train_grader}"} if cfg.train_grader else None,
     )
     start_streams(
         stack,
