@@ -11,9 +11,8 @@ stopped. The rules (``RULES``; from groups on in ``consumers.analytics.reconcile
    across its runs (``one trajectory``, ``reward joined``, ``request trained once``);
 3. a batched group holds every trainable member that settled before its batch formed; one left out for a reason
    (out of attempts, poison) makes it *short*, reported; with attempts left it is a loss (``group whole``);
-4. a scored group is batched or dropped for a reason: a stale group is set aside, a consistency drop
-   (``IncompleteGroup``) is a loss, and so is one left while a younger group of its harness was batched — the batcher
-   takes each harness oldest first (``group batched``);
+4. a scored group is batched or dropped for a reason: a stale group is set aside; a consistency drop
+   (``IncompleteGroup``) or a group passed over for a younger one of its harness is a loss (``group batched``);
 5. a trajectory is in at most one batch, a seal announces its records, batch numbers have no gap (``one batch``,
    ``sealed batch``, ``batches contiguous``);
 6. a sealed batch is trained once or refused for a cause; a kill (``TrainingStepKilled``, written by learners that
