@@ -85,8 +85,10 @@ class LoRA(torch.nn.Module):
 
     def _hook(self, i: int) -> Any:
         def add(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            low = F.linear(F.linear(inputs[0], self.lora_A[i]), self.lora_B[i])  # (..., r) -> (..., out)
-            return output + low * self.scale  # B = 0 adds exact zeros: the base's output bit for bit
+            low = F.linear(F.linear(inputs[0], self.lora_A[i]) * self.scale, self.lora_B[i])  # (..., r) -> (..., out)
+            # In place: the base's backward does not read its output, and no second (..., out) tensor is made.
+            # B = 0 adds exact zeros: the base's output bit for bit.
+            return output.add_(low)
 
         return add
 
