@@ -28,6 +28,8 @@ FLAGS = {
     "group_size": "--group-size",
     "lr": "--lr",
     "seed": "--seed",
+    "curriculum": "--curriculum",
+    "train_grader": "--train-grader",
     "eval_tasks": "--eval-tasks",
     "concurrency": "--concurrency",
     "rollout_timeout_s": "--rollout-timeout",
@@ -72,7 +74,7 @@ def command(cfg: dict[str, Any]) -> str:
     parts = ["clawstream", "demo"]
     for field, flag in FLAGS.items():
         value = cfg.get(field)
-        if value is None:
+        if value is None or value == "":  # unset (a string flag's default is "")
             continue
         if field == "model":  # recorded absolute; shown from the working directory where it lies below it
             value = _relative(Path(value))

@@ -133,3 +133,11 @@ def test_refills_follow_the_curriculum() -> None:
 
 
 TASKS_BY_ID = {t.task_id: t for t in TASKS}
+
+
+def test_a_runs_recorded_command_line_carries_the_curriculum() -> None:
+    from clawstream.demo import seeds
+
+    cfg = {"steps": 3, "seed": 0, "curriculum": "replace=2,*=1", "train_grader": "partial"}
+    assert "--curriculum 'replace=2,*=1' --train-grader partial" in seeds.command(cfg)
+    assert "--curriculum" not in seeds.command({**cfg, "curriculum": "", "train_grader": ""})
