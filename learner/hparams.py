@@ -20,7 +20,11 @@ def _hp(default: Any, help: str) -> Any:  # noqa: A002 - "help" reads best in th
 
 @dataclass(frozen=True)
 class Hyperparams:
-    """What the learner optimises and how. Defaults suit the tiny CPU model; the paper's values are noted."""
+    """What the learner optimises and how. Defaults suit the tiny CPU model; the paper's values are noted.
+
+    Warm-up, clipping, clip range: ClawGym II (docs/method.md, ../shared/DESIGN.md) gives no learning-rate warm-up,
+    gradient-clipping norm or PPO clip range. The defaults are then the peers' (verl, DAPO): no warm-up, a global
+    gradient norm of 1.0, clip-higher at 0.2 / 0.28; these are the values the demo's recipe trains with."""
 
     algorithm: Literal["grpo", "ppo"] = _hp(
         "grpo", "grpo: group-normalised advantage per rollout. ppo: A_t = R - V(s_t) with a value head (γ = λ = 1)."
@@ -28,12 +32,14 @@ class Hyperparams:
     lr: float = _hp(1e-5, "AdamW learning rate (constant after the warm-up).")
     lr_warmup_steps: int = _hp(
         0,
-        "Linear warm-up: training step k (from 0, counted over restarts) uses lr * min(1, (k + 1) / N); 0 = off. "
-        "AdamW's first steps move every weight by about lr whatever its gradient's size.",
+        "Linear warm-up: training step k (from 0, counted over restarts) uses lr * min(1, (k + 1) / N); 0 = off "
+        "(the paper names none). AdamW's first steps move every weight by about lr whatever its gradient's size.",
     )
     betas: tuple[float, float] = _hp((0.9, 0.999), "AdamW betas.")
     weight_decay: float = _hp(0.0, "AdamW weight decay.")
-    max_grad_norm: float = _hp(1.0, "Gradient clipping by global norm; <= 0 disables it.")
+    max_grad_norm: float = _hp(
+        1.0, "Gradient clipping by global norm; <= 0 disables it (the paper names no value; 1.0 as verl)."
+    )
     token_budget: int = _hp(4096, "Tokens per micro-batch row of packed trees (first-fit decreasing; dense mask).")
     max_path_tokens: int = _hp(
         0,
@@ -58,8 +64,12 @@ class Hyperparams:
         "memory ≈ 5 x logprob_chunk x vocabulary x 4 bytes (9x with top-k/top-p); exact: same logprobs and gradients.",
     )
     mini_batches: int = _hp(1, "Optimizer steps per training batch (the batch is split into this many parts).")
-    eps_low: float = _hp(0.2, "Lower clip of the ratio (1 - eps_low) for negative advantages.")
-    eps_high: float = _hp(0.28, "Upper clip of the ratio (1 + eps_high) for positive advantages (clip-higher).")
+    eps_low: float = _hp(
+        0.2, "Lower clip of the ratio (1 - eps_low) for negative advantages (the paper names no value; DAPO's)."
+    )
+    eps_high: float = _hp(
+        0.28, "Upper clip of the ratio (1 + eps_high) for positive advantages (clip-higher; DAPO's value)."
+    )
     is_mode: Literal["tis", "masked", "none"] = _hp(
         "tis", "Off-policy correction: truncated IS min(pi_old/pi_rollout, c), masked IS (drop outside [1/c, c]), none."
     )

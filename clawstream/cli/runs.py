@@ -61,8 +61,37 @@ from clawbase.signals import sigterm_interrupts
     multiple=True,
     metavar="NAME=VALUE",
     help="Another learner hyperparameter (repeat; `clawstream learner --help` lists them), e.g. "
-    "--hp mini_batches=2 --hp kl_coef=0.01. The demo sets logit_scale_lr=0.1 (learner/logit_scale.py; "
-    "--hp logit_scale_lr=0 turns it off).",
+    "--hp mini_batches=2 --hp kl_coef=0.01.",
+)
+@click.option(
+    "--logit-scale",
+    type=click.Choice(["on", "off"]),
+    default=None,
+    help="The learned logit scale (learner/logit_scale.py): on = logit_scale_lr 0.1 (it sharpens sampling, cannot "
+    "change a greedy answer), off = 0 as the paper: the skill recipe; --hp logit_scale_lr=X sets another lr.  "
+    "[default: off]",
+)
+@click.option(
+    "--zero-variance",
+    type=click.Choice(["drop", "keep"]),
+    default=None,
+    help="Groups whose rewards are all equal: drop them (the scheduler issues a refill group for each, so batches "
+    "still fill with informative groups) or keep them at advantage 0.  [default: drop]",
+)
+@click.option(
+    "--train-temperature", type=float, default=None, help="Sampling temperature of the RL rollouts.  [default: 1.0]"
+)
+@click.option(
+    "--eval-temperature",
+    type=float,
+    default=None,
+    help="Temperature of the sampled held-out evaluation (greedy is 0).  [default: 1.0]",
+)
+@click.option(
+    "--temperature",
+    type=float,
+    default=None,
+    help="Sets both --train-temperature and --eval-temperature (each, given too, wins).",
 )
 @click.option(
     "--model",
@@ -138,6 +167,11 @@ def demo(
     curriculum: str | None,
     train_grader: str | None,
     hp: tuple[str, ...],
+    logit_scale: str | None,
+    zero_variance: str | None,
+    train_temperature: float | None,
+    eval_temperature: float | None,
+    temperature: float | None,
     model_dir: Path | None,
     sft_steps: int | None,
     sft_seed: int | None,
@@ -155,6 +189,7 @@ def demo(
     scheduler) on a local broker, then held-out reward per harness before and after, a plot and TensorBoard scalars
     in $CLAWSTREAM_HOME/demo/<run>/ (docs/quickstart.md)."""
     from clawstream.demo import run_demo
+    from clawstream.demo.config import LOGIT_SCALE_ON_LR
     from clawstream.demo.state import parse_harnesses
 
     sigterm_interrupts()  # `kill` stops the demo's services too (its finally), as Ctrl-C does
@@ -168,6 +203,10 @@ def demo(
         "curriculum": curriculum,
         "train_grader": train_grader,
         "hp": tuple(hp) or None,
+        "logit_scale_lr": None if logit_scale is None else (LOGIT_SCALE_ON_LR if logit_scale == "on" else 0.0),
+        "zero_variance": zero_variance,
+        "train_temperature": train_temperature if train_temperature is not None else temperature,
+        "eval_temperature": eval_temperature if eval_temperature is not None else temperature,
         "model": model_dir,
         "sft_steps": sft_steps,
         "sft_seed": sft_seed,

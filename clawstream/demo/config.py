@@ -11,6 +11,7 @@ from clawstream.demo.state import check_harnesses
 from learner.hparams import Hyperparams
 
 HARNESS_MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
+LOGIT_SCALE_ON_LR = 0.1  # --logit-scale on: the learned logit scale's lr (the recipe before the skill recipe)
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,14 @@ class DemoConfig:
     tasks_per_step: int = 4
     group_size: int = 8
     lr: float = 2e-5  # learner AdamW learning rate
-    logit_scale_lr: float = 0.1  # learner's learned logit scale (learner/logit_scale.py); --hp logit_scale_lr=X
+    # The learned logit scale (learner/logit_scale.py): its lr, 0 = off. Off is the skill recipe, as the paper: the
+    # scale cannot change an argmax, only sharpen sampling (--logit-scale on = LOGIT_SCALE_ON_LR; runs reported apart).
+    logit_scale_lr: float = 0.0
     hp: tuple[str, ...] = ()  # more learner hyperparameters, NAME=VALUE (Hyperparams; `clawstream learner --help`)
     max_policy_lag: int = 1  # step s+1's rollouts may run while step s trains
-    temperature: float = 1.0
+    train_temperature: float = 1.0  # RL rollouts' sampling (the learner recomputes logprobs at each call's own)
+    eval_temperature: float = 1.0  # the sampled held-out evaluation's (greedy is temperature 0)
+    zero_variance: str = "drop"  # groups whose rewards are all equal: drop (the scheduler refills them) or keep
     max_tokens: int = 256  # per model call
     concurrency: int = 8  # rollouts at once (sandbox worker)
     rollout_timeout_s: float | None = None  # every task's rollout timeout (None: the task's own, 60 s on builtin:cpu)
@@ -59,6 +64,13 @@ def check(cfg: DemoConfig) -> None:
     if cfg.group_size < 2:
         raise ClawstreamError("--group-size must be >= 2: GRPO needs rollouts to compare within a group")
     check_harnesses(cfg.harnesses, cfg.tasks_per_step)
+    if cfg.zero_variance not in ("drop", "keep"):
+        raise ClawstreamError(f"--zero-variance must be drop or keep, got {cfg.zero_variance!r}")
+    if cfg.train_temperature <= 0 or cfg.eval_temperature < 0:
+        raise ClawstreamError(
+            "--train-temperature must be > 0 (greedy rollouts of a group are alike: nothing to learn) and "
+            f"--eval-temperature >= 0; got {cfg.train_temperature:g} and {cfg.eval_temperature:g}"
+        )
     if cfg.curriculum:  # refused here, not by a scheduler that would restart on it: names the families
         from producers.scheduler.curriculum import parse
         from producers.tasks.cpu import cpu_suite
@@ -74,3 +86,14 @@ def check(cfg: DemoConfig) -> None:
                 f"--hp {h!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(known))} "
                 "(--lr and --seed have their own flags)"
             )
+
+
+def recipe(cfg: DemoConfig) -> str:
+    """The run's recipe in words, for its summary and the headers of its tables."""
+    lr = float(dict(h.split("=", 1) for h in cfg.hp).get("logit_scale_lr", cfg.logit_scale_lr))  # --hp wins
+    scale = f"on (lr {lr:g})" if lr > 0 else "off"
+    groups = "dropped, refilled" if cfg.zero_variance == "drop" else "kept at advantage 0"
+    return (
+        f"logit scale {scale}; groups with equal rewards {groups}; train temperature {cfg.train_temperature:g}, "
+        f"sampled-eval temperature {cfg.eval_temperature:g}"
+    )

@@ -17,7 +17,7 @@ from typing import Any
 from clawbase.errors import ClawstreamError
 from clawbase.settings import KafkaSettings, clawstream_home
 from clawstream.demo import report
-from clawstream.demo.config import DemoConfig, check
+from clawstream.demo.config import DemoConfig, check, recipe
 from clawstream.demo.costs import read_costs
 from clawstream.demo.evidence import finish_evidence, start_evidence
 from clawstream.demo.models import export_version, prepare_model
@@ -187,7 +187,13 @@ def open_run(
         run_dir = home / "demo" / name
         prefix = f"demo-{name}."
     summary = Summary(run_dir)
-    summary.update(prefix=prefix, run_dir=str(run_dir), config=asdict(config), resumed=summary.data.get("resumed", 0))
+    summary.update(
+        prefix=prefix,
+        run_dir=str(run_dir),
+        config=asdict(config),
+        recipe=recipe(config),
+        resumed=summary.data.get("resumed", 0),
+    )
     if resume is not None:
         summary.update(resumed=summary.data["resumed"] + 1)
         say(f"==> resuming run {name} (prefix '{prefix}'; {run_dir})")
@@ -260,6 +266,7 @@ def start_services(run: DemoRun, stack: Stack, model: Path, say: Callable[[str],
         settle_interval_s=cfg.settle_interval_s,
         harness_mix=mix,
         group_timeout_s=max(300.0, 2 * (cfg.rollout_timeout_s or 0.0)),  # a group outlives its slowest rollout
+        zero_variance=cfg.zero_variance,
     )
     start_learner(stack, model, run.run_dir, learner_hparams(cfg), torch_threads=threads)
     try:  # a view of the run, not part of it: the demo goes on without it
@@ -289,10 +296,11 @@ def scheduler_settings(cfg: DemoConfig, mix: dict[str, float]) -> dict[str, Any]
         "harness_mix": mix,
         **({"curriculum": cfg.curriculum} if cfg.curriculum else {}),
         "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
+        "temperature": cfg.train_temperature,
         "max_policy_lag": cfg.max_policy_lag,
+        "zero_variance": cfg.zero_variance,  # as the streams: with drop, it refills the groups they drop
         "seed": cfg.seed,
-        "drain_timeout_s": 120,
+        "drain_timeout_s": 120,  # after the last step: its re-issues and refills (counted again from each refill)
         **({"timeout_s": cfg.rollout_timeout_s} if cfg.rollout_timeout_s is not None else {}),
     }
 
@@ -310,7 +318,7 @@ def train(run: DemoRun, stack: Stack, watcher: Watcher, say: Callable[[str], Non
     rl_started = run.elapsed()
     say(
         f"==> RL begins {rl_started:.0f} s after the start: {cfg.steps} steps of {cfg.tasks_per_step} tasks × "
-        f"{cfg.group_size} rollouts, harnesses {' + '.join(harness_mix(cfg.harnesses))}"
+        f"{cfg.group_size} rollouts, harnesses {' + '.join(harness_mix(cfg.harnesses))}; {recipe(cfg)}"
     )
     trained, applied = watcher.follow(stack, cfg.timeout_s, started=run.t0)
     return Training(trained, applied, rl_started)
@@ -351,7 +359,7 @@ def eval_config(cfg: DemoConfig) -> EvalConfig:
         harnesses=cfg.harnesses,
         tasks=cfg.eval_tasks,
         modes=cfg.eval_modes,
-        temperature=cfg.temperature,
+        temperature=cfg.eval_temperature,
         max_tokens=cfg.max_tokens,
         engine=cfg.engine,
         # The built-in loops' calls are short: 12 at once keep the engine's batches full. A real harness's first
@@ -409,10 +417,10 @@ def report_evaluation(
     """The before → after table (printed, before_after.md), into ``result`` and summary.json, and TensorBoard."""
     before, after = evaluation
     table = report.before_after_table(before, after)
-    (run.run_dir / "before_after.md").write_text(table + "\n")
+    (run.run_dir / "before_after.md").write_text(f"Recipe: {recipe(run.cfg)}.\n\n{table}\n")
     say(
         f"==> held-out mean reward per harness, before → after RL ({run.cfg.eval_tasks} tasks each; ± 1 s.e., "
-        f"paired over the same tasks where both runs graded them):\n{table}"
+        f"paired over the same tasks where both runs graded them; {recipe(run.cfg)}):\n{table}"
     )
     result.update(before=before.to_json(), after=after.to_json(), before_after=report.before_after_rows(before, after))
     run.summary.update(after=result["after"], before_after=result["before_after"])

@@ -35,6 +35,9 @@ FLAGS = {
     "rollout_timeout_s": "--rollout-timeout",
     "timeout_s": "--timeout",
     "engine": "--engine",
+    "train_temperature": "--train-temperature",
+    "eval_temperature": "--eval-temperature",
+    "zero_variance": "--zero-variance",
 }
 
 
@@ -85,7 +88,9 @@ def command(cfg: dict[str, Any]) -> str:
         parts += ["--eval-mode", mode]
     for hp in cfg.get("hp") or ():
         parts += ["--hp", hp]
-    if cfg.get("logit_scale_lr") not in (None, 0.1) and not any(
+    if "zero_variance" not in cfg:  # recorded before the flag: its groups were kept
+        parts += ["--zero-variance", "keep"]
+    if cfg.get("logit_scale_lr") not in (None, 0.0) and not any(
         h.startswith("logit_scale_lr=") for h in cfg.get("hp") or ()
     ):
         parts += ["--hp", f"logit_scale_lr={cfg['logit_scale_lr']:g}"]

@@ -53,6 +53,7 @@ def test_one_step_through_opencode_and_agentloop_then_resume(
     monkeypatch.setenv("CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS", kafka_bootstrap)
     monkeypatch.setenv("CLAWSTREAM_HOME", str(home))
     sizes = {"steps": 1, "tasks_per_step": 2, "group_size": 2, "concurrency": 4, "eval_tasks": 0}
+    sizes["zero_variance"] = "keep"  # the wiring, not learning: a group solved alike trains (no refills to wait for)
     result = run_demo(
         harnesses=("opencode", "agentloop"),
         model=warm,
