@@ -22,6 +22,7 @@ from clawstream.demo.costs import read_costs
 from clawstream.demo.evidence import finish_evidence, start_evidence
 from clawstream.demo.models import export_version, prepare_model
 from clawstream.demo.state import (
+    STATE,
     Summary,
     harness_mix,
     load_state,
@@ -178,6 +179,8 @@ def open_run(
     home = clawstream_home()
     if resume is not None:
         run_dir, prefix, config = load_state(home, resume, DemoConfig, overrides)
+        if "zero_variance" not in json.loads((run_dir / STATE).read_text())["config"]:
+            config = replace(config, zero_variance="keep")  # recorded before the flag: its groups were kept
         check(config)
         name = resume
     else:
