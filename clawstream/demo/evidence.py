@@ -80,8 +80,14 @@ class Measurer:
         return row
 
 
+def pick(items: Sequence[Any], done: Any) -> tuple[Any, list[int]]:
+    """Of the versions waiting, (the newest not yet measured, the older ones skipped for it); (None, []) when none."""
+    todo = sorted({v for v in items if v is not None and v[0] not in done})
+    return (todo[-1], [v[0] for v in todo[:-1]]) if todo else (None, [])
+
+
 def _work(args: tuple[Path, Path, int, int, int], inbox: Any, outbox: Any) -> None:
-    """The worker process: versions (version, weights path, sha256) in, ('row'|'skip'|'error', ...) out; None ends
+    """The worker process: versions (version, weights URI, sha256) in, ('row'|'skip'|'error', ...) out; None ends
     it after the newest version waiting."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the demo's to handle: it ends this process
     os.nice(NICE)
@@ -107,14 +113,16 @@ def _work(args: tuple[Path, Path, int, int, int], inbox: Any, outbox: Any) -> No
             except queue.Empty:
                 break
         ending = None in items
-        todo = sorted({v for v in items if v is not None and v[0] not in measurer.done})
-        if not todo:
+        newest, skipped = pick(items, measurer.done)
+        if newest is None:
             continue
-        version, weights, sha256 = todo[-1]
-        if len(todo) > 1:
-            outbox.put(("skip", [v[0] for v in todo[:-1]], version))
+        version, uri, sha256 = newest
+        if skipped:
+            outbox.put(("skip", skipped, version))
         try:
-            outbox.put(("row", measurer.measure(version, Path(weights), sha256)))
+            from policy.weight_store import resolve_uri
+
+            outbox.put(("row", measurer.measure(version, resolve_uri(uri), sha256)))
         except Exception as exc:  # one bad version is reported; the next may be fine
             outbox.put(("error", f"evidence v{version} failed: {exc!r}"))
 
@@ -140,10 +148,8 @@ class Evidence:
 
     def submit(self, event: Any) -> None:
         """A published weight version (``schemas.events.WeightVersion``) to measure."""
-        from policy.weight_store import resolve_uri
-
         if event.policy_version not in self.rows:
-            self.inbox.put((event.policy_version, str(resolve_uri(event.uri)), event.sha256))
+            self.inbox.put((event.policy_version, event.uri, event.sha256))
 
     def poll(self) -> list[str]:
         """The lines of whatever the worker finished since the last call (never waits)."""

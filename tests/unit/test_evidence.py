@@ -82,7 +82,16 @@ def test_compare_pairs_each_episode_with_the_warm_start() -> None:
     assert s["ll_per_token"] == pytest.approx(-4.0 / 6) and s["ll_per_episode"] == pytest.approx(-4.0 / 3)
     assert s["greedy_reward"] == 1.0 and s["greedy_solved"] == 1.0
     assert s["greedy_change"] == pytest.approx(0.5) and s["greedy_change_se"] == pytest.approx(0.5)
-    assert "Δ +0.6667 ± 0.7265 per episode" in he.line(3, s) and "Δ +0.500 ± 0.500" in he.line(3, s) and "2 up, 1 down of 3" in he.line(3, s)
+    printed = he.line(3, s)
+    assert "Δ +0.6667 ± 0.7265 per episode" in printed and "Δ +0.500 ± 0.500" in printed
+    assert "2 up, 1 down of 3" in printed
+
+
+def test_the_greedy_slice_is_graded_through_the_built_in_loop(loaded: tuple[Any, Any, he.Slices]) -> None:
+    model, tokenizer, slices = loaded
+    task = slices.greedy[0]
+    rewards = he.greedy_rewards(model, tokenizer, he.Slices({}, [task], ("openai",)))
+    assert list(rewards) == [f"{task.task_id}/openai"] and 0.0 <= rewards[f"{task.task_id}/openai"] <= 1.0
 
 
 def _publish(model: Any, store: Path, version: int) -> Any:
@@ -106,12 +115,12 @@ def test_a_finished_runs_versions_become_rows_and_a_curve(tmp_path: Path) -> Non
     (run / "weights" / "policy" / "v000002-junk").mkdir()  # an unpublished attempt: no link, not a version
     assert [v for v, _ in evidence.published_versions(run)] == [1]
 
-    measurer = evidence.Measurer(WARM, run, ll_tasks=2, greedy_tasks=1, seed=0)
+    measurer = evidence.Measurer(WARM, run, ll_tasks=2, greedy_tasks=0, seed=0)
     with pytest.raises(WeightsRejected, match="sha256"):
         measurer.measure(1, saved.path, "0" * 64)
     row = measurer.measure(1, saved.path, saved.sha256)  # measures version 0 first: the base
     assert [r["version"] for r in evidence.read_rows(run)] == [0, 1]
-    assert row["ll_change"] < 0 and row["episodes_down"] == 4 and row["greedy_episodes"] == 2
+    assert row["ll_change"] < 0 and row["episodes_down"] == 4 and row["greedy_episodes"] == 0
     assert evidence.read_rows(run)[0]["ll_change"] == 0.0
 
     assert evidence.main(["--model", str(WARM), "--versions", str(run), "--tasks", "2", "--greedy-tasks", "0"]) == 0
@@ -129,3 +138,12 @@ def test_evidence_sizes_are_checked() -> None:
     check(DemoConfig(evidence=False, evidence_tasks=0))
     with pytest.raises(ClawstreamError, match="evidence_tasks"):
         check(DemoConfig(evidence_tasks=1))
+
+
+def test_a_worker_behind_measures_the_newest_version_and_skips_the_rest() -> None:
+    from clawstream.demo.evidence import pick
+
+    waiting = [(2, "file:///w2", "b"), (4, "file:///w4", "d"), None, (3, "file:///w3", "c"), (2, "file:///w2", "b")]
+    assert pick(waiting, done={0: {}, 1: {}}) == ((4, "file:///w4", "d"), [2, 3])
+    assert pick(waiting, done={2: {}, 3: {}, 4: {}}) == (None, [])  # a resumed run's measured versions: not again
+    assert pick([(5, "u", "s")], done={}) == ((5, "u", "s"), [])
