@@ -307,4 +307,7 @@ def track_to_end(stack: Stack, mlflow_uri: str, run_dir: Path, model: Path, time
     log = run_dir / "logs" / "tracker-final.log"
     with log.open("ab") as out:
         cmd = [sys.executable, "-m", *tracker_args(mlflow_uri, run_dir, model), "--once"]
-        return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        try:
+            return subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:  # killed by run(): the live tracker's writes stay; nothing is logged twice
+            return -1

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 from clawbase.errors import ClawstreamError
 from clawbase.faults import fault_point
@@ -59,8 +59,9 @@ class Tracker:
             len(self.ledger.versions),
         )
 
-    def follow(self) -> None:
-        """Until stopped (or, with ``once``, until every topic is read to its end as of now)."""
+    def follow(self) -> bool:
+        """Until stopped (or, with ``once``, until every topic is read to its end as of now); with ``once``, whether
+        the end was reached (then the report is logged and the MLflow run ended)."""
         names = [self.kafka.topic(t) for t in TOPICS]
         ends = self._ends(names) if self.settings.once else {}
         self.consumer.subscribe(names)
@@ -69,10 +70,12 @@ class Tracker:
                 self._chunk()
             if not self.params_logged:
                 self.run.log_params(run_params(self.settings))
-            if self.settings.once:
-                if self.settings.run_dir is not None:
-                    print(f"report files logged: {self.run.log_report(self.settings.run_dir)}", flush=True)
-                self.run.finish()
+            if self.stopping or not self.settings.once:
+                return not self.settings.once
+            if self.settings.run_dir is not None:
+                print(f"report files logged: {self.run.log_report(self.settings.run_dir)}", flush=True)
+            self.run.finish()
+            return True
         finally:
             self.consumer.close()
 
@@ -87,6 +90,9 @@ class Tracker:
             next_offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
         if not next_offsets:
             return
+        # The consumer's positions, past a transaction's commit marker: committed, a read to the end shows as one.
+        for tp in self.consumer.position([TopicPartition(t, p) for t, p in next_offsets]):
+            next_offsets[(tp.topic, tp.partition)] = max(tp.offset, next_offsets[(tp.topic, tp.partition)])
         held = self.batches.first_held_offset()
         batches = (self.kafka.topic(BATCHES), 0)
         if held is not None and batches in next_offsets:
@@ -121,9 +127,12 @@ class Tracker:
 
     def _ends(self, names: list[str]) -> dict[tuple[str, int], int]:
         ends: dict[tuple[str, int], int] = {}
-        for name in names:
-            for p in self.consumer.list_topics(name, timeout=30).topics[name].partitions:
-                ends[(name, p)] = self.consumer.get_watermark_offsets(TopicPartition(name, p), timeout=30)[1]
+        try:
+            for name in names:
+                for p in self.consumer.list_topics(name, timeout=30).topics[name].partitions:
+                    ends[(name, p)] = self.consumer.get_watermark_offsets(TopicPartition(name, p), timeout=30)[1]
+        except KafkaException as exc:
+            raise ClawstreamError(f"cannot read the end offsets of {', '.join(names)}: {exc}") from exc
         return ends
 
     def _at_end(self, ends: dict[tuple[str, int], int]) -> bool:
@@ -132,6 +141,9 @@ class Tracker:
         if not assigned:
             return False
         positions = self.consumer.position(list(assigned.values()))
+        unread = [tp for tp in positions if tp.offset < 0]  # nothing fetched yet: the group's committed offset
+        positions = [tp for tp in positions if tp.offset >= 0]
+        positions += self.consumer.committed(unread, timeout=30) if unread else []
         reached = {(tp.topic, tp.partition) for tp in positions if tp.offset >= ends.get((tp.topic, tp.partition), 0)}
         empty = {tp for tp, end in ends.items() if end == 0}
         return set(ends) <= reached | empty
@@ -186,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tracker = Tracker(kafka, settings)
         signal.signal(signal.SIGTERM, lambda *_: setattr(tracker, "stopping", True))
         print(f"tracking prefix '{kafka.topic_prefix}' into MLflow run {tracker.run.run_id}", flush=True)
-        tracker.follow()
+        if not tracker.follow():
+            print("clawstream track: stopped before the end of the topics (--once)", flush=True)
+            return 1
     except ClawstreamError as exc:
         print(f"clawstream track: {exc}", flush=True)
         return 2

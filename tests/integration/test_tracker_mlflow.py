@@ -194,3 +194,16 @@ def test_a_killed_tracker_logs_every_step_once(kafka_settings: KafkaSettings, ml
     }
     params = run.data.params
     assert params["demo.lr"] == "2e-05" and params["model_name"] == "policy" and params["commit"]
+
+    # Once more with every offset committed at the end (a demo's final pass after its live tracker): it ends, and
+    # writes nothing.
+    third = subprocess.run(
+        [*_tracker(mlflow_url, run_dir), "--once"],
+        env=_environment(kafka_settings),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert _points(client, run_id) == {(k, s) for k in ALL_KEYS for s in every}
+    assert all(_steps(client, run_id, key) == every for key in ALL_KEYS)
