@@ -2,7 +2,9 @@
 
 Wire format (Avro spec, "Single-object encoding"): ``C3 01`` marker, the 8-byte little-endian CRC-64-AVRO
 fingerprint of the writer schema's parsing canonical form, then the Avro binary body. Any Avro implementation
-can decode a record with the ``.avsc`` files alone; no registry server is involved.
+can decode a record with the ``.avsc`` files alone; no registry server is involved. A deployment may instead write
+Confluent's registry format (``00``, 4-byte big-endian schema id, body; ``schemas.registry``, set by
+``CLAWSTREAM_WIRE_FORMAT=registry``); every reader accepts both (the first byte tells them apart).
 
 The current schemas are ``schemas/*.avsc``; older versions in ``schemas/history/`` are known as writer schemas
 only, so a record written with an old version is read with the new one (defaults fill added fields).
@@ -25,6 +27,7 @@ from fastavro.schema import to_parsing_canonical_form
 from fastavro.validation import validate
 
 from clawbase.errors import CodecError, CorruptRecordError, UnknownSchemaError
+from schemas import registry as wire
 
 SCHEMA_DIR = Path(__file__).resolve().parent
 MARKER = b"\xc3\x01"
@@ -61,7 +64,19 @@ def _load(path: Path) -> SchemaEntry:
 class AvroCodec:
     """Encode and decode events by schema name ("CallEvent" or "io.clawstream.CallEvent")."""
 
-    def __init__(self, schema_dir: Path = SCHEMA_DIR) -> None:
+    def __init__(
+        self,
+        schema_dir: Path = SCHEMA_DIR,
+        *,
+        registry: wire.RegistryResolver | None = None,
+        write_registry: bool = False,
+    ) -> None:
+        if write_registry and registry is None:
+            raise CodecError("the registry wire format needs a registry (CLAWSTREAM_SCHEMA_REGISTRY_URL)")
+        self.registry = registry
+        self.write_registry = write_registry  # producers write the registry format; readers take both anyway
+        self._by_id: dict[int, SchemaEntry] = {}  # registry id → writer schema (read side)
+        self._write_ids: dict[str, int] = {}  # full name → registry id of its current schema (write side)
         self._current: dict[str, SchemaEntry] = {}
         self._writers: dict[bytes, SchemaEntry] = {}
         for path in sorted(schema_dir.glob("*.avsc")):
@@ -86,11 +101,21 @@ class AvroCodec:
             raise UnknownSchemaError(f"no schema named {name!r}; known: {', '.join(self.names)}") from None
 
     def encode(self, name: str, record: dict[str, Any]) -> bytes:
-        """Single-object-encode ``record`` with the current schema ``name``."""
+        """Encode ``record`` with the current schema ``name``: single-object, or the registry format when chosen."""
         entry = self.entry(name)
         buf = io.BytesIO()
-        buf.write(MARKER)
-        buf.write(entry.fingerprint)
+        if self.write_registry:
+            assert self.registry is not None
+            schema_id = self._write_ids.get(entry.name)
+            if schema_id is None:
+                schema_text = json.dumps(json.loads(entry.path.read_text()), separators=(",", ":"))
+                schema_id = self._write_ids[entry.name] = self.registry.id_for(
+                    entry.name.rpartition(".")[2], schema_text
+                )
+            buf.write(wire.MAGIC + schema_id.to_bytes(4, "big"))
+        else:
+            buf.write(MARKER)
+            buf.write(entry.fingerprint)
         try:
             schemaless_writer(buf, entry.parsed, record)
         except Exception as exc:  # fastavro raises ValueError/TypeError/KeyError/AttributeError on bad records
@@ -102,11 +127,49 @@ class AvroCodec:
             raise CodecError(f"record does not match {entry.name}: {exc!r}") from exc
         return buf.getvalue()
 
+    def _registry_writer(self, data: bytes) -> SchemaEntry:
+        """The writer schema of a registry-format record: its id's schema, fetched once and matched by fingerprint."""
+        if len(data) < wire.HEADER_LEN:
+            raise CorruptRecordError(f"registry-format record shorter than its 5-byte header: {data[:10].hex()}")
+        schema_id = int.from_bytes(data[1:5], "big")
+        entry = self._by_id.get(schema_id)
+        if entry is not None:
+            return entry
+        if self.registry is None:
+            raise UnknownSchemaError(
+                f"record in the schema registry format (schema id {schema_id}) and no registry configured: set "
+                "CLAWSTREAM_SCHEMA_REGISTRY_URL"
+            )
+        text = self.registry.schema_for(schema_id)
+        try:
+            raw = json.loads(text)
+            fingerprint = schema_fingerprint(raw)
+        except Exception as exc:  # noqa: BLE001 - fastavro's parse errors have no common base
+            raise UnknownSchemaError(
+                f"registry schema id {schema_id} is not an Avro schema clawstream reads: {exc}"
+            ) from exc
+        entry = self._writers.get(fingerprint)
+        if entry is None:  # a writer newer than this checkout's schemas/: read it through resolution all the same
+            entry = SchemaEntry(
+                name=f"{raw.get('namespace')}.{raw['name']}" if "." not in raw["name"] else raw["name"],
+                fingerprint=fingerprint,
+                parsed=parse_schema(raw, _write_hint=False),
+                path=Path(f"registry-id-{schema_id}"),
+            )
+        self._by_id[schema_id] = entry
+        return entry
+
+    def header_len(self, data: bytes) -> int:
+        return wire.HEADER_LEN if data[:1] == wire.MAGIC else HEADER_LEN
+
     def writer_of(self, data: bytes) -> SchemaEntry:
         """The writer schema named by a record's header; typed errors for garbage or unknown fingerprints."""
+        if data[:1] == wire.MAGIC:
+            return self._registry_writer(data)
         if len(data) < HEADER_LEN or data[:2] != MARKER:
             raise CorruptRecordError(
-                f"not Avro single-object encoding: expected marker C3 01 and 8-byte fingerprint, got {data[:10].hex()}"
+                "neither Avro single-object encoding (C3 01, 8-byte fingerprint) nor the registry format (00, 4-byte "
+                f"schema id): got {data[:10].hex()}"
             )
         fp = bytes(data[2:HEADER_LEN])
         entry = self._writers.get(fp)
@@ -122,7 +185,8 @@ class AvroCodec:
             raise UnknownSchemaError(f"writer schema {writer.name} has no current version in schemas/")
         if expected is not None and self.entry(expected).name != writer.name:
             raise CorruptRecordError(f"expected a {self.entry(expected).name} record, got {writer.name}")
-        body = io.BytesIO(memoryview(data)[HEADER_LEN:])
+        header = self.header_len(data)
+        body = io.BytesIO(memoryview(data)[header:])
         try:
             if writer is reader:
                 record = schemaless_reader(body, writer.parsed, None)
@@ -134,9 +198,9 @@ class AvroCodec:
             ) from exc
         except Exception as exc:  # EOFError, UnicodeDecodeError, IndexError, ...
             raise CorruptRecordError(f"corrupt {writer.name} body: {exc!r}") from exc
-        if body.tell() != len(data) - HEADER_LEN:
+        if body.tell() != len(data) - header:
             raise CorruptRecordError(
-                f"corrupt {writer.name} body: {len(data) - HEADER_LEN - body.tell()} trailing bytes after the record"
+                f"corrupt {writer.name} body: {len(data) - header - body.tell()} trailing bytes after the record"
             )
         if not isinstance(record, dict):  # every clawstream schema is a record
             raise CorruptRecordError(f"{writer.name} body decoded to {type(record).__name__}, not a record")
@@ -145,5 +209,11 @@ class AvroCodec:
 
 @lru_cache(maxsize=1)
 def default_codec() -> AvroCodec:
-    """The process-wide codec over the packaged schemas (parsing them once)."""
-    return AvroCodec()
+    """The process-wide codec over the packaged schemas (parsing them once), writing this deployment's wire format
+    (``CLAWSTREAM_WIRE_FORMAT``; with ``CLAWSTREAM_SCHEMA_REGISTRY_URL`` set it also reads registry-format records)."""
+    from clawbase.settings import load_settings  # noqa: PLC0415 - settings only when the codec is first built
+
+    settings = load_settings(wire.WireSettings)
+    url = settings.schema_registry_url
+    resolver = wire.RegistryResolver(wire.RegistryClient(url, settings.registry_timeout_s)) if url else None
+    return AvroCodec(registry=resolver, write_registry=settings.wire_format == "registry")

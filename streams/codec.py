@@ -1,5 +1,8 @@
 """Faust codec for clawstream events: Avro single-object encoding through ``schemas.codec``.
 
+Writes the deployment's wire format (``CLAWSTREAM_WIRE_FORMAT``: single-object, or the Schema Registry format) and
+reads both, so a topic may hold either during a migration.
+
 Registered under the name ``clawstream-avro``; use it as ``app.topic(name, value_serializer="clawstream-avro")``.
 Agents then receive typed events (``schemas.events``). Pure glue: no Kafka client here, Faust owns the I/O.
 """

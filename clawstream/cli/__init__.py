@@ -23,6 +23,7 @@ def main() -> None:
 
 for _command in (
     local.kafka,
+    local.registry,
     local.topics,
     local.model,
     local.vllm,

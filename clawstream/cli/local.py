@@ -1,4 +1,5 @@
-"""Commands for local infrastructure and artefacts: ``kafka``, ``topics``, ``model``, ``vllm``, ``harness``.
+"""Commands for local infrastructure and artefacts: ``kafka``, ``registry``, ``topics``, ``model``, ``vllm``,
+``harness``.
 
 Stage modules are imported inside the commands, so ``clawstream --help`` stays fast.
 """
@@ -118,6 +119,49 @@ def kafka_logs(home: Path | None, node_id: int, lines: int, follow: bool) -> Non
                 pass
 
 
+# ---- registry ----------------------------------------------------------------------------------------------------
+@click.group(cls=Group)
+def registry() -> None:
+    """Run a local Confluent-compatible Schema Registry (Apicurio, built once from Maven Central)."""
+
+
+def _registry(home: Path | None):  # noqa: ANN202 - imported lazily so `--help` stays fast
+    from clawstream.local_registry import LocalRegistry
+
+    return LocalRegistry(home=home)
+
+
+_registry_home = click.option(
+    "--home",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="State directory (default: $CLAWSTREAM_HOME/registry).",
+)
+
+
+@registry.command("up")
+@click.option("--port", type=int, default=8081, show_default=True, help="HTTP port (0: a free one).")
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for readiness.")
+@_registry_home
+def registry_up(port: int, timeout: float, home: Path | None) -> None:
+    """Start it (building it once) and print the URL to export as CLAWSTREAM_SCHEMA_REGISTRY_URL."""
+    click.echo(_registry(home).up(port, timeout=timeout))
+
+
+@registry.command("down")
+@_registry_home
+def registry_down(home: Path | None) -> None:
+    """Stop it by its recorded pid."""
+    click.echo("stopped" if _registry(home).down() else "not running")
+
+
+@registry.command("status")
+@_registry_home
+def registry_status(home: Path | None) -> None:
+    """Print its state (running, pid, url, log) as JSON."""
+    click.echo(json.dumps(_registry(home).status(), indent=2))
+
+
 # ---- topics ------------------------------------------------------------------------------------------------------
 @click.group(cls=Group)
 def topics() -> None:
@@ -135,16 +179,30 @@ def topics() -> None:
 @click.option(
     "--bootstrap", default=None, help="host:port (else CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS, else local broker)."
 )
-def topics_create(prefix: str | None, bootstrap: str | None) -> None:
-    """Create every catalog topic that does not exist yet (idempotent)."""
+@click.option("--schema-dir", type=click.Path(path_type=Path), default=None, hidden=True, help="Other .avsc files.")
+def topics_create(prefix: str | None, bootstrap: str | None, schema_dir: Path | None) -> None:
+    """Create every catalog topic that does not exist yet (idempotent), after checking that each value schema still
+    reads its history (BACKWARD); with CLAWSTREAM_SCHEMA_REGISTRY_URL set, register the schemas (history first)
+    under <topic>-value."""
     from clawbase.kafka.clients import create_topics
     from clawbase.settings import KafkaSettings, load_settings
+    from schemas.codec import SCHEMA_DIR
+    from schemas.registry import RegistryClient, WireSettings, register_catalog
+    from schemas.registry_compat import check_history
     from schemas.topics import CATALOG
 
     overrides = {k: v for k, v in {"topic_prefix": prefix, "bootstrap_servers": bootstrap}.items() if v is not None}
     settings = load_settings(KafkaSettings, **overrides)
+    wire = load_settings(WireSettings)
+    check_history(schema_dir or SCHEMA_DIR)
+    if wire.schema_registry_url:  # before the topics: a refused schema leaves nothing half made
+        client = RegistryClient(wire.schema_registry_url, wire.registry_timeout_s)
+        ids = register_catalog(client, [(settings.topic(s.name), s) for s in CATALOG], schema_dir or SCHEMA_DIR)
     for name, outcome in create_topics(settings, CATALOG).items():
         click.echo(f"{outcome:8} {name}")
+    if wire.schema_registry_url:
+        for subject, schema_id in ids.items():
+            click.echo(f"schema   {subject} id {schema_id} ({wire.schema_registry_url})")
 
 
 @topics.command("list")

@@ -171,7 +171,7 @@ def test_new_reader_fields_need_defaults(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc3", b"\x00\x01" + b"\x00" * 20, b'{"json": true}', b"\xc3\x02" + b"\x00" * 12],
+    [b"", b"\xc3", b"\x00\x01\x00", b'{"json": true}', b"\xc3\x02" + b"\x00" * 12],  # 00: registry header
     ids=["empty", "short", "zero-marker", "json", "wrong-version"],
 )
 def test_bad_marker_raises_corrupt(data: bytes) -> None:
