@@ -118,6 +118,11 @@ SERVICES: tuple[Service, ...] = (
         "Read a run's topics back: anything lost, doubled or trained twice? (exit 0 clean, 1 not; --json).",
     ),
     Service(
+        "lag",
+        "consumers.analytics.lag:main",
+        "Consumer lag per group and partition of a run's topics: committed vs last stable offset (--watch, --json).",
+    ),
+    Service(
         "dashboard",
         "consumers.analytics.dashboard.server:main",
         "Live dashboard over the topics: rewards, statuses, trees, throughput, lag, weights, capture health (--help).",

@@ -4,8 +4,10 @@ Routes: ``/`` the page (``static/index.html``: plain JavaScript drawing with plo
 (the file shipped inside the ``plotly`` Python package, served from the installed package: no CDN, nothing
 vendored), ``/static/<file>`` the page's own script and style, ``/api/state`` the snapshot of
 :class:`~consumers.analytics.dashboard.state.DashboardState` the page polls, ``/metrics`` the same figures in
-Prometheus text (capture health per harness and template, rollout statuses, rewards, weight versions, lag),
-``/healthz``. Binds 127.0.0.1 unless told otherwise (the page shows every rollout's details).
+Prometheus text (capture health per harness and template, rollout statuses, rewards, weight versions, lag), and
+``/api/lag`` with ``clawstream_consumer_lag{group,topic,partition}`` in ``/metrics``: each consumer group's lag on
+the run's topics, asked of the broker at each request (``consumers/analytics/lag.py``); ``/healthz``. Binds
+127.0.0.1 unless told otherwise (the page shows every rollout's details).
 
 Run: ``clawstream dashboard [--port 8200] [--topic-prefix P] [--since 1h]`` or ``python -m
 consumers.analytics.dashboard``; it prints ``dashboard on http://HOST:PORT/`` once it listens (``--port 0``: any
@@ -34,10 +36,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.kafka.clients import make_admin
 from clawbase.settings import KafkaSettings, load_settings
 from consumers.analytics.dashboard.feed import LiveFeed
 from consumers.analytics.dashboard.settings import DashboardSettings
 from consumers.analytics.dashboard.state import DashboardState
+from consumers.analytics.lag import read_lag
+from consumers.analytics.lag_report import GroupLag, report_json
 
 log = logging.getLogger("clawstream.dashboard")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -153,6 +158,31 @@ def _health_families(rows: list[dict[str, Any]]) -> Iterator[Any]:
         yield family
 
 
+class _LagCollector(Collector):
+    """``clawstream_consumer_lag``: each group's lag per partition of the run's topics, asked of the broker at every
+    scrape (no sample where a group has committed nothing; none at all while the broker does not answer)."""
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Any]:
+        family = GaugeMetricFamily(
+            "clawstream_consumer_lag",
+            "Consumer lag in offsets: last stable offset - the group's committed offset",
+            labels=["group", "topic", "partition"],
+        )
+        try:
+            groups: list[GroupLag] = self._read()
+        except ClawstreamError as exc:
+            log.warning("consumer lag not exported: %s", exc)
+            groups = []
+        for g in groups:
+            for p in g.partitions:
+                if p.lag is not None:
+                    family.add_metric([g.group, p.topic, str(p.partition)], p.lag)
+        yield family
+
+
 # ---- the app --------------------------------------------------------------------------------------------------------
 class Dashboard:
     """State + lock + feed + the aiohttp app around them."""
@@ -166,6 +196,17 @@ class Dashboard:
         self.feed = LiveFeed(kafka, self.state, self.lock, since_ms=settings.since_ms) if kafka is not None else None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SnapshotCollector(self.snapshot))
+        self._admin: Any = None
+        if kafka is not None:
+            self.registry.register(_LagCollector(self.read_lag))
+
+    def read_lag(self) -> list[GroupLag]:
+        """Every consumer group's lag on the run's topics, from the broker now (one admin client, reused)."""
+        if self.kafka is None:
+            return []
+        if self._admin is None:
+            self._admin = make_admin(self.kafka)
+        return read_lag(self.kafka, admin=self._admin, timeout=10.0)
 
     def snapshot(self) -> dict[str, Any]:
         with self.lock:
@@ -185,6 +226,7 @@ class Dashboard:
         app.router.add_get("/static/plotly.min.js", self._plotly)
         app.router.add_get("/static/{name}", self._static)
         app.router.add_get("/api/state", self._state)
+        app.router.add_get("/api/lag", self._lag)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
         app.on_startup.append(self._startup)
@@ -220,6 +262,13 @@ class Dashboard:
             content_type="application/json",
             headers={"Cache-Control": "no-store"},
         )
+
+    async def _lag(self, _request: web.Request) -> web.Response:
+        try:
+            body: dict[str, Any] = report_json(await asyncio.to_thread(self.read_lag))
+        except ClawstreamError as exc:
+            body = {"groups": [], "error": str(exc)}
+        return web.json_response(body, headers={"Cache-Control": "no-store"})
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body = await asyncio.to_thread(generate_latest, self.registry)

@@ -160,5 +160,28 @@
     setTimeout(tick, delay);
   }
 
+  async function lagTick() {
+    // Consumer lag asks the broker (not the topics), so it has its own, slower poll: /api/lag every 5 s.
+    try {
+      const response = await fetch("/api/lag", { cache: "no-store" });
+      const r = await response.json();
+      const rows = [];
+      for (const g of r.groups) {
+        rows.push([g.group, "total (" + g.state + ")", "", g.total]);
+        for (const p of g.partitions) {
+          if (p.lag) rows.push([g.group, p.topic, p.partition, p.lag]);
+        }
+      }
+      fillTable("lag-table", ["group", "topic", "partition", "lag"], rows);
+      dash.lag = r;
+      document.getElementById("lag-note").textContent = r.error ? "lag: " + r.error
+        : "each group's total, then its partitions still behind; docs/dashboard.md";
+    } catch (err) {
+      dash.lag = { error: String(err) };
+    }
+    setTimeout(lagTick, 5000);
+  }
+
   tick();
+  lagTick();
 })();
