@@ -434,7 +434,8 @@ class _Converter:
             return _float(value)
         if isinstance(value, bytes | bytearray):
             data = bytes(value)
-            if data[:2] == MARKER:  # maybe a record of ours (a dead letter's original value)
+            # maybe a record of ours (a dead letter's original value), in either wire format
+            if data[:2] == MARKER or (data[:1] == b"\x00" and len(data) > 5):
                 try:
                     return decode_value(data, self.options, self.codec)[1]
                 except CodecError:

@@ -168,3 +168,17 @@ def test_breaking_change_is_refused_naming_schema_field_and_fix(tmp_path: Path, 
     reg = MemoryRegistry()
     with pytest.raises(IncompatibleSchemaError, match="call_event.avsc"):
         wire.register_catalog(reg, [(f"r.{s.name}", s) for s in CATALOG if s.value_schema == "CallEvent"], broken)
+
+
+def test_a_dead_letters_registry_framed_original_shows_decoded(registry: MemoryRegistry) -> None:
+    """`tail`/`export` decode a dead letter's original value when it is a record of ours: in either wire format."""
+    from consumers.analytics.records import decode_value
+    from schemas.events import DeadLetter
+
+    writer, reader = codecs(registry)
+    call = next(e for e in sample_events() if isinstance(e, CallEvent))
+    dead = next(e for e in sample_events() if isinstance(e, DeadLetter))
+    dead.original_value = call.to_bytes(writer)
+    assert dead.original_value[:1] == b"\x00"
+    _, value = decode_value(dead.to_bytes(), codec=reader)
+    assert value["original_value"]["call_id"] == call.call_id
