@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from clawbase.errors import ConfigError
+from learner import lora
 from learner.pack import MicroBatch
 from learner.reduce import Reduction, combine
 
@@ -89,9 +91,12 @@ def shard_policy(model: torch.nn.Module, mesh: DeviceMesh | None = None) -> torc
     reads the embedding's weight (one parameter, one group). An untied head stays whole on every rank (its gradient
     is all-reduced like data parallel's): it runs once per LM-head chunk, a count that differs between ranks, and an
     FSDP unit's all-gathers must pair up.
-    Gradients are reduce-scattered as SUMS (divide factor 1): the loss is already normalised by the global counts."""
+    Gradients are reduce-scattered as SUMS (divide factor 1): the loss is already normalised by the global counts.
+    A model with LoRA adapters is refused (learner/lora.py: LoRA trains data parallel)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    if lora.attached(model):  # the merge and the resume's check read whole weights (learner/lora.py)
+        raise ConfigError(lora.SHARDED)
     body = model.get_decoder()  # type: ignore[operator]
     head = model.get_output_embeddings()  # type: ignore[operator]
     embedding = body.get_input_embeddings()

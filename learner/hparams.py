@@ -95,7 +95,7 @@ class Hyperparams:
         0,
         "Rank r of low-rank adapters on the lora_targets matrices; 0 = off (every weight trains). On: only the "
         "adapters train (lr lora_lr; lr then applies to a value head only), each published version is the frozen "
-        "base plus (lora_alpha / r) B A, merged into plain weights (learner/lora.py). One rank only.",
+        "base plus (lora_alpha / r) B A, merged into plain weights (learner/lora.py). Also on ranks (data parallel).",
     )
     lora_alpha: float = _hp(32.0, "LoRA: the update is (lora_alpha / lora_rank) B A.")
     lora_lr: float = _hp(1e-4, "LoRA: AdamW lr of the adapters (about 10x a full fine-tune's is LoRA's usual best).")

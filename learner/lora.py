@@ -17,7 +17,9 @@ Own module, not peft: peft's injection renames the targets' tensors (``q_proj.ba
 adapters in the model's state dict, whose names the version files, their name/shape/tied checks and the engines'
 loaders rely on; its merge changes the model in place, where the learner needs a merged copy beside the unmerged
 base. Hooks leave the model and its state dict as they are, so learner.forward's passes (tree masks, chunked LM head,
-kv_share's prefix, activation checkpointing) run unchanged. One rank only (learner-ranks' followers attach none).
+kv_share's prefix, activation checkpointing) run unchanged. On N data-parallel ranks every rank attaches the same
+adapters (same seed); FSDP2 (learner.distributed.shard_policy) and LoRA refuse each other: the merge, the resume's
+check and the adapters' hooks would have to work on shards (gathered weights), which none of them does.
 Pure torch, no Kafka; used by ``learner.train`` and ``learner.version_files``.
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - torch's own spelling
+from torch.distributed.tensor import DTensor
 
 from clawbase.errors import ConfigError
 
@@ -40,6 +43,16 @@ GROUPS = {
 DEFAULT_TARGETS = "attention,mlp"
 # A resume's check of base + ΔW against the published targets: rounding of a recomputed matmul passes, another base not.
 _ADOPT_RTOL, _ADOPT_ATOL = 1e-5, 1e-6
+_MARK = "_clawstream_lora"  # set on a model while adapters are hooked into it
+SHARDED = (
+    "lora_rank > 0 does not train an FSDP2-sharded model (learner.distributed.shard_policy): train LoRA data "
+    "parallel (clawstream learner-ranks, every rank whole), or set lora_rank=0 to shard"
+)
+
+
+def attached(model: torch.nn.Module) -> bool:
+    """Whether LoRA adapters are hooked into ``model``."""
+    return getattr(model, _MARK, None) is not None
 
 
 def target_names(spec: str) -> set[str]:
@@ -60,6 +73,8 @@ class LoRA(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, rank: int, alpha: float, targets: str, seed: int = 0) -> None:
         super().__init__()
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ConfigError(SHARDED)
         wanted = target_names(targets)
         found = [
             (n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in wanted
@@ -82,6 +97,7 @@ class LoRA(torch.nn.Module):
         self.lora_A, self.lora_B = torch.nn.ParameterList(a_list), torch.nn.ParameterList(b_list)
         model.requires_grad_(False)  # the base is frozen: no weight gradients, no AdamW state
         self._hooks = [linear.register_forward_hook(self._hook(i)) for i, (_, linear) in enumerate(found)]
+        object.__setattr__(model, _MARK, True)
 
     def _hook(self, i: int) -> Any:
         def add(_module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
@@ -158,3 +174,4 @@ class LoRA(torch.nn.Module):
         """Unhook: the model computes its base alone again (its weights are still frozen)."""
         for hook in self._hooks:
             hook.remove()
+        object.__setattr__(self._model, _MARK, None)

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from confluent_kafka import Consumer, Producer
 
-from clawbase.errors import ClawstreamError, ConfigError
+from clawbase.errors import ClawstreamError
 from clawbase.kafka.clients import (
     assign_from_beginning,
     check_broker,
@@ -95,8 +95,6 @@ class Learner(Publishing):
         self.value_head: ValueHead | None = None
         self.lora: LoRA | None = None
         if config.lora_rank > 0:  # adapters on a frozen base (learner/lora.py): the model's weights do not train
-            if self.reduction is not None:
-                raise ConfigError("lora_rank > 0 trains on one rank (clawstream learner): set lora_rank=0 for ranks")
             self.lora = LoRA(self.model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed)
         params = [] if self.lora is not None else list(self.model.parameters())
         if config.algorithm == "ppo":

@@ -12,7 +12,9 @@ last published version — a SIGKILL's path; the rank that raised records it (``
 rank killed -9 (mid-collective or not) ends the group the same way: the launcher stops the others and exits 1
 (tests/integration/test_learner_ranks.py); no rank outlives the launcher (parent-death signal); a collective that
 waits past ``CLAWSTREAM_LEARNER_COLLECTIVE_TIMEOUT_S`` (600 s) fails its rank, and an idle rank 0 sends the others a
-no-op well within it. A learned logit scale folds on every rank.
+no-op well within it. A learned logit scale folds on every rank. LoRA (``lora_rank > 0``): every rank attaches the
+same adapters (same seed; rank 0's broadcast on a load) and they are all that trains and is all-reduced; rank 0 merges
+and publishes.
 
 Run: ``clawstream learner-ranks --nproc-per-node 2 --model-dir DIR --weight-store DIR ...`` or ``python -m
 learner.train_ranks ...`` (the rest as ``clawstream learner``); gloo on CPU. FSDP2 in the service is not wired yet
@@ -39,6 +41,7 @@ from learner.attempts import DEATHS, record_failure
 from learner.distributed import GroupReduction
 from learner.hparams import Hyperparams
 from learner.logit_scale import LogitScale
+from learner.lora import LoRA
 from learner.memory import set_checkpointing
 from learner.precision import load_policy
 from learner.settings import LearnerSettings
@@ -79,10 +82,11 @@ class _KeepAlive:
         return getattr(self._consumer, name)
 
 
-def _sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, head: ValueHead | None) -> None:
-    """Every rank takes rank 0's weights, value head, AdamW state and RNG (after rank 0 loaded a version)."""
-    for tensor in list(model.state_dict().values()) + (list(head.state_dict().values()) if head else []):
-        dist.broadcast(tensor, src=0)
+def _sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer, head: ValueHead | None, lora: LoRA | None) -> None:
+    """Every rank takes rank 0's weights, value head, adapters, AdamW state and RNG (after rank 0 loaded a version)."""
+    tensors = list(model.state_dict().values()) + (list(head.state_dict().values()) if head else [])
+    for tensor in tensors + (list(lora.parameters()) if lora is not None else []):
+        dist.broadcast(tensor.data, src=0)
     box: list[Any] = [(optimizer.state_dict(), torch.get_rng_state())]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() != 0:
@@ -95,6 +99,8 @@ def _set_lr(optimizer: torch.optim.Optimizer, config: Hyperparams, version: int)
     warm = lr / config.lr if config.lr else 1.0  # the warm-up applies to the logit scale too (learner.train)
     for group in optimizer.param_groups:
         group["lr"] = config.logit_scale_lr * warm if group.get("logit_scale") else lr
+        if group.get("lora"):
+            group["lr"] = config.lora_lr * warm
     return lr
 
 
@@ -117,7 +123,7 @@ class LeadLearner(Learner):
         super()._resume()
         if self.latest is None:  # nothing loaded: still, rank 0's value head may come from a file the others lack
             _send(("sync", None))
-            _sync(self.model, self.optimizer, self.value_head)
+            _sync(self.model, self.optimizer, self.value_head, self.lora)
 
     def _step(self, trees: list[ScoredTree]) -> dict[str, float]:
         # The plan (learner.memory, in rank 0's dry run) is for the whole batch: every rank follows its checkpointing.
@@ -134,7 +140,7 @@ class LeadLearner(Learner):
     def _load(self, version: WeightVersion | None) -> None:
         super()._load(version)
         _send(("sync", None))
-        _sync(self.model, self.optimizer, self.value_head)
+        _sync(self.model, self.optimizer, self.value_head, self.lora)
 
 
 def follow(settings: LearnerSettings, config: Hyperparams) -> None:
@@ -142,11 +148,19 @@ def follow(settings: LearnerSettings, config: Hyperparams) -> None:
     torch.manual_seed(config.seed)
     model = load_policy(settings.model_dir)
     ref = load_policy(settings.model_dir).eval().requires_grad_(False) if config.kl_coef > 0 else None
+    # LoRA: the same adapters as rank 0's (same seed, its own generator), on the same frozen base.
+    lora = None
+    if config.lora_rank > 0:
+        lora = LoRA(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed)
     head = ValueHead.for_model(model) if config.algorithm == "ppo" else None
-    params = list(model.parameters()) + (list(head.parameters()) if head is not None else [])
-    groups: list[dict[str, Any]] = [{"params": params}]
+    params = [] if lora is not None else list(model.parameters())
+    params += list(head.parameters()) if head is not None else []
+    # rank 0's groups, in its order (learner.train.Learner): the broadcast AdamW state loads group by group
+    groups: list[dict[str, Any]] = [{"params": params}] if params else []
+    if lora is not None:
+        groups.append({"params": list(lora.parameters()), "lr": config.lora_lr, "lora": True})
     scale = LogitScale(model) if config.logit_scale_lr > 0 else None
-    if scale is not None:  # rank 0's groups, in its order: the broadcast AdamW state loads group by group
+    if scale is not None:
         groups.append({"params": [scale.log_scale], "lr": config.logit_scale_lr, "logit_scale": True})
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     while True:
@@ -154,7 +168,7 @@ def follow(settings: LearnerSettings, config: Hyperparams) -> None:
         if kind == "stop":
             return
         if kind == "sync":
-            _sync(model, optimizer, head)
+            _sync(model, optimizer, head, lora)
         elif kind == "step":
             trees, version, checkpointing, lead = payload
             fault_point(f"learner.rank{dist.get_rank()}.step")

@@ -6,7 +6,9 @@ process. Cases: SGD without clipping (a gradient's scale error shows one to one:
 summing, or normalise by their own counts), SGD with token_mean and clipping active in two mini-batches (the global
 token count, the global norm), AdamW in four mini-batches (the optimizer the learner uses), PPO with its value head
 (a replicated parameter beside the FSDP shards), and rows that share their prompt's keys and values (kv_share: each
-rank trains its paths' groups; FSDP2, whose ranks run in lockstep, trains them row by row).
+rank trains its paths' groups; FSDP2, whose ranks run in lockstep, trains them row by row). LoRA, data parallel:
+every rank attaches the same adapters (same seed), only they train (all-reduced, clipped by their global norm), and
+rank 0's merged weights equal the 1-rank LoRA step's; FSDP2 and LoRA refuse each other, naming the fix.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from clawbase.errors import ConfigError
 from learner.hparams import Hyperparams
+from learner.lora import LoRA
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step
 from learner.value import ValueHead
@@ -42,6 +47,9 @@ CASES: dict[str, tuple[dict, str]] = {
     # that share the 24-token prompt, one kv_share group per rank.
     "kv_share": ({"lr": 50.0, "max_grad_norm": 0.0, "token_budget": 40, "kv_share_min": 16}, "sgd"),
 }
+# LoRA in 2 mini-batches (B = 0 at first: the first trains B, the second A too), clipping of the adapters active.
+LORA = {"lora_rank": 4, "lora_lr": 5e-3, "lora_targets": "q_proj,v_proj,down_proj", "mini_batches": 2}
+LORA_CLIP = 1e-3
 
 
 def _trees(seed: int, n: int = 7) -> list[ScoredTree]:
@@ -127,6 +135,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                 optimizer = _optimizer(kind, _params(model, head), config)
                 metrics = step(model, optimizer, _trees(0), config, head)
                 keep(f"{mode}-{case}", model, metrics, head)
+        lora_case(rank, model_dir, out, step)
         # Nothing to learn (every advantage 0) after a real step: FSDP2 + AdamW skip all four optimizer steps alike.
         config = Hyperparams(**CASES["adamw"][0])
         model, optimizer = fresh("fsdp2", "adamw", config)
@@ -152,6 +161,38 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         keep("resumed", model, step(model, optimizer, _trees(1), config))
     finally:
         dist.destroy_process_group()
+
+
+def _lora(model: torch.nn.Module, config: Hyperparams) -> tuple[LoRA, torch.optim.Optimizer]:
+    """The adapters and their AdamW, as learner.train.Learner builds them (its own seed: the same on every rank)."""
+    adapters = LoRA(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed)
+    groups = [{"params": list(adapters.parameters()), "lora": True}]
+    optimizer = torch.optim.AdamW(groups, lr=config.lora_lr, betas=config.betas, weight_decay=config.weight_decay)
+    return adapters, optimizer
+
+
+def lora_case(rank: int, model_dir: str, out: Path, step: Callable[..., dict[str, float]]) -> None:
+    """Data parallel LoRA (rank 0 keeps the merged weights), then FSDP2 and LoRA each refusing the other."""
+    from learner.distributed import shard_policy
+
+    config = Hyperparams(**LORA, max_grad_norm=LORA_CLIP)
+    model = load_policy(model_dir)
+    adapters, optimizer = _lora(model, config)
+    metrics = step(model, optimizer, _trees(0), config)
+    refusals = []
+    try:
+        shard_policy(model)
+    except ConfigError as exc:
+        refusals.append(str(exc))
+    sharded = shard_policy(load_policy(model_dir))
+    try:
+        _lora(sharded, config)
+    except ConfigError as exc:
+        refusals.append(str(exc))
+    if rank == 0:
+        torch.save(
+            {"state": adapters.merged_state_dict(model), "metrics": metrics, "refusals": refusals}, out / "dp-lora.pt"
+        )
 
 
 def _free_port() -> int:
@@ -287,3 +328,28 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(ranks: Path, model_d
     # The published version is one full safetensors file, as a 1-rank learner writes it (tied head once).
     published = load_file(str(version_path(ranks / "store", "policy", 1)))
     assert "lm_head.weight" not in published and _max_diff(published, after_first) < TOLERANCE
+
+
+def test_lora_on_two_ranks_equals_one_rank(ranks: Path, model_dir: Path) -> None:
+    """Every rank's adapters the same, their gradients summed over the ranks and clipped by the global norm: rank 0's
+    merged weights are the 1-rank LoRA step's; the base stays model_dir's outside the targets."""
+    config = Hyperparams(**LORA, max_grad_norm=LORA_CLIP)
+    torch.set_num_threads(1)
+    model = load_policy(model_dir)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    adapters, optimizer = _lora(model, config)
+    ref_metrics = train_step(model, optimizer, _trees(0), config)
+    reference = adapters.merged_state_dict(model)
+    got = torch.load(ranks / "dp-lora.pt", weights_only=True)
+    assert set(got["state"]) == set(reference)
+    moved = _max_diff(reference, initial)
+    assert moved > 100 * TOLERANCE and ref_metrics["grad_norm"] > 2 * LORA_CLIP  # clipping was active
+    diff = _max_diff(got["state"], reference)
+    print(f"dp lora: max |2 ranks - 1 rank| = {diff:.2e} (the step moved merged weights up to {moved:.2e})")
+    assert diff < TOLERANCE
+    for key in ("loss", "grad_norm", "update_kl"):
+        assert got["metrics"][key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-7), key
+    assert got["metrics"]["optimizer_steps"] == ref_metrics["optimizer_steps"] == 2
+    untouched = [k for k in reference if not any(t in k for t in ("q_proj", "v_proj", "down_proj"))]
+    assert _max_diff({k: got["state"][k] for k in untouched}, initial) == 0.0
+    assert len(got["refusals"]) == 2 and all("data parallel" in r and "lora_rank" in r for r in got["refusals"])

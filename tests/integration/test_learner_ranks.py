@@ -1,7 +1,8 @@
 """The learner service on 2 data-parallel gloo ranks (learner/train_ranks.py) on the real broker: its versions equal
 the 1-rank step's on the same batches (also with kv_share: rows of their own sharing their prompt); a step that
 raises, or one rank killed -9 while the other waits for it in the step's first collective, stops the group (the
-launcher exits non-zero within seconds, no rank left behind), and the restarted group trains the batch once."""
+launcher exits non-zero within seconds, no rank left behind), and the restarted group trains the batch once; LoRA's
+adapters on every rank, through such a restart."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from clawbase.kafka.clients import bootstrap_servers
 from clawbase.settings import KafkaSettings
 from learner.hparams import parse_hparams
 from learner.logit_scale import LogitScale
+from learner.lora import LoRA
 from learner.precision import load_policy
 from learner.step import ScoredTree, train_step
 from policy.weight_store import attempt_of, trainer_state_path, verify_file
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCALE_LR = 0.1  # the compose learners' learned logit scale (docs/quickstart.md), in the kill test
 # Every tree (50 tokens) over the token budget: its two paths are rows of their own sharing the 24-token prompt.
 KV_SHARE = ["token_budget=40", "kv_share_min=16"]
+LORA = ["lora_rank=4", "lora_lr=5e-3"]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +141,38 @@ def test_a_step_that_raises_stops_the_group_and_the_restart_trains_the_batch_onc
     versions = _versions(kafka_settings, "check-raise-2")
     assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]
     _check_v2(versions[-1], model_dir)
+
+
+def test_lora_ranks_publish_the_versions_of_one_also_after_a_restart(
+    kafka_settings: KafkaSettings, model_dir: Path, tmp_path: Path
+) -> None:
+    """``--hp lora_rank``: every rank attaches the same adapters. b-2's step raises on both ranks; the restarted group
+    resumes v1 (rank 0 loads its adapters from the trainer state and broadcasts them) and publishes b-2, equal to two
+    1-rank LoRA steps merged into the base."""
+    from safetensors.torch import load_file
+
+    _produce_batches(kafka_settings, [("b-1", 1), ("b-2", 2)])
+    store = tmp_path / "store"
+    failed = _run(kafka_settings, model_dir, store, fault="learner.in_step@2=raise", hp=LORA)
+    assert failed.returncode != 0 and "fault injection: raise at learner.in_step" in failed.stderr + failed.stdout
+    restarted = _run(kafka_settings, model_dir, store, hp=LORA)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    versions = _versions(kafka_settings, "check-lora")
+    assert [(v.policy_version, v.batch_id) for v in versions] == [(1, "b-1"), (2, "b-2")]
+    config = parse_hparams(["lr=1e-3", *LORA])
+    model = load_policy(model_dir)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    adapters = LoRA(model, config.lora_rank, config.lora_alpha, config.lora_targets, config.seed)
+    groups = [{"params": list(adapters.parameters()), "lr": config.lora_lr, "lora": True}]  # as learner.train's
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    for batch_id, step in (("b-1", 1), ("b-2", 2)):
+        train_step(model, optimizer, _trees(batch_id, step), config)
+    merged = adapters.merged_state_dict(model)
+    published = load_file(str(verify_file(versions[-1])))
+    diff = max(float((published[k] - v).abs().max()) for k, v in merged.items() if k in published)
+    moved = max(float((v - initial[k]).abs().max()) for k, v in merged.items())
+    print(f"2-rank LoRA service v2 vs 1-rank LoRA steps: max abs {diff:.2e} (merged weights moved up to {moved:.2e})")
+    assert moved > 100 * 1e-5 and diff < 1e-5
 
 
 def _alive(pid: int) -> bool:
