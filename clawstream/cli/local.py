@@ -375,7 +375,19 @@ def _with_absolute_install(text: str, install: str | None) -> str:
 
     if not install or install.startswith(("npm:", "pip:")):
         return text
-    return re.sub(r'(?m)^install\s*=.*$', lambda _m: f"install = {json.dumps(install)}", text, count=1)
+    return re.sub(r"(?m)^install\s*=.*$", lambda _m: f"install = {json.dumps(install)}", text, count=1)
+
+
+@model.command(
+    "evidence", context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+)
+@click.pass_context
+def model_evidence(ctx: click.Context) -> None:
+    """Held-out evidence of skill: correct-episode log-likelihood and greedy solve rate of a model and of each
+    published version of a demo run (--versions RUN_DIR: evidence.jsonl, .png; --help for options)."""
+    from clawstream.demo.evidence import main as evidence_main
+
+    sys.exit(evidence_main(list(ctx.args)))
 
 
 @harness.command(

@@ -96,13 +96,6 @@ SERVICES: tuple[Service, ...] = (
         group="model",
     ),
     Service(
-        "evidence",
-        "clawstream.demo.evidence:main",
-        "Held-out evidence of skill: correct-episode log-likelihood, greedy solve rate of a model and of each\n"
-        "published version of a demo run (--versions RUN_DIR: evidence.jsonl, .png; clawstream/demo/evidence.py).",
-        group="model",
-    ),
-    Service(
         "tail",
         "consumers.analytics.tail:main",
         "A topic's records as decoded JSON lines: last N, --from-beginning, --offset, --since; --rollout, --follow.",
