@@ -179,38 +179,12 @@ async def test_local_grader_is_out_of_the_rollouts_reach(tmp_path: Path) -> None
 @pytest.mark.provisioned("docker")
 @pytest.mark.timeout(600)
 async def test_docker_grader_is_out_of_the_rollouts_reach(tmp_path: Path, group_id: str) -> None:
-    from tests.support.docker_images import ensure_images, unavailable
-
-    ensure_images("harnesses")
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:  # docker.errors.DockerException
-        unavailable(f"the docker SDK cannot reach the engine: {exc}")
     from producers.sandbox.docker_backend import DockerBackend
 
-    network = f"cs-test-{group_id}"
-    try:
+    with S.docker_engine(group_id) as network:
         async with proxy_without_kafka() as admin_url:
-            settings = SandboxSettings(
-                backend="docker",
-                proxy_url=admin_url,
-                proxy_admin_token="admin",
-                docker_proxy_relay=False,
-                group_id=group_id,
-                root=tmp_path / "sandboxes",
-                docker_image="clawstream/harnesses:latest",
-                docker_network=network,
-                grader_timeout_s=60,
-            )
+            settings = S.docker_settings(tmp_path / "sandboxes", group_id, network, admin_url)
             got = await _grades(_context(tmp_path, settings, admin_url, DockerBackend(settings)))
-    finally:
-        for c in client.containers.list(all=True, filters={"network": network}, ignore_removed=True):
-            c.remove(force=True)
-        for n in client.networks.list(names=[network]):
-            n.remove()
     _check(got)
 
 

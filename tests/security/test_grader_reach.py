@@ -243,33 +243,13 @@ def test_grader_output_reader_refuses_fifos_and_links_and_bounds_size(tmp_path: 
 @pytest.mark.timeout(600)
 async def test_the_docker_backend_grades_out_of_the_rollouts_reach(tmp_path: Path, group_id: str) -> None:
     """The same grading code on the docker backend: a planted json.py forges nothing; a chmod 000 changes nothing."""
-    from tests.support.docker_images import ensure_images, unavailable
-
-    ensure_images("harnesses")
-    try:
-        import docker
-
-        client = docker.from_env()
-    except Exception as exc:  # docker.errors.DockerException
-        unavailable(f"the docker SDK cannot reach the engine: {exc}")
     from producers.sandbox.docker_backend import DockerBackend
 
-    network = f"cs-test-{group_id}"
     files = ATTACKS["json_py"]
     harnesses = {"json_py": plant(files), "json_py.honest": plant(files, benign=True), "half": HALF, "chmod": CHMOD}
-    try:
+    with S.docker_engine(group_id) as network:
         async with proxy_without_kafka() as admin_url:
-            settings = SandboxSettings(
-                backend="docker",
-                proxy_url=admin_url,
-                proxy_admin_token="admin",
-                docker_proxy_relay=False,
-                group_id=group_id,
-                root=tmp_path / "sandboxes",
-                docker_image="clawstream/harnesses:latest",
-                docker_network=network,
-                grader_timeout_s=60,
-            )
+            settings = S.docker_settings(tmp_path / "sandboxes", group_id, network, admin_url)
             ctx = _context(settings, admin_url, harnesses)
             ctx = RolloutContext(**{**ctx.__dict__, "backend": DockerBackend(settings)})
             forged, honest, half, chmod = await asyncio.gather(
@@ -278,11 +258,6 @@ async def test_the_docker_backend_grades_out_of_the_rollouts_reach(tmp_path: Pat
                 _run(ctx, "hello", "half", suite="native"),
                 _run(ctx, "hello", "chmod", suite="native"),
             )
-    finally:
-        for c in client.containers.list(all=True, filters={"network": network}, ignore_removed=True):
-            c.remove(force=True)
-        for n in client.networks.list(names=[network]):
-            n.remove()
     assert (honest.status, honest.reward) == (RewardStatus.OK, 0.0), honest
     assert (forged.status, forged.reward) == (honest.status, honest.reward), forged
     assert (half.status, half.reward) == (RewardStatus.OK, 0.5), half

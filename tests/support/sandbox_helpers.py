@@ -12,7 +12,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from clawbase.kafka.clients import make_consumer, make_producer
 from clawbase.settings import KafkaSettings
 from producers.harnesses.base import HarnessAdapter
 from producers.sandbox.local_backend import MARKER
+from producers.sandbox.settings import SandboxSettings
 from schemas.events import Dialect, RewardEvent, RolloutEvent, RolloutRequest, now_ms
 from schemas.topics import REWARDS, ROLLOUT_EVENTS, ROLLOUT_REQUESTS
 from tests.support.scripted_engine import tool_call_text
@@ -192,3 +194,42 @@ class ListSink:
 
     async def reward(self, reward) -> None:  # noqa: ANN001
         self.rewards.append(reward)
+
+
+@contextmanager
+def docker_engine(group_id: str) -> Iterator[str]:
+    """The docker backend's tests: the harness image built if missing, the engine reached (skipped with the reason
+    otherwise, failed in CI); yields the test's network name, whose containers and network are removed afterwards."""
+    from tests.support.docker_images import ensure_images, unavailable
+
+    ensure_images("harnesses")
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - docker.errors.DockerException, or the SDK missing
+        unavailable(f"the docker SDK cannot reach the engine: {exc}")
+    network = f"cs-test-{group_id}"
+    try:
+        yield network
+    finally:
+        for c in client.containers.list(all=True, filters={"network": network}, ignore_removed=True):
+            c.remove(force=True)
+        for n in client.networks.list(names=[network]):
+            n.remove()
+
+
+def docker_settings(root: Path, group_id: str, network: str, admin_url: str) -> SandboxSettings:
+    """The docker backend on the harness image, the proxy's admin API reached directly (no relay container)."""
+    return SandboxSettings(
+        backend="docker",
+        proxy_url=admin_url,
+        proxy_admin_token="admin",
+        docker_proxy_relay=False,
+        group_id=group_id,
+        root=root,
+        docker_image="clawstream/harnesses:latest",
+        docker_network=network,
+        grader_timeout_s=60,
+    )
