@@ -1,9 +1,10 @@
 """Does the first call of a harness's rollout find the shared system prompt and tools in the prefix cache? (#32 item 3)
 
-Per installed real harness (opencode, codex, qwen-code, claude-code, openclaw; installed by the project's installer
-into ``$CLAWSTREAM_HOME/harnesses``, a failed install is skipped and reported), R rollouts run one after another over
-two built-in CPU tasks (A, B, A, B, ...), each launched as the sandbox worker launches it, in its own bubblewrap
-sandbox (the same workspace and HOME paths inside), through the real serving proxy and the REAL CPU inference engine
+Per installed real harness (opencode, codex, qwen-code, claude-code, openclaw, gemini-cli, mini-swe-agent; installed
+by the project's installer into ``$CLAWSTREAM_HOME/harnesses``, a failed install is skipped and reported), R rollouts
+run one after another over two built-in CPU tasks (A, B, A, B, ...), each launched as the sandbox worker launches it,
+in its own bubblewrap sandbox (the same workspace and HOME paths inside), through the real serving proxy and the REAL
+CPU inference engine
 (tiny model, prefix cache at its defaults), the rollout registered with a small ``max_tokens`` so it ends fast. All
 is read back from the calls topic: ``prompt_len`` and ``cached_prompt_tokens`` (the engine's
 ``usage.prompt_tokens_details.cached_tokens``) per call, the prompts rebuilt from the delta encoding. Reported per
@@ -41,7 +42,7 @@ from clawbase.kafka.clients import create_topics
 from clawbase.settings import KafkaSettings
 from producers.harnesses.base import LaunchContext, launch_spec
 from producers.harnesses.catalog import ADAPTERS
-from producers.harnesses.install import HARNESSES, HarnessInstallError, harness_root, install_harness
+from producers.harnesses.install import HARNESSES, HarnessInstallError, harness_root, install_harness, installed_spec
 from producers.sandbox.base import SandboxError
 from producers.sandbox.local_backend import LocalBackend
 from producers.sandbox.settings import SandboxSettings
@@ -57,7 +58,7 @@ from tests.support.inference import Worker
 from tests.support.proxy_server import consume_calls, register, running_proxy, seal
 
 OUT = Path(__file__).resolve().parent / "results" / "first_call_cache.md"
-ORDER = ["opencode", "codex", "qwen-code", "claude-code", "openclaw"]
+ORDER = ["opencode", "codex", "qwen-code", "claude-code", "openclaw", "gemini-cli", "mini-swe-agent"]
 TASKS = ("train-000-write", "train-002-copy")  # two templates: the same system prompt and tools, a different request
 
 
@@ -92,6 +93,8 @@ class HarnessResult:
 
 def version_of(name: str) -> str:
     pkg = HARNESSES[name].package
+    if HARNESSES[name].kind == "pip":  # a venv: the spec its install marker records (package==version)
+        return (installed_spec(HARNESSES[name], harness_root()) or "?").rpartition("==")[2]
     try:
         return json.loads((harness_root() / name / "node_modules" / pkg / "package.json").read_text())["version"]
     except (OSError, ValueError, KeyError):

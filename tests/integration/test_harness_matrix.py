@@ -1,5 +1,6 @@
 """Every harness adapter through the real sandbox worker on real benchmark tasks: Claude Code, Codex, Qwen Code,
-OpenClaw (Node 24), opencode, and the built-in loop in both variants.
+OpenClaw (Node 24), opencode, Cline, mini-swe-agent (PyPI) and the built-in loop in both variants (Gemini CLI: the
+same case in ``test_gemini_cli.py``).
 
 Per harness one stack — real Kafka broker, real serving proxy, the scripted engine as the model, one sandbox worker
 with local sandboxes — runs two rollouts at once: the ClawGym-Bench task ``task_0085`` (verbatim,
@@ -7,7 +8,8 @@ with local sandboxes — runs two rollouts at once: the ClawGym-Bench task ``tas
 answers with the harness's *own* write tool (:data:`WRITE`): it finds the sandbox's workspace in the harness's prompt
 (every real harness names its working directory there), writes the two files of the task's solution
 (``tests/fixtures/clawgym_solutions/task_0085``) one tool call per turn, then ends with a plain answer; to the
-PinchBench prompt it answers "Hello, I'm ready!" at once. Title-style calls (no tools) get a title.
+PinchBench prompt it answers "Hello, I'm ready!" at once (a harness that ends on a tool call, mini-swe-agent, gets
+that call after the answer: :data:`FINISH`). Title-style calls (no tools) get a title.
 
 Asserts per rollout: STARTED → HARNESS_EXITED with exit code 0, a graded reward — 1.0 with every ``check.py``
 sub-score 1.0 for the solved ClawGym task (``reward.sh`` run as published), 1.0 for the sanity check (its check
@@ -18,9 +20,9 @@ for every harness, the session transcript built from the conversation the proxy 
 in it (never what the harness wrote, #29); for OpenClaw its own session export (from its SQLite store, a
 Zstandard-compressed record included) is still checked to decode, though graders no longer read it.
 
-A real harness is installed from the npm registry on first use (``producers.harnesses.install``, cached under
-``$CLAWSTREAM_HOME``; OpenClaw with Node 24 from the registry too); when npm or the package is unavailable the test
-SKIPS with the reason.
+A real harness is installed from the npm registry (mini-swe-agent: PyPI, into its own venv) on first use
+(``producers.harnesses.install``, cached under ``$CLAWSTREAM_HOME``; OpenClaw with Node 24 from the registry too);
+when npm or the package is unavailable the test SKIPS with the reason.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ from tests.support.harness_tasks import (
     CLAWGYM_PHRASE,
     FILES,
     FINAL,
+    FINISH,
     HARNESSES,
     RELATIVE,
     SOLUTION,
     WRITE,
+    final_answer,
     installed,
     solution_files,
     workspace_pattern,
@@ -74,11 +78,11 @@ def responder(name: str, sandboxes: str, seen: list[str]):
         conversation = prompt_text.partition("<|im_start|>user")[2]
         if CLAWGYM_PHRASE not in conversation:
             seen.append("pinch")
-            return FINAL["pinch"]
+            return final_answer(name, FINAL["pinch"])
         done = conversation.count("<tool_response>")
         seen.append(f"clawgym:{done}")
         if done >= len(solution):
-            return LONG_FINAL if name == "openclaw" else FINAL["clawgym"]
+            return LONG_FINAL if name == "openclaw" else final_answer(name, FINAL["clawgym"])
         found = ws_re.search(prompt_text)
         if found is None and name not in RELATIVE:
             seen.append("no workspace in the prompt")
@@ -90,8 +94,13 @@ def responder(name: str, sandboxes: str, seen: list[str]):
     return respond
 
 
+# Gemini CLI's case is tests/integration/test_gemini_cli.py: this same stack and responder on the same two tasks, plus
+# its prefix trees; it is not run twice.
+OWN_TEST = {"gemini-cli"}
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", HARNESSES)
+@pytest.mark.parametrize("name", [n for n in HARNESSES if n not in OWN_TEST])
 async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, tmp_path, monkeypatch, name) -> None:
     await asyncio.to_thread(installed, name)
     transcripts: dict[str, list[dict[str, Any]]] = {}  # task id → the transcript its grader read
@@ -157,7 +166,8 @@ async def test_harness_solves_clawgym_and_pinchbench(kafka_settings, group_id, t
         for c in r["message"]["content"]
         if isinstance(c, dict) and c.get("type") == "toolCall"
     ]
-    assert [c["name"] for c in calls] == [WRITE[name]("", "", "")[0]] * len(FILES), (calls, log)
+    finish = [FINISH[name][0]] if name in FINISH else []
+    assert [c["name"] for c in calls] == [WRITE[name]("", "", "")[0]] * len(FILES) + finish, (calls, log)
     if name == "openclaw":  # its long final answer was stored compressed, and its own export decoded it
         assert compressed.get("task_0085", 0) >= 1, (compressed, log)
         assert exported["task_0085"][0]["id"] != built_id, log

@@ -21,13 +21,27 @@ from producers.harnesses.install import HarnessInstallError, install_harness, in
 from producers.tasks.loaders import CLAWGYM_MOUNT_DIR
 from producers.tasks.model import DEFAULT_MOUNT_DIR
 from tests.support import sandbox_helpers as S
+from tests.support.scripted_engine import tool_call_text
 
-HARNESSES = ["claude-code", "codex", "qwen-code", "openclaw", "opencode", "agentloop", "agentloop-anthropic"]
+# mini-swe-agent last: its one tool, ``bash{command}``, is in opencode's tool set too (the mixed batch's harness_of).
+HARNESSES = [
+    "claude-code",
+    "codex",
+    "qwen-code",
+    "openclaw",
+    "opencode",
+    "agentloop",
+    "agentloop-anthropic",
+    "gemini-cli",
+    "cline",
+    "mini-swe-agent",
+]
 SOLUTION = S.FIXTURES / "clawgym_solutions" / "task_0085"
 FILES = ["output/nimbus_checklist.md", "output/context_sources.json"]
 CLAWGYM_PHRASE = "Nimbus rollout"  # in task_0085's prompt
 SANITY_PHRASE = "Hello, I'm ready!"  # in task_00_sanity's prompt
-RELATIVE = {"agentloop", "agentloop-anthropic"}  # their tools take paths relative to the workspace
+# Their tools take paths relative to the workspace (mini-swe-agent's commands run there; its prompt names no path).
+RELATIVE = {"agentloop", "agentloop-anthropic", "mini-swe-agent"}
 FINAL = {"clawgym": "Done: the checklist and the context trace are in output/.", "pinch": SANITY_PHRASE}
 
 
@@ -45,7 +59,19 @@ WRITE: dict[str, Callable[[str, str, str], tuple[str, dict[str, Any]]]] = {
     "opencode": lambda ws, rel, c: ("write", {"filePath": f"{ws}/{rel}", "content": c}),
     "agentloop": lambda _ws, rel, c: ("write_file", {"path": rel, "content": c}),
     "agentloop-anthropic": lambda _ws, rel, c: ("Write", {"file_path": rel, "content": c}),
+    "cline": lambda ws, rel, c: ("editor", {"path": f"{ws}/{rel}", "new_text": c}),
+    "mini-swe-agent": lambda _ws, rel, c: ("bash", {"command": heredoc(rel, c)}),
 }
+# Harnesses whose run ends on a tool call, not on a plain answer: that call (mini-swe-agent asks again after an answer
+# without a bash call, and stops when a command prints its submit word first).
+FINISH: dict[str, tuple[str, dict[str, Any]]] = {
+    "mini-swe-agent": ("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}),
+}
+
+
+def final_answer(name: str, text: str) -> str:
+    """The scripted policy's last answer for harness ``name``: ``text``, then the call that ends its run (FINISH)."""
+    return f"{text}\n{tool_call_text(*FINISH[name])}" if name in FINISH else text
 
 
 def solution_files() -> list[tuple[str, str]]:
@@ -66,7 +92,7 @@ def installed(name: str) -> None:
     package = ADAPTERS[name].install
     if package is None:
         return
-    if shutil.which("npm") is None:
+    if package.startswith("npm:") and shutil.which("npm") is None:
         pytest.skip(f"{name}: npm is not on PATH, cannot install the real harness")
     try:
         install_harness(name)

@@ -55,7 +55,7 @@ def _installs(log: Path) -> list[str]:
 def test_every_harness_is_pinned_to_an_exact_version() -> None:
     for pkg in HARNESSES.values():
         assert pkg.version[0].isdigit() and pkg.version.count(".") == 2, pkg
-        assert pkg.spec == f"{pkg.package}@{pkg.version}"
+        assert pkg.spec == f"{pkg.package}{'==' if pkg.kind == 'pip' else '@'}{pkg.version}"
 
 
 def test_pinned_version_installed_once_and_another_version_replaced(tmp_path: Path, fake_npm: Path) -> None:
