@@ -4,7 +4,7 @@ Pure torch (no Kafka): the train loop hands it decoded trajectories and advantag
 measurement: docs/method.md#the-training-step):
 
 1. splits the trees into ``mini_batches`` parts and packs each into micro-batch rows under the token budget
-   (``learner.pack.pack_trees``);
+   (``learner.pack.pack_trees``; on the CPU no longer than the batch's largest tree needs: ``row_budget``);
 2. recomputes π_old logprobs for all rows with the current weights, before any update (no grad) — except for one
    GRPO update per batch (``mini_batches == 1``, no dropout), where they are the gradient pass's, detached;
 3. for each part, accumulates gradients of the loss over its rows (normalised by the part's trainable-token and
@@ -145,10 +145,11 @@ def _parts(model: torch.nn.Module, trees: Sequence[ScoredTree], config: Hyperpar
     device = next(model.parameters()).device
     max_path = max_path_tokens(model, config)
     lockstep = ranks.lockstep(model)
+    budget = row_budget(device, config, trees)
 
     def pack(part: Sequence[ScoredTree]) -> list[MicroBatch]:
         segments = [t.segments for t in part]
-        rows = pack_trees(segments, config.token_budget, max_path, share_prefix_min=config.share_prefix_min)
+        rows = pack_trees(segments, budget, max_path, share_prefix_min=config.share_prefix_min)
         return [r.to(device) for r in rows]
 
     out = []
@@ -161,6 +162,21 @@ def _parts(model: torch.nn.Module, trees: Sequence[ScoredTree], config: Hyperpar
         pads = ranks.pad(rows, partial(pack, whole[:1])) if lockstep else []
         out.append(_Part(mine, len(whole), rows, pads, lockstep))
     return out
+
+
+CPU_ROW_TOKENS = 512  # the shortest row the CPU packs to: below it a row's fixed cost (Python, its mask) adds up
+
+
+def row_budget(device: torch.device, config: Hyperparams, trees: Sequence[ScoredTree]) -> int:
+    """Tokens per packed row: ``token_budget``; on the CPU only what the batch's largest tree needs (at least
+    ``CPU_ROW_TOKENS``). The CPU's attention kernel runs a row's whole (T, T) tree mask, skipping no block it empties
+    (trees sharing a row cost T² together), and a long row buys no parallelism on a few cores: the demo's batches
+    take about 0.7 of the CPU time in rows of ≤ 602 tokens than of 4,096 (bench/results/learner_step.md). A tree
+    that fitted a row still does, and the loss is the same sum over the part's tokens and rollouts."""
+    if device.type != "cpu":
+        return config.token_budget
+    largest = max((_tree_tokens(t) for t in trees), default=0)  # the whole batch's: the same on every rank
+    return min(config.token_budget, max(largest, CPU_ROW_TOKENS))
 
 
 def _before_update(
