@@ -1,16 +1,15 @@
 """Does the first call of a harness's rollout find the shared system prompt and tools in the prefix cache? (#32 item 3)
 
-Per installed real harness (opencode, codex, qwen-code, claude-code, openclaw, gemini-cli, mini-swe-agent; installed
-by the project's installer into ``$CLAWSTREAM_HOME/harnesses``, a failed install is skipped and reported), R rollouts
-run one after another over two built-in CPU tasks (A, B, A, B, ...), each launched as the sandbox worker launches it,
-in its own bubblewrap sandbox (the same workspace and HOME paths inside), through the real serving proxy and the REAL
-CPU inference engine
-(tiny model, prefix cache at its defaults), the rollout registered with a small ``max_tokens`` so it ends fast. All
-is read back from the calls topic: ``prompt_len`` and ``cached_prompt_tokens`` (the engine's
-``usage.prompt_tokens_details.cached_tokens``) per call, the prompts rebuilt from the delta encoding. Reported per
-harness: the first main call's prompt and cached tokens for rollout 1 (cold) and rollouts 2..R split by whether an
-earlier rollout ran the same task, the longest common prefix with an earlier first prompt (what a cache could
-hold), the later calls' cached fraction, and a diff of two first prompts' decoded text (where they differ).
+Per installed real harness (opencode, codex, qwen-code, claude-code, openclaw, gemini-cli, cline, mini-swe-agent;
+installed by the project's installer into ``$CLAWSTREAM_HOME/harnesses``, a failed install is skipped and reported), R
+rollouts run one after another over two built-in CPU tasks (A, B, A, B, ...), each launched as the sandbox worker
+launches it, in its own bubblewrap sandbox (the same workspace and HOME paths inside), through the real serving proxy
+and the REAL CPU inference engine (tiny model, prefix cache at its defaults), the rollout registered with a small
+``max_tokens`` so it ends fast. All is read back from the calls topic: ``prompt_len`` and ``cached_prompt_tokens`` (the
+engine's ``usage.prompt_tokens_details.cached_tokens``) per call, the prompts rebuilt from the delta encoding. Reported
+per harness: the first main call's prompt and cached tokens for rollout 1 (cold) and rollouts 2..R split by whether an
+earlier rollout ran the same task, the longest common prefix with an earlier first prompt (what a cache could hold), the
+later calls' cached fraction, and a diff of two first prompts' decoded text (where they differ).
 
 Run: ``HF_HUB_OFFLINE=1 .venv/bin/python -m bench.first_call_cache [--harnesses opencode codex] [--rollouts 4]``;
 writes ``bench/results/first_call_cache.md`` (after every harness). The default run took over 10 minutes on 2
@@ -58,7 +57,7 @@ from tests.support.inference import Worker
 from tests.support.proxy_server import consume_calls, register, running_proxy, seal
 
 OUT = Path(__file__).resolve().parent / "results" / "first_call_cache.md"
-ORDER = ["opencode", "codex", "qwen-code", "claude-code", "openclaw", "gemini-cli", "mini-swe-agent"]
+ORDER = ["opencode", "codex", "qwen-code", "claude-code", "openclaw", "gemini-cli", "cline", "mini-swe-agent"]
 TASKS = ("train-000-write", "train-002-copy")  # two templates: the same system prompt and tools, a different request
 
 
