@@ -7,8 +7,8 @@ topic prefix) and keeps each trajectory's tree segments, advantage, reward and h
 each run is a fresh process (``--worker``) that loads models/warmstart in fp32, builds AdamW (lr 2e-5, the demo's)
 and trains the batches in order, as the demo's learner would, with that commit's own packing dry run, memory plan
 (where it has one) and ``train_step``; processes alternate base, current, base, current on the same torch threads
-(the demo gives the learner 1 thread on 2 cores). Per run: each step's seconds, tokens/s, peak RSS growth. Medians,
-and the ratio current / base per round. Writes ``bench/results/learner_step.md``.
+(the demo gives the learner 1 thread on 2 cores). Per run: each step's wall and CPU seconds, trainable tokens/s,
+peak RSS growth; medians, and the ratio current / base per round. Writes ``bench/results/learner_step.md``.
 
 Topics: clawstream.batches (record only). Run:
 ``.venv/bin/python -m bench.learner_step record --bootstrap 127.0.0.1:PORT --topic-prefix demo-YYYYMMDD-HHMMSS.``;
@@ -141,7 +141,8 @@ def worker(data: Path, model_dir: str, threads: int) -> None:
         metrics = step(model, optimizer, trees)
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out.append({"seconds": seconds, "cpu_seconds": cpu, "tokens": metrics["tokens"],
+        out.append({"seconds": seconds, "cpu_seconds": cpu, "tokens": metrics["trainable_tokens"],
+                    "packed_tokens": metrics["tokens"],
                     "rss_growth_mib": (rss1 - rss0) / 1024, "peak_rss_mib": rss1 / 1024,
                     "update_kl": metrics.get("update_kl")})  # fmt: skip
     print("RESULT " + json.dumps(out), flush=True)
@@ -165,12 +166,13 @@ def _worktree(base: str) -> Path:
     return path
 
 
-def compare(base: str, rounds: int, threads: int, data: Path, label: str) -> None:
+def compare(base: str, current: str, rounds: int, threads: int, data: Path, label: str) -> None:
     base_root = _worktree(base)
+    current_root = _worktree(current) if current else ROOT
     runs: dict[str, list[list[dict[str, Any]]]] = {"base": [], "current": []}
     load = [os.getloadavg()[0]]
     for r in range(rounds):
-        for name, root in (("base", base_root), ("current", ROOT)):
+        for name, root in (("base", base_root), ("current", current_root)):
             runs[name].append(_run(root, data, threads))
             load.append(os.getloadavg()[0])
             steps = runs[name][-1]
@@ -191,10 +193,8 @@ def _report(base: str, runs: dict, threads: int, load: list[float], data: Path, 
 
     n_steps = len(runs["base"][0])
     steps = " | ".join(f"step {i} s (CPU s)" for i in range(n_steps))
-    lines = [
-        f"| commit | {steps} | tokens/s wall | tokens/s CPU | peak RSS growth MiB |",
-        "|---|" + "---|" * (n_steps + 3),
-    ]
+    head = f"| commit | {steps} | packed tokens | trained tokens/s wall | trained tokens/s CPU | peak RSS growth MiB |"
+    lines = [head, "|---|" + "---|" * (n_steps + 4)]
     for name, commit in (("base", base), ("current", label)):
         wall = [statistics.median(run[i]["seconds"] for run in runs[name]) for i in range(n_steps)]
         cpu = [statistics.median(run[i]["cpu_seconds"] for run in runs[name]) for i in range(n_steps)]
@@ -203,14 +203,15 @@ def _report(base: str, runs: dict, threads: int, load: list[float], data: Path, 
         tps_cpu = statistics.median(tokens / total(run, "cpu_seconds") for run in runs[name])
         rss = statistics.median(max(s["rss_growth_mib"] for s in run) for run in runs[name])
         cells = " | ".join(f"{w:.2f} ({c:.2f})" for w, c in zip(wall, cpu, strict=True))
-        lines.append(f"| {commit} | {cells} | {tps:.0f} | {tps_cpu:.0f} | {rss:.0f} |")
+        packed = " + ".join(str(int(s["packed_tokens"])) for s in runs[name][0])
+        lines.append(f"| {commit} | {cells} | {packed} | {tps:.0f} | {tps_cpu:.0f} | {rss:.0f} |")
     cpu_r, wall_r = ratios("cpu_seconds"), ratios("seconds")
     summary = (
         f"current / {base}, CPU seconds: median {statistics.median(cpu_r):.3f} "
         f"(rounds {', '.join(f'{r:.3f}' for r in cpu_r)}); wall: median {statistics.median(wall_r):.3f} "
         f"(rounds {', '.join(f'{r:.3f}' for r in wall_r)}). {len(cpu_r)} alternating rounds, {threads} torch "
         f"thread(s), load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores; batches of "
-        f"{[int(s['tokens']) for s in runs['base'][0]]} packed tokens ({data.name})"
+        f"{[int(s['tokens']) for s in runs['base'][0]]} trained tokens ({data.name})"
     )
     print("\n".join(lines) + "\n" + summary)
     _write(label, lines, summary)
@@ -233,6 +234,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", nargs="?", choices=["compare", "record"], default="compare")
     parser.add_argument("--base", default="5780325")
+    parser.add_argument("--current", default="", help="a commit to run instead of the working tree")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data", type=Path, default=DATA)
@@ -253,7 +255,7 @@ def main() -> None:
     elif args.mode == "record":
         record(args.bootstrap, args.topic_prefix, args.batches, args.data)
     else:
-        compare(args.base, args.rounds, args.threads, args.data, args.label)
+        compare(args.base, args.current, args.rounds, args.threads, args.data, args.label)
 
 
 if __name__ == "__main__":

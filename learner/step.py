@@ -171,7 +171,7 @@ def row_budget(device: torch.device, config: Hyperparams, trees: Sequence[Scored
     """Tokens per packed row: ``token_budget``; on the CPU only what the batch's largest tree needs (at least
     ``CPU_ROW_TOKENS``). The CPU's attention kernel runs a row's whole (T, T) tree mask, skipping no block it empties
     (trees sharing a row cost T² together), and a long row buys no parallelism on a few cores: the demo's batches
-    take about 0.7 of the CPU time in rows of ≤ 602 tokens than of 4,096 (bench/results/learner_step.md). A tree
+    take 0.6 of the CPU time in rows of ≤ 602 tokens as in rows of 4,096 (bench/results/learner_step.md). A tree
     that fitted a row still does, and the loss is the same sum over the part's tokens and rollouts."""
     if device.type != "cpu":
         return config.token_budget
