@@ -17,8 +17,7 @@ reads the OpenClaw session transcript) — and a clean sandbox root (no director
 expected main-agent calls (no extra calls of the harness's own), no call event ``tampered`` (every harness echoes the
 answers, a reasoning block and a line of text before each write call, as the proxy's own), and graders that read,
 for every harness, the session transcript built from the conversation the proxy saw, with the harness's write calls
-in it (never what the harness wrote, #29); for OpenClaw its own session export (from its SQLite store, a
-Zstandard-compressed record included) is still checked to decode, though graders no longer read it.
+in it (never what the harness wrote); OpenClaw's own session export (SQLite, Zstandard) is still checked to decode.
 
 A real harness is installed from the npm registry (mini-swe-agent: PyPI, into its own venv) on first use
 (``producers.harnesses.install``, cached under ``$CLAWSTREAM_HOME``; OpenClaw with Node 24 from the registry too);
