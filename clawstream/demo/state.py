@@ -83,8 +83,7 @@ def check_harnesses(names: tuple[str, ...], tasks_per_step: int, home: Path | No
             )
         if adapter.node24 and not executable(NODE24, root).exists():
             raise ClawstreamError(
-                f"--harnesses: {name} needs Node 24, not installed; `clawstream harness install {name}` "
-                "installs it too"
+                f"--harnesses: {name} needs Node 24, not installed; `clawstream harness install {name}` installs it too"
             )
     if tasks_per_step < len(names):
         raise ClawstreamError(

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ENV = "CLAWSTREAM_PROVISIONING_DIR"
-JOBS = ("docker", "compose", "vllm", "registry")  # engine + images; Compose v2; vLLM on CPU; schema registry + Go modules
+# engine + images; Compose v2; vLLM on CPU; the schema registry + Go modules
+JOBS = ("docker", "compose", "vllm", "registry")
 WAIT_LIMIT_S = 80 * 60  # a fresh machine's slowest job (~30 min) with room; CI's own limit is 90 min
 PROGRESS_S = 60.0
 
