@@ -135,10 +135,10 @@ class AvroCodec:
         entry = self._by_id.get(schema_id)
         if entry is not None:
             return entry
-        if self.registry is None:
-            raise UnknownSchemaError(
-                f"record in the schema registry format (schema id {schema_id}) and no registry configured: set "
-                "CLAWSTREAM_SCHEMA_REGISTRY_URL"
+        if self.registry is None:  # a single-object deployment: garbage or a registry record, told apart by no one
+            raise CorruptRecordError(
+                f"not Avro single-object encoding (C3 01): starts {data[:10].hex()}; if it is the schema registry "
+                f"format (00, schema id {schema_id}), set CLAWSTREAM_SCHEMA_REGISTRY_URL"
             )
         text = self.registry.schema_for(schema_id)
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fastavro import parse_schema, schemaless_writer
 
-from clawbase.errors import CodecError, ConfigError, UnknownSchemaError
+from clawbase.errors import CodecError, ConfigError, CorruptRecordError
 from clawbase.settings import load_settings
 from schemas import registry as wire
 from schemas.codec import MARKER, SCHEMA_DIR, AvroCodec
@@ -105,7 +105,7 @@ def test_old_writer_ids_resolve_to_the_current_reader(registry: MemoryRegistry) 
 
 def test_registry_record_without_a_registry_says_what_to_set(registry: MemoryRegistry) -> None:
     data = sample_events()[0].to_bytes(codecs(registry)[0])
-    with pytest.raises(UnknownSchemaError, match="CLAWSTREAM_SCHEMA_REGISTRY_URL"):
+    with pytest.raises(CorruptRecordError, match="not Avro single-object.*CLAWSTREAM_SCHEMA_REGISTRY_URL"):
         AvroCodec().decode(data)
 
 
