@@ -16,7 +16,7 @@ from typing import Any
 
 from clawbase.errors import ClawstreamError
 from clawbase.settings import KafkaSettings, clawstream_home
-from clawstream.demo import report
+from clawstream.demo import families, report
 from clawstream.demo.config import DemoConfig, check, recipe
 from clawstream.demo.costs import read_costs
 from clawstream.demo.evidence import finish_evidence, start_evidence
@@ -420,10 +420,11 @@ def report_evaluation(
     """The before → after table (printed, before_after.md), into ``result`` and summary.json, and TensorBoard."""
     before, after = evaluation
     table = report.before_after_table(before, after)
-    (run.run_dir / "before_after.md").write_text(f"Recipe: {recipe(run.cfg)}.\n\n{table}\n")
+    per_family = families.family_tables([(before.to_json(), after.to_json())], before.config.modes)
+    (run.run_dir / "before_after.md").write_text(f"Recipe: {recipe(run.cfg)}.\n\n{table}\n\n{per_family}\n")
     say(
         f"==> held-out mean reward per harness, before → after RL ({run.cfg.eval_tasks} tasks each; ± 1 s.e., "
-        f"paired over the same tasks where both runs graded them; {recipe(run.cfg)}):\n{table}"
+        f"paired over the same tasks where both runs graded them; {recipe(run.cfg)}):\n{table}\n\n{per_family}"
     )
     result.update(before=before.to_json(), after=after.to_json(), before_after=report.before_after_rows(before, after))
     run.summary.update(after=result["after"], before_after=result["before_after"])

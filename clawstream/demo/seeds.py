@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from clawbase.errors import ClawstreamError
+from clawstream.demo import families
 
 # DemoConfig field → the `clawstream demo` flag that sets it (the ones a run's recipe is made of).
 FLAGS = {
@@ -154,7 +155,11 @@ def table(runs: list[Run]) -> str:
 
 def report(runs: list[Run]) -> str:
     """The table, then every run's command."""
-    out = [table(runs), "", "`*`: gain > 2 paired s.e. Commands:", "", "```"]
+    modes = dict.fromkeys(mode for _, mode in keys(runs))
+    results = [(run.summary.get("before") or {}, run.summary.get("after") or {}) for run in runs]
+    per_family = families.family_tables(results, modes)
+    out = [table(runs), "", "`*`: gain > 2 paired s.e."] + (["", per_family] if per_family else [])
+    out += ["", "Commands:", "", "```"]
     out += [f"{command(run.config)}   # {run.name}" for run in runs]
     out.append("```")
     return "\n".join(out)
