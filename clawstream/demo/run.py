@@ -73,6 +73,11 @@ def eval_cache_path(model: Path, cfg: EvalConfig, cache: Path, today: str | None
     return cache / f"{name}.json"
 
 
+# The share of an evaluation's rollouts killed at the task timeout above which it is not cached: a 2-step demo beside
+# eight busy test workers once had 29 of 32 at the 60 s timeout, and that "before" would have served every later run.
+MAX_CACHED_TIMEOUT_SHARE = 0.02
+
+
 def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> EvalResult:
     """``run_eval``, reused when this exact model (weights sha256) was evaluated with this exact config before (the
     same UTC day, with a real harness)."""
@@ -82,9 +87,18 @@ def cached_eval(model: Path, cfg: EvalConfig, cache: Path, **kwargs: Any) -> Eva
         kwargs.get("say", print)(f"==> {kwargs.get('label', 'eval')}: cached result of this model and config ({path})")
         return result
     result = run_eval(model, cfg, **kwargs)
-    if all(r.pending == 0 and r.infra == 0 for r in result.rows):  # only a complete measurement is worth reusing
-        cache.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    if not all(r.pending == 0 and r.infra == 0 for r in result.rows):  # only a complete measurement is worth reusing
+        return result
+    rollouts = sum(r.rollouts for r in result.rows)
+    if result.timed_out() > MAX_CACHED_TIMEOUT_SHARE * rollouts:
+        kwargs.get("say", print)(
+            f"    not cached for reuse: {result.timed_out()} of {rollouts} rollouts hit the task timeout (a loaded "
+            f"machine's timeouts are graded 0 like the policy's; over {MAX_CACHED_TIMEOUT_SHARE:.0%} it is not "
+            "reused as another run's 'before')"
+        )
+        return result
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
     return result
 
 

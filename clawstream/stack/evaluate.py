@@ -12,7 +12,8 @@ held-out tasks; asked for more, the evaluation uses the warm start's extended he
 the first 256), written once as a native suite under ``$CLAWSTREAM_HOME/suites/``.
 
 Topics: ``clawstream.rollout.requests`` out; ``clawstream.rewards`` in (under a fresh topic prefix per evaluation;
-the engine, proxy and sandbox worker it starts produce calls, lifecycle events and rewards there).
+the engine, proxy and sandbox worker it starts produce calls, lifecycle events and rewards there); at the end
+``clawstream.rollout.events`` is read back for the rollouts killed at the task timeout (``extra["timed_out"]``).
 Run: ``clawstream eval --model DIR [--harness H ...] [--suite S] [--tasks 256] [--mode greedy --mode sampled]``.
 """
 
@@ -23,12 +24,12 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clawbase.errors import ClawstreamError
+from clawbase.errors import ClawstreamError, CodecError
 from clawbase.settings import KafkaSettings, clawstream_home
 from clawstream.stack.process import Stack
 from clawstream.stack.services import run_kafka, stack_for, start_rollout_side
@@ -108,8 +109,12 @@ class EvalResult:
         cfg = {"sampling_seed": None, **data["config"]}  # results from before seeding were unseeded
         config = EvalConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
         rows = [EvalScore(**r) for r in data["rows"]]
-        extra = {"per_task": data["per_task"]} if "per_task" in data else {}
+        extra = {k: data[k] for k in ("per_task", "timed_out") if k in data}
         return cls(data["model"], config, rows, data["seconds"], data["table"], extra)
+
+    def timed_out(self) -> int:
+        """Rollouts killed at the task timeout (graded as they stood); 0 for results from before it was counted."""
+        return sum(self.extra.get("timed_out", {}).values())
 
     def task_rewards(self, harness: str, mode: str) -> dict[str, float]:
         """Task id → its graded reward in this cell (empty when the result predates per-task records)."""
@@ -130,6 +135,43 @@ def per_task_rewards(issued: dict[str, Any], final: dict[str, Any]) -> dict[str,
         key = f"{req.harness}/{req.metadata.get(EVAL_MODE_KEY, 'sampled')}"
         cells.setdefault(key, {}).setdefault(req.task_id, []).append(reward.reward)
     return {key: {t: sum(v) / len(v) for t, v in sorted(tasks.items())} for key, tasks in cells.items()}
+
+
+def timed_out_by_cell(issued: Mapping[str, Any], events: Iterable[Any]) -> dict[str, int]:
+    """``"harness/mode"`` → how many of the evaluation's rollouts were killed at the task timeout (a rollout once,
+    whatever its attempts). A loaded machine's timeout is graded 0 like the policy's own, so a result with many is
+    a measurement of the machine, not only of the model (``clawstream.demo.run.cached_eval`` does not keep it)."""
+    from producers.scheduler.plan import EVAL_MODE_KEY
+    from schemas.events import RolloutState
+
+    timed_out = {e.rollout_id for e in events if e.state == RolloutState.TIMED_OUT and e.rollout_id in issued}
+    cells: dict[str, int] = {}
+    for rid in sorted(timed_out):
+        req = issued[rid]
+        key = f"{req.harness}/{req.metadata.get(EVAL_MODE_KEY, 'sampled')}"
+        cells[key] = cells.get(key, 0) + 1
+    return cells
+
+
+def read_rollout_events(kafka: KafkaSettings, timeout: float = 60.0) -> list[Any]:
+    """Every decodable lifecycle event under ``kafka``'s prefix, from the beginning to the topic's current end."""
+    from clawbase.kafka.clients import assign_from_beginning, make_consumer, read_to_end
+    from schemas.events import RolloutEvent
+    from schemas.topics import ROLLOUT_EVENTS
+
+    consumer = make_consumer(kafka, f"{kafka.topic_prefix}eval-timeouts-{secrets.token_hex(4)}")
+    events = []
+    try:
+        name = kafka.topic(ROLLOUT_EVENTS)
+        ends = assign_from_beginning(consumer, name, timeout, missing_ok=True)
+        for msg in read_to_end(consumer, name, ends, timeout=timeout):
+            try:
+                events.append(RolloutEvent.from_bytes(msg.value() or b""))
+            except CodecError:  # not this reader's to judge: the consumers dead-letter what they cannot decode
+                continue
+    finally:
+        consumer.close()
+    return events
 
 
 def resolve_suite(cfg: EvalConfig, home: Path | None = None) -> tuple[dict[str, str], str, int]:
@@ -224,6 +266,9 @@ def run_eval(
     result = EvalResult(str(model), cfg, rows, time.monotonic() - started, eval_table(rows, scheduler.sampling_note()))
     result.extra["per_task"] = per_task_rewards(scheduler.issued, scheduler.outstanding.final)
     result.extra["topic_prefix"] = prefix  # the run's topics stay on the broker: replay, audit, compare reruns
+    result.extra["timed_out"] = timed_out_by_cell(scheduler.issued, read_rollout_events(settings))
+    if result.timed_out():
+        say(f"    ({result.timed_out()} rollouts were killed at the task timeout and graded as they stood)")
     missing = sum(r.pending + r.infra + r.ungraded for r in rows)
     if missing:
         say(f"    ({missing} rollouts without a reward: infra failures, ungraded or timed out; see the logs)")
