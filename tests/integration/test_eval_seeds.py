@@ -5,44 +5,26 @@ if the seed does not travel request → sandbox worker → proxy registration �
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-from clawbase.kafka.clients import make_consumer, read_to_end
 from clawbase.settings import KafkaSettings
 from clawstream.stack.evaluate import EvalConfig, run_eval
-from schemas.events import CallEvent, Event, RolloutRequest
+from schemas.events import CallEvent, RolloutRequest
 from schemas.topics import CALLS, ROLLOUT_REQUESTS
 from tests.support.proxy_helpers import tiny_model_dir
+from tests.support.topic_reader import read_events
 
 pytestmark = pytest.mark.integration
-
-
-def _read(kafka: KafkaSettings, name: str, cls: type[Event]) -> list:
-    consumer = make_consumer(kafka, f"check-{os.urandom(4).hex()}")
-    try:
-        topic = kafka.topic(name)
-        parts = sorted(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
-        marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
-        ends = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        msgs = [
-            m for m in read_to_end(consumer, topic, ends, timeout=60) if (m.offset() or 0) < ends[m.partition() or 0]
-        ]
-        return [cls.from_bytes(m.value() or b"") for m in msgs]
-    finally:
-        consumer.close()
 
 
 def _generated_by_task(kafka: KafkaSettings, prefix: str) -> dict[str, list[list[int]]]:
     """Task id → the generated token ids of its rollout's calls, in call order."""
     run = kafka.model_copy(update={"topic_prefix": prefix})
-    task_of = {r.rollout_id: r.task_id for r in _read(run, ROLLOUT_REQUESTS, RolloutRequest)}
+    task_of = {r.rollout_id: r.task_id for r in read_events(run, ROLLOUT_REQUESTS, RolloutRequest)}
     calls: dict[str, list[CallEvent]] = defaultdict(list)
-    for c in _read(run, CALLS, CallEvent):
+    for c in read_events(run, CALLS, CallEvent):
         calls[task_of[c.rollout_id]].append(c)
     return {t: [c.generated_tokens.tolist() for c in sorted(cs, key=lambda c: c.seq)] for t, cs in calls.items()}
 

@@ -4,33 +4,21 @@ those rollouts are still graded (a timeout is the rollout's result, not an infra
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-from clawbase.kafka.clients import make_consumer, read_to_end
 from clawbase.settings import KafkaSettings
 from clawstream.stack.evaluate import EvalConfig, run_eval
 from schemas.events import RolloutEvent, RolloutState
 from schemas.topics import ROLLOUT_EVENTS
 from tests.support.proxy_helpers import tiny_model_dir
+from tests.support.topic_reader import read_events
 
 pytestmark = pytest.mark.integration
 
 
 def _timed_out_ids(kafka: KafkaSettings) -> set[str]:
-    consumer = make_consumer(kafka, f"check-{os.urandom(4).hex()}")
-    try:
-        topic = kafka.topic(ROLLOUT_EVENTS)
-        parts = sorted(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
-        marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
-        ends = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        events = [RolloutEvent.from_bytes(m.value() or b"") for m in read_to_end(consumer, topic, ends, timeout=60)]
-        return {e.rollout_id for e in events if e.state == RolloutState.TIMED_OUT}
-    finally:
-        consumer.close()
+    events = read_events(kafka, ROLLOUT_EVENTS, RolloutEvent)
+    return {e.rollout_id for e in events if e.state == RolloutState.TIMED_OUT}
 
 
 @pytest.mark.timeout(600)
