@@ -20,15 +20,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from clawbase import faults
-from clawbase.kafka.clients import make_consumer, make_producer, read_to_end
+from clawbase.kafka.clients import make_producer
 from clawbase.settings import KafkaSettings
 from producers.scheduler.plan import StepPlan, plan_step
 from producers.tasks.catalog import SuiteCatalog
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest, now_ms
 from schemas.topics import REWARDS, ROLLOUT_REQUESTS
+from tests.support.topic_reader import read_events
 
 pytestmark = pytest.mark.integration
 
@@ -65,19 +65,7 @@ def _start(kafka: KafkaSettings, log: Path, fault_dir: Path | None = None) -> su
 
 def _requests(kafka: KafkaSettings) -> list[RolloutRequest]:
     """Every request on the run's requests topic (read_committed, to the high watermarks of now)."""
-    consumer = make_consumer(kafka, f"check-{os.urandom(4).hex()}")
-    try:
-        topic = kafka.topic(ROLLOUT_REQUESTS)
-        parts = sorted(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
-        marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10) for p in parts}
-        ends = {p: hi for p, (lo, hi) in marks.items() if hi > lo}
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in ends])
-        msgs = [
-            m for m in read_to_end(consumer, topic, ends, timeout=60) if (m.offset() or 0) < ends[m.partition() or 0]
-        ]
-        return [RolloutRequest.from_bytes(m.value() or b"") for m in msgs]
-    finally:
-        consumer.close()
+    return read_events(kafka, ROLLOUT_REQUESTS, RolloutRequest)
 
 
 def _infra_failure(kafka: KafkaSettings, req: RolloutRequest, tags: list[str]) -> None:
