@@ -150,6 +150,28 @@ def paired(before: dict[str, float], after: dict[str, float]) -> tuple[float | N
     return mean, math.sqrt(var / len(diffs)), len(diffs)
 
 
+def family_of(key: str) -> str:
+    """The task family (template) of an episode key ``"<split>-NNN-<template>/<dialect>"`` (the CPU suite's ids)."""
+    return key.split("/", 1)[0].split("-", 2)[-1]
+
+
+def by_family(base_ll: dict[str, float], ll: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per task family: the paired change of the correct episodes' log-likelihood (mean, s.e., how many, up, down).
+
+    Why: the pooled change can rise while the families whose greedy answers are wrong stay flat (#49: delete's
+    correct episodes did not move in any recipe while replace's rose); this shows which skill moves.
+    """
+    keys: dict[str, list[str]] = {}
+    for k in sorted(base_ll.keys() & ll.keys()):
+        keys.setdefault(family_of(k), []).append(k)
+    out = {}
+    for fam, ks in sorted(keys.items()):
+        mean, se, n = paired({k: base_ll[k] for k in ks}, {k: ll[k] for k in ks})
+        up, down = sum(ll[k] > base_ll[k] for k in ks), sum(ll[k] < base_ll[k] for k in ks)
+        out[fam] = {"change": mean, "se": se, "n": n, "up": up, "down": down}
+    return out
+
+
 def compare(record: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """The printed/plotted numbers of ``record``, each change paired per episode with the warm start's ``base``."""
     ll, tokens, rewards = record["ll"], record["tokens"], record["greedy"]
@@ -166,6 +188,7 @@ def compare(record: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "episodes_up": sum(ll[k] > base["ll"][k] for k in common),
         "episodes_down": sum(ll[k] < base["ll"][k] for k in common),
         "ll_episodes": len(ll),
+        "ll_change_by_family": by_family(base["ll"], ll),
         "greedy_reward": sum(rewards.values()) / len(rewards) if rewards else None,
         "greedy_solved": sum(r >= 1.0 for r in rewards.values()) / len(rewards) if rewards else None,
         "greedy_change": d_r,
@@ -188,11 +211,13 @@ def line(version: int, summary: dict[str, Any]) -> str:
         if summary["greedy_reward"] is not None
         else "greedy slice off"
     )
+    by_fam = summary.get("ll_change_by_family", {})
+    families = " ".join(f"{fam} {f['change']:+.3f}" for fam, f in by_fam.items() if f["change"] is not None)
     return (
         f"evidence v{version}: held-out correct-episode log-lik {summary['ll_per_token']:.4f}/token, "
         f"Δ {pm(summary['ll_change'], summary['ll_change_se'], 4)} per episode "
         f"({summary['episodes_up']} up, {summary['episodes_down']} down of {summary['ll_episodes']}) | {greedy} "
-        f"| {summary['seconds']:.0f} s"
+        f"| {summary['seconds']:.0f} s" + (f"\n  Δ log-lik per episode by family: {families}" if families else "")
     )
 
 

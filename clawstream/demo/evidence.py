@@ -204,14 +204,15 @@ def curve(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(path: Path, rows: Sequence[dict[str, Any]], title: str = "") -> Path:
     """PNG: per version, the change of the held-out correct episodes' log-likelihood vs the warm start (± 1 paired
-    s.e.) and the greedy slice's mean reward and solve rate."""
+    s.e.), the greedy slice's mean reward and solve rate, and the log-likelihood change per task family."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (left, right, fams) = plt.subplots(1, 3, figsize=(15, 3.6))
     draw(left, right, rows)
+    draw_families(fams, rows)
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -245,6 +246,42 @@ def draw(left: Any, right: Any, rows: Sequence[dict[str, Any]]) -> None:
     for ax in (left, right):
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
+
+
+def family_changes(rows: Sequence[dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+    """Each row's per-family log-likelihood change; rows written before it was recorded get it from their episodes."""
+    from warmstart.heldout_evidence import by_family
+
+    base = next((r.get("record") for r in rows if r["version"] == 0), None)
+    out = []
+    for r in rows:
+        if "ll_change_by_family" in r:
+            out.append(r["ll_change_by_family"])
+        elif base is not None and "record" in r:
+            out.append(by_family(base["ll"], r["record"]["ll"]))
+        else:
+            out.append({})
+    return out
+
+
+def draw_families(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
+    """One line per task family: the mean change of its held-out correct episodes' log-likelihood per version."""
+    per_row = family_changes(rows)
+    for fam in sorted({f for fams in per_row for f in fams}):
+        pts = [(r["version"], fams[fam]["change"]) for r, fams in zip(rows, per_row, strict=True) if fam in fams]
+        pts = [(v, c) for v, c in pts if c is not None]
+        if pts:
+            ax.plot([v for v, _ in pts], [c for _, c in pts], marker=".", label=fam)
+    ax.axhline(0, color="grey", lw=0.8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=7, ncol=2)
+    ax.set(
+        xlabel="weight version (0 = warm start)",
+        ylabel="Δ log-lik per episode",
+        title="By task family: which skill moves",
+    )
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
 
 
 # ---- the demo's hooks (clawstream/demo/run.py) ---------------------------------------------------------------------

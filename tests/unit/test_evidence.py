@@ -87,6 +87,27 @@ def test_compare_pairs_each_episode_with_the_warm_start() -> None:
     assert "2 up, 1 down of 3" in printed
 
 
+def test_the_change_is_also_split_by_task_family() -> None:
+    from producers.tasks.cpu import generate
+
+    tasks = generate("heldout", 16, 1)
+    for t in tasks:  # the family is read from the suite's own task ids
+        assert he.family_of(f"{t.task_id}/anthropic") == t.metadata["template"]
+    base = {"heldout-000-delete/openai": -2.0, "heldout-000-delete/anthropic": -2.2, "heldout-001-sum/openai": -1.0}
+    base["heldout-001-sum/anthropic"] = -1.5
+    now = {"heldout-000-delete/openai": -2.0, "heldout-000-delete/anthropic": -2.2, "heldout-001-sum/openai": -0.5}
+    now["heldout-001-sum/anthropic"] = -0.7
+    fams = he.by_family(base, now)
+    assert list(fams) == ["delete", "sum"]
+    assert fams["delete"] == {"change": 0.0, "se": 0.0, "n": 2, "up": 0, "down": 0}
+    assert fams["sum"]["change"] == pytest.approx(0.65) and fams["sum"]["se"] == pytest.approx(0.15)
+    assert (fams["sum"]["up"], fams["sum"]["down"]) == (2, 0)
+    record = {"ll": now, "tokens": dict.fromkeys(now, 3), "greedy": {}, "ll_seconds": 1.0, "greedy_seconds": 0.0}
+    summary = he.compare(record, {**record, "ll": base})
+    assert summary["ll_change_by_family"] == fams
+    assert "by family: delete +0.000 sum +0.650" in he.line(1, summary)
+
+
 def test_the_greedy_slice_is_graded_through_the_built_in_loop(loaded: tuple[Any, Any, he.Slices]) -> None:
     model, tokenizer, slices = loaded
     task = slices.greedy[0]
