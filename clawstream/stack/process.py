@@ -69,9 +69,12 @@ class Stack:
 
     def start(self, service: Service, *, timeout: float = 120.0) -> Service:
         service.log = self.log_dir / f"{service.name}.log"
-        self._spawn(service, "wb")
+        # Appended, not truncated: a resumed run (`clawstream demo --resume`) starts its services again in the same
+        # log directory, and what they logged before the resume is the evidence of why it stopped.
+        since = service.log.stat().st_size if service.log.exists() else 0
+        self._spawn(service, "ab")
         self.services.append(service)
-        self._wait_ready(service, timeout)
+        self._wait_ready(service, timeout, since=since)
         return service
 
     def _spawn(self, service: Service, mode: str) -> None:

@@ -38,3 +38,20 @@ def test_a_service_exiting_with_restart_me_is_restarted_and_others_stop_the_run(
             stack.check()
     finally:
         stack.stop()
+
+
+def test_a_started_service_appends_to_the_log_of_an_earlier_run(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "scheduler.log").write_text("step 19: refill 0 ... before the resume\nrunning again\n")
+    (tmp_path / "a").write_text("ran once\n")  # exit_once then logs "running again" and waits
+    stack = Stack(logs)
+    try:
+        args = ["tests.support.exit_once", str(tmp_path / "a"), "0"]
+        service = Service("scheduler", args, ready_line="running again")
+        stack.start(service)
+        text = (logs / "scheduler.log").read_text()
+        assert text.startswith("step 19: refill 0 ... before the resume\n")  # kept, not truncated
+        assert text.count("running again") == 2  # ready on this start's own line, not the old one
+    finally:
+        stack.stop()
