@@ -317,7 +317,9 @@ def scheduler_settings(cfg: DemoConfig, mix: dict[str, float]) -> dict[str, Any]
         "max_policy_lag": cfg.max_policy_lag,
         "zero_variance": cfg.zero_variance,  # as the streams: with drop, it refills the groups they drop
         "seed": cfg.seed,
-        "drain_timeout_s": 120,  # after the last step: its re-issues and refills (counted again from each refill)
+        # After the last step: its re-issues and refills, counted again from each reward and refill; never shorter
+        # than two rollout timeouts (no reward can be that far behind the one before while rollouts run).
+        "drain_timeout_s": max(120.0, 2 * (cfg.rollout_timeout_s or 60.0)),
         **({"timeout_s": cfg.rollout_timeout_s} if cfg.rollout_timeout_s is not None else {}),
     }
 

@@ -191,8 +191,8 @@ class Scheduler:
         self.outstanding.add(requests)
         self.refills.add(requests)
 
-    async def _drain(self) -> None:
-        """Apply every weight version and reward waiting in Kafka (non-blocking)."""
+    async def _drain(self) -> int:
+        """Apply every weight version and reward waiting in Kafka (non-blocking); how many rewards it read."""
         assert self.weights is not None and self.rewards is not None
         while (msg := self.weights.poll(0)) is not None:
             if msg.error():
@@ -205,9 +205,11 @@ class Scheduler:
             if version > self.version:
                 log.info("%s: policy version %d", where(msg), version)
                 self.version = version
+        rewards = 0
         while (msg := self.rewards.poll(0)) is not None:
             if msg.error():
                 continue
+            rewards += 1
             try:
                 reward = RewardEvent.from_bytes(msg.value())
             except CodecError as exc:
@@ -226,6 +228,7 @@ class Scheduler:
                     again.attempt,
                 )
                 await self.publish([again])
+        return rewards
 
     # --- modes --------------------------------------------------------------------------------------------------
 
@@ -248,10 +251,13 @@ class Scheduler:
                     step += 1
                 else:
                     await asyncio.sleep(0.2)
+            # After the last step its rewards settle the last groups and say which need a refill: wait while they
+            # keep coming. The deadline counts from the last reward or refill, so a slow harness (an opencode step
+            # takes minutes on 2 cores) is not cut off mid-step with its refills never issued.
             deadline = time.monotonic() + self.settings.drain_timeout_s
             while not stop.is_set():
-                await self._drain()
-                if await self._refill():
+                progress = await self._drain()
+                if await self._refill() or progress:
                     deadline = time.monotonic() + self.settings.drain_timeout_s
                 if not self.outstanding.pending or time.monotonic() >= deadline:
                     break

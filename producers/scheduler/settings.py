@@ -57,7 +57,7 @@ class SchedulerSettings(BaseSettings):
     drain_timeout_s: float = Field(
         default=0.0,
         description="Train mode, after the last step: wait this long for the last rewards (re-issues and refills "
-        "need them), counted again from each refill issued.",
+        "need them), counted again from each reward read and each refill issued.",
     )
     eval_split: str = Field(default="heldout", description="Split run by eval mode.")
     eval_harnesses: list[str] = Field(default_factory=lambda: ["agentloop"], description="Harnesses eval runs.")

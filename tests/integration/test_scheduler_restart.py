@@ -38,7 +38,14 @@ MIX = {"agentloop": 1.0, "agentloop-anthropic": 1.0}
 POINT = "scheduler.after_publish"
 
 
-def _start(kafka: KafkaSettings, log: Path, fault_dir: Path | None = None) -> subprocess.Popen:
+def _start(
+    kafka: KafkaSettings,
+    log: Path,
+    fault_dir: Path | None = None,
+    *,
+    steps: int = STEPS,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLAWSTREAM_SCHEDULER_") and k != faults.ENV}
     env.update(
         CLAWSTREAM_KAFKA_BOOTSTRAP_SERVERS=kafka.bootstrap_servers or "",
@@ -51,11 +58,12 @@ def _start(kafka: KafkaSettings, log: Path, fault_dir: Path | None = None) -> su
         CLAWSTREAM_SCHEDULER_SEED=str(SEED),
         PYTHONPATH=str(ROOT),
     )
+    env.update(extra_env or {})
     if fault_dir is not None:
         env.update(faults.fault_env(fault_dir, **{f"{POINT}@2": "hold"}))
     out = open(log, "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
-        [sys.executable, "-m", "producers.scheduler.service", "--steps", str(STEPS)],
+        [sys.executable, "-m", "producers.scheduler.service", "--steps", str(steps)],
         cwd=ROOT,
         env=env,
         stdout=out,
