@@ -316,6 +316,13 @@ class WeightVersion(Event):
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+# The grouper's verdict on each group it closes (streams.group): a Metric from GROUPER named GROUP_METRIC, labels
+# ``group_id`` and ``outcome``, ``values["trained"]`` = the rollouts it sent on to the batcher (0: the group trains
+# nothing). The scheduler refills a group on it (producers.scheduler.refill): the rewards alone cannot show a member the
+# tree filter drops, nor a group closed by its timeout.
+GROUPER, GROUP_METRIC = "streams.grouper", "group"
+
+
 @dataclass
 class Metric(Event):
     SCHEMA: ClassVar[str] = "Metric"
@@ -328,6 +335,13 @@ class Metric(Event):
     rollout_id: str | None = None
     step: int | None = None
     labels: dict[str, str] = field(default_factory=dict)
+
+
+def group_verdict(metric: Metric) -> tuple[str, int] | None:
+    """(group id, rollouts trained) when ``metric`` is the grouper's verdict on a group, else None."""
+    if metric.source != GROUPER or metric.name != GROUP_METRIC or "group_id" not in metric.labels:
+        return None
+    return metric.labels["group_id"], int(metric.values.get("trained", 0.0))
 
 
 @dataclass

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from schemas.events import BatchRecord, BatchRecordKind, Metric, Trajectory, TrajectoryStatus
+from schemas.events import GROUP_METRIC, GROUPER, BatchRecord, BatchRecordKind, Metric, Trajectory, TrajectoryStatus
 from streams.settings import StreamsSettings
 from streams.state import TOMBSTONE, TRAINABLE_STATUSES, Deadlines, Outcome, Verdict, is_tombstone
 
 log = logging.getLogger(__name__)
-SOURCE = "streams.grouper"
+SOURCE = GROUPER
 
 
 def expected_size(trajectory: Trajectory, default: int) -> int:
@@ -305,7 +305,7 @@ class Grouper:
                 policy_version=min(versions),
                 timestamp_ms=now_ms,
                 source=SOURCE,
-                name="group",
+                name=GROUP_METRIC,
                 values=values,
                 step=group.step,
                 labels={

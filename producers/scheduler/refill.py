@@ -4,16 +4,22 @@ The grouper (``streams.group.score``) emits nothing for a group whose settled me
 failures out of attempts, ungraded rollouts) and, with ``zero_variance="drop"``, for one whose rewards are all equal
 (exactly: no float tolerance). The batcher then waits for other groups, and a run of ``steps × tasks_per_step`` groups
 forms fewer than ``steps`` batches: the learner waits for the last ones for good. :class:`Refills` follows the groups a
-scheduler issued through the rewards it reads, applies the same rule (:func:`emits_nothing`) once every member has
-settled, and owes one more group of the same step and harness for each group that trains nothing, up to
-``max_per_step`` refills a step. Refills are not gated by policy lag: their step was issued already.
+scheduler issued through the rewards it reads and the grouper's verdicts (``schemas.events.group_verdict``), and owes
+one more group of the same step and harness for each group that trains nothing, up to ``max_per_step`` refills a
+step. Refills are not gated by policy lag: their step was issued already.
+
+Who decides. The rewards decide early only that a group trains nothing (:func:`emits_nothing` once every member has
+settled: the grouper scores a subset of those rewards, so it drops that group too). That a group trains is the
+grouper's word alone: a member the tree filter drops (DROPPED: a tampered call, no trainable tokens) still has a reward
+here, and a group closed by its timeout is scored on the members it had; such a group, judged by its rewards, would
+never be refilled and a batch of its step would wait for good (an opencode run's last batch did). A group stays
+undecided until the verdict comes.
 
 Deterministic, so a restarted scheduler (which rebuilds this state from the requests and rewards topics) issues none
 twice: refill ``k`` of (step, harness) carries ``metadata["refill"] = k``, draws its task from
 ``random.Random(f"{seed}:refill:{step}:{harness}:{k}")`` among the tasks that (step, harness) has not used yet (so its
 group id ``suite/task|harness|step`` is new), and its rollout ids are a hash of the run, the group id and the member.
-What it cannot see: a member the tree filter drops (DROPPED) still has a reward here, so a group the grouper drops for
-that reason is not refilled (a batch then waits for a later step's group).
+What it cannot see: a group the batcher drops as stale (past ``max_policy_lag``; a dead letter, no verdict).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class _Group:
     size: int
     settled: dict[str, float | None] = field(default_factory=dict)
     ids: set[str] = field(default_factory=set)  # its rollouts issued
+    trains: bool = False  # by its rewards; the grouper's verdict decides
     first: RolloutRequest | None = None  # a refill group's first request (the template of a cut-short one's rest)
 
 
@@ -70,7 +77,7 @@ class _Step:
     used: dict[str, set[str]] = field(default_factory=dict)  # harness → task ids of its groups
     dead: Counter[str] = field(default_factory=Counter)  # harness → groups that train nothing
     refills: dict[str, set[int]] = field(default_factory=dict)  # harness → refill numbers issued
-    open: int = 0  # groups not decided yet
+    open: int = 0  # groups not decided yet (no verdict, and rewards that do not say "nothing")
     warned: bool = False
 
 
@@ -115,14 +122,29 @@ class Refills:
         if g is None or request.rollout_id in g.settled:
             return
         g.settled[request.rollout_id] = settled_reward(reward)
-        verdict = emits_nothing(list(g.settled.values()), g.size, self.drop_equal)
-        if verdict is None:
-            return
-        del self.groups[request.group_id]
+        nothing = emits_nothing(list(g.settled.values()), g.size, self.drop_equal)
+        if nothing:
+            self._decide(request.group_id, dead=True)
+        elif nothing is not None and not self.max_per_step:
+            self._decide(request.group_id, dead=False)  # no refill may follow whatever the verdict: not kept
+        elif nothing is not None:
+            g.trains = True  # so its rewards say; the grouper's verdict decides (the module's docstring)
+
+    def verdict(self, group_id: str, trained: int) -> None:
+        """The grouper closed ``group_id`` and sent ``trained`` of its rollouts on to the batcher (0: none)."""
+        if group_id in self.groups:
+            self._decide(group_id, dead=trained == 0)
+
+    def _decide(self, group_id: str, *, dead: bool) -> None:
+        g = self.groups.pop(group_id)
         st = self.steps[g.step]
         st.open -= 1
-        if verdict:
+        if dead:
             st.dead[g.harness] += 1
+
+    def undecided(self) -> int:
+        """Groups whose rewards have all come but not the grouper's verdict."""
+        return sum(g.trains for g in self.groups.values())
 
     def owed(self) -> list[Refill]:
         """The refills to issue now: per step and harness, one per group that trains nothing and has none yet, while

@@ -1,18 +1,22 @@
 """Rollout scheduler: publishes each training step's rollout requests, gated by policy lag; eval runs.
 
 Topics: out ``clawstream.rollout.requests`` (key rollout id); in ``clawstream.weights`` (newest policy version, read
-from the beginning) and ``clawstream.rewards`` (re-issues INFRA_FAILURE rollouts with ``attempt + 1``, up to
-``max_attempts``; eval mode also collects the scores). Pure planning lives in ``producers.scheduler.plan``.
+from the beginning), ``clawstream.rewards`` (re-issues INFRA_FAILURE rollouts with ``attempt + 1``, up to
+``max_attempts``; eval mode also collects the scores) and, in train mode, ``clawstream.metrics`` (the grouper's verdict
+on each group, which decides its refill). Pure planning lives in ``producers.scheduler.plan``.
 
 Train mode resumes from the log, so a scheduler killed and restarted on the same run issues nothing twice and skips
-nothing: it first reads its run's requests and rewards (read_committed, to ends taken before reading), rebuilds
+nothing: it first reads its run's requests, rewards and group verdicts (read_committed, to ends taken before
+reading), rebuilds
 what was issued and what is outstanding, publishes the re-issues owed (and the rest of a step a kill cut short),
 re-plans the issued steps without publishing so task sampling goes on as if uninterrupted, and follows the rewards
 from those ends. Then for step = max(start_step, last issued + 1) … steps−1: wait until the newest weight version
 ≥ step − max_policy_lag, publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Meanwhile,
-whatever the lag, each group whose rewards say the streams will train nothing of it (all equal with
-``zero_variance="drop"``, or none) gets a refill group of its step and harness, up to ``max_refills_per_step``
-(``producers.scheduler.refill``), so every step still fills a batch.
+whatever the lag, each group that trains nothing — its rewards all equal with ``zero_variance="drop"`` or none, or
+the grouper's verdict says so (a member dropped by the tree filter, a group closed by its timeout) — gets a refill
+group of its step and harness, up to ``max_refills_per_step`` (``producers.scheduler.refill``), so every step still
+fills a batch. After the last step it waits (``drain_timeout_s``, counted again from each reward or verdict read) for
+the last rewards and verdicts.
 
 Eval mode (``--eval``): every task of ``eval_split`` (optionally the first ``eval_limit``) × each of
 ``eval_harnesses`` × each of ``eval_modes`` (``greedy``: temperature 0; ``sampled``: ``temperature``/``top_p``/
@@ -34,7 +38,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
@@ -63,8 +67,8 @@ from producers.scheduler.refill import REFILL_KEY, Refills
 from producers.scheduler.settings import SchedulerSettings
 from producers.tasks.catalog import SuiteCatalog
 from producers.tasks.model import Task
-from schemas.events import Event, RewardEvent, RolloutRequest, WeightVersion
-from schemas.topics import REWARDS, ROLLOUT_REQUESTS, WEIGHTS
+from schemas.events import Event, Metric, RewardEvent, RolloutRequest, WeightVersion, group_verdict
+from schemas.topics import METRICS, REWARDS, ROLLOUT_REQUESTS, WEIGHTS
 
 log = logging.getLogger("clawstream.scheduler")
 E = TypeVar("E", bound=Event)
@@ -101,34 +105,41 @@ class Scheduler:
         self.publisher: KafkaPublisher | None = None
         self.weights: Consumer | None = None
         self.rewards: Consumer | None = None
+        self.verdicts: Consumer | None = None  # train mode: the grouper's group metrics (clawstream.metrics)
 
     # --- Kafka edges --------------------------------------------------------------------------------------------
 
-    def _open(self, *, read_log: bool = False) -> tuple[list[RolloutRequest], list[RewardEvent]]:
+    def _open(self, *, read_log: bool = False) -> tuple[list[RolloutRequest], list[RewardEvent], list[Metric]]:
         """Connect. The rewards consumer starts at the ends of ``clawstream.rewards`` taken now: with ``read_log``
-        (train mode) after reading this run's requests and rewards up to ends taken before any read, returned in
-        log order (undecodable records logged and skipped)."""
+        (train mode) after reading this run's requests, rewards and metrics up to ends taken before any read,
+        returned in log order (undecodable records logged and skipped); the verdicts consumer then follows
+        ``clawstream.metrics`` from its end taken then."""
         self.publisher = KafkaPublisher(self.kafka, self.settings.publish_timeout_s)
         tag = uuid.uuid4().hex[:8]
         self.weights = make_consumer(self.kafka, f"scheduler-weights-{tag}")
         self.weights.subscribe([self.kafka.topic(WEIGHTS)])
         self.rewards = make_consumer(self.kafka, f"scheduler-rewards-{tag}")
         topic = self.kafka.topic(REWARDS)
-        found: tuple[list[RolloutRequest], list[RewardEvent]] = ([], [])
+        found: tuple[list[RolloutRequest], list[RewardEvent], list[Metric]] = ([], [], [])
         if not read_log:
             marks = self._watermarks(self.rewards, topic, strict=False)
         else:
+            self.verdicts = make_consumer(self.kafka, f"scheduler-verdicts-{tag}")
+            metrics_topic = self.kafka.topic(METRICS)
             reader = make_consumer(self.kafka, f"scheduler-resume-{tag}")
             try:
                 requests_topic = self.kafka.topic(ROLLOUT_REQUESTS)
-                request_marks = self._watermarks(reader, requests_topic, strict=True)  # both ends before any read
+                request_marks = self._watermarks(reader, requests_topic, strict=True)  # all ends before any read
                 marks = self._watermarks(self.rewards, topic, strict=True)
+                metric_marks = self._watermarks(self.verdicts, metrics_topic, strict=True)
                 found = (
                     self._read(reader, requests_topic, request_marks, RolloutRequest),
                     self._read(reader, topic, marks, RewardEvent),
+                    self._read(reader, metrics_topic, metric_marks, Metric),
                 )
             finally:
                 reader.close()
+            self.verdicts.assign([TopicPartition(metrics_topic, p, hi) for p, (_, hi) in sorted(metric_marks.items())])
         # Rewards from the ends taken before the log was read: none missed, none applied twice.
         self.rewards.assign([TopicPartition(topic, p, high) for p, (_, high) in sorted(marks.items())])
         return found
@@ -170,7 +181,7 @@ class Scheduler:
         return out
 
     def _close(self) -> None:
-        for c in (self.weights, self.rewards):
+        for c in (self.weights, self.rewards, self.verdicts):
             if c is not None:
                 c.close()
         if self.publisher is not None:
@@ -192,7 +203,8 @@ class Scheduler:
         self.refills.add(requests)
 
     async def _drain(self) -> int:
-        """Apply every weight version and reward waiting in Kafka (non-blocking); how many rewards it read."""
+        """Apply every weight version, reward and group verdict waiting in Kafka (non-blocking); how many rewards and
+        verdicts it read."""
         assert self.weights is not None and self.rewards is not None
         while (msg := self.weights.poll(0)) is not None:
             if msg.error():
@@ -228,6 +240,17 @@ class Scheduler:
                     again.attempt,
                 )
                 await self.publish([again])
+        while self.verdicts is not None and (msg := self.verdicts.poll(0)) is not None:
+            if msg.error():
+                continue
+            try:
+                verdict = group_verdict(Metric.from_bytes(msg.value()))
+            except CodecError as exc:
+                log.warning("%s: undecodable metric: %s", where(msg), exc)
+                continue
+            if verdict is not None:
+                rewards += 1
+                self.refills.verdict(*verdict)
         return rewards
 
     # --- modes --------------------------------------------------------------------------------------------------
@@ -251,15 +274,16 @@ class Scheduler:
                     step += 1
                 else:
                     await asyncio.sleep(0.2)
-            # After the last step its rewards settle the last groups and say which need a refill: wait while they
-            # keep coming. The deadline counts from the last reward or refill, so a slow harness (an opencode step
-            # takes minutes on 2 cores) is not cut off mid-step with its refills never issued.
+            # After the last step its rewards and the grouper's verdicts settle the last groups and say which need a
+            # refill: wait while they keep coming. The deadline counts from the last reward, verdict or refill, so a
+            # slow harness (an opencode step takes minutes on 2 cores) is not cut off mid-step, refills unissued.
             deadline = time.monotonic() + self.settings.drain_timeout_s
             while not stop.is_set():
                 progress = await self._drain()
                 if await self._refill() or progress:
                     deadline = time.monotonic() + self.settings.drain_timeout_s
-                if not self.outstanding.pending or time.monotonic() >= deadline:
+                settled = not self.outstanding.pending and not self.refills.undecided()
+                if settled or time.monotonic() >= deadline:
                     break
                 await asyncio.sleep(0.2)
         finally:
@@ -293,7 +317,13 @@ class Scheduler:
             )
         return issued
 
-    async def _resume(self, tasks: list[Task], requests: list[RolloutRequest], rewards: list[RewardEvent]) -> int:
+    async def _resume(
+        self,
+        tasks: list[Task],
+        requests: list[RolloutRequest],
+        rewards: list[RewardEvent],
+        metrics: Sequence[Metric] = (),
+    ) -> int:
         """Take over the state the run's log holds (``plan.rebuild``); publish what is owed; the step to go on at."""
         found = rebuild(requests, rewards, self.settings.max_attempts, self.settings.start_step)
         # Only what is still in flight goes on: the rewards of settled rollouts stay on the log (keep_settled off).
@@ -303,6 +333,8 @@ class Scheduler:
         self.refills.add(found.issued.values())
         for rid, reward in {**found.outstanding.final, **found.outstanding.gave_up}.items():
             self.refills.settle(found.issued[rid], reward)
+        for verdict in filter(None, map(group_verdict, metrics)):
+            self.refills.verdict(*verdict)
         cut_short += self.refills.cut_short()
         for step in range(self.settings.start_step, found.next_step):
             planned = plan_step(step, tasks, self.plan, self.rng, self.version)  # the RNG moves as when it was issued

@@ -13,7 +13,17 @@ from producers.scheduler.refill import REFILL_KEY, Refills, emits_nothing, settl
 from producers.scheduler.service import Scheduler
 from producers.scheduler.settings import SchedulerSettings
 from producers.tasks.catalog import SuiteCatalog
-from schemas.events import RewardEvent, RewardStatus, RolloutRequest, TrajectoryStatus, now_ms
+from schemas.events import (
+    GROUP_METRIC,
+    GROUPER,
+    Metric,
+    RewardEvent,
+    RewardStatus,
+    RolloutRequest,
+    TrajectoryStatus,
+    group_verdict,
+    now_ms,
+)
 from streams.group import GroupState, score
 from streams.settings import StreamsSettings
 
@@ -143,3 +153,52 @@ async def test_a_restarted_scheduler_completes_a_refill_cut_short_with_the_same_
     await second._resume(TASKS, [*step0, refill[0]], rewards)  # the kill came after the refill's first member
     assert publisher.keys == [r.rollout_id for r in refill[1:]]
     assert [o.k for o in second.refills.owed()] == [1]  # the other dead group's refill, issued by train()
+
+
+def _verdict(group_id: str, trained: int) -> Metric:
+    """The grouper's ``group`` metric for a closed group, as streams.group builds it."""
+    labels = {"group_id": group_id, "harness": "h", "outcome": "trained" if trained else "zero_variance_dropped"}
+    return Metric(0, now_ms(), GROUPER, GROUP_METRIC, {"trained": float(trained)}, step=0, labels=labels)
+
+
+async def test_the_grouper_s_verdict_decides_a_group_its_rewards_say_trains() -> None:
+    """Rewards 1, 0, 1, but the grouper dropped the 0 (a tampered call) and the group with it: a refill is owed,
+    live and when rebuilt from the log; a group the grouper trained is owed none. Rewards alone owed nothing (the
+    scheduler before the verdicts: an opencode run's last batch waited for good)."""
+    step0 = plan_step(0, TASKS, PLAN, random.Random(2))
+    groups: dict[str, list[RolloutRequest]] = {}
+    for r in step0:
+        groups.setdefault(r.group_id, []).append(r)
+    spoiled, trained = list(groups.values())[:2]
+    refills = _refills()
+    refills.add(step0)
+    for group in (spoiled, trained):
+        for r, value in zip(group, (1.0, 0.0, 1.0), strict=True):
+            refills.settle(r, _reward(r, value))
+    assert refills.owed() == [] and refills.undecided() == 2  # by the rewards both train: the verdicts decide
+    metrics = [_verdict(trained[0].group_id, 3), _verdict(spoiled[0].group_id, 0), _verdict("x|y|0", 0)]
+    for m in metrics:
+        verdict = group_verdict(m)
+        assert verdict is not None
+        refills.verdict(*verdict)
+    (owed,) = refills.owed()
+    assert (owed.step, owed.harness) == (0, spoiled[0].harness) and refills.undecided() == 0
+    refills.verdict(spoiled[0].group_id, 0)  # read twice (a replay): owed once
+    assert [o.k for o in refills.owed()] == [0]
+
+    settings = SchedulerSettings(
+        tasks_per_step=4, group_size=3, harness_mix={"agentloop": 1.0, "agentloop-anthropic": 1.0}, steps=1
+    )
+    rebuilt = Scheduler(settings, KafkaSettings(topic_prefix="t."))
+    rewards = [_reward(r, v) for g in (spoiled, trained) for r, v in zip(g, (1.0, 0.0, 1.0), strict=True)]
+    await rebuilt._resume(TASKS, step0, rewards, [Metric(0, now_ms(), "learner", "step", {"loss": 1.0}), *metrics])
+    assert [(o.step, o.harness, o.k) for o in rebuilt.refills.owed()] == [(0, spoiled[0].harness, 0)]
+
+
+def test_only_the_grouper_s_group_metric_is_a_verdict() -> None:
+    assert group_verdict(_verdict("s/t|h|3", 5)) == ("s/t|h|3", 5)
+    assert group_verdict(Metric(0, now_ms(), GROUPER, "late", {"trained": 0.0}, labels={"group_id": "g"})) is None
+    assert (
+        group_verdict(Metric(0, now_ms(), "learner", GROUP_METRIC, {"trained": 0.0}, labels={"group_id": "g"})) is None
+    )
+    assert group_verdict(Metric(0, now_ms(), GROUPER, GROUP_METRIC, {"trained": 0.0})) is None
