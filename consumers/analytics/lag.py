@@ -4,8 +4,11 @@ For every consumer group with a committed offset on the run's topics (or a membe
 (``AdminClient.list_consumer_group_offsets``, ``require_stable``: offsets committed in a transaction count once the
 transaction commits, as Faust's exactly-once commits do), end offset (``AdminClient.list_offsets``, latest with
 ``IsolationLevel.READ_COMMITTED``: the **last stable offset**, what the services' ``read_committed`` consumers can
-reach, not the high watermark) and who owns the partition (``describe_consumer_groups``). The maths and the table
-are pure (``consumers/analytics/lag_report.py``). The dashboard exports the same as ``clawstream_consumer_lag``.
+reach, not the high watermark) and who owns the partition (``describe_consumer_groups``). A gap of at most
+``COUNT_GAPS_UP_TO`` offsets is counted record by record with a ``read_committed`` reader (transaction markers and
+aborted records take offsets but are never read: without the count a group that committed the offset after its last
+record shows a lag of 1 for good). The maths and the table are pure (``consumers/analytics/lag_report.py``). The
+dashboard exports the same as ``clawstream_consumer_lag``.
 
 Topics in: none read (broker metadata only). Out: stdout.
 Run: ``clawstream lag [--prefix P] [--group G] [--watch SECONDS] [--json]`` or ``python -m consumers.analytics.lag``.
@@ -24,9 +27,19 @@ from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, KafkaE
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 from clawbase.errors import ClawstreamError
-from clawbase.kafka.clients import make_admin
+from clawbase.kafka.clients import make_admin, make_consumer
 from clawbase.settings import KafkaSettings, add_kafka_arguments, kafka_settings
-from consumers.analytics.lag_report import GroupLag, TopicPartitionKey, format_table, group_lag, in_run, report_json
+from consumers.analytics.lag_report import (
+    GroupLag,
+    TopicPartitionKey,
+    format_table,
+    gaps_to_count,
+    group_lag,
+    in_run,
+    report_json,
+)
+
+COUNT_GAPS_UP_TO = 64  # offsets: a larger gap is reported in offsets (an upper bound on the records left)
 
 
 class LagError(ClawstreamError):
@@ -79,7 +92,39 @@ def read_lag(
             found.append((gid, state, committed, owners))
     keys = {k for _, _, c, o in found for k in (*c, *o) if in_run(k[0], prefix)}
     ends = end_offsets(admin, keys, timeout)
-    return [group_lag(gid, state, committed, owners, ends, prefix) for gid, state, committed, owners in found]
+    gaps = {g for _, _, c, _ in found for g in gaps_to_count(c, ends, COUNT_GAPS_UP_TO) if in_run(g[0], prefix)}
+    counted = count_records(kafka, gaps, ends, timeout) if gaps else {}
+    return [group_lag(gid, state, c, owners, ends, prefix, counted) for gid, state, c, owners in found]
+
+
+def count_records(
+    kafka: KafkaSettings, gaps: set[tuple[str, int, int]], ends: dict[TopicPartitionKey, int], timeout: float
+) -> dict[tuple[str, int, int], int]:
+    """Per (topic, partition, from offset): the records a ``read_committed`` reader gets from there to the end
+    offset. Gaps not counted within ``timeout`` in all are left out (reported in offsets). Nothing is committed: an
+    assigned reader joins no group."""
+    reader = make_consumer(kafka, f"clawstream-lag-{time.monotonic_ns()}", **{"enable.auto.commit": False})
+    out: dict[tuple[str, int, int], int] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for topic, part, start in sorted(gaps):
+            end = ends[(topic, part)]
+            reader.assign([TopicPartition(topic, part, start)])
+            seen = 0
+            while time.monotonic() < deadline:
+                msg = reader.poll(0.2)
+                if msg is not None and not msg.error() and (msg.offset() or 0) < end:
+                    seen += 1
+                # The position moves past commit markers and aborted records without handing them out.
+                if reader.position([TopicPartition(topic, part)])[0].offset >= end:
+                    out[(topic, part, start)] = seen
+                    break
+    except KafkaException as exc:
+        why = exc.args[0] if exc.args else exc
+        raise LagError(f"counting the records left on {len(gaps)} partitions: {why}") from exc
+    finally:
+        reader.close()
+    return out
 
 
 def end_offsets(admin: AdminClient, keys: set[TopicPartitionKey], timeout: float) -> dict[TopicPartitionKey, int]:

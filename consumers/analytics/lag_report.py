@@ -4,8 +4,11 @@ Lag is ``end - committed`` in offsets, floored at 0, where ``end`` is the partit
 ``read_committed`` consumer can reach; the Kafka edge, ``consumers/analytics/lag.py``, asks for it) and
 ``committed`` the group's committed offset: what a restarted member resumes from, not a member's in-memory position.
 A partition a member owns with nothing committed has no lag (``None``: printed ``-``, exported as no sample).
-On a topic written in transactions a commit marker takes an offset after the last record, so a group that has read
-everything of such a topic may show a lag of 1 there (Kafka's own ``kafka-consumer-groups`` shows the same).
+On a topic written in transactions a commit marker takes an offset after the last record (an aborted transaction's
+records take offsets too), so offsets overstate what is left to read: a group that committed the offset after its
+last record (the learner does) would show a lag of 1 for good, as Kafka's own ``kafka-consumer-groups`` does. So for
+a small gap the Kafka edge counts the records a ``read_committed`` reader gets between the two (``records``), and
+that count is the lag.
 """
 
 from __future__ import annotations
@@ -27,10 +30,13 @@ class PartitionLag:
     committed: int | None  # the group's committed offset; None: nothing committed
     end: int  # the last stable offset
     owner: str | None = None  # the client id of the member assigned the partition (a stable group), else None
+    records: int | None = None  # records a read_committed reader gets from committed to end, when counted
 
     @property
     def lag(self) -> int | None:
-        return None if self.committed is None else max(0, self.end - self.committed)
+        if self.committed is None:
+            return None
+        return self.records if self.records is not None else max(0, self.end - self.committed)
 
 
 @dataclass(frozen=True)
@@ -59,14 +65,25 @@ def group_lag(
     owners: Mapping[TopicPartitionKey, str],
     ends: Mapping[TopicPartitionKey, int],
     prefix: str,
+    counted: Mapping[tuple[str, int, int], int] | None = None,
 ) -> GroupLag:
-    """A group's rows: every partition of the run's topics it has committed or a member owns, with its end offset."""
+    """A group's rows: every partition of the run's topics it has committed or a member owns, with its end offset;
+    ``counted``: (topic, partition, from offset) → the records a read_committed reader gets from there to the end."""
     keys = {k for k in (*committed, *owners) if in_run(k[0], prefix) and k in ends}
-    rows = [
-        PartitionLag(group, topic, part, committed.get((topic, part)), ends[(topic, part)], owners.get((topic, part)))
-        for topic, part in sorted(keys)
-    ]
+    counted = counted or {}
+    rows = []
+    for topic, part in sorted(keys):
+        at = committed.get((topic, part))
+        records = counted.get((topic, part, at)) if at is not None else None
+        rows.append(PartitionLag(group, topic, part, at, ends[(topic, part)], owners.get((topic, part)), records))
     return GroupLag(group, state, rows)
+
+
+def gaps_to_count(
+    committed: Mapping[TopicPartitionKey, int], ends: Mapping[TopicPartitionKey, int], most: int
+) -> set[tuple[str, int, int]]:
+    """(topic, partition, committed) of the gaps worth counting record by record: 1 to ``most`` offsets."""
+    return {(t, p, at) for (t, p), at in committed.items() if (t, p) in ends and 0 < ends[(t, p)] - at <= most}
 
 
 def report_json(groups: Iterable[GroupLag]) -> dict[str, Any]:

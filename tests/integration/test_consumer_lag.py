@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Producer
+from confluent_kafka import Producer, TopicPartition
 from prometheus_client.parser import text_string_to_metric_families
 
-from clawbase.kafka.clients import bootstrap_servers, make_producer
+from clawbase.kafka.clients import bootstrap_servers, make_consumer, make_producer
 from clawbase.settings import KafkaSettings
 from consumers.analytics.dashboard.server import start_dashboard
 from consumers.analytics.lag import LagError, read_lag
@@ -162,3 +162,43 @@ def test_unknown_group_is_a_clear_error(kafka_settings: KafkaSettings) -> None:
     )
     assert out.returncode == 1
     assert "no consumer group 'no-such-group-anywhere'" in out.stderr
+
+
+def test_lag_counts_records_not_transaction_markers(kafka_settings: KafkaSettings, group_id: str) -> None:
+    """A group that read a transactional topic to its end and committed the offset after its last record (as the
+    learner commits its batches) has nothing left to read: lag 0, though the commit marker takes one more offset
+    (the lag before the count: 1 for good). Two more committed records and an aborted one: lag 2, not the 6 offsets
+    from the committed one (three markers, two records, the aborted one)."""
+    calls = kafka_settings.topic(CALLS)
+    txn = make_producer(kafka_settings, **{"transactional.id": f"lag-markers-{group_id}"})
+    txn.init_transactions(30)
+    txn.begin_transaction()
+    part, last = produce_garbage(kafka_settings, 3, txn)
+    txn.commit_transaction(30)
+    reader = make_consumer(kafka_settings, group_id, **{"enable.auto.commit": False})
+    try:
+        reader.assign([TopicPartition(calls, part, last - 2)])
+        got = [m for m in (reader.poll(10) for _ in range(3)) if m is not None and not m.error()]
+        assert [m.offset() for m in got] == [last - 2, last - 1, last]
+        reader.commit(offsets=[TopicPartition(calls, part, last + 1)], asynchronous=False)  # the learner's way
+    finally:
+        reader.close()
+    dashboard = start_dashboard(kafka_settings)
+    try:
+        [g] = cli_lag(kafka_settings, "--prefix", kafka_settings.topic_prefix, "--group", group_id, "--json")["groups"]
+        [row] = [p for p in g["partitions"] if (p["topic"], p["partition"]) == (calls, part)]
+        assert (row["committed"], row["end"], row["lag"]) == (last + 1, last + 2, 0)  # the marker at last + 1
+        assert scraped_lag(dashboard.url, group_id, calls, part) == 0
+
+        txn.begin_transaction()
+        produce_garbage(kafka_settings, 2, txn)
+        txn.commit_transaction(30)
+        txn.begin_transaction()
+        produce_garbage(kafka_settings, 1, txn)
+        txn.abort_transaction(30)
+        [g] = cli_lag(kafka_settings, "--prefix", kafka_settings.topic_prefix, "--group", group_id, "--json")["groups"]
+        [row] = [p for p in g["partitions"] if (p["topic"], p["partition"]) == (calls, part)]
+        assert row["end"] - row["committed"] == 6 and row["lag"] == 2, row
+        assert scraped_lag(dashboard.url, group_id, calls, part) == 2
+    finally:
+        dashboard.stop()
