@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -36,6 +37,7 @@ from producers.scheduler.plan import StepPlan, instance_requests
 from producers.tasks.model import Task
 from schemas.events import RewardEvent, RewardStatus, RolloutRequest
 
+log = logging.getLogger("clawstream.scheduler")
 REFILL_KEY = "refill"  # request metadata: the refill's number within its step and harness
 
 
@@ -132,8 +134,12 @@ class Refills:
 
     def verdict(self, group_id: str, trained: int) -> None:
         """The grouper closed ``group_id`` and sent ``trained`` of its rollouts on to the batcher (0: none)."""
-        if group_id in self.groups:
-            self._decide(group_id, dead=trained == 0)
+        g = self.groups.get(group_id)
+        if g is None:
+            return
+        if g.trains and trained == 0:
+            log.info("group %s trains nothing by the grouper's verdict, though its rewards differ", group_id)
+        self._decide(group_id, dead=trained == 0)
 
     def _decide(self, group_id: str, *, dead: bool) -> None:
         g = self.groups.pop(group_id)
