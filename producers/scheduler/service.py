@@ -6,17 +6,14 @@ from the beginning), ``clawstream.rewards`` (re-issues INFRA_FAILURE rollouts wi
 on each group, which decides its refill). Pure planning lives in ``producers.scheduler.plan``.
 
 Train mode resumes from the log, so a scheduler killed and restarted on the same run issues nothing twice and skips
-nothing: it first reads its run's requests, rewards and group verdicts (read_committed, to ends taken before
-reading), rebuilds
-what was issued and what is outstanding, publishes the re-issues owed (and the rest of a step a kill cut short),
-re-plans the issued steps without publishing so task sampling goes on as if uninterrupted, and follows the rewards
-from those ends. Then for step = max(start_step, last issued + 1) … steps−1: wait until the newest weight version
-≥ step − max_policy_lag, publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Meanwhile,
-whatever the lag, each group that trains nothing — its rewards all equal with ``zero_variance="drop"`` or none, or
-the grouper's verdict says so (a member dropped by the tree filter, a group closed by its timeout) — gets a refill
-group of its step and harness, up to ``max_refills_per_step`` (``producers.scheduler.refill``), so every step still
-fills a batch. After the last step it waits (``drain_timeout_s``, counted again from each reward or verdict read) for
-the last rewards and verdicts.
+nothing: it reads its run's requests, rewards and group verdicts (read_committed, to ends taken first), rebuilds what
+was issued and is outstanding, publishes what is owed (re-issues, the rest of a step a kill cut short), re-plans the
+issued steps without publishing (task sampling goes on as if uninterrupted) and follows on from those ends. Then for
+step = max(start_step, last issued + 1) … steps−1: wait until the newest weight version ≥ step − max_policy_lag,
+publish ``tasks_per_step × group_size`` requests (harnesses by ``harness_mix``). Whatever the lag, each group that
+trains nothing (its rewards, or the grouper's verdict, say so: ``producers.scheduler.refill``) gets a refill group of
+its step and harness, so every step still fills a batch. After the last step it waits ``drain_timeout_s``, counted
+again from each reward or verdict read, for the last rewards and verdicts.
 
 Eval mode (``--eval``): every task of ``eval_split`` (optionally the first ``eval_limit``) × each of
 ``eval_harnesses`` × each of ``eval_modes`` (``greedy``: temperature 0; ``sampled``: ``temperature``/``top_p``/
@@ -24,8 +21,7 @@ Eval mode (``--eval``): every task of ``eval_split`` (optionally the first ``eva
 harness the mean reward, its standard error and the solved fraction. ``clawstream eval --model DIR`` starts the
 services for a model and runs this.
 
-Run: ``python -m producers.scheduler.service [--eval] [--steps N]`` (env ``CLAWSTREAM_SCHEDULER_*``, Kafka from
-``CLAWSTREAM_KAFKA_*``).
+Run: ``python -m producers.scheduler.service [--eval] [--steps N]`` (env ``CLAWSTREAM_SCHEDULER_*``, ``_KAFKA_*``).
 """
 
 from __future__ import annotations
