@@ -213,11 +213,11 @@ class Scheduler:
             if version > self.version:
                 log.info("%s: policy version %d", where(msg), version)
                 self.version = version
-        rewards = 0
+        read = 0
         while (msg := self.rewards.poll(0)) is not None:
             if msg.error():
                 continue
-            rewards += 1
+            read += 1
             try:
                 reward = RewardEvent.from_bytes(msg.value())
             except CodecError as exc:
@@ -245,9 +245,9 @@ class Scheduler:
                 log.warning("%s: undecodable metric: %s", where(msg), exc)
                 continue
             if verdict is not None:
-                rewards += 1
+                read += 1
                 self.refills.verdict(*verdict)
-        return rewards
+        return read
 
     # --- modes --------------------------------------------------------------------------------------------------
 
